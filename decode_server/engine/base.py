@@ -1,0 +1,116 @@
+"""The decode engine interface: one contract for the reference engine (PyTorch, CPU)
+and the TileRT engine (B200).
+
+Life of one sequence (all calls from one worker thread; engines are not async):
+
+1. The decode server receives the prompt's KV from the connector's receiver as a
+   :class:`connector.receiver.ReceivedKV` laid out as :attr:`Engine.kv_layout` says.
+2. ``session = engine.start(kv, handoff, params)`` injects that KV (the engine copies
+   or adopts it; the receive buffer may be reused once ``start`` returns) and
+   prepares to decode after ``handoff.first_token_id`` (the token prefill sampled).
+3. ``session.step()`` runs one engine step and returns the tokens it produced, in
+   order: one for plain decode, up to ``1 + num_mtp`` with MTP (accepted drafts plus
+   the bonus token). The first token (``first_token_id``) is NOT returned by the
+   engine: the server emits it itself. The server applies stop conditions
+   (max_tokens, EOS, stop ids, stop strings) and simply stops calling ``step``.
+4. ``session.cancel()`` may be called from another thread; the next (or current)
+   ``step`` then raises :class:`Cancelled`. ``session.close()`` always runs last and
+   frees the slot's engine state.
+
+Errors: :class:`EngineError` (bad KV, sequence too long, ...) ends the sequence;
+the server maps it to an OpenAI error.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from connector.layout import KVLayout
+    from connector.protocol import HandoffResult
+    from connector.receiver import ReceivedKV
+
+
+class EngineError(RuntimeError):
+    """The engine cannot continue this sequence."""
+
+
+class Cancelled(EngineError):
+    """The sequence was cancelled."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None
+    logprobs: int | None = None  # None: off; k >= 0: chosen token + top-k
+    greedy: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "greedy", self.temperature == 0.0)
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    model: str
+    engine: str
+    slots: int
+    max_seq_len: int
+    num_mtp: int
+    supports_logprobs: bool
+
+
+@dataclass
+class SpecStats:
+    """MTP counters of one session (or summed over sessions)."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class DecodeSession(ABC):
+    @abstractmethod
+    def step(self) -> list[TokenOut]: ...
+
+    @abstractmethod
+    def cancel(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @property
+    @abstractmethod
+    def stats(self) -> SpecStats: ...
+
+
+class Engine(ABC):
+    @property
+    @abstractmethod
+    def capabilities(self) -> EngineCapabilities: ...
+
+    @property
+    @abstractmethod
+    def kv_layout(self) -> "KVLayout": ...
+
+    @abstractmethod
+    def start(self, kv: "ReceivedKV", handoff: "HandoffResult", params: SamplingParams) -> DecodeSession: ...
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Free engine resources at server exit."""

