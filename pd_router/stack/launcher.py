@@ -1,0 +1,159 @@
+"""The local PD stack: decode server(s), vLLM prefill with TileRTConnector, the router.
+
+Start order and readiness gates:
+
+1. decode servers (reference or tilert engine) -> ``GET /ready`` (engine loaded, KV
+   receiver listening);
+2. vLLM prefill with the connector and MTP, configured to handshake with every decode
+   server's KV endpoint at start-up -> ``GET /health``;
+3. the handshake: every decode server lists the prefill connector as an ``ok`` peer
+   (a rejection stops the launch with the receiver's reason);
+4. the router -> ``GET /ready``.
+
+Every process runs in its own process group with its log under ``--log-dir``; stopping
+the stack (Ctrl-C, SIGTERM, or an error at any step) stops all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from pd_router.contract import CAPABILITIES_PATH, DecodeCapabilities
+from pd_router.stack.commands import (
+    VLLM_CPU_ENV,
+    DecodeSpec,
+    PrefillSpec,
+    RouterSpec,
+    decode_server_argv,
+    router_argv,
+    vllm_prefill_argv,
+)
+from pd_router.stack.process import ManagedProcess
+
+log = logging.getLogger("pd_stack")
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    model_dir: Path
+    log_dir: Path
+    host: str = "127.0.0.1"
+    router_port: int = 8000
+    prefill_port: int = 8100
+    decode_port: int = 8200
+    kv_port: int = 9100
+    num_decode: int = 1
+    engine: str = "reference"
+    decode_slots: int = 1
+    max_seq_len: int = 4096
+    prefill_mtp: bool = True
+    profile: str = "tiny"
+    start_timeout_s: float = 300.0
+    router_args: tuple[str, ...] = ()
+
+    def decode_specs(self) -> list[DecodeSpec]:
+        return [DecodeSpec(model=self.model_dir, host=self.host, port=self.decode_port + i,
+                           kv_port=self.kv_port + i, engine=self.engine, slots=self.decode_slots,
+                           max_seq_len=self.max_seq_len) for i in range(self.num_decode)]
+
+    def prefill_spec(self) -> PrefillSpec:
+        endpoints = tuple(f"{d.host}:{d.kv_port}" for d in self.decode_specs())
+        return PrefillSpec(model=self.model_dir, host=self.host, port=self.prefill_port, mtp=self.prefill_mtp,
+                           profile=self.profile, decode_endpoints=endpoints, max_model_len=self.max_seq_len)
+
+    def router_spec(self) -> RouterSpec:
+        return RouterSpec(prefill_urls=(self.prefill_url,), decode_urls=tuple(self.decode_urls),
+                          host=self.host, port=self.router_port, extra_args=self.router_args)
+
+    @property
+    def prefill_url(self) -> str:
+        return f"http://{self.host}:{self.prefill_port}"
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return [f"http://{d.host}:{d.port}" for d in self.decode_specs()]
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.host}:{self.router_port}"
+
+
+class HandshakeFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Stack:
+    config: StackConfig
+    processes: list[ManagedProcess] = field(default_factory=list)
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
+        log.info("starting %s: %s", name, " ".join(argv))
+        proc = ManagedProcess(name, argv, self.config.log_dir / f"{name}.log", env=env)
+        self.processes.append(proc)
+        return proc
+
+    def start(self) -> None:
+        cfg = self.config
+        t0 = time.monotonic()
+        decoders = [self._spawn(f"decode-{i}", decode_server_argv(spec), env=VLLM_CPU_ENV)
+                    for i, spec in enumerate(cfg.decode_specs())]
+        prefill = self._spawn("prefill", vllm_prefill_argv(cfg.prefill_spec()), env=VLLM_CPU_ENV)
+        for proc, url in zip(decoders, cfg.decode_urls):
+            proc.wait_http(f"{url}/ready", cfg.start_timeout_s)
+            log.info("%s ready (%.0fs)", proc.name, time.monotonic() - t0)
+        prefill.wait_http(f"{cfg.prefill_url}/health", cfg.start_timeout_s)
+        log.info("prefill ready (%.0fs)", time.monotonic() - t0)
+        for proc, url in zip(decoders, cfg.decode_urls):
+            proc.wait_until(lambda url=url: self._handshake_ok(url), 60.0, "the KV handshake with prefill")
+            log.info("%s: KV handshake with prefill ok", proc.name)
+        router = self._spawn("router", router_argv(cfg.router_spec()))
+        router.wait_http(f"{cfg.router_url}/ready", 60.0)
+        log.info("router ready at %s (%.0fs)", cfg.router_url, time.monotonic() - t0)
+
+    @staticmethod
+    def _handshake_ok(decode_url: str) -> bool:
+        caps = DecodeCapabilities.model_validate_json(httpx.get(decode_url + CAPABILITIES_PATH, timeout=2.0).content)
+        rejected = [p for p in caps.peers if p.state == "rejected"]
+        if any(p.state == "ok" for p in caps.peers):
+            return True
+        if rejected:
+            raise HandshakeFailed(f"{decode_url} rejected prefill {rejected[0].peer}: {rejected[0].reason}")
+        return False
+
+    def dead(self) -> list[ManagedProcess]:
+        return [p for p in self.processes if not p.alive()]
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            proc.stop()
+        self.processes.clear()
+
+
+def usage_text(cfg: StackConfig, model_name: str) -> str:
+    url = cfg.router_url
+    return f"""
+The PD stack is up: router {url} -> prefill {cfg.prefill_url} (vLLM + TileRTConnector) -> decode {', '.join(cfg.decode_urls)}
+Logs: {cfg.log_dir}
+
+curl:
+  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model_name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+
+  curl -sN {url}/v1/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model_name}", "prompt": "The quick brown fox", "max_tokens": 32, "stream": true}}'
+
+OpenAI SDK (pip install openai):
+  from openai import OpenAI
+  client = OpenAI(base_url="{url}/v1", api_key="unused")
+  out = client.chat.completions.create(model="{model_name}", messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=32)
+  print(out.choices[0].message.content)
+
+Probes: {url}/health  {url}/ready  {url}/metrics
+Press Ctrl-C to stop everything.
+"""
