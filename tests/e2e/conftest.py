@@ -1,0 +1,67 @@
+"""The whole PD stack (vLLM prefill + TileRTConnector + reference decode + router) and a
+second vLLM serving the same model alone, both on loopback, once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
+from pd_router.stack.launcher import Stack, StackConfig
+from tests.procs import free_port, server
+
+
+def _ports(n: int) -> list[int]:
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    return sorted(ports)
+
+
+def make_stack_config(model_dir: Path, log_dir: Path, **overrides) -> StackConfig:
+    router, prefill, decode, kv = _ports(4)
+    return StackConfig(model_dir=model_dir, log_dir=log_dir, router_port=router, prefill_port=prefill,
+                       decode_port=decode, kv_port=kv, **overrides)
+
+
+@pytest.fixture(scope="session")
+def pd_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    cfg = make_stack_config(tiny_model_dir, tmp_path_factory.mktemp("pd-stack-logs"))
+    stack = Stack(cfg)
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_alone(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    argv = vllm_prefill_argv(PrefillSpec(model=tiny_model_dir, port=port, mtp=False, connector=False,
+                                         max_model_len=4096))
+    url = f"http://127.0.0.1:{port}"
+    with server(argv, tmp_path_factory.mktemp("vllm-alone") / "vllm.log", f"{url}/health", 300, VLLM_CPU_ENV):
+        yield url
+
+
+@pytest.fixture(scope="session")
+def model_name(tiny_model_dir: Path) -> str:
+    return tiny_model_dir.name
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def vllm_kv_usage(prefill_url: str) -> float:
+    for line in httpx.get(f"{prefill_url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("vllm:kv_cache_usage_perc"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("vllm:kv_cache_usage_perc not in vLLM's /metrics")

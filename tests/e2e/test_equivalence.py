@@ -1,0 +1,58 @@
+"""Greedy output through the PD stack against vLLM alone (issue 5)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.e2e.prompts import CHAT_PROMPTS, COMPLETION_PROMPTS
+from tests.equivalence import judge, steps_from_chat_logprobs, steps_from_completion_logprobs
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 32
+TOP = 5
+
+
+def _completion(url: str, model: str, prompt: str) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "logprobs": TOP, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _chat(url: str, model: str, messages: list[dict]) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "logprobs": True, "top_logprobs": TOP, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_pd_stack_matches_vllm_alone(pd_stack, vllm_alone, model_name, tokenizer):
+    router = pd_stack.config.router_url
+    verdicts = []
+    for prompt in COMPLETION_PROMPTS:
+        pd, alone = _completion(router, model_name, prompt), _completion(vllm_alone, model_name, prompt)
+        a = steps_from_completion_logprobs(pd["choices"][0]["logprobs"])
+        b = steps_from_completion_logprobs(alone["choices"][0]["logprobs"])
+        assert len(a) == MAX_TOKENS and pd["usage"]["completion_tokens"] == MAX_TOKENS
+        assert pd["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
+        verdicts.append((f"completion {prompt[:30]!r} ({alone['usage']['prompt_tokens']} tokens)", judge(a, b, "pd", "vllm")))
+    for messages in CHAT_PROMPTS:
+        pd, alone = _chat(router, model_name, messages), _chat(vllm_alone, model_name, messages)
+        a = steps_from_chat_logprobs(pd["choices"][0]["logprobs"])
+        b = steps_from_chat_logprobs(alone["choices"][0]["logprobs"])
+        assert len(a) == MAX_TOKENS
+        assert pd["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
+        verdicts.append((f"chat {messages[-1]['content'][:30]!r} ({alone['usage']['prompt_tokens']} tokens)",
+                         judge(a, b, "pd", "vllm")))
+    assert any(alone_tokens > 1000 for alone_tokens in
+               (int(name.rsplit("(", 1)[1].split()[0]) for name, _ in verdicts)), "no prompt over 1k tokens"
+    identical = sum(v.identical for _, v in verdicts)
+    print(f"\nPD vs vLLM alone: {identical}/{len(verdicts)} fully identical "
+          f"({100 * identical / len(verdicts):.0f}%, goal >= 90%)")
+    for name, v in verdicts:
+        print(f"  {name}: {v.detail}; max |dlogprob| before divergence {v.max_logprob_diff:.2e}")
+    bad = [f"{name}: {v.detail}" for name, v in verdicts if not v.ok]
+    assert not bad, "\n".join(bad)

@@ -1,0 +1,73 @@
+"""Queueing, disconnects and readiness through the whole PD stack (issue 5)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from pd_router.contract import CAPABILITIES_PATH
+from tests.e2e.conftest import vllm_kv_usage
+
+pytestmark = pytest.mark.slow
+
+
+def _busy_slots(decode_url: str) -> int:
+    return httpx.get(decode_url + CAPABILITIES_PATH, timeout=5).json()["busy_slots"]
+
+
+def _assert_idle(stack, within_s: float = 1.0) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        busy = [_busy_slots(u) for u in stack.config.decode_urls]
+        usage = vllm_kv_usage(stack.config.prefill_url)
+        if not any(busy) and usage == 0.0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not idle after {within_s}s: decode busy slots {busy}, vLLM KV usage {usage}")
+        time.sleep(0.05)
+
+
+async def test_16_concurrent_clients_one_slot_first_come_first_served(pd_stack, model_name):
+    assert pd_stack.config.decode_slots == 1 and pd_stack.config.num_decode == 1
+    url = f"{pd_stack.config.router_url}/v1/completions"
+    first_token_at: dict[int, float] = {}
+
+    async def client(i: int, http: httpx.AsyncClient) -> int:
+        await asyncio.sleep(i * 0.05)  # arrival order 0, 1, 2, ...
+        body = {"model": model_name, "prompt": f"Request number {i}:", "max_tokens": 8, "temperature": 0,
+                "stream": True, "ignore_eos": True}
+        n = 0
+        async with http.stream("POST", url, json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    first_token_at.setdefault(i, time.monotonic())
+                    n += len(json.loads(line[6:])["choices"])
+        return n
+
+    async with httpx.AsyncClient(timeout=300) as http:
+        counts = await asyncio.gather(*(client(i, http) for i in range(16)))
+    assert all(c >= 1 for c in counts), counts
+    order = sorted(first_token_at, key=first_token_at.get)
+    assert order == list(range(16)), f"served out of arrival order: {order}"
+    _assert_idle(pd_stack)
+
+
+async def test_client_disconnect_mid_stream_frees_slot_and_prefill_kv(pd_stack, model_name):
+    body = {"model": model_name, "prompt": "Errors should never pass silently.", "max_tokens": 2000,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=120) as http:
+        async with http.stream("POST", f"{pd_stack.config.router_url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                if seen >= 3:
+                    break  # leave mid-stream: closing the stream drops the connection
+    assert _busy_slots(pd_stack.config.decode_urls[0]) in (0, 1)
+    _assert_idle(pd_stack, within_s=1.0)

@@ -1,0 +1,73 @@
+"""The router's readiness gate over real workers: not ready until every worker is ready and
+the KV handshake succeeded; a prefill without MTP keeps it not ready, saying why."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from pd_router.stack.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv
+from pd_router.stack.process import ManagedProcess
+from tests.e2e.conftest import make_stack_config
+
+pytestmark = pytest.mark.slow
+
+
+def _ready(url: str) -> httpx.Response:
+    return httpx.get(f"{url}/ready", timeout=5)
+
+
+def _wait_ready_status(url: str, status: int, timeout: float) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = _ready(url)
+        if r.status_code == status or time.monotonic() > deadline:
+            return r
+        time.sleep(0.25)
+
+
+def test_router_not_ready_until_workers_and_handshake(tiny_model_dir, tmp_path):
+    cfg = make_stack_config(tiny_model_dir, tmp_path, prefill_mtp=False)
+    procs: list[ManagedProcess] = []
+    try:
+        router = ManagedProcess("router", router_argv(RouterSpec((cfg.prefill_url,), tuple(cfg.decode_urls),
+                                                                 port=cfg.router_port,
+                                                                 extra_args=("--probe-interval", "0.5"))),
+                                tmp_path / "router.log")
+        procs.append(router)
+        router.wait_http(f"{cfg.router_url}/health", 60)
+        r = _ready(cfg.router_url)
+        assert r.status_code == 503, r.text
+        assert "error" in r.json() or "backends" in r.json() or r.json()
+
+        decode_spec = cfg.decode_specs()[0]
+        decode = ManagedProcess("decode", decode_server_argv(decode_spec), tmp_path / "decode.log", env=VLLM_CPU_ENV)
+        procs.append(decode)
+        decode.wait_http(f"{cfg.decode_urls[0]}/ready", 180)
+        assert _ready(cfg.router_url).status_code == 503  # no prefill yet
+
+        # a prefill without MTP: the connector's handshake is rejected, vLLM must not serve
+        bad = ManagedProcess("prefill-no-mtp", vllm_prefill_argv(cfg.prefill_spec()), tmp_path / "bad.log",
+                             env=VLLM_CPU_ENV)
+        procs.append(bad)
+        deadline = time.monotonic() + 240
+        while bad.alive() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not bad.alive(), "vLLM without MTP kept running against a decode server that needs MTP"
+        assert "speculative-config" in bad.log_path.read_text(errors="replace")
+        r = _wait_ready_status(cfg.router_url, 503, 5)
+        assert r.status_code == 503
+        assert "rejected" in r.text or "layer" in r.text, r.text  # the router says why
+
+        # the right prefill: with MTP; the router turns ready after the handshake
+        good_spec = cfg.prefill_spec().__class__(**{**cfg.prefill_spec().__dict__, "mtp": True})
+        good = ManagedProcess("prefill", vllm_prefill_argv(good_spec), tmp_path / "good.log", env=VLLM_CPU_ENV)
+        procs.append(good)
+        good.wait_http(f"{cfg.prefill_url}/health", 300)
+        r = _wait_ready_status(cfg.router_url, 200, 30)
+        assert r.status_code == 200, r.text
+    finally:
+        for p in reversed(procs):
+            p.stop()
