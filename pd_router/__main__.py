@@ -1,0 +1,30 @@
+"""``python -m pd_router --prefill URL ... --decode URL ...`` (also the ``pd_router`` script)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Sequence
+
+import uvicorn
+
+from pd_router.app import create_app
+from pd_router.settings import SettingsError, load_settings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        settings = load_settings(argv)
+    except SettingsError as exc:
+        print(f"pd_router: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, loop="uvloop", http="httptools",
+                log_level=settings.log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

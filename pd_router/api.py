@@ -1,0 +1,107 @@
+"""The OpenAI request bodies the router accepts, and the two rewrites it makes.
+
+Only the fields the router reads are declared; every other field passes through to
+prefill and decode untouched (``extra="allow"``).
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pd_router.errors import InvalidRequest
+
+
+class Endpoint(str, Enum):
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+
+    @property
+    def label(self) -> str:
+        return "chat" if self is Endpoint.CHAT else "completions"
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    stream: bool = False
+    max_tokens: int | None = Field(None, ge=1)
+    stream_options: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[Any] = Field(min_length=1)
+    logprobs: int | None = Field(None, ge=0)
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
+_MODELS: dict[Endpoint, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+    Endpoint.CHAT: ChatCompletionRequest,
+    Endpoint.COMPLETIONS: CompletionRequest,
+}
+
+
+def parse_request(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], OpenAIRequest]:
+    """The body as a dict (what is forwarded) and its validated view; 400 otherwise."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    try:
+        request = _MODELS[endpoint].model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise InvalidRequest(f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+    if request.stream_options is not None and not request.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+    return body, request
+
+
+# vLLM's NIXL connector convention for "prefill here, decode elsewhere" (plain vLLM decode).
+VLLM_REMOTE_DECODE_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}
+
+
+def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> bytes:
+    """The prefill leg's body (FACTS.md §1): one token, not streamed, with the handoff target."""
+    out = dict(body)
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out.pop("min_tokens", None)
+    if endpoint is Endpoint.CHAT and "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+        if "max_tokens" in body:
+            out["max_tokens"] = 1
+    else:
+        out["max_tokens"] = 1
+    out["kv_transfer_params"] = kv_transfer_params
+    return json.dumps(out).encode()
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> bytes:
+    """The decode leg's body: the client's original body plus ``kv_transfer_params``."""
+    out = dict(body)
+    out["kv_transfer_params"] = kv_transfer_params
+    return json.dumps(out).encode()

@@ -1,0 +1,107 @@
+"""The router's ASGI application.
+
+Two layers: the completion routes (``POST /v1/completions``, ``POST
+/v1/chat/completions``) go straight to the raw :class:`~pd_router.handler.CompletionHandler`
+(the hot path, no framework); everything else (``/health``, ``/ready``, ``/metrics``,
+``/v1/models``, lifespan, unknown paths) goes to a small FastAPI app.
+"""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pd_router.api import Endpoint
+from pd_router.asgi import Receive, Scope, Send
+from pd_router.errors import InvalidRequest, MethodNotAllowed, NotFound, RouterError, Unauthorized
+from pd_router.handler import CompletionHandler
+from pd_router.settings import RouterSettings
+from pd_router.state import RouterState
+
+_ROUTES = {e.value: e for e in Endpoint}
+
+
+def _error_response(err: RouterError) -> JSONResponse:
+    return JSONResponse(err.payload(), status_code=err.status,
+                        headers={k.decode(): v.decode() for k, v in err.headers()})
+
+
+def _control_app(state: RouterState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="pd_router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    expected = f"Bearer {state.settings.api_key}" if state.settings.api_key else None
+
+    @app.exception_handler(RouterError)
+    async def _router_error(_: Request, err: RouterError) -> JSONResponse:
+        return _error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 405:
+            return _error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+        return _error_response(NotFound(f"no route {request.method} {request.url.path}"))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(InvalidRequest(str(exc.errors()[0].get("msg"))))
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok, body = state.backends.readiness()
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, object]:
+        if expected is not None and not hmac.compare_digest(request.headers.get("authorization", ""), expected):
+            raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
+        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "pd_router"}
+                                           for m in sorted(state.backends.prefill_models())]}
+
+    for path in _ROUTES:  # so that GET on a completion route answers 405, not 404
+        app.add_api_route(path, _method_not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"])
+    return app
+
+
+async def _method_not_allowed(request: Request) -> JSONResponse:
+    return _error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+
+
+class RouterApp:
+    """The ASGI callable uvicorn serves; ``.state`` is this app's :class:`RouterState`."""
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self.state = RouterState(settings)
+        self.control = _control_app(self.state)
+        self.completions = CompletionHandler(self.state)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = _ROUTES.get(scope["path"].rstrip("/") or "/")
+            if endpoint is not None:
+                return await self.completions(scope, receive, send, endpoint)
+        await self.control(scope, receive, send)
+
+
+def create_app(settings: RouterSettings) -> RouterApp:
+    return RouterApp(settings)

@@ -1,0 +1,55 @@
+"""Small raw-ASGI helpers for the hot path (no framework on the completion routes)."""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable, MutableMapping
+
+from pd_router.errors import BodyTooLarge, InvalidRequest
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+JSON = b"application/json"
+SSE = b"text/event-stream"
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    """A request header (``name`` lower-case), or None."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    length = header(scope, b"content-length")
+    if length is not None:
+        try:
+            declared = int(length)
+        except ValueError:
+            raise InvalidRequest("invalid Content-Length header") from None
+        if declared > limit:
+            raise BodyTooLarge(f"request body of {declared} bytes exceeds --max-body-bytes {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionResetError("client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body exceeds --max-body-bytes {limit}")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def respond(send: Send, status: int, body: bytes, content_type: bytes = JSON,
+                  headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

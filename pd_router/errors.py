@@ -1,0 +1,110 @@
+"""The router's one error hierarchy.
+
+Every error the router produces is a :class:`RouterError`. Its ``type`` string is
+both the OpenAI error ``type`` in the JSON body and the ``error_type`` label of the
+``pd_router_requests_total`` metric; ``status`` is its one HTTP status. Lower-layer
+exceptions (aiohttp, httpx, pydantic) are mapped to these at the boundary where
+they happen (:mod:`pd_router.upstream`, :mod:`pd_router.api`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+
+class RouterError(Exception):
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def payload(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+    def body(self) -> bytes:
+        return json.dumps(self.payload()).encode()
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return []
+
+    def sse_event(self) -> bytes:
+        """The error as the last events of an SSE stream that already began."""
+        return b"data: " + self.body() + b"\n\ndata: [DONE]\n\n"
+
+
+class InvalidRequest(RouterError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(RouterError):
+    status = 401
+    type = "authentication_error"
+
+
+class ModelNotFound(RouterError):
+    status = 404
+    type = "model_not_found"
+
+
+class NotFound(RouterError):
+    status = 404
+    type = "not_found_error"
+
+
+class MethodNotAllowed(RouterError):
+    status = 405
+    type = "method_not_allowed"
+
+
+class BodyTooLarge(RouterError):
+    status = 413
+    type = "request_too_large"
+
+
+class Overloaded(RouterError):
+    status = 429
+    type = "overloaded_error"
+
+    def __init__(self, message: str, *, retry_after: int = 1, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = max(1, retry_after)
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"retry-after", str(self.retry_after).encode())]
+
+
+class BadUpstream(RouterError):
+    status = 502
+    type = "bad_upstream_response"
+
+
+class NoHealthyBackend(RouterError):
+    status = 503
+    type = "no_healthy_backend"
+
+
+class UpstreamTimeout(RouterError):
+    status = 504
+    type = "upstream_timeout"
+
+
+class UpstreamRejected(RouterError):
+    """An upstream 4xx answer, relayed to the client as it is (status and body)."""
+
+    type = "upstream_rejected"
+
+    def __init__(self, status: int, raw_body: bytes, content_type: bytes = b"application/json") -> None:
+        super().__init__(raw_body[:200].decode(errors="replace"))
+        self.status = status  # type: ignore[misc]  # per instance: the upstream's status
+        self.raw_body = raw_body
+        self.content_type = content_type
+
+    def body(self) -> bytes:
+        return self.raw_body

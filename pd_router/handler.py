@@ -1,0 +1,268 @@
+"""The completion routes as one raw ASGI handler: the router's hot path.
+
+Per request: validate -> lease a decode slot (FIFO) -> prefill (least-loaded healthy
+server, one retry on connection failure) -> decode (relay bytes unchanged) -> release.
+
+One abort path: a watcher task waits for the client's ``http.disconnect`` and cancels
+the request's task wherever it is (queued, in prefill, in decode). Whatever the way
+out, the ``finally`` of :meth:`CompletionHandler._serve` either releases the lease
+(clean end) or hands it to :meth:`RouterState.abort`, which calls the decode server's
+cancel endpoint and then releases the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from pydantic import ValidationError
+
+from connector.protocol import HandoffResult, HandoffTarget
+from pd_router import upstream
+from pd_router.api import VLLM_REMOTE_DECODE_PARAMS, Endpoint, OpenAIRequest, decode_body, parse_request, \
+    prefill_body
+from pd_router.asgi import SSE, Receive, Scope, Send, header, read_body, respond
+from pd_router.errors import BadUpstream, ModelNotFound, NoHealthyBackend, RouterError, Unauthorized, \
+    UpstreamTimeout
+from pd_router.backends import DecodeBackend
+from pd_router.slots import Lease
+
+if TYPE_CHECKING:
+    from pd_router.state import RouterState
+
+log = logging.getLogger("pd_router.requests")
+_DONE = b"data: [DONE]"
+
+
+@dataclass(eq=False)
+class _Ctx:
+    endpoint: Endpoint
+    request_id: str
+    start: float
+    send: Send
+    stage: str = "validating"
+    status: int = 0
+    error_type: str = ""
+    started: bool = False  # response headers sent
+    finished: bool = False  # last byte sent (or being sent)
+    disconnected: bool = False
+
+    async def fail(self, err: RouterError) -> None:
+        self.status, self.error_type = err.status, err.type
+        if self.started:  # the stream began: end it with an error event
+            self.finished = True
+            await self.send({"type": "http.response.body", "body": err.sse_event(), "more_body": False})
+            return
+        self.finished = True
+        ctype = getattr(err, "content_type", b"application/json")
+        await respond(self.send, err.status, err.body(), ctype,
+                      [(b"x-request-id", self.request_id.encode()), *err.headers()])
+
+
+class CompletionHandler:
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+        self._api_key = f"Bearer {state.settings.api_key}".encode() if state.settings.api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        rid_raw = header(scope, b"x-request-id")
+        rid = rid_raw.decode("latin-1")[:256] if rid_raw else uuid.uuid4().hex
+        ctx = _Ctx(endpoint, rid, perf_counter(), send)
+        metrics = self.state.metrics
+        metrics.in_flight.inc()
+        me = asyncio.current_task()
+        watcher: asyncio.Task[None] | None = None
+        try:
+            if self._api_key is not None and header(scope, b"authorization") != self._api_key:
+                raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
+            raw = await read_body(scope, receive, self.state.settings.max_body_bytes)
+            body, request = parse_request(endpoint, raw)
+            watcher = asyncio.get_running_loop().create_task(self._watch(receive, ctx, me))
+            await self._serve(ctx, body, request)
+        except RouterError as err:
+            await ctx.fail(err)
+        except ConnectionResetError:
+            ctx.disconnected = True
+        except asyncio.CancelledError:
+            if not ctx.disconnected or me is None:
+                raise
+            me.uncancel()
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            metrics.in_flight.dec()
+            if ctx.disconnected:
+                ctx.status, ctx.error_type = 499, "client_disconnected"
+                metrics.client_aborts.labels(ctx.stage).inc()
+            metrics.requests.labels(endpoint.label, str(ctx.status), ctx.error_type).inc()
+            metrics.e2e.labels(endpoint.label).observe(perf_counter() - ctx.start)
+            log.info("request_id=%s %s status=%d%s stage=%s %.1fms", rid, endpoint.value, ctx.status,
+                     f" error={ctx.error_type}" if ctx.error_type else "", ctx.stage,
+                     (perf_counter() - ctx.start) * 1e3)
+
+    @staticmethod
+    async def _watch(receive: Receive, ctx: _Ctx, task: asyncio.Task[Any] | None) -> None:
+        message = await receive()
+        if message["type"] == "http.disconnect" and not ctx.finished and task is not None:
+            ctx.disconnected = True
+            task.cancel()
+
+    async def _serve(self, ctx: _Ctx, body: dict[str, Any], request: OpenAIRequest) -> None:
+        state = self.state
+        served = state.backends.prefill_models()
+        if not served:
+            raise NoHealthyBackend("no healthy prefill server")
+        if request.model not in served:
+            raise ModelNotFound(f"model {request.model!r} does not exist; served: {sorted(served)}",
+                                param="model", code="model_not_found")
+        ctx.stage = "queued"
+        t_queue = perf_counter()
+        lease = await state.pool.lease(request.model)
+        state.metrics.queue_wait.observe(perf_counter() - t_queue)
+        clean = False
+        try:
+            ctx.stage = "prefill"
+            kv_params = await self._prefill(ctx, lease, body, request)
+            ctx.stage = "decode"
+            clean = await self._decode(ctx, lease, body, request, kv_params)
+        finally:
+            if clean:
+                state.pool.release(lease)
+            else:
+                state.abort(lease, ctx.request_id)
+
+    async def _prefill(self, ctx: _Ctx, lease: Lease, body: dict[str, Any],
+                       request: OpenAIRequest) -> dict[str, Any]:
+        state = self.state
+        decode = lease.backend
+        if decode.capabilities is None:
+            target: dict[str, Any] = VLLM_REMOTE_DECODE_PARAMS
+        else:
+            target = HandoffTarget(handoff_id=ctx.request_id,
+                                   kv_endpoint=decode.capabilities.kv_endpoint).model_dump()
+        data = prefill_body(ctx.endpoint, body, target)
+        t0 = perf_counter()
+        failed: upstream.Unreachable | None = None
+        failed_backend = None
+        for attempt in (0, 1):
+            backend = state.backends.pick_prefill(request.model, exclude=failed_backend)
+            if backend is None:
+                if failed is not None:
+                    raise failed
+                raise NoHealthyBackend(f"no healthy prefill server for model {request.model!r}")
+            backend.in_flight += 1
+            try:
+                answer = await upstream.prefill(state.session, backend.url + ctx.endpoint.value, data,
+                                                ctx.request_id, state.settings.prefill_timeout)
+                break
+            except upstream.Unreachable as err:
+                state.upstream_failed("prefill", backend, err, mark_down=True)
+                if attempt:
+                    raise
+                failed, failed_backend = err, backend
+            except RouterError as err:
+                state.upstream_failed("prefill", backend, err)
+                raise
+            finally:
+                backend.in_flight -= 1
+        state.metrics.prefill_latency.observe(perf_counter() - t0)
+        return self._handoff(ctx, lease, answer, request)
+
+    @staticmethod
+    def _handoff(ctx: _Ctx, lease: Lease, answer: dict[str, Any], request: OpenAIRequest) -> dict[str, Any]:
+        """The ``kv_transfer_params`` for decode, from the prefill answer."""
+        params = answer.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            raise BadUpstream("prefill answer carries no kv_transfer_params (is the KV connector configured?)")
+        if lease.backend.capabilities is None:
+            return params  # plain vLLM decode: as prefill returned them
+        try:
+            result = HandoffResult.model_validate(params)
+        except ValidationError as exc:
+            raise BadUpstream(f"prefill returned invalid kv_transfer_params: {exc.errors()[0]['msg']} "
+                              f"at {'.'.join(map(str, exc.errors()[0]['loc']))}") from None
+        if result.status == "failed":
+            raise BadUpstream(f"KV handoff to {result.kv_endpoint} failed: {result.error}")
+        if result.handoff_id != ctx.request_id:
+            raise BadUpstream(f"prefill returned handoff {result.handoff_id!r} for request {ctx.request_id!r}")
+        if request.wants_logprobs():
+            choices = answer.get("choices")
+            logprobs = choices[0].get("logprobs") if isinstance(choices, list) and choices and \
+                isinstance(choices[0], dict) else None
+            if isinstance(logprobs, dict):
+                result = result.model_copy(update={"prefill_logprobs": logprobs})
+        return result.model_dump()
+
+    async def _decode(self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest,
+                      kv_params: dict[str, Any]) -> bool:
+        """Relay the decode answer; True when it ended cleanly."""
+        state = self.state
+        backend = lease.backend
+        try:
+            resp = await upstream.open_decode(state.session, backend.url + ctx.endpoint.value,
+                                              decode_body(body, kv_params), ctx.request_id,
+                                              state.settings.decode_timeout)
+        except RouterError as err:
+            state.upstream_failed("decode", backend, err, mark_down=isinstance(err, upstream.Unreachable))
+            raise
+        try:
+            if request.stream:
+                return await self._relay_stream(ctx, resp, backend)
+            try:
+                data = await resp.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                err = self._mid_answer_error(backend.url, exc)
+                state.upstream_failed("decode", backend, err)
+                raise err from None
+            ctx.status, ctx.finished = 200, True
+            state.metrics.ttft.labels(ctx.endpoint.label).observe(perf_counter() - ctx.start)
+            await respond(ctx.send, 200, data, resp.headers.get("Content-Type", "application/json").encode(),
+                          [(b"x-request-id", ctx.request_id.encode())])
+            return True
+        finally:
+            resp.release()
+
+    async def _relay_stream(self, ctx: _Ctx, resp: aiohttp.ClientResponse, backend: DecodeBackend) -> bool:
+        state, send = self.state, ctx.send
+        itl = state.metrics.itl
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", resp.headers.get("Content-Type", "").encode() or SSE),
+                                (b"cache-control", b"no-cache"), (b"x-request-id", ctx.request_id.encode())]})
+        ctx.started, ctx.status = True, 200
+        prev = last = b""
+        t_prev = 0.0
+        try:
+            async for chunk in resp.content.iter_any():
+                now = perf_counter()
+                if t_prev:
+                    itl.observe(now - t_prev)
+                else:
+                    state.metrics.ttft.labels(ctx.endpoint.label).observe(now - ctx.start)
+                t_prev = now
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                prev, last = last, chunk
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            err = self._mid_answer_error(str(resp.url), exc)
+            state.upstream_failed("decode", backend, err)
+            await ctx.fail(err)
+            return False
+        if not (prev[-16:] + last).rstrip().endswith(_DONE):
+            err2 = BadUpstream(f"decode server {resp.url.origin()} ended the stream without data: [DONE]")
+            state.upstream_failed("decode", backend, err2)
+            await ctx.fail(err2)
+            return False
+        ctx.finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
+
+    @staticmethod
+    def _mid_answer_error(url: str, exc: BaseException) -> RouterError:
+        if isinstance(exc, asyncio.TimeoutError):
+            return UpstreamTimeout(f"decode server {url} stalled longer than --decode-timeout")
+        return BadUpstream(f"decode server {url} failed mid-answer: {type(exc).__name__}: {exc}")
+

@@ -1,0 +1,96 @@
+"""Health probes: poll every backend each ``--probe-interval`` seconds with httpx.
+
+Prefill (vLLM): ``GET /health`` and ``GET /v1/models``.
+Decode: ``GET CAPABILITIES_PATH``; 200 -> our decode server, then ``GET /ready``;
+404 -> a plain OpenAI server (e.g. vLLM), then ``GET /health`` and ``GET /v1/models``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import httpx
+from pydantic import ValidationError
+
+from pd_router.backends import Backends, DecodeBackend, PrefillBackend
+from pd_router.contract import CAPABILITIES_PATH, DecodeCapabilities
+
+log = logging.getLogger("pd_router.probes")
+
+
+def _why(resp: httpx.Response) -> str:
+    text = resp.text.strip().replace("\n", " ")
+    return f"{resp.request.url.path} answered {resp.status_code}" + (f": {text[:200]}" if text else "")
+
+
+def _models(resp: httpx.Response) -> frozenset[str]:
+    data = resp.json().get("data", [])
+    return frozenset(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
+
+
+class Prober:
+    def __init__(self, backends: Backends, client: httpx.AsyncClient, interval: float,
+                 on_change: Callable[[], None]) -> None:
+        self.backends = backends
+        self.client = client
+        self.interval = interval
+        self.on_change = on_change
+
+    async def run(self) -> None:
+        while True:
+            await self.probe_all()
+            await asyncio.sleep(self.interval)
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self._prefill(p) for p in self.backends.prefill),
+                             *(self._decode(d) for d in self.backends.decode))
+        self.backends.refresh()
+        self.on_change()
+
+    async def _get(self, url: str) -> httpx.Response:
+        return await self.client.get(url)
+
+    async def _health_and_models(self, b: PrefillBackend | DecodeBackend) -> bool:
+        """``GET /health`` then ``GET /v1/models``; False (and the reason set) if either fails."""
+        for path in ("/health", "/v1/models"):
+            resp = await self._get(b.url + path)
+            if resp.status_code != 200:
+                self._set(b, False, _why(resp))
+                return False
+        b.models = _models(resp)
+        return True
+
+    async def _prefill(self, b: PrefillBackend) -> None:
+        try:
+            if await self._health_and_models(b):
+                self._set(b, bool(b.models), "ok" if b.models else "/v1/models lists no model")
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            self._set(b, False, f"unreachable: {type(exc).__name__}: {exc}")
+
+    async def _decode(self, b: DecodeBackend) -> None:
+        try:
+            caps = await self._get(b.url + CAPABILITIES_PATH)
+            if caps.status_code == 404:
+                b.capabilities, b.plain = None, True
+                if await self._health_and_models(b):
+                    self._set(b, True, "ok (no capabilities endpoint)")
+                return
+            if caps.status_code != 200:
+                return self._set(b, False, _why(caps))
+            b.capabilities, b.plain = DecodeCapabilities.model_validate_json(caps.content), False
+            b.models = frozenset({b.capabilities.model})
+            ready = await self._get(b.url + "/ready")
+            self._set(b, ready.status_code == 200, "ok" if ready.status_code == 200 else _why(ready))
+        except ValidationError as exc:
+            self._set(b, False, f"invalid capabilities: {exc.errors()[0]['msg']}")
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            self._set(b, False, f"unreachable: {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _set(b: PrefillBackend | DecodeBackend, healthy: bool, reason: str) -> None:
+        if healthy != b.healthy:
+            log.log(logging.INFO if healthy else logging.WARNING, "backend %s %s: %s", b.url,
+                    "healthy" if healthy else "unhealthy", reason)
+        b.healthy, b.reason = healthy, reason

@@ -1,0 +1,126 @@
+"""Everything one router app owns: settings, metrics, backends, slot pool, the two
+HTTP clients (aiohttp for the hot path, httpx for probes and control calls) and its
+background tasks. Created by :func:`pd_router.app.create_app`; started and stopped by
+the app's lifespan. Nothing here is module-global."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Coroutine
+
+import aiohttp
+import httpx
+
+from pd_router import upstream
+from pd_router.backends import Backends, DecodeBackend, PrefillBackend
+from pd_router.contract import CANCEL_PATH, CancelRequest
+from pd_router.errors import RouterError, UpstreamRejected
+from pd_router.metrics import RouterMetrics
+from pd_router.probes import Prober
+from pd_router.settings import RouterSettings
+from pd_router.slots import Lease, SlotPool
+
+log = logging.getLogger("pd_router")
+CANCEL_TIMEOUT_S = 5.0
+
+
+class RouterState:
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.metrics = RouterMetrics()
+        self.backends = Backends.from_urls(settings.prefill, settings.decode, settings.decode_slots,
+                                           settings.require_handshake)
+        self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout, self.update_gauges)
+        self._session: aiohttp.ClientSession | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.update_gauges()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("router not started")
+        return self._session
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("router not started")
+        return self._client
+
+    async def start(self) -> None:
+        self._session = upstream.make_session()
+        probe_timeout = min(5.0, max(0.5, self.settings.probe_interval))
+        self._client = httpx.AsyncClient(timeout=probe_timeout, trust_env=False)
+        prober = Prober(self.backends, self._client, self.settings.probe_interval, self._on_probe)
+        await prober.probe_all()
+        self.spawn(prober.run())
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+        if self._client is not None:
+            await self._client.aclose()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def background_tasks(self) -> int:
+        return len(self._tasks)
+
+    def abort(self, lease: Lease, request_id: str) -> None:
+        """Cancel the request on its decode server, then free its slot (in the background)."""
+        self.spawn(self._cancel_then_release(lease, request_id))
+
+    async def _cancel_then_release(self, lease: Lease, request_id: str) -> None:
+        try:
+            if lease.backend.capabilities is not None:
+                resp = await self.client.post(lease.backend.url + CANCEL_PATH, timeout=CANCEL_TIMEOUT_S,
+                                              json=CancelRequest(request_id=request_id).model_dump(),
+                                              headers={"X-Request-Id": request_id})
+                log.info("request_id=%s cancel on %s: %d %s", request_id, lease.backend.url, resp.status_code,
+                         resp.text[:100])
+        except httpx.HTTPError as exc:
+            log.warning("request_id=%s cancel on %s failed: %s", request_id, lease.backend.url, exc)
+        finally:
+            self.pool.release(lease)
+
+    def upstream_failed(self, role: str, backend: PrefillBackend | DecodeBackend, err: RouterError,
+                        mark_down: bool = False) -> None:
+        if isinstance(err, UpstreamRejected):
+            return
+        self.metrics.upstream_errors.labels(role, backend.url, err.type).inc()
+        if mark_down and backend.healthy:
+            backend.healthy, backend.reason = False, err.message
+            log.warning("backend %s marked unhealthy until the next probe: %s", backend.url, err.message)
+            self._on_probe()
+
+    def _on_probe(self) -> None:
+        self.backends.refresh()
+        self.pool.dispatch()
+        self.update_gauges()
+
+    def update_gauges(self) -> None:
+        m = self.metrics
+        m.queue_depth.set(self.pool.queue_depth if hasattr(self, "pool") else 0)
+        for d in self.backends.decode:
+            m.free_slots.labels(d.url).set(d.free if d.usable else 0)
+            m.backend_healthy.labels("decode", d.url).set(1 if d.usable else 0)
+        for p in self.backends.prefill:
+            m.backend_healthy.labels("prefill", p.url).set(1 if p.healthy else 0)
+
+    def leaks(self) -> dict[str, int]:
+        """Non-zero counts of things that should be zero when the router is idle."""
+        counts = {"queued": self.pool.queue_depth, "leased_slots": self.pool.leased(),
+                  "prefill_in_flight": sum(p.in_flight for p in self.backends.prefill)}
+        return {k: v for k, v in counts.items() if v}
+
+
+__all__ = ["RouterState"]

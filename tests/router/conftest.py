@@ -1,0 +1,93 @@
+"""A router (in-process, real loopback socket) in front of fake prefill/decode servers."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import httpx
+import pytest
+
+from pd_router import RouterApp, create_app
+from pd_router.settings import validate_settings
+from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
+from tests.procs import free_port
+
+MODEL = "tiny"
+
+
+@dataclass
+class Rig:
+    router: RouterApp
+    server: ServerThread
+    prefills: list[ServerThread]
+    decodes: list[ServerThread]
+    extra: list[ServerThread] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def state(self):
+        return self.router.state
+
+    @staticmethod
+    def config(backend: ServerThread, **knobs: Any) -> None:
+        httpx.post(backend.url + "/fake/config", json=knobs, timeout=5).raise_for_status()
+
+    @staticmethod
+    def records(backend: ServerThread) -> dict[str, Any]:
+        return httpx.get(backend.url + "/fake/records", timeout=5).json()
+
+    def wait(self, predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            time.sleep(0.01)
+
+    def ready_status(self) -> int:
+        return httpx.get(self.url + "/ready", timeout=5).status_code
+
+    def assert_no_leaks(self, timeout: float = 5.0) -> None:
+        """Nothing queued, leased or in flight, in the router and in every fake."""
+
+        def clean() -> bool:
+            fakes = all(not self.records(b)["active"] for b in self.prefills + self.decodes)
+            return fakes and not self.state.leaks() and self.state.background_tasks() == 1  # the prober
+        try:
+            self.wait(clean, timeout, "no leaks")
+        except AssertionError:
+            active = {b.url: self.records(b)["active"] for b in self.prefills + self.decodes}
+            raise AssertionError(f"leak: router {self.state.leaks()}, background tasks "
+                                 f"{self.state.background_tasks()}, fakes active {active}") from None
+        for b in self.prefills + self.decodes:
+            assert not self.records(b)["errors"], self.records(b)["errors"]
+
+
+@pytest.fixture
+def make_rig() -> Iterator[Callable[..., Rig]]:
+    rigs: list[Rig] = []
+
+    def make(n_prefill: int = 1, n_decode: int = 1, prefill: dict[str, Any] | None = None,
+             decode: dict[str, Any] | None = None, wait_ready: bool = True, **settings: Any) -> Rig:
+        prefills = [ServerThread(FakePrefill(model=MODEL, **(prefill or {})), free_port()).start()
+                    for _ in range(n_prefill)]
+        decodes = [ServerThread(FakeDecode(model=MODEL, **(decode or {})), free_port()).start()
+                   for _ in range(n_decode)]
+        values = {"prefill": tuple(p.url for p in prefills), "decode": tuple(d.url for d in decodes),
+                  "port": free_port(), "probe_interval": 0.2, "log_level": "warning", **settings}
+        app = create_app(validate_settings(values))
+        rig = Rig(app, ServerThread(app, values["port"], loop="uvloop"), prefills, decodes)
+        rigs.append(rig)
+        rig.server.start()
+        if wait_ready:
+            rig.wait(lambda: rig.ready_status() == 200, 10, "router /ready")
+        return rig
+
+    yield make
+    for rig in rigs:
+        for s in [rig.server, *rig.prefills, *rig.decodes, *rig.extra]:
+            s.stop()
