@@ -1,7 +1,21 @@
 """KV layouts: what one handoff's bytes look like, per layer and plane.
 
-(Initial definition; the connector issue owns and extends this module. The names
-below are used by the decode server and must stay.)
+A handoff of ``n`` tokens is ``num_layers`` layer blocks (main layers first, then MTP
+layers); a layer block is its planes one after the other, each ``plane.nbytes(n)``
+bytes (:func:`plane_offsets`). The sender's staging buffer and the receiver's slot
+use this same packing, so one layer is one contiguous WRITE.
+
+This module imports no torch at module level (the connector's scheduler side and the
+router import it); the packing helpers at the end import torch when called:
+
+* CPU MLA (vLLM's CPU cache ``[num_blocks, block_size, 576]``, model dtype):
+  :func:`gather_tokens` -> the ``kv`` plane ``[n, 576]``; :func:`split_cpu_mla`.
+* GLM-5.1 fp8_ds_mla (vLLM's GPU cache ``[num_blocks, block_size, 656]`` uint8:
+  512 fp8 e4m3 + 4 fp32 scales + 64 bf16 rope): :func:`gather_fp8_ds_mla` -> ``kv``
+  ``[n, 528]`` and ``rope`` ``[n, 64]``; the DSA indexer cache (64-token blocks of
+  64x128 fp8 then 64 fp32 scales) -> ``indexer`` pages ``[pages, 8448]`` with
+  :func:`gather_pages`; reference (de)quantization :func:`quantize_fp8_ds_mla`,
+  :func:`dequantize_fp8_ds_mla`, :func:`dequantize_indexer`.
 """
 
 from __future__ import annotations
@@ -9,6 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from connector.protocol import LayoutFingerprint, PlaneSpec
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -64,3 +84,179 @@ def glm5_fp8_ds_mla_layout(num_main_layers: int = 78, num_mtp_layers: int = 1) -
         Plane(name="indexer", dtype="uint8", width=8448, bytes_per_page=8448, page_tokens=64),
     )
     return KVLayout("glm5.1-fp8-ds-mla", num_main_layers, num_mtp_layers, planes)
+
+
+# ------------------------------------------------------------------ sizes and plans
+
+
+def plane_offsets(layout: KVLayout, num_tokens: int) -> list[int]:
+    """Byte offset of each plane inside one packed layer block of ``num_tokens`` tokens."""
+    offsets, pos = [], 0
+    for plane in layout.planes:
+        offsets.append(pos)
+        pos += plane.nbytes(num_tokens)
+    return offsets
+
+
+def plane_rows(plane: Plane, num_tokens: int) -> int:
+    """Rows of the typed view: tokens for per-token planes, pages for paged planes."""
+    return num_tokens if plane.bytes_per_token else -(-num_tokens // plane.page_tokens)
+
+
+def layout_fingerprint(layout: KVLayout, sender_world_size: int = 1) -> LayoutFingerprint:
+    planes = [PlaneSpec(name=p.name, dtype=p.dtype, bytes_per_token=p.bytes_per_token,
+                        bytes_per_page=p.bytes_per_page, page_tokens=p.page_tokens) for p in layout.planes]
+    return LayoutFingerprint(profile=layout.profile, num_layers=layout.num_layers,
+                             num_mtp_layers=layout.num_mtp_layers, planes=planes,
+                             sender_world_size=sender_world_size)
+
+
+@dataclass(frozen=True)
+class SenderPlan:
+    """Which layers tensor-parallel rank ``rank`` of ``world_size`` sends.
+
+    MLA KV is replicated on every TP rank, so each layer needs one sender: layers go
+    round-robin (layer ``l`` is sent by rank ``l % world_size``), which spreads the
+    sending over the whole forward pass. The receiver completes a handoff when every
+    layer arrived, from whichever rank.
+    """
+
+    world_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"SenderPlan.world_size={self.world_size}: must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"SenderPlan.rank={self.rank}: must be in [0, {self.world_size})")
+
+    def layers(self, num_layers: int) -> tuple[int, ...]:
+        return tuple(range(self.rank, num_layers, self.world_size))
+
+    def owner(self, layer: int) -> int:
+        return layer % self.world_size
+
+
+# ------------------------------------------------------------------ packing helpers
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"plane dtype {name!r} is not a torch dtype")
+    return dtype
+
+
+def layer_views(block: "torch.Tensor", layout: KVLayout, num_tokens: int,
+                offsets: Sequence[int] | None = None) -> dict[str, "torch.Tensor"]:
+    """Typed per-plane views of one layer inside the uint8 tensor ``block``.
+
+    ``offsets`` are the planes' byte offsets in ``block`` (default: packed, as
+    :func:`plane_offsets`). Per-token planes are ``[num_tokens, width]``, paged planes
+    ``[pages, width]``.
+    """
+    offsets = plane_offsets(layout, num_tokens) if offsets is None else offsets
+    views = {}
+    for plane, off in zip(layout.planes, offsets):
+        raw = block[off:off + plane.nbytes(num_tokens)]
+        views[plane.name] = raw.view(torch_dtype(plane.dtype)).view(plane_rows(plane, num_tokens), plane.width)
+    return views
+
+
+def gather_tokens(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int,
+                  out: "torch.Tensor") -> "torch.Tensor":
+    """Copy the first ``num_tokens`` token rows of a request out of a paged cache.
+
+    ``cache`` is ``[num_blocks, block_size, row]`` (vLLM's per-layer MLA cache);
+    token ``t`` lives in block ``block_ids[t // block_size]`` at ``t % block_size``.
+    ``out`` is ``[num_tokens, row]`` of the same dtype (e.g. a staging view).
+    """
+    import torch
+
+    block_size = cache.shape[1]
+    need = -(-num_tokens // block_size)
+    if len(block_ids) < need:
+        raise ValueError(f"{num_tokens} tokens need {need} blocks of {block_size}, got {len(block_ids)}")
+    ids = torch.as_tensor(list(block_ids[:need]), dtype=torch.long, device=cache.device)
+    full = num_tokens // block_size
+    if full:
+        torch.index_select(cache, 0, ids[:full], out=out[:full * block_size].view(full, block_size, -1))
+    rest = num_tokens - full * block_size
+    if rest:
+        out[full * block_size:].copy_(cache[ids[full], :rest])
+    return out
+
+
+def gather_pages(cache: "torch.Tensor", block_ids: Sequence[int], num_pages: int, out: "torch.Tensor") -> "torch.Tensor":
+    """Copy whole blocks (pages) of a paged cache: ``out[i] = cache[block_ids[i]]`` flattened."""
+    import torch
+
+    flat = cache.reshape(cache.shape[0], -1)
+    if out.shape != (num_pages, flat.shape[1]):
+        raise ValueError(f"out is {tuple(out.shape)}, expected ({num_pages}, {flat.shape[1]})")
+    ids = torch.as_tensor(list(block_ids[:num_pages]), dtype=torch.long, device=cache.device)
+    torch.index_select(flat, 0, ids, out=out)
+    return out
+
+
+def split_cpu_mla(kv: "torch.Tensor", kv_lora_rank: int = 512) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """CPU MLA ``kv`` plane ``[n, 576]`` -> (latent ``[n, 512]``, rope ``[n, 64]``) views."""
+    return kv[:, :kv_lora_rank], kv[:, kv_lora_rank:]
+
+
+FP8_MAX = 448.0
+_TILE = 128  # fp8_ds_mla: one fp32 scale per 128 latent values
+_LATENT = 512
+
+
+def gather_fp8_ds_mla(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int,
+                      out_kv: "torch.Tensor", out_rope: "torch.Tensor") -> None:
+    """vLLM fp8_ds_mla cache ``[num_blocks, block_size, 656]`` uint8 -> ``kv`` ``[n, 528]``
+    (fp8 latent + 4 fp32 scales, bytes as stored) and ``rope`` ``[n, 64]`` bf16."""
+    import torch
+
+    rows = torch.empty((num_tokens, cache.shape[-1]), dtype=torch.uint8, device=cache.device)
+    gather_tokens(cache, block_ids, num_tokens, rows)
+    split = _LATENT + 4 * (_LATENT // _TILE)
+    out_kv.copy_(rows[:, :split])
+    out_rope.copy_(rows[:, split:].view(torch.bfloat16))
+
+
+def quantize_fp8_ds_mla(latent: "torch.Tensor") -> "torch.Tensor":
+    """Latent ``[n, 512]`` -> ``kv`` bytes ``[n, 528]``: per 128-value tile, scale =
+    amax / 448 (fp32), values = latent / scale as fp8 e4m3, then the 4 scales."""
+    import torch
+
+    n = latent.shape[0]
+    tiles = latent.float().view(n, _LATENT // _TILE, _TILE)
+    scale = (tiles.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-10)
+    q = (tiles / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    out = torch.empty((n, _LATENT + 4 * scale.shape[1]), dtype=torch.uint8)
+    out[:, :_LATENT].copy_(q.view(n, _LATENT).view(torch.uint8))
+    out[:, _LATENT:].copy_(scale.contiguous().view(torch.uint8).view(n, -1))
+    return out
+
+
+def dequantize_fp8_ds_mla(kv: "torch.Tensor") -> "torch.Tensor":
+    """``kv`` bytes ``[n, 528]`` -> latent ``[n, 512]`` float32."""
+    import torch
+
+    n = kv.shape[0]
+    values = kv[:, :_LATENT].contiguous().view(torch.float8_e4m3fn).float().view(n, -1, _TILE)
+    scales = kv[:, _LATENT:].contiguous().view(torch.float32)
+    return (values * scales.unsqueeze(-1)).view(n, _LATENT)
+
+
+def dequantize_indexer(pages: "torch.Tensor", num_tokens: int, page_tokens: int = 64,
+                       head_dim: int = 128) -> "torch.Tensor":
+    """Indexer pages ``[pages, page_tokens*(head_dim+4)]`` uint8 (each page: all fp8 keys,
+    then one fp32 scale per token) -> keys ``[num_tokens, head_dim]`` float32."""
+    import torch
+
+    p = pages.shape[0]
+    keys = pages[:, :page_tokens * head_dim].contiguous().view(torch.float8_e4m3fn).float()
+    scales = pages[:, page_tokens * head_dim:].contiguous().view(torch.float32)
+    out = keys.view(p, page_tokens, head_dim) * scales.view(p, page_tokens, 1)
+    return out.view(p * page_tokens, head_dim)[:num_tokens]

@@ -18,7 +18,7 @@ connector issue.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -58,3 +58,151 @@ class HandoffResult(BaseModel):
     # choices[0].logprobs of the prefill response, verbatim (chat or completions
     # shape), for the first generated token; set by the router, None otherwise.
     prefill_logprobs: dict[str, Any] | None = None
+
+
+# --------------------------------------------------------------------------------------
+# KV control channel (connector sender <-> decode server receiver).
+#
+# Frames are a 4-byte big-endian length followed by one JSON-encoded ControlMessage
+# (see connector/control.py). The sender opens the connection and sends Hello; the
+# receiver answers Welcome or Reject. Afterwards the sender sends Admit / Abort, the
+# receiver answers Admitted / Refused / Aborted. KV bytes travel over the data
+# transport (NIXL WRITEs into the receive buffer); each WRITE carries a LayersDone
+# notification, and the receiver completes a handoff once every layer arrived.
+# --------------------------------------------------------------------------------------
+
+
+class PlaneSpec(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    dtype: str
+    bytes_per_token: int = Field(ge=0)
+    bytes_per_page: int = Field(ge=0)
+    page_tokens: int = Field(ge=0)
+
+
+class LayoutFingerprint(BaseModel):
+    """What both sides must agree on before any KV byte moves."""
+
+    model_config = ConfigDict(frozen=True)
+
+    profile: str
+    num_layers: int = Field(ge=1, description="main + MTP layers")
+    num_mtp_layers: int = Field(ge=0)
+    planes: list[PlaneSpec]
+    sender_world_size: int = Field(default=1, ge=1, description="informational: ranks sending layers")
+
+
+# Fields compared by the handshake, in this order (sender_world_size is informational).
+_COMPARED_PLANE_FIELDS = ("name", "dtype", "bytes_per_token", "bytes_per_page", "page_tokens")
+
+
+def fingerprint_mismatch(expected: LayoutFingerprint, received: LayoutFingerprint) -> tuple[str, str, str] | None:
+    """First differing field as ``(field, expected, received)``, or None when compatible."""
+    for name in ("profile", "num_layers", "num_mtp_layers"):
+        a, b = getattr(expected, name), getattr(received, name)
+        if a != b:
+            return name, str(a), str(b)
+    if len(expected.planes) != len(received.planes):
+        return ("planes", ",".join(p.name for p in expected.planes), ",".join(p.name for p in received.planes))
+    for i, (pa, pb) in enumerate(zip(expected.planes, received.planes)):
+        for name in _COMPARED_PLANE_FIELDS:
+            a, b = getattr(pa, name), getattr(pb, name)
+            if a != b:
+                return f"planes[{i}].{name}", str(a), str(b)
+    return None
+
+
+class Hello(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["hello"] = "hello"
+    protocol_version: int
+    agent_name: str = Field(min_length=1, max_length=256)
+    fingerprint: LayoutFingerprint
+    transport: str = Field(default="nixl", description="the sender's data transport kind")
+
+
+class Welcome(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["welcome"] = "welcome"
+    protocol_version: int
+    agent_name: str
+    fingerprint: LayoutFingerprint
+    transport: str = Field(description="'nixl' or 'memory'; both sides must use the same")
+    agent_metadata: str = Field(description="base64 of the receiver's transport agent metadata")
+    buffer_descs: str = Field(description="base64 of the receive-buffer regions (see connector.transport)")
+    max_tokens: int = Field(ge=1)
+    slots: int = Field(ge=1)
+
+
+class Reject(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["reject"] = "reject"
+    field: str
+    expected: str
+    received: str
+    message: str
+
+
+class Admit(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["admit"] = "admit"
+    handoff_id: str = Field(min_length=1, max_length=256)
+    num_tokens: int = Field(ge=1)
+    rank: int = Field(default=0, ge=0)
+
+
+class Admitted(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["admitted"] = "admitted"
+    handoff_id: str
+    slot: int = Field(ge=0)
+    # offsets[layer][plane]: byte offset of that plane of that layer from the start of
+    # the receive buffer's first region; each plane holds exactly nbytes(num_tokens).
+    offsets: list[list[int]]
+
+
+class Refused(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["refused"] = "refused"
+    handoff_id: str
+    reason: Literal["busy", "too_long", "unknown_peer", "duplicate"]
+    message: str
+
+
+class Abort(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["abort"] = "abort"
+    handoff_id: str
+    reason: str
+
+
+class Aborted(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["aborted"] = "aborted"
+    handoff_id: str
+    known: bool = Field(description="whether the receiver still held that handoff")
+
+
+ControlMessage = Annotated[
+    Union[Hello, Welcome, Reject, Admit, Admitted, Refused, Abort, Aborted],
+    Field(discriminator="type"),
+]
+
+
+class LayersDone(BaseModel):
+    """The notification attached to a KV WRITE: these layers of that handoff have landed."""
+
+    model_config = ConfigDict(frozen=True)
+
+    handoff_id: str
+    layers: list[int]

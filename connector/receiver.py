@@ -1,21 +1,60 @@
 """The receiving half of the KV handoff, used by the decode server.
 
-(Initial definition of the types the decode server consumes; the connector issue
-implements the receiver itself here and must keep these names.)
+:class:`KVReceiver` runs on the decode server's asyncio loop. ``start()`` allocates one
+receive buffer of ``slots`` regions (each sized for ``max_tokens`` tokens of every
+layer and plane), registers it with the transport once, and listens on the control
+endpoint. A sender handshakes (Hello -> Welcome/Reject), then admits each handoff
+(Admit -> Admitted/Refused) and WRITEs its layers into the slot; every WRITE carries a
+:class:`connector.protocol.LayersDone` notification. A notification thread polls the
+transport (NIXL calls never run on the loop) and hands them to the loop.
 
 ``ReceivedKV.layers[i][plane]`` is a typed torch view of layer ``i`` (main layers
-first, then MTP layers) for plane ``plane`` of the layout:
-per-token planes have shape ``[num_tokens, width]``, paged planes
-``[num_pages, width]``. The views stay valid until the handoff is released.
+first, then MTP layers) for plane ``plane`` of the layout: per-token planes have shape
+``[num_tokens, width]``, paged planes ``[num_pages, width]``. Inside a slot a handoff
+is packed layer-major (each layer contiguous). The views stay valid until the handoff
+is released.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import base64
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ValidationError
+
+from connector.control import ControlConnection, ControlServer
+from connector.errors import HandoffFailed, HandoffTimeout, ReceiverError
+from connector.layout import KVLayout, layer_views, layout_fingerprint, plane_offsets
+from connector.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Aborted,
+    Admit,
+    Admitted,
+    Hello,
+    LayersDone,
+    Refused,
+    Reject,
+    Welcome,
+    fingerprint_mismatch,
+)
+from connector.transport import TRANSPORT_KINDS, Transport, create_transport, encode_regions
+from pd_router.contract import PeerStatus
 
 if TYPE_CHECKING:
     import torch
+
+__all__ = ["HandoffFailed", "HandoffTimeout", "KVReceiver", "ReceivedKV", "ReceiverError", "ReceiverSettings"]
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_GRACE_S = 1.0  # notifications may trail a sender's closed control connection
 
 
 @dataclass
@@ -23,3 +62,323 @@ class ReceivedKV:
     handoff_id: str
     num_tokens: int
     layers: list[dict[str, "torch.Tensor"]]
+
+
+@dataclass(frozen=True)
+class ReceiverSettings:
+    layout: KVLayout
+    max_tokens: int
+    slots: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: ephemeral
+    transport: str = "nixl"  # or "memory" (unit tests)
+    unclaimed_timeout_s: float = 30.0  # an admitted/completed handoff nobody claims is freed after this
+    agent_name: str | None = None
+    device: str = "cpu"  # where the receive buffer lives ("cuda:0" registers VRAM)
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("max_tokens", self.max_tokens, self.max_tokens >= 1, "must be >= 1"),
+            ("slots", self.slots, self.slots >= 1, "must be >= 1"),
+            ("port", self.port, 0 <= self.port < 65536, "must be in 0..65535 (0: ephemeral)"),
+            ("transport", self.transport, self.transport in TRANSPORT_KINDS, f"must be one of {TRANSPORT_KINDS}"),
+            ("unclaimed_timeout_s", self.unclaimed_timeout_s, self.unclaimed_timeout_s > 0, "must be > 0"),
+        ]
+        for name, value, ok, reason in checks:
+            if not ok:
+                raise ValueError(f"ReceiverSettings.{name}={value!r}: {reason}")
+
+
+@dataclass
+class _Handoff:
+    handoff_id: str
+    slot: int | None
+    num_tokens: int
+    offsets: list[list[int]]
+    peers: set[str] = field(default_factory=set)
+    arrived: set[int] = field(default_factory=set)
+    state: str = "admitted"  # "admitted" | "complete" | "claimed" | "failed"
+    error: str | None = None
+    waiters: int = 0
+    since: float = field(default_factory=time.monotonic)
+
+
+class KVReceiver:
+    def __init__(self, settings: ReceiverSettings) -> None:
+        self._s = settings
+        self._layout = settings.layout
+        self._agent_name = settings.agent_name or f"kv-recv-{uuid.uuid4().hex[:12]}"
+        self._slot_bytes = self._layout.bytes_per_layer(settings.max_tokens) * self._layout.num_layers
+        self._transport: Transport | None = None
+        self._buffer: "torch.Tensor | None" = None
+        self._welcome_parts: tuple[str, str] | None = None
+        self._server = ControlServer(settings.host, settings.port, self._on_message, self._on_disconnect)
+        self._free: list[int] = list(range(settings.slots))
+        self._handoffs: dict[str, _Handoff] = {}
+        self._peers: dict[str, PeerStatus] = {}
+        self._changed: asyncio.Condition | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._poll_stop = threading.Event()
+        self._poll_wake = threading.Event()
+        self._poller: threading.Thread | None = None
+        self._reaper: asyncio.Task | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._changed = asyncio.Condition()
+        self._transport, self._buffer = await asyncio.to_thread(self._allocate)
+        region = self._transport.register(self._buffer)
+        self._welcome_parts = (base64.b64encode(self._transport.metadata()).decode(), encode_regions([region]))
+        await self._server.start()
+        self._poller = threading.Thread(target=self._poll_notifications, name=f"{self._agent_name}-notifs",
+                                        daemon=True)
+        self._poller.start()
+        self._reaper = asyncio.create_task(self._reap_unclaimed())
+
+    def _allocate(self) -> tuple[Transport, "torch.Tensor"]:
+        import torch
+
+        transport = create_transport(self._s.transport, self._agent_name)
+        # zeros, not empty: touches every page now rather than during the first WRITE
+        return transport, torch.zeros(self._s.slots * self._slot_bytes, dtype=torch.uint8, device=self._s.device)
+
+    async def stop(self) -> None:
+        await self._server.stop()
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+        self._poll_stop.set()
+        self._poll_wake.set()
+        if self._poller is not None:
+            await asyncio.to_thread(self._poller.join, 5.0)
+        for h in list(self._handoffs.values()):
+            if h.state == "admitted":
+                await self._fail(h, "the KV receiver stopped")
+        if self._transport is not None:
+            await asyncio.to_thread(self._transport.close)
+            self._transport = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self._s.host}:{self._server.port}"
+
+    @property
+    def fingerprint(self) -> str:
+        return self._layout.fingerprint()
+
+    @property
+    def listening(self) -> bool:
+        return self._server.listening
+
+    @property
+    def agent_name(self) -> str:
+        return self._agent_name
+
+    def peers(self) -> list[PeerStatus]:
+        return list(self._peers.values())
+
+    def busy_slots(self) -> int:
+        return self._s.slots - len(self._free)
+
+    # ----------------------------------------------------------------- decode-server API
+
+    async def wait_for(self, handoff_id: str, timeout: float) -> ReceivedKV:
+        assert self._changed is not None, "KVReceiver.start() was not awaited"
+        deadline = time.monotonic() + timeout
+        counted: _Handoff | None = None
+        try:
+            async with self._changed:
+                while True:
+                    h = self._handoffs.get(handoff_id)
+                    if h is not None and h is not counted:
+                        h.waiters += 1
+                        counted = h
+                    if h is not None and h.state in ("complete", "claimed"):
+                        h.state = "claimed"  # the decode server owns it until release()
+                        return self._view(h)
+                    if h is not None and h.state == "failed":
+                        self._handoffs.pop(handoff_id, None)
+                        raise HandoffFailed(f"handoff {handoff_id}: {h.error}")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), remaining)
+                    except asyncio.TimeoutError:
+                        pass
+        finally:
+            if counted is not None:
+                counted.waiters -= 1
+        h = self._handoffs.get(handoff_id)
+        if h is None:
+            raise HandoffTimeout(f"handoff {handoff_id}: never admitted by a sender within {timeout:.1f}s")
+        got = len(h.arrived)
+        await self._fail(h, "timed out")
+        self._handoffs.pop(handoff_id, None)
+        raise HandoffTimeout(f"handoff {handoff_id}: {got}/{self._layout.num_layers} layers arrived "
+                             f"within {timeout:.1f}s; slot freed")
+
+    def release(self, handoff_id: str) -> None:
+        h = self._handoffs.pop(handoff_id, None)
+        if h is not None:
+            self._free_slot(h)
+
+    def _view(self, h: _Handoff) -> ReceivedKV:
+        assert self._buffer is not None and h.slot is not None
+        layers = []
+        for offs in h.offsets:
+            base = offs[0]
+            rel = [o - base for o in offs]
+            size = self._layout.bytes_per_layer(h.num_tokens)
+            layers.append(layer_views(self._buffer[base:base + size], self._layout, h.num_tokens, rel))
+        return ReceivedKV(h.handoff_id, h.num_tokens, layers)
+
+    def _free_slot(self, h: _Handoff) -> None:
+        if h.slot is not None:
+            self._free.append(h.slot)
+            h.slot = None
+
+    async def _fail(self, h: _Handoff, error: str) -> None:
+        if h.state == "failed":
+            return
+        h.state, h.error = "failed", error
+        h.since = time.monotonic()
+        self._free_slot(h)
+        await self._notify_all()
+
+    async def _notify_all(self) -> None:
+        assert self._changed is not None
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ----------------------------------------------------------------- control channel
+
+    async def _on_message(self, conn: ControlConnection, msg: BaseModel) -> BaseModel | None:
+        if isinstance(msg, Hello):
+            return self._on_hello(conn, msg)
+        if conn.peer is None:
+            if isinstance(msg, (Admit, Abort)):
+                return Refused(handoff_id=msg.handoff_id, reason="unknown_peer",
+                               message="send Hello first: this connection has not completed the handshake")
+            return None
+        if isinstance(msg, Admit):
+            return await self._on_admit(conn.peer, msg)
+        if isinstance(msg, Abort):
+            h = self._handoffs.get(msg.handoff_id)
+            if h is not None and h.state == "admitted":
+                await self._fail(h, f"aborted by the sender {conn.peer}: {msg.reason}")
+            return Aborted(handoff_id=msg.handoff_id, known=h is not None)
+        return None
+
+    def _on_hello(self, conn: ControlConnection, hello: Hello) -> BaseModel:
+        mine = layout_fingerprint(self._layout, hello.fingerprint.sender_world_size)
+        if hello.protocol_version != PROTOCOL_VERSION:
+            bad = ("protocol_version", str(PROTOCOL_VERSION), str(hello.protocol_version))
+        elif hello.transport != self._s.transport:
+            bad = ("transport", self._s.transport, hello.transport)
+        else:
+            bad = fingerprint_mismatch(mine, hello.fingerprint)
+        if bad is not None:
+            fld, expected, received = bad
+            message = (f"KV handshake rejected by decode agent {self._agent_name}: {fld} mismatch: "
+                       f"decode expects {expected}, prefill {hello.agent_name} sent {received}")
+            log.warning(message)
+            self._peers[hello.agent_name] = PeerStatus(peer=hello.agent_name, state="rejected", reason=message)
+            return Reject(field=fld, expected=expected, received=received, message=message)
+        conn.peer = hello.agent_name
+        self._peers[hello.agent_name] = PeerStatus(peer=hello.agent_name, state="ok")
+        assert self._welcome_parts is not None
+        md, descs = self._welcome_parts
+        return Welcome(protocol_version=PROTOCOL_VERSION, agent_name=self._agent_name, fingerprint=mine,
+                       transport=self._s.transport, agent_metadata=md, buffer_descs=descs,
+                       max_tokens=self._s.max_tokens, slots=self._s.slots)
+
+    async def _on_admit(self, peer: str, admit: Admit) -> BaseModel:
+        hid, n = admit.handoff_id, admit.num_tokens
+        h = self._handoffs.get(hid)
+        if h is not None:
+            if h.state == "admitted" and h.num_tokens == n and h.slot is not None:
+                h.peers.add(peer)  # another TP rank of the same handoff
+                return Admitted(handoff_id=hid, slot=h.slot, offsets=h.offsets)
+            return Refused(handoff_id=hid, reason="duplicate",
+                           message=f"handoff {hid} is already {h.state} with {h.num_tokens} tokens")
+        if n > self._s.max_tokens:
+            message = f"handoff {hid}: {n} prompt tokens exceed the decode server's max_tokens {self._s.max_tokens}"
+            log.warning(message)
+            return Refused(handoff_id=hid, reason="too_long", message=message)
+        if not self._free:
+            return Refused(handoff_id=hid, reason="busy",
+                           message=f"all {self._s.slots} KV receive slots of the decode server are busy")
+        slot = self._free.pop(0)
+        layer_bytes = self._layout.bytes_per_layer(n)
+        planes = plane_offsets(self._layout, n)
+        base = slot * self._slot_bytes
+        offsets = [[base + layer * layer_bytes + p for p in planes] for layer in range(self._layout.num_layers)]
+        self._handoffs[hid] = _Handoff(hid, slot, n, offsets, peers={peer})
+        self._poll_wake.set()
+        await self._notify_all()
+        return Admitted(handoff_id=hid, slot=slot, offsets=offsets)
+
+    def _on_disconnect(self, conn: ControlConnection) -> None:
+        if conn.peer is None or self._loop is None:
+            return
+        peer = conn.peer
+        self._loop.call_later(DISCONNECT_GRACE_S,
+                              lambda: asyncio.ensure_future(self._fail_orphans(peer)))
+
+    async def _fail_orphans(self, peer: str) -> None:
+        for h in list(self._handoffs.values()):
+            if h.state == "admitted" and peer in h.peers:
+                await self._fail(h, f"the sender {peer} disconnected after {len(h.arrived)}/"
+                                    f"{self._layout.num_layers} layers")
+
+    # ----------------------------------------------------------------- notifications
+
+    def _poll_notifications(self) -> None:
+        """Thread: drain transport notifications and hand them to the loop."""
+        assert self._transport is not None and self._loop is not None
+        while not self._poll_stop.is_set():
+            try:
+                notifs = self._transport.notifications()
+            except Exception as exc:  # the transport died; keep the thread alive for stop()
+                log.error("KV receiver: polling notifications failed: %s", exc)
+                notifs = []
+            if notifs:
+                self._loop.call_soon_threadsafe(lambda n=notifs: asyncio.ensure_future(self._on_notifs(n)))
+            active = any(h.state == "admitted" for h in list(self._handoffs.values()))
+            if active:
+                time.sleep(0.0005)
+            else:
+                self._poll_wake.wait(0.05)
+                self._poll_wake.clear()
+
+    async def _on_notifs(self, notifs: list[tuple[str, bytes]]) -> None:
+        changed = False
+        for peer, raw in notifs:
+            try:
+                done = LayersDone.model_validate_json(raw)
+            except ValidationError:
+                log.warning("KV receiver: ignoring a malformed notification from %s", peer)
+                continue
+            h = self._handoffs.get(done.handoff_id)
+            if h is None or h.state != "admitted" or peer not in h.peers:
+                continue
+            h.arrived.update(layer for layer in done.layers if 0 <= layer < self._layout.num_layers)
+            if len(h.arrived) == self._layout.num_layers:
+                h.state, h.since = "complete", time.monotonic()
+                changed = True
+        if changed:
+            await self._notify_all()
+
+    async def _reap_unclaimed(self) -> None:
+        period = min(1.0, self._s.unclaimed_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for hid, h in list(self._handoffs.items()):
+                if h.state != "claimed" and h.waiters == 0 and now - h.since > self._s.unclaimed_timeout_s:
+                    log.warning("KV receiver: freeing unclaimed handoff %s (%s)", hid, h.state)
+                    self._handoffs.pop(hid, None)
+                    self._free_slot(h)

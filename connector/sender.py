@@ -1,0 +1,384 @@
+"""The sending half of the KV handoff, used by the vLLM connector's worker side.
+
+Synchronous and thread-safe. :class:`KVSender` owns one transport agent, a registered
+staging pool (``staging_slots`` buffers, each sized for ``max_tokens`` tokens of the
+layers this rank sends) and one sender thread that posts WRITEs and polls them, so
+``post_layer`` returns at once and transfers overlap the model's forward pass.
+
+Per handoff: ``begin`` admits it at the decode server (control channel) and reserves a
+staging buffer; the caller fills ``staging(layer)`` and calls ``post_layer(layer)``;
+the sender thread merges the layers queued since its last pass into one WRITE of as
+few descriptors as possible (a layer is contiguous on both sides, consecutive layers
+too), tagged with a :class:`LayersDone` notification. ``wait`` returns "sent" once every
+layer of this rank's plan is written, "failed" otherwise. A staging buffer is reused
+only after every WRITE reading it has finished.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from connector.control import ControlClient
+from connector.errors import AdmissionRefused, ControlChannelError, HandshakeRejected, TransportError
+from connector.layout import KVLayout, SenderPlan, layer_views, layout_fingerprint
+from connector.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Admit,
+    Admitted,
+    Hello,
+    LayersDone,
+    Refused,
+    Reject,
+    Welcome,
+    fingerprint_mismatch,
+)
+from connector.transport import Region, XferHandle, create_transport, decode_regions
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["AdmissionRefused", "Handoff", "HandshakeRejected", "KVSender", "SenderPlan"]
+
+log = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 5.0
+_POLL_S = 0.0002
+
+
+@dataclass
+class _Peer:
+    endpoint: str
+    client: ControlClient
+    welcome: Welcome
+    agent: str
+    region: Region
+    stale: bool = False
+
+
+class Handoff:
+    """One prompt's KV on its way to one decode server. Create with :meth:`KVSender.begin`."""
+
+    def __init__(self, sender: "KVSender", peer: _Peer, admitted: Admitted, num_tokens: int, staging: int) -> None:
+        self._sender = sender
+        self._peer = peer
+        self.handoff_id = admitted.handoff_id
+        self.num_tokens = num_tokens
+        self.offsets = admitted.offsets
+        self._staging_slot = staging
+        self._layers = sender.plan_layers
+        self._index = {layer: i for i, layer in enumerate(self._layers)}
+        self._posted: set[int] = set()
+        self._sent: set[int] = set()
+        self._inflight = 0
+        self._status: Literal["pending", "sent", "failed"] = "pending" if self._layers else "sent"
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        if not self._layers:
+            self._done.set()
+            sender._release_staging(staging)
+        self._staging_held = bool(self._layers)
+
+    # -- caller side ------------------------------------------------------------------
+
+    def staging(self, layer: int) -> dict[str, "torch.Tensor"]:
+        start, size = self._local_span(layer)
+        return layer_views(self._sender.staging_buffer[start:start + size], self._sender.layout, self.num_tokens)
+
+    def post_layer(self, layer: int) -> None:
+        with self._lock:
+            if layer not in self._index:
+                raise ValueError(f"layer {layer} is not sent by this rank (plan: {self._layers})")
+            if layer in self._posted:
+                raise ValueError(f"handoff {self.handoff_id}: layer {layer} posted twice")
+            self._posted.add(layer)
+            if self._status != "pending":
+                return
+        self._sender._queue.put((self, layer))
+
+    def status(self) -> Literal["pending", "sent", "failed"]:
+        return self._status
+
+    def wait(self, timeout: float) -> Literal["sent", "failed"]:
+        if not self._done.wait(timeout):
+            self.abort(f"not all layers were written within {timeout:.1f}s "
+                       f"({len(self._sent)}/{len(self._layers)} sent, {len(self._posted)} posted)")
+        return "sent" if self._status == "sent" else "failed"
+
+    def abort(self, reason: str) -> None:
+        """Stop sending, tell the receiver, free the staging buffer once no WRITE reads it."""
+        if not self._fail(f"aborted: {reason}"):
+            return
+        deadline = time.monotonic() + ABORT_TIMEOUT_S
+        while self._inflight and time.monotonic() < deadline:  # in-flight WRITEs land before Abort
+            time.sleep(0.001)
+        self._sender._send_abort(self._peer, self.handoff_id, reason)
+
+    # -- sender-thread side -----------------------------------------------------------
+
+    def _local_span(self, layer: int) -> tuple[int, int]:
+        if layer not in self._index:
+            raise ValueError(f"layer {layer} is not sent by this rank (plan: {self._layers})")
+        size = self._sender.layout.bytes_per_layer(self.num_tokens)
+        return self._staging_slot * self._sender.slot_bytes + self._index[layer] * size, size
+
+    def _pieces(self, layers: list[int]) -> list[tuple[int, int, int]]:
+        base_local = self._sender.staging_region.addr
+        base_remote = self._peer.region.addr
+        sizes = [p.nbytes(self.num_tokens) for p in self._sender.layout.planes]
+        pieces = []
+        for layer in layers:
+            local, _ = self._local_span(layer)
+            for offset, size in zip(self.offsets[layer], sizes):
+                pieces.append((base_local + local, base_remote + offset, size))
+                local += size
+        return pieces
+
+    def _fail(self, error: str) -> bool:
+        with self._lock:
+            if self._status != "pending":
+                return False
+            self._status, self.error = "failed", error
+        self._done.set()
+        self._maybe_free()
+        return True
+
+    def _on_written(self, layers: list[int]) -> None:
+        with self._lock:
+            self._inflight -= 1
+            self._sent.update(layers)
+            if self._status == "pending" and len(self._sent) == len(self._layers):
+                self._status = "sent"
+                self._done.set()
+        self._maybe_free()
+
+    def _maybe_free(self) -> None:
+        with self._lock:
+            free = self._staging_held and self._inflight == 0 and self._status != "pending"
+            if free:
+                self._staging_held = False
+        if free:
+            self._sender._release_staging(self._staging_slot)
+
+
+class KVSender:
+    def __init__(self, agent_name: str, layout: KVLayout, max_tokens: int,
+                 sender_plan: SenderPlan | None = None, transport: str = "nixl", staging_slots: int = 2) -> None:
+        import torch
+
+        if max_tokens < 1:
+            raise ValueError(f"KVSender max_tokens={max_tokens}: must be >= 1")
+        if staging_slots < 1:
+            raise ValueError(f"KVSender staging_slots={staging_slots}: must be >= 1")
+        self.agent_name = agent_name
+        self.layout = layout
+        self.max_tokens = max_tokens
+        self.plan = sender_plan or SenderPlan()
+        self.plan_layers = self.plan.layers(layout.num_layers)
+        self.slot_bytes = max(1, len(self.plan_layers)) * layout.bytes_per_layer(max_tokens)
+        self._fingerprint = layout_fingerprint(layout, self.plan.world_size)
+        self._transport_kind = transport
+        self._transport = create_transport(transport, agent_name)
+        self.staging_buffer = torch.zeros(staging_slots * self.slot_bytes, dtype=torch.uint8)
+        self.staging_region = self._transport.register(self.staging_buffer)
+        self._free_staging = list(range(staging_slots))
+        self._staging_cv = threading.Condition()
+        self._peers: dict[str, _Peer] = {}
+        self._peers_lock = threading.Lock()
+        self._queue: queue.Queue[tuple[Handoff, int] | None] = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"{agent_name}-kv-sender", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- handshake
+
+    def connect(self, endpoint: str, timeout: float) -> None:
+        self._peer(endpoint, timeout)
+
+    def _peer(self, endpoint: str, timeout: float) -> _Peer:
+        with self._peers_lock:
+            peer = self._peers.get(endpoint)
+            if peer is not None and not peer.stale and not peer.client.broken:
+                return peer
+            if peer is not None:
+                peer.client.close()
+                self._transport.remove_peer(peer.agent)
+                del self._peers[endpoint]
+            peer = self._handshake(endpoint, timeout)
+            self._peers[endpoint] = peer
+            return peer
+
+    def _handshake(self, endpoint: str, timeout: float) -> _Peer:
+        client = ControlClient(endpoint, timeout)
+        try:
+            reply = client.request(Hello(protocol_version=PROTOCOL_VERSION, agent_name=self.agent_name,
+                                         fingerprint=self._fingerprint, transport=self._transport_kind), timeout)
+            if isinstance(reply, Reject):
+                raise HandshakeRejected(reply.field, reply.expected, reply.received,
+                                        f"decode server {endpoint}: {reply.message}")
+            if not isinstance(reply, Welcome):
+                raise ControlChannelError(f"{endpoint} answered Hello with {reply.type!r}")
+            self._check_welcome(endpoint, reply)
+            self._transport.remove_peer(reply.agent_name)  # a restarted peer may reuse its name
+            agent = self._transport.add_peer(base64.b64decode(reply.agent_metadata))
+            if agent != reply.agent_name:
+                raise ControlChannelError(f"{endpoint}: agent metadata names {agent!r}, Welcome {reply.agent_name!r}")
+            self._transport.connect(agent)
+            regions = decode_regions(reply.buffer_descs)
+        except BaseException:
+            client.close()
+            raise
+        return _Peer(endpoint, client, reply, agent, regions[0])
+
+    def _check_welcome(self, endpoint: str, welcome: Welcome) -> None:
+        checks = [("protocol_version", str(welcome.protocol_version), str(PROTOCOL_VERSION)),
+                  ("transport", welcome.transport, self._transport_kind)]
+        bad = next((c for c in checks if c[1] != c[2]), None) or fingerprint_mismatch(welcome.fingerprint,
+                                                                                     self._fingerprint)
+        if bad is not None:
+            field, expected, received = bad
+            raise HandshakeRejected(field, expected, received,
+                                    f"KV handshake with decode server {endpoint} failed: {field} mismatch: "
+                                    f"decode expects {expected}, this prefill ({self.agent_name}) has {received}")
+
+    # ----------------------------------------------------------------- handoffs
+
+    def begin(self, endpoint: str, handoff_id: str, num_tokens: int, timeout: float) -> Handoff:
+        if self._closed:
+            raise TransportError("KVSender is closed")
+        if num_tokens > self.max_tokens:
+            raise AdmissionRefused(handoff_id, "too_long", f"handoff {handoff_id}: {num_tokens} prompt tokens "
+                                   f"exceed this prefill's KV staging size max_tokens={self.max_tokens}")
+        deadline = time.monotonic() + timeout
+        peer = self._peer(endpoint, timeout)
+        slot = self._take_staging(handoff_id, deadline)
+        try:
+            admit = Admit(handoff_id=handoff_id, num_tokens=num_tokens, rank=self.plan.rank)
+            try:
+                reply = peer.client.request(admit, max(0.01, deadline - time.monotonic()))
+            except ControlChannelError:  # a cached connection went stale: handshake again once
+                peer = self._peer(endpoint, max(0.01, deadline - time.monotonic()))
+                reply = peer.client.request(admit, max(0.01, deadline - time.monotonic()))
+            if isinstance(reply, Refused):
+                raise AdmissionRefused(handoff_id, reply.reason, f"decode server {endpoint}: {reply.message}")
+            if not isinstance(reply, Admitted) or reply.handoff_id != handoff_id:
+                raise ControlChannelError(f"{endpoint} answered Admit with {reply!r:.200}")
+            self._check_offsets(peer, reply, num_tokens)
+        except BaseException:
+            self._release_staging(slot)
+            raise
+        return Handoff(self, peer, reply, num_tokens, slot)
+
+    def _check_offsets(self, peer: _Peer, admitted: Admitted, num_tokens: int) -> None:
+        sizes = [p.nbytes(num_tokens) for p in self.layout.planes]
+        ok = len(admitted.offsets) == self.layout.num_layers and all(
+            len(offs) == len(sizes) and all(0 <= o and o + s <= peer.region.nbytes for o, s in zip(offs, sizes))
+            for offs in admitted.offsets)
+        if not ok:
+            raise ControlChannelError(f"{peer.endpoint}: Admitted offsets do not fit the layout or the buffer")
+
+    def _take_staging(self, handoff_id: str, deadline: float) -> int:
+        with self._staging_cv:
+            while not self._free_staging:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    raise AdmissionRefused(handoff_id, "busy", "all KV staging buffers of this prefill are in use")
+                self._staging_cv.wait(remaining)
+            return self._free_staging.pop(0)
+
+    def _release_staging(self, slot: int) -> None:
+        with self._staging_cv:
+            self._free_staging.append(slot)
+            self._staging_cv.notify()
+
+    def _send_abort(self, peer: _Peer, handoff_id: str, reason: str) -> None:
+        try:
+            peer.client.request(Abort(handoff_id=handoff_id, reason=reason), ABORT_TIMEOUT_S)
+        except ControlChannelError as exc:
+            log.warning("KV sender: could not tell %s about aborting %s: %s", peer.endpoint, handoff_id, exc)
+
+    # ----------------------------------------------------------------- sender thread
+
+    def _run(self) -> None:
+        inflight: list[tuple[Handoff, XferHandle, list[int]]] = []
+        while True:
+            batch: list[tuple[Handoff, int]] = []
+            try:
+                item = self._queue.get(timeout=None if not inflight else _POLL_S)
+                if item is None:
+                    break
+                batch.append(item)
+                while True:
+                    item = self._queue.get_nowait()
+                    if item is None:
+                        self._queue.put(None)
+                        break
+                    batch.append(item)
+            except queue.Empty:
+                pass
+            if batch:
+                inflight.extend(self._post(batch))
+            still = []
+            for handoff, xfer, layers in inflight:
+                state = self._transport.poll(xfer)
+                if state == "pending":
+                    still.append((handoff, xfer, layers))
+                    continue
+                self._transport.release(xfer)
+                if state == "done":
+                    handoff._on_written(layers)
+                else:
+                    self._on_transport_error(handoff, f"KV WRITE of layers {layers} to {handoff._peer.endpoint} "
+                                                      "failed (decode server unreachable or gone?)")
+                    handoff._on_written([])
+            inflight = still
+        for handoff, xfer, _ in inflight:
+            self._transport.release(xfer)
+            handoff._fail("the KV sender closed")
+            handoff._on_written([])
+
+    def _post(self, batch: list[tuple[Handoff, int]]) -> list[tuple[Handoff, XferHandle, list[int]]]:
+        grouped: dict[int, tuple[Handoff, list[int]]] = {}
+        for handoff, layer in batch:
+            grouped.setdefault(id(handoff), (handoff, []))[1].append(layer)
+        posted = []
+        for handoff, layers in grouped.values():
+            if handoff.status() != "pending":
+                continue
+            notif = LayersDone(handoff_id=handoff.handoff_id, layers=layers).model_dump_json().encode()
+            with handoff._lock:
+                handoff._inflight += 1
+            try:
+                xfer = self._transport.write(handoff._peer.agent, handoff._pieces(layers), notif)
+            except TransportError as exc:
+                self._on_transport_error(handoff, f"KV WRITE of layers {layers} to decode server "
+                                                  f"{handoff._peer.endpoint} failed: {exc}")
+                handoff._on_written([])
+                continue
+            posted.append((handoff, xfer, layers))
+        return posted
+
+    def _on_transport_error(self, handoff: Handoff, error: str) -> None:
+        handoff._peer.stale = True  # handshake again (and re-add the agent) next time
+        handoff._fail(error)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(10.0)
+        with self._staging_cv:
+            self._staging_cv.notify_all()
+        with self._peers_lock:
+            for peer in self._peers.values():
+                peer.client.close()
+            self._peers.clear()
+        self._transport.close()

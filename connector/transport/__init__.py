@@ -1,0 +1,51 @@
+"""Data transports for KV handoffs: the interface, NIXL, and an in-memory fake."""
+
+from __future__ import annotations
+
+from connector.errors import TransportError
+from connector.transport.base import (
+    Piece,
+    Region,
+    Transport,
+    XferHandle,
+    XferState,
+    decode_regions,
+    encode_regions,
+    merge_pieces,
+)
+from connector.transport.memory import MemoryFabric, MemoryTransport
+
+TRANSPORT_KINDS = ("nixl", "memory")
+
+
+class TransportFactory:
+    """Creates transports by kind. The "memory" kind attaches to ``fabric`` (one per
+    factory), so agents made by one factory can reach each other."""
+
+    def __init__(self, fabric: MemoryFabric | None = None) -> None:
+        self.fabric = fabric or MemoryFabric()
+
+    def create(self, kind: str, name: str) -> Transport:
+        if kind == "nixl":
+            from connector.transport.nixl import NixlTransport
+
+            return NixlTransport(name)
+        if kind == "memory":
+            return MemoryTransport(name, self.fabric)
+        raise ValueError(f"transport={kind!r}: must be one of {', '.join(TRANSPORT_KINDS)}")
+
+
+# The process's shared fake network: what "memory" transports created by name use
+# (the in-memory fake's stand-in for the real network; NIXL needs none).
+SHARED_FACTORY = TransportFactory()
+
+
+def create_transport(kind: str, name: str) -> Transport:
+    return SHARED_FACTORY.create(kind, name)
+
+
+__all__ = [
+    "MemoryFabric", "MemoryTransport", "Piece", "Region", "TRANSPORT_KINDS", "Transport", "TransportError",
+    "TransportFactory", "XferHandle", "XferState", "create_transport", "decode_regions", "encode_regions",
+    "merge_pieces", "SHARED_FACTORY",
+]

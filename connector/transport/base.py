@@ -1,0 +1,118 @@
+"""The data-transport interface: one-sided WRITEs from registered local memory into a
+peer's registered memory, each carrying a notification for the peer.
+
+Two implementations: :class:`connector.transport.nixl.NixlTransport` (UCX over NIXL;
+DRAM on CPU, VRAM on GPU) and :class:`connector.transport.memory.MemoryTransport`
+(an in-process fake for unit tests, same semantics and checks).
+
+Contract:
+
+* ``register(tensor)`` registers a contiguous tensor once and returns its
+  :class:`Region`; regions travel to peers with :func:`encode_regions`.
+* ``metadata()`` is this agent's connection info; a peer passes it to ``add_peer``
+  (which returns this agent's name) and may pre-warm with ``connect``.
+* ``write(peer, pieces, notif)`` queues one WRITE of ``(local_addr, remote_addr,
+  nbytes)`` pieces; adjacent pieces are merged first (:func:`merge_pieces`); the
+  notification reaches the peer after the data. It returns a handle to ``poll``
+  ("pending" / "done" / "error") and ``release``. Errors raise :class:`TransportError`.
+* ``notifications()`` drains the notifications received: ``[(peer_name, bytes)]``.
+
+Implementations are thread-safe: a sender thread writes while another thread
+handshakes. Nothing here has timeouts: callers bound every wait themselves.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+XferState = Literal["pending", "done", "error"]
+_REGION = struct.Struct("<QQQ")
+
+
+@dataclass(frozen=True)
+class Region:
+    addr: int
+    nbytes: int
+    device: int = 0  # -1 or 0 for host memory; the GPU index for VRAM
+
+    def contains(self, addr: int, nbytes: int) -> bool:
+        return self.addr <= addr and addr + nbytes <= self.addr + self.nbytes
+
+
+def encode_regions(regions: Sequence[Region]) -> str:
+    """Regions as base64 of little-endian (addr, nbytes, device) uint64 triples."""
+    return base64.b64encode(b"".join(_REGION.pack(r.addr, r.nbytes, max(r.device, 0)) for r in regions)).decode()
+
+
+def decode_regions(text: str) -> list[Region]:
+    raw = base64.b64decode(text, validate=True)
+    if not raw or len(raw) % _REGION.size:
+        raise ValueError(f"region descriptors of {len(raw)} bytes: not a multiple of {_REGION.size}")
+    return [Region(*_REGION.unpack_from(raw, i)) for i in range(0, len(raw), _REGION.size)]
+
+
+Piece = tuple[int, int, int]  # (local_addr, remote_addr, nbytes)
+
+
+def merge_pieces(pieces: Sequence[Piece]) -> list[Piece]:
+    """Merge pieces that continue each other on both sides (fewer, larger descriptors)."""
+    merged: list[Piece] = []
+    for local, remote, n in sorted(pieces, key=lambda p: p[0]):
+        if n <= 0:
+            continue
+        if merged:
+            pl, pr, pn = merged[-1]
+            if pl + pn == local and pr + pn == remote:
+                merged[-1] = (pl, pr, pn + n)
+                continue
+        merged.append((local, remote, n))
+    return merged
+
+
+class XferHandle(ABC):
+    """One posted WRITE."""
+
+
+class Transport(ABC):
+    kind: str
+
+    @property
+    @abstractmethod
+    def name(self) -> str: ...
+
+    @abstractmethod
+    def register(self, tensor: "torch.Tensor") -> Region: ...
+
+    @abstractmethod
+    def metadata(self) -> bytes: ...
+
+    @abstractmethod
+    def add_peer(self, metadata: bytes) -> str: ...
+
+    @abstractmethod
+    def remove_peer(self, peer: str) -> None: ...
+
+    @abstractmethod
+    def connect(self, peer: str) -> None: ...
+
+    @abstractmethod
+    def write(self, peer: str, pieces: Sequence[Piece], notif: bytes) -> XferHandle: ...
+
+    @abstractmethod
+    def poll(self, handle: XferHandle) -> XferState: ...
+
+    @abstractmethod
+    def release(self, handle: XferHandle) -> None: ...
+
+    @abstractmethod
+    def notifications(self) -> list[tuple[str, bytes]]: ...
+
+    @abstractmethod
+    def close(self) -> None: ...

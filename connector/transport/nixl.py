@@ -1,0 +1,160 @@
+"""The NIXL implementation of :class:`connector.transport.base.Transport` (UCX backend).
+
+Host tensors register as DRAM, CUDA tensors as VRAM. Every call into the agent goes
+through NIXL's own reader/writer lock (``NIXL_THREAD_SYNC_RW``), so a sender thread
+can post WRITEs while another thread adds a peer. ``nixl`` is imported when a
+transport is created, so modules using this one import without NIXL installed.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Sequence
+
+from connector.errors import TransportError
+from connector.transport.base import Piece, Region, Transport, XferHandle, XferState, merge_pieces
+
+if TYPE_CHECKING:
+    import torch
+
+
+class _NixlXfer(XferHandle):
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+
+def _load_nixl() -> Any:
+    try:
+        from nixl import _api
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise TransportError(
+            "transport 'nixl' needs the NIXL Python package: "
+            "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 numpy"
+        ) from exc
+    return _api
+
+
+class NixlTransport(Transport):
+    kind = "nixl"
+
+    def __init__(self, name: str) -> None:
+        api = _load_nixl()
+        config = api.nixl_agent_config(backends=["UCX"],
+                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+        try:
+            self._agent = api.nixl_agent(name, config)
+        except Exception as exc:  # nixl raises its own binding errors
+            raise TransportError(f"cannot create NIXL agent {name!r}: {exc}") from exc
+        if "UCX" not in self._agent.backends:
+            raise TransportError(f"NIXL agent {name!r}: the UCX backend plugin did not load")
+        self._name = name
+        self._lock = threading.Lock()  # guards the Python-side lists below
+        self._registrations: list[Any] = []
+        self._buffers: list["torch.Tensor"] = []
+        self._mem_type = "DRAM"
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def register(self, tensor: "torch.Tensor") -> Region:
+        if not tensor.is_contiguous():
+            raise TransportError("NIXL transport: can only register contiguous tensors")
+        device = tensor.get_device()
+        mem_type = "VRAM" if device >= 0 else "DRAM"
+        region = Region(tensor.data_ptr(), tensor.numel() * tensor.element_size(), max(device, 0))
+        try:
+            reg = self._agent.register_memory([(region.addr, region.nbytes, region.device, "")], mem_type)
+        except Exception as exc:
+            raise TransportError(f"NIXL register_memory of {region.nbytes} bytes ({mem_type}) failed: {exc}") from exc
+        with self._lock:
+            self._registrations.append(reg)
+            self._buffers.append(tensor)
+            self._mem_type = mem_type
+        return region
+
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise TransportError(f"NIXL add_remote_agent failed: {exc}") from exc
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def remove_peer(self, peer: str) -> None:
+        try:
+            self._agent.remove_remote_agent(peer)
+        except Exception:  # unknown peer: nothing to remove
+            pass
+
+    def connect(self, peer: str) -> None:
+        try:
+            self._agent.make_connection(peer)
+        except Exception as exc:
+            raise TransportError(f"NIXL make_connection to {peer!r} failed: {exc}") from exc
+
+    def write(self, peer: str, pieces: Sequence[Piece], notif: bytes) -> XferHandle:
+        import numpy as np
+
+        merged = merge_pieces(pieces)
+        if not merged:
+            raise TransportError("NIXL write: nothing to write")
+        arr = np.array(merged, dtype=np.uint64)
+        local = np.zeros((len(merged), 3), dtype=np.uint64)
+        remote = np.zeros((len(merged), 3), dtype=np.uint64)
+        local[:, 0], local[:, 1] = arr[:, 0], arr[:, 2]
+        remote[:, 0], remote[:, 1] = arr[:, 1], arr[:, 2]
+        try:
+            handle = self._agent.initialize_xfer(
+                "WRITE", self._agent.get_xfer_descs(local, self._mem_type),
+                self._agent.get_xfer_descs(remote, self._mem_type), peer, notif)
+        except Exception as exc:
+            raise TransportError(f"NIXL cannot prepare a WRITE to {peer!r}: {exc}") from exc
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            self._safe_release(handle)
+            raise TransportError(f"NIXL WRITE to {peer!r} failed: {type(exc).__name__}: {exc}") from exc
+        if state == "ERR":
+            self._safe_release(handle)
+            raise TransportError(f"NIXL WRITE to {peer!r} failed at post")
+        return _NixlXfer(handle)
+
+    def poll(self, handle: XferHandle) -> XferState:
+        assert isinstance(handle, _NixlXfer)
+        try:
+            state = self._agent.check_xfer_state(handle.handle)
+        except Exception:  # e.g. nixlRemoteDisconnectError
+            return "error"
+        return {"DONE": "done", "PROC": "pending"}.get(state, "error")
+
+    def release(self, handle: XferHandle) -> None:
+        assert isinstance(handle, _NixlXfer)
+        self._safe_release(handle.handle)
+
+    def _safe_release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:  # an in-flight transfer that cannot be cancelled stays with NIXL
+            pass
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        notifs = self._agent.get_new_notifs()
+        return [(peer, msg) for peer, msgs in notifs.items() for msg in msgs]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            regs, self._registrations = self._registrations, []
+        for reg in regs:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception:
+                pass
+        with self._lock:
+            self._buffers.clear()
