@@ -1,0 +1,87 @@
+"""``kv_connector_extra_config`` of :class:`connector.TileRTConnector`, validated once at start-up.
+
+Example (the part under ``kv_connector_extra_config`` of ``--kv-transfer-config``)::
+
+    {"profile": "tiny", "decode_endpoints": ["127.0.0.1:9100"],
+     "handshake_timeout_s": 10, "admission_timeout_s": 5, "transfer_timeout_s": 30}
+
+Unknown keys are rejected (a typo must not silently fall back to a default). A bad
+value raises :class:`ConnectorConfigError` whose message names the option, the value
+and the reason, so vLLM refuses to start with an actionable error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ProfileName = Literal["auto", "tiny", "glm5.1"]
+
+
+class ConnectorConfigError(ValueError):
+    """An invalid ``kv_connector_extra_config``: names option, value and reason."""
+
+    def __init__(self, option: str, value: Any, reason: str) -> None:
+        super().__init__(f"kv_connector_extra_config.{option}={value!r}: {reason}")
+        self.option = option
+        self.value = value
+        self.reason = reason
+
+
+def _check_endpoint(endpoint: str) -> str:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected 'host:port' with a port in 1..65535, got {endpoint!r}")
+    return endpoint
+
+
+class ConnectorSettings(BaseModel):
+    """What the connector needs besides vLLM's own config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    profile: ProfileName = Field(
+        default="auto", description="model profile: 'glm5.1', 'tiny' (N+1 MLA layers) or 'auto' (from the HF config)")
+    decode_endpoints: tuple[str, ...] = Field(
+        default=(), description="host:port KV endpoints of decode servers, handshaken eagerly at start-up")
+    handshake_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    admission_timeout_s: float = Field(default=5.0, gt=0, le=600)
+    transfer_timeout_s: float = Field(
+        default=30.0, gt=0, le=3600,
+        description="bound on the wait, after the last layer, for the KV to be complete at decode")
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="longest prompt handed off (default: vLLM's max_model_len)")
+    transport: Literal["nixl"] = "nixl"
+    require_mtp: bool = Field(
+        default=True, description="refuse to start unless the model runs with one MTP layer")
+
+    @field_validator("decode_endpoints", mode="before")
+    @classmethod
+    def _endpoints(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        return value
+
+    @field_validator("decode_endpoints")
+    @classmethod
+    def _endpoints_format(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for endpoint in value:
+            _check_endpoint(endpoint)
+        return value
+
+
+def load_settings(extra_config: dict[str, Any] | None) -> ConnectorSettings:
+    """Validate ``kv_connector_extra_config``; raise :class:`ConnectorConfigError` on the first problem."""
+    raw = dict(extra_config or {})
+    try:
+        return ConnectorSettings.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        option = ".".join(str(p) for p in first["loc"]) or "<root>"
+        top = first["loc"][0] if first["loc"] else None
+        value = raw.get(top, first.get("input")) if isinstance(top, str) else first.get("input")
+        reason = first["msg"]
+        if first["type"] == "extra_forbidden":
+            reason = f"unknown option (known: {', '.join(sorted(ConnectorSettings.model_fields))})"
+        raise ConnectorConfigError(option, value, reason) from None

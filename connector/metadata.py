@@ -1,0 +1,126 @@
+"""The two messages between the connector's scheduler side and its worker side.
+
+* :class:`StepPlan` (scheduler -> workers, once per engine step, carried by vLLM inside
+  ``SchedulerOutput.kv_connector_metadata``): for each handled request scheduled in this
+  step, its blocks and the token range whose KV this step computes; plus the requests
+  whose handoff must be aborted.
+* :class:`SendReport` (worker rank -> scheduler, once per finished handoff): "sent" or
+  "failed". vLLM's own worker->scheduler channel cannot carry it in time (see
+  :mod:`connector.scheduler`), so it travels as one datagram on a Unix socket that the
+  scheduler side binds (:class:`ReportInbox`) and every worker rank writes to
+  (:class:`ReportOutbox`), named after vLLM's ``engine_id`` so both sides agree without
+  configuration. Datagrams on a local socket are reliable and ordered, and a worker sends
+  its report before its step returns, so the scheduler has it when the step's output is
+  processed.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from connector.protocol import HandoffStatus
+
+log = logging.getLogger(__name__)
+
+_MAX_DATAGRAM = 64 * 1024
+_MAX_ERROR_CHARS = 2000
+
+
+class RequestWork(BaseModel):
+    """One handled request in one step: gather tokens ``[start, end)`` of every layer."""
+
+    model_config = ConfigDict(frozen=True)
+
+    req_id: str
+    handoff_id: str
+    kv_endpoint: str
+    num_tokens: int = Field(ge=1, description="prompt tokens handed off")
+    block_ids: tuple[int, ...] = Field(description="the request's blocks, in token order (all so far)")
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+
+    @property
+    def last(self) -> bool:
+        """This step computes the prompt's last token: post every layer, then finish the send."""
+        return self.end >= self.num_tokens
+
+
+class StepPlan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    work: tuple[RequestWork, ...] = ()
+    aborted: tuple[str, ...] = Field(default=(), description="req ids whose handoff is to be aborted")
+
+    def is_empty(self) -> bool:
+        return not self.work and not self.aborted
+
+
+class SendReport(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    req_id: str
+    rank: int = Field(ge=0)
+    status: HandoffStatus
+    error: str | None = None
+
+
+def report_address(engine_id: str, dp_rank: int = 0) -> str:
+    """Abstract-namespace Unix socket name shared by the scheduler and its workers."""
+    return f"\0tilert-connector-{engine_id}-dp{dp_rank}"
+
+
+class ReportInbox:
+    """Scheduler side: receives :class:`SendReport` datagrams without blocking."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(address)
+        self._sock.setblocking(False)
+
+    def drain(self) -> list[SendReport]:
+        reports: list[SendReport] = []
+        while True:
+            try:
+                data = self._sock.recv(_MAX_DATAGRAM)
+            except (BlockingIOError, InterruptedError):
+                return reports
+            except OSError:
+                return reports
+            try:
+                reports.append(SendReport.model_validate_json(data))
+            except ValidationError as exc:
+                log.error("dropping a malformed send report (%d bytes): %s", len(data), exc)
+
+    def wait_readable(self, timeout: float) -> bool:
+        import select
+
+        readable, _, _ = select.select([self._sock], [], [], max(timeout, 0.0))
+        return bool(readable)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class ReportOutbox:
+    """Worker side: sends :class:`SendReport` datagrams to the scheduler's inbox."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+    def send(self, report: SendReport) -> bool:
+        if report.error and len(report.error) > _MAX_ERROR_CHARS:
+            report = report.model_copy(update={"error": report.error[:_MAX_ERROR_CHARS] + "..."})
+        try:
+            self._sock.sendto(report.model_dump_json().encode(), self.address)
+            return True
+        except OSError as exc:
+            log.error("cannot report %s of request %s to the scheduler: %s", report.status, report.req_id, exc)
+            return False
+
+    def close(self) -> None:
+        self._sock.close()

@@ -1,0 +1,279 @@
+"""Scheduler and worker sides of TileRTConnector driven by a miniature vLLM loop (tests/fakes):
+block accounting, chunked prefill, abort, failure, tensor parallelism; a leak check after each."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from connector.config import ConnectorSettings
+from connector.errors import HandshakeRejected
+from connector.metadata import ReportOutbox, report_address
+from connector.profiles import MTP_FLAG, ProfileMismatch, tiny_profile
+from connector.scheduler import ConnectorScheduler
+from connector.worker import ConnectorWorker
+from tests.fakes.fake_sender import FakeKVSender, make_factory
+from tests.fakes.fake_vllm import FakeRequest, MiniEngine, kv_value
+
+N_MAIN = 2
+ENDPOINT = "127.0.0.1:9"
+
+
+class Rig:
+    def __init__(self, world: int = 1, configure=None, max_tokens: int = 512, token_budget: int = 64,
+                 endpoints: tuple[str, ...] = (), report_grace_s: float = 2.0, workers: int | None = None) -> None:
+        address = report_address(uuid.uuid4().hex)
+        self.scheduler = ConnectorScheduler.with_inbox(address, block_size=16, max_tokens=max_tokens,
+                                                       world_size=world, report_grace_s=report_grace_s)
+        self.senders, factory = make_factory(configure)
+        settings = ConnectorSettings(decode_endpoints=endpoints, transfer_timeout_s=1.0)
+        self.workers = [
+            ConnectorWorker(settings=settings, profile=tiny_profile(N_MAIN, "float32"), rank=r, world_size=world,
+                            agent_name=f"test-r{r}", max_tokens=max_tokens, sender_factory=factory,
+                            reports=ReportOutbox(address))
+            for r in range(world if workers is None else workers)]
+        self.engine = MiniEngine(self.scheduler, self.workers, num_layers=N_MAIN + 1, token_budget=token_budget,
+                                 dtype=torch.float32)
+
+    def start(self) -> "Rig":
+        self.engine.register()
+        return self
+
+    def handoff(self, handoff_id: str, rank: int = 0):
+        return self.senders[rank].handoffs[handoff_id]
+
+    def assert_no_leaks(self) -> None:
+        self.engine.run_until_idle()
+        assert self.engine.free_block_count() == self.engine.num_blocks
+        assert self.scheduler.in_flight() == {}
+        for worker in self.workers:
+            assert worker.pending() == {}
+        for sender in self.senders:
+            assert sender.open_handoffs == set()
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
+        self.scheduler.close()
+
+
+@pytest.fixture
+def rig():
+    made: list[Rig] = []
+
+    def make(**kw) -> Rig:
+        r = Rig(**kw).start()
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def request(rid: str, n: int, seed: int = 1, handoff: bool = True, **kw) -> FakeRequest:
+    params = {"handoff_id": f"h-{rid}", "kv_endpoint": ENDPOINT} if handoff else None
+    return FakeRequest(rid, [1000 + (i * 7 + seed) % 500 for i in range(n)], params, seed=seed, **kw)
+
+
+def assert_kv(handoff, seed: int, n: int) -> None:
+    expected_pos = torch.arange(n) % 97
+    for layer in range(N_MAIN + 1):
+        kv = handoff.staging(layer)["kv"]
+        assert kv.shape == (n, 576)
+        got = kv.float()
+        want = (layer * 1000 + seed * 100 + expected_pos).float().unsqueeze(1).expand(n, 576)
+        assert torch.equal(got, want), f"layer {layer}: KV rows do not match their positions"
+
+
+def test_one_step_prefill_is_sent_with_first_token_and_exact_kv(rig):
+    r = rig()
+    req = request("a", 40, seed=3)
+    r.engine.add(req)
+    r.engine.step()
+    delay, params = r.engine.results["a"]
+    assert delay is True
+    assert params["status"] == "sent" and "error" not in params
+    assert params["handoff_id"] == "h-a" and params["kv_endpoint"] == ENDPOINT
+    assert params["num_prompt_tokens"] == 40
+    assert params["first_token_id"] == 103
+    assert params["last_prompt_token_id"] == req.prompt_token_ids[-1]
+    handoff = r.handoff("h-a")
+    assert handoff.posted == [0, 1, 2]
+    assert_kv(handoff, seed=3, n=40)
+    assert r.engine.free_block_count() < r.engine.num_blocks  # held until the worker reports
+    r.assert_no_leaks()
+
+
+def test_chunked_prefill_of_two_interleaved_requests(rig):
+    r = rig(token_budget=32)
+    r.engine.add(request("a", 150, seed=1))
+    r.engine.add(request("b", 70, seed=2))
+    r.engine.step()
+    assert r.handoff("h-a").posted == []  # begun at the first chunk, nothing posted before the last
+    r.engine.run_until_idle()
+    for rid, seed, n in (("a", 1, 150), ("b", 2, 70)):
+        assert r.engine.results[rid][1]["status"] == "sent"
+        assert r.engine.results[rid][1]["num_prompt_tokens"] == n
+        assert_kv(r.handoff(f"h-{rid}"), seed=seed, n=n)
+    assert r.engine.steps >= 7
+    r.assert_no_leaks()
+
+
+def test_requests_without_a_handoff_target_are_untouched(rig):
+    r = rig()
+    r.engine.add(request("plain", 20, handoff=False))
+    bad = request("bad", 20)
+    bad.kv_transfer_params = {"handoff_id": "", "kv_endpoint": ENDPOINT}
+    r.engine.add(bad)
+    r.engine.run_until_idle()
+    assert r.engine.results["plain"] == (False, None)
+    assert r.engine.results["bad"] == (False, None)
+    assert r.senders[0].handoffs == {}
+    r.assert_no_leaks()
+
+
+def test_abort_mid_prefill_frees_blocks_and_aborts_the_handoff(rig):
+    r = rig(token_budget=32)
+    r.engine.add(request("a", 150))
+    r.engine.step()
+    r.engine.step()
+    r.engine.abort("a")
+    assert r.engine.results["a"] == (True, None)  # no output: nothing to answer, blocks held one step
+    r.engine.run_until_idle()
+    handoff = r.handoff("h-a")
+    assert handoff.status() == "failed" and "before its prompt was computed" in handoff.abort_reason
+    r.assert_no_leaks()
+
+
+def test_abort_while_waiting_needs_no_worker(rig):
+    r = rig()
+    r.engine.add(request("a", 40))
+    r.engine.abort("a")
+    assert r.engine.results["a"] == (False, None)
+    assert r.senders[0].handoffs == {}
+    r.assert_no_leaks()
+
+
+def test_transfer_failure_is_reported_failed_and_frees_blocks(rig):
+    r = rig(configure=lambda s: s.fail_wait.add("h-a"))
+    r.engine.add(request("a", 40))
+    r.engine.add(request("b", 40, seed=2))
+    r.engine.run_until_idle()
+    params = r.engine.results["a"][1]
+    assert params["status"] == "failed" and "receiver gone" in params["error"]
+    assert params["first_token_id"] == 101
+    assert r.engine.results["b"][1]["status"] == "sent"
+    r.assert_no_leaks()
+
+
+@pytest.mark.parametrize("reason", ["busy", "too_long"])
+def test_admission_refused_is_reported_failed(rig, reason):
+    r = rig(configure=lambda s: s.refuse.update({ENDPOINT: reason}), token_budget=32)
+    r.engine.add(request("a", 100))
+    r.engine.run_until_idle()
+    params = r.engine.results["a"][1]
+    assert params["status"] == "failed" and reason in params["error"]
+    r.assert_no_leaks()
+
+
+def test_prompt_longer_than_max_tokens_is_failed_without_kv_work(rig):
+    r = rig(max_tokens=64)
+    r.engine.add(request("a", 100))
+    r.engine.run_until_idle()
+    delay, params = r.engine.results["a"]
+    assert delay is False
+    assert params["status"] == "failed" and "exceeds" in params["error"]
+    assert r.senders[0].handoffs == {}
+    r.assert_no_leaks()
+
+
+def test_longer_generation_reports_once_and_frees_at_the_end(rig):
+    r = rig()
+    r.engine.add(request("a", 40, max_tokens=4))
+    r.engine.run_until_idle()
+    params = r.engine.results["a"][1]
+    assert params["status"] == "sent" and params["first_token_id"] == 101
+    r.assert_no_leaks()
+
+
+def test_tensor_parallel_ranks_split_layers_and_all_must_report(rig):
+    r = rig(world=2)
+    r.engine.add(request("a", 40, seed=4))
+    r.engine.run_until_idle()
+    assert r.engine.results["a"][1]["status"] == "sent"
+    assert r.handoff("h-a", 0).posted == [0, 2]
+    assert r.handoff("h-a", 1).posted == [1]
+    for rank, layers in ((0, (0, 2)), (1, (1,))):
+        handoff = r.handoff("h-a", rank)
+        for layer in layers:
+            got = handoff.staging(layer)["kv"][:, 0].float()
+            assert torch.equal(got, torch.tensor([kv_value(layer, 4, t) for t in range(40)]))
+    r.assert_no_leaks()
+
+
+def test_tensor_parallel_one_failing_rank_fails_the_handoff(rig):
+    def configure(sender: FakeKVSender) -> None:
+        if sender.plan.rank == 1:
+            sender.fail_wait.add("h-a")
+
+    r = rig(world=2, configure=configure)
+    r.engine.add(request("a", 40))
+    r.engine.run_until_idle()
+    params = r.engine.results["a"][1]
+    assert params["status"] == "failed" and params["error"].startswith("rank 1:")
+    r.assert_no_leaks()
+
+
+def test_a_rank_that_never_reports_makes_the_handoff_fail_in_bounded_time(rig):
+    r = rig(world=2, workers=1, report_grace_s=0.2)  # vLLM would only count finished_sending of one rank
+    r.engine.workers = r.workers
+    r.engine.add(request("a", 40))
+    r.engine.step()
+    params = r.engine.results["a"][1]
+    assert params["status"] == "failed" and "rank(s) [1]" in params["error"]
+
+
+def _caches(n_layers: int) -> dict[str, torch.Tensor]:
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(8, 16, 576, dtype=torch.float32)
+            for i in range(n_layers)}
+
+
+def _worker(factory, endpoints=(ENDPOINT,)) -> ConnectorWorker:
+    return ConnectorWorker(settings=ConnectorSettings(decode_endpoints=endpoints), profile=tiny_profile(N_MAIN, "float32"),
+                           rank=0, world_size=1, agent_name="t", max_tokens=64, sender_factory=factory,
+                           reports=ReportOutbox(report_address(uuid.uuid4().hex)))
+
+
+def test_without_mtp_startup_fails_naming_the_flag_after_handshaking():
+    senders, factory = make_factory()
+    with pytest.raises(ProfileMismatch) as info:
+        _worker(factory).register_kv_caches(_caches(N_MAIN))
+    assert MTP_FLAG in str(info.value)
+    assert senders[0].layout.num_layers == N_MAIN  # the handshake announced what vLLM really has
+    assert senders[0].connected == [ENDPOINT] and senders[0].closed
+
+
+def test_handshake_rejection_stops_startup_with_field_and_values():
+    rejection = HandshakeRejected("num_layers", "3", "4", "num_layers: expected 3, received 4")
+    senders, factory = make_factory(lambda s: s.reject.update({ENDPOINT: rejection}))
+    with pytest.raises(ProfileMismatch, match="rejected the handshake: num_layers: expected 3, received 4"):
+        _worker(factory).register_kv_caches(_caches(N_MAIN + 1))
+    assert senders[0].closed
+
+
+def test_unreachable_endpoint_at_startup_is_not_fatal():
+    senders, factory = make_factory(lambda s: s.unreachable.add(ENDPOINT))
+    worker = _worker(factory)
+    worker.register_kv_caches(_caches(N_MAIN + 1))
+    assert senders[0].connected == [] and not senders[0].closed
+    worker.shutdown()
+
+
+def test_wrong_cache_row_size_is_a_profile_mismatch():
+    _, factory = make_factory()
+    caches = {k: torch.zeros(8, 16, 576, dtype=torch.bfloat16) for k in _caches(N_MAIN + 1)}
+    with pytest.raises(ProfileMismatch, match="2304-byte rows"):
+        _worker(factory, endpoints=()).register_kv_caches(caches)
