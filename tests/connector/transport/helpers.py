@@ -1,0 +1,43 @@
+"""Factories and leak checks shared by the transport tests."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from connector.layout import KVLayout, cpu_mla_layout
+from connector.receiver import KVReceiver, ReceiverSettings
+from connector.sender import KVSender
+
+SMALL = cpu_mla_layout(2, 1)  # the tiny model's layout: 2 main layers + 1 MTP, bf16 576 per token
+
+
+def make_sender(layout: KVLayout = SMALL, max_tokens: int = 64, transport: str = "memory", **kw) -> KVSender:
+    return KVSender(f"prefill-{uuid.uuid4().hex[:8]}", layout, max_tokens, transport=transport, **kw)
+
+
+@asynccontextmanager
+async def running_receiver(layout: KVLayout = SMALL, max_tokens: int = 64, transport: str = "memory",
+                           **kw) -> AsyncIterator[KVReceiver]:
+    receiver = KVReceiver(ReceiverSettings(layout=layout, max_tokens=max_tokens, transport=transport, **kw))
+    await receiver.start()
+    try:
+        yield receiver
+    finally:
+        await receiver.stop()
+
+
+def assert_no_leaks(receiver: KVReceiver, *senders: KVSender) -> None:
+    assert receiver.busy_slots() == 0, "a receive slot leaked"
+    for sender in senders:
+        assert len(sender._free_staging) == len(sender.staging_buffer) // sender.slot_bytes, "staging leaked"
+
+
+async def eventually(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)

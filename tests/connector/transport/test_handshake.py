@@ -1,0 +1,122 @@
+"""Mismatches fail clearly on both sides, nothing hangs: layer count, plane dtype,
+protocol version, transport kind, sequence too long."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from connector import sender as sender_module
+from connector.control import ControlClient
+from connector.errors import AdmissionRefused, ControlChannelError, HandshakeRejected
+from connector.layout import cpu_mla_layout, glm5_fp8_ds_mla_layout, layout_fingerprint
+from connector.protocol import Admit, Hello, Refused, Reject
+from tests.connector.transport.helpers import assert_no_leaks, make_sender, running_receiver
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def _rejected(receiver, sender) -> HandshakeRejected:
+    with pytest.raises(HandshakeRejected) as info:
+        await asyncio.to_thread(sender.connect, receiver.endpoint, 5)
+    (peer,) = receiver.peers()
+    assert peer.peer == sender.agent_name and peer.state == "rejected"
+    assert info.value.field in peer.reason and info.value.expected in peer.reason
+    assert info.value.received in peer.reason
+    return info.value
+
+
+@pytest.mark.parametrize("transport", ["memory", "nixl"])
+async def test_78_layer_prefill_against_79_layer_decode(transport):
+    async with running_receiver(glm5_fp8_ds_mla_layout(78, 1), 128, transport) as receiver:
+        sender = make_sender(glm5_fp8_ds_mla_layout(78, 0), 128, transport)
+        try:
+            err = await _rejected(receiver, sender)
+        finally:
+            sender.close()
+    assert (err.field, err.expected, err.received) == ("num_layers", "79", "78")
+    assert "num_layers mismatch: decode expects 79" in str(err) and "sent 78" in str(err)
+
+
+async def test_plane_dtype_mismatch_names_the_plane():
+    async with running_receiver(cpu_mla_layout(2, 1, "bfloat16")) as receiver:
+        sender = make_sender(cpu_mla_layout(2, 1, "float32"))
+        try:
+            err = await _rejected(receiver, sender)
+        finally:
+            sender.close()
+    assert err.field == "planes[0].dtype"
+    assert (err.expected, err.received) == ("bfloat16", "float32")
+
+
+async def test_protocol_version_mismatch(monkeypatch):
+    monkeypatch.setattr(sender_module, "PROTOCOL_VERSION", 99)
+    async with running_receiver() as receiver:
+        sender = make_sender()
+        try:
+            err = await _rejected(receiver, sender)
+        finally:
+            sender.close()
+    assert (err.field, err.expected, err.received) == ("protocol_version", "1", "99")
+
+
+async def test_transport_kind_mismatch():
+    async with running_receiver(transport="memory") as receiver:
+        client = await asyncio.to_thread(ControlClient, receiver.endpoint, 5)
+        try:
+            hello = Hello(protocol_version=1, agent_name="p", fingerprint=layout_fingerprint(cpu_mla_layout(2, 1)),
+                          transport="nixl")
+            reply = await asyncio.to_thread(client.request, hello, 5)
+        finally:
+            client.close()
+    assert isinstance(reply, Reject) and reply.field == "transport"
+    assert (reply.expected, reply.received) == ("memory", "nixl")
+
+
+async def test_sequence_too_long_is_refused_by_the_receiver_and_checked_by_the_sender():
+    async with running_receiver(max_tokens=64) as receiver:
+        sender = make_sender(max_tokens=128)
+        try:
+            with pytest.raises(AdmissionRefused) as info:
+                await asyncio.to_thread(sender.begin, receiver.endpoint, "long", 100, 5)
+            assert info.value.reason == "too_long"
+            assert "100 prompt tokens exceed the decode server's max_tokens 64" in str(info.value)
+            with pytest.raises(AdmissionRefused, match="exceed this prefill's KV staging size"):
+                await asyncio.to_thread(sender.begin, receiver.endpoint, "longer", 129, 5)
+            assert_no_leaks(receiver, sender)
+        finally:
+            sender.close()
+
+
+async def test_admit_without_hello_is_refused():
+    async with running_receiver() as receiver:
+        client = await asyncio.to_thread(ControlClient, receiver.endpoint, 5)
+        try:
+            reply = await asyncio.to_thread(client.request, Admit(handoff_id="x", num_tokens=1), 5)
+        finally:
+            client.close()
+        assert isinstance(reply, Refused) and reply.reason == "unknown_peer"
+        assert receiver.busy_slots() == 0
+
+
+async def test_unreachable_endpoint_fails_fast_with_its_address():
+    sender = make_sender()
+    try:
+        with pytest.raises(ControlChannelError, match="127.0.0.1:1"):
+            await asyncio.to_thread(sender.connect, "127.0.0.1:1", 2)
+    finally:
+        sender.close()
+
+
+async def test_connect_is_cached_per_endpoint():
+    async with running_receiver() as receiver:
+        sender = make_sender()
+        try:
+            await asyncio.to_thread(sender.connect, receiver.endpoint, 5)
+            first = sender._peers[receiver.endpoint].client
+            await asyncio.to_thread(sender.connect, receiver.endpoint, 5)
+            assert sender._peers[receiver.endpoint].client is first
+            assert receiver.peers()[0].state == "ok"
+        finally:
+            sender.close()

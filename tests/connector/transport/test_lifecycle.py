@@ -1,0 +1,177 @@
+"""Handoff life cycles on one process: complete, timeout, abort, busy, unclaimed,
+sender gone, tensor-parallel ranks. Every test ends with a leak check."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from connector.errors import AdmissionRefused, HandoffFailed, HandoffTimeout
+from connector.layout import SenderPlan, glm5_fp8_ds_mla_layout
+from tests.connector.transport.helpers import SMALL, assert_no_leaks, eventually, make_sender, running_receiver
+from tests.connector.transport.synthetic import fill, layer_bytes, mismatches
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _send(sender, endpoint, hid, tokens, layers, seed=1, layout=SMALL):
+    handoff = sender.begin(endpoint, hid, tokens, 5)
+    for layer in layers:
+        fill(handoff.staging(layer), layer_bytes(layout, layer, tokens, seed))
+        handoff.post_layer(layer)
+    return handoff
+
+
+@pytest.mark.parametrize("transport", ["memory", "nixl"])
+async def test_complete_handoff_waited_before_admission(transport):
+    async with running_receiver(transport=transport) as receiver:
+        sender = make_sender(transport=transport)
+        try:
+            waiter = asyncio.create_task(receiver.wait_for("h", 10))
+            await asyncio.sleep(0.05)
+            handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "h", 50, range(3))
+            assert await asyncio.to_thread(handoff.wait, 10) == "sent"
+            kv = await waiter
+            assert kv.num_tokens == 50 and len(kv.layers) == 3
+            assert kv.layers[2]["kv"].shape == (50, 576) and kv.layers[2]["kv"].dtype == torch.bfloat16
+            assert mismatches(kv.layers, SMALL, 50, 1) == []
+            assert receiver.busy_slots() == 1
+            receiver.release("h")
+            receiver.release("h")  # idempotent
+            assert_no_leaks(receiver, sender)
+        finally:
+            sender.close()
+
+
+@pytest.mark.parametrize("transport", ["memory", "nixl"])
+async def test_sender_never_completes_receiver_times_out_and_frees_the_slot(transport):
+    async with running_receiver(transport=transport) as receiver:
+        sender = make_sender(transport=transport)
+        try:
+            handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "partial", 10, [0])
+            with pytest.raises(HandoffTimeout, match="1/3 layers arrived"):
+                await receiver.wait_for("partial", 0.5)
+            assert receiver.busy_slots() == 0
+            handoff.abort("test over")
+            assert handoff.status() == "failed"
+            with pytest.raises(HandoffTimeout, match="never admitted"):
+                await receiver.wait_for("nobody", 0.2)
+            assert_no_leaks(receiver, sender)
+        finally:
+            sender.close()
+
+
+@pytest.mark.parametrize("transport", ["memory", "nixl"])
+async def test_abort_releases_the_receiver(transport):
+    async with running_receiver(transport=transport) as receiver:
+        sender = make_sender(transport=transport)
+        try:
+            handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "ab", 10, [0, 1])
+            waiter = asyncio.create_task(receiver.wait_for("ab", 10))
+            await asyncio.to_thread(handoff.abort, "client went away")
+            with pytest.raises(HandoffFailed, match="aborted by the sender .*client went away"):
+                await waiter
+            assert handoff.status() == "failed" and "client went away" in handoff.error
+            handoff.post_layer(2)  # posting after abort is ignored, not an error
+            assert_no_leaks(receiver, sender)
+        finally:
+            sender.close()
+
+
+async def test_busy_when_all_slots_are_taken_then_free_again():
+    async with running_receiver(slots=1) as receiver:
+        sender = make_sender()
+        try:
+            first = await asyncio.to_thread(_send, sender, receiver.endpoint, "a", 8, range(3))
+            with pytest.raises(AdmissionRefused) as info:
+                await asyncio.to_thread(sender.begin, receiver.endpoint, "b", 8, 5)
+            assert info.value.reason == "busy" and "1 KV receive slots" in str(info.value)
+            assert await asyncio.to_thread(first.wait, 5) == "sent"
+            await receiver.wait_for("a", 5)
+            receiver.release("a")
+            second = await asyncio.to_thread(_send, sender, receiver.endpoint, "b", 8, range(3))
+            assert await asyncio.to_thread(second.wait, 5) == "sent"
+            await receiver.wait_for("b", 5)
+            receiver.release("b")
+            assert_no_leaks(receiver, sender)
+        finally:
+            sender.close()
+
+
+async def test_unclaimed_handoff_is_freed():
+    async with running_receiver(unclaimed_timeout_s=0.3) as receiver:
+        sender = make_sender()
+        try:
+            handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "lost", 8, range(3))
+            assert await asyncio.to_thread(handoff.wait, 5) == "sent"
+            assert receiver.busy_slots() == 1
+            await eventually(lambda: receiver.busy_slots() == 0, timeout=5)
+            assert_no_leaks(receiver, sender)
+        finally:
+            sender.close()
+
+
+async def test_sender_that_disappears_fails_its_incomplete_handoffs():
+    async with running_receiver() as receiver:
+        sender = make_sender()
+        await asyncio.to_thread(_send, sender, receiver.endpoint, "orphan", 8, [0])
+        waiter = asyncio.create_task(receiver.wait_for("orphan", 10))
+        await asyncio.to_thread(sender.close)
+        with pytest.raises(HandoffFailed, match="disconnected after 1/3 layers"):
+            await waiter
+        assert_no_leaks(receiver)
+
+
+async def test_sender_wait_timeout_aborts():
+    async with running_receiver() as receiver:
+        sender = make_sender()
+        try:
+            handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "slow", 8, [0])
+            assert await asyncio.to_thread(handoff.wait, 0.2) == "failed"
+            assert "1/3 sent" in handoff.error
+            with pytest.raises(HandoffFailed):
+                await receiver.wait_for("slow", 5)
+            assert_no_leaks(receiver, sender)
+        finally:
+            sender.close()
+
+
+def test_sender_plan_spreads_layers_round_robin():
+    plans = [SenderPlan(world_size=4, rank=r) for r in range(4)]
+    shares = [p.layers(79) for p in plans]
+    assert shares[0][:3] == (0, 4, 8) and shares[3][-1] == 75
+    assert sorted(layer for share in shares for layer in share) == list(range(79))
+    assert [len(s) for s in shares] == [20, 20, 20, 19]
+    assert all(plans[0].owner(layer) == layer % 4 for layer in range(79))
+    assert SenderPlan(world_size=8, rank=7).layers(3) == ()
+    with pytest.raises(ValueError, match="rank=2"):
+        SenderPlan(world_size=2, rank=2)
+
+
+async def test_tensor_parallel_ranks_complete_one_handoff_together():
+    layout = glm5_fp8_ds_mla_layout(6, 1)
+    async with running_receiver(layout, 130) as receiver:
+        senders = [make_sender(layout, 130, sender_plan=SenderPlan(3, r)) for r in range(3)]
+        try:
+            waiter = asyncio.create_task(receiver.wait_for("tp", 10))
+            handoffs = []
+            for rank, sender in enumerate(senders[:2]):
+                handoffs.append(await asyncio.to_thread(_send, sender, receiver.endpoint, "tp", 130,
+                                                        sender.plan_layers, 3, layout))
+                with pytest.raises(ValueError, match="not sent by this rank"):
+                    handoffs[-1].post_layer((rank + 1) % 3)
+            await asyncio.sleep(0.1)
+            assert not waiter.done()  # rank 2's layers are missing
+            handoffs.append(await asyncio.to_thread(_send, senders[2], receiver.endpoint, "tp", 130,
+                                                    senders[2].plan_layers, 3, layout))
+            assert [await asyncio.to_thread(h.wait, 5) for h in handoffs] == ["sent"] * 3
+            kv = await waiter
+            assert mismatches(kv.layers, layout, 130, 3) == []
+            assert kv.layers[0]["indexer"].shape == (3, 8448)
+            receiver.release("tp")
+            assert_no_leaks(receiver, *senders)
+        finally:
+            for sender in senders:
+                sender.close()
