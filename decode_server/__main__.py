@@ -1,0 +1,78 @@
+"""``python -m decode_server --engine {reference,tilert} --model DIR ...`` (see --help)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Sequence
+
+from connector.layout import KVLayout
+from decode_server.engine.base import Engine
+from decode_server.server import AppConfig, create_app
+from decode_server.settings import DecodeServerSettings, SettingsError, load_settings
+
+
+def engine_factory(settings: DecodeServerSettings):  # noqa: ANN201 - returns a zero-argument factory
+    def build() -> Engine:
+        if settings.engine == "tilert":
+            from decode_server.engine.tilert import TileRTEngine
+
+            return TileRTEngine(settings.model, max_seq_len=settings.max_seq_len, num_mtp=settings.num_mtp)
+        from decode_server.engine.reference import ReferenceEngine
+
+        return ReferenceEngine(settings.model, slots=settings.effective_slots, max_seq_len=settings.max_seq_len,
+                               num_mtp=settings.num_mtp, kv_dtype=settings.kv_dtype)
+    return build
+
+
+def receiver_factory(settings: DecodeServerSettings):  # noqa: ANN201 - returns a factory
+    def build(layout: KVLayout, slots: int, max_tokens: int):  # noqa: ANN202
+        from connector.receiver import KVReceiver, ReceiverSettings
+
+        return KVReceiver(ReceiverSettings(layout=layout, max_tokens=max_tokens, slots=slots, host=settings.kv_host,
+                                           port=settings.kv_port, transport=settings.kv_transport,
+                                           device=settings.device if settings.engine == "tilert" else "cpu"))
+    return build
+
+
+def app_config(settings: DecodeServerSettings) -> AppConfig:
+    return AppConfig(model_dir=settings.model, served_model_name=settings.model_name, engine=settings.engine,
+                     slots=settings.effective_slots, max_seq_len=settings.max_seq_len, num_mtp=settings.num_mtp,
+                     kv_timeout=settings.kv_timeout, reasoning_parser=settings.reasoning_parser != "none",
+                     tool_call_parser=settings.tool_call_parser != "none")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        settings = load_settings(argv)
+    except SettingsError as exc:
+        print(f"decode_server: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("decode_server")
+    if settings.engine == "tilert" and settings.slots != 1:
+        log.warning("--slots %d ignored: the tilert engine decodes one sequence at a time", settings.slots)
+    failures: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(exc: BaseException) -> None:
+        failures.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(app_config(settings), engine_factory(settings), receiver_factory(settings), on_fatal)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            loop="uvloop", http="httptools", access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    server.run()
+    if failures:
+        log.error("decode server stopped: %s", failures[0])
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The decode server's ASGI app: state, start-up and shutdown.
+
+``create_app`` takes factories, so the same app runs the real engine and receiver
+(``python -m decode_server``) or fakes (tests). Loading the engine can take minutes
+(TileRT): it runs in a thread after the server started listening, so ``/health``
+answers at once and ``/ready`` turns 200 when the engine is loaded and the KV
+receiver listens. A load failure is logged and reported through ``on_fatal``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Protocol
+
+from fastapi import FastAPI
+
+from connector.layout import KVLayout
+from decode_server.engine.base import Engine
+from decode_server.server.generation import GenerationContext, Receiver
+from decode_server.server.metrics import DecodeMetrics
+from decode_server.server.sampling import ServerLimits
+from decode_server.server.slots import SlotManager
+from decode_server.server.text import GenerationDefaults, TextTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class ManagedReceiver(Receiver, Protocol):
+    """The full receiver surface the app drives (see connector.receiver.KVReceiver)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    @property
+    def endpoint(self) -> str: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    @property
+    def listening(self) -> bool: ...
+
+    def peers(self) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """What the app needs from the settings (see :mod:`decode_server.settings`)."""
+
+    model_dir: Path
+    served_model_name: str
+    engine: str
+    slots: int
+    max_seq_len: int
+    num_mtp: int
+    kv_timeout: float
+    reasoning_parser: bool = False
+    tool_call_parser: bool = False
+
+
+EngineFactory = Callable[[], Engine]
+ReceiverFactory = Callable[[KVLayout, int, int], ManagedReceiver]  # (layout, slots, max_tokens)
+
+
+@dataclass
+class DecodeState:
+    config: AppConfig
+    tokenizer: TextTokenizer
+    defaults: GenerationDefaults
+    slots: SlotManager
+    metrics: DecodeMetrics
+    engine: Engine | None = None
+    receiver: ManagedReceiver | None = None
+    context: GenerationContext | None = None
+    limits: ServerLimits | None = None
+    load_error: str | None = None
+    executor: ThreadPoolExecutor | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.context is not None and self.receiver is not None and self.receiver.listening
+
+    def not_ready_reason(self) -> str:
+        if self.load_error:
+            return f"engine or KV receiver failed to start: {self.load_error}"
+        if self.engine is None:
+            return "engine is loading"
+        if self.receiver is None or not self.receiver.listening:
+            return "KV receiver is not listening"
+        return "starting"
+
+    async def load(self, engine_factory: EngineFactory, receiver_factory: ReceiverFactory) -> None:
+        cfg = self.config
+        self.engine = await asyncio.to_thread(engine_factory)
+        caps = self.engine.capabilities
+        if caps.slots < cfg.slots:
+            raise RuntimeError(f"--slots {cfg.slots}: the {caps.engine} engine supports {caps.slots}")
+        receiver = receiver_factory(self.engine.kv_layout, cfg.slots, cfg.max_seq_len)
+        await receiver.start()
+        self.receiver = receiver
+        self.executor = ThreadPoolExecutor(max_workers=cfg.slots, thread_name_prefix="decode-slot")
+        self.limits = ServerLimits(max_seq_len=cfg.max_seq_len, supports_logprobs=caps.supports_logprobs,
+                                   engine=caps.engine, model_name=cfg.served_model_name,
+                                   reasoning_parser=cfg.reasoning_parser, tool_call_parser=cfg.tool_call_parser)
+        self.context = GenerationContext(engine=self.engine, receiver=receiver, tokenizer=self.tokenizer,
+                                         slots=self.slots, metrics=self.metrics, executor=self.executor,
+                                         kv_timeout=cfg.kv_timeout)
+        log.info("decode server ready: engine=%s slots=%d kv_endpoint=%s", caps.engine, cfg.slots, receiver.endpoint)
+
+    async def shutdown(self) -> None:
+        for job in self.slots.jobs():
+            job.abort("shutdown")
+        if self.receiver is not None:
+            await self.receiver.stop()
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+
+
+def create_app(config: AppConfig, engine_factory: EngineFactory, receiver_factory: ReceiverFactory,
+               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    from decode_server.server.routes import router
+
+    tokenizer = TextTokenizer.from_model_dir(config.model_dir)
+    slots = SlotManager(config.slots)
+    state = DecodeState(config=config, tokenizer=tokenizer,
+                        defaults=GenerationDefaults.from_model_dir(config.model_dir, tokenizer),
+                        slots=slots, metrics=DecodeMetrics(lambda: slots.busy, config.slots))
+
+    async def load() -> None:
+        try:
+            await state.load(engine_factory, receiver_factory)
+        except Exception as exc:  # noqa: BLE001 - reported through /ready and on_fatal
+            state.load_error = f"{type(exc).__name__}: {exc}"
+            log.exception("decode server failed to start")
+            if on_fatal is not None:
+                on_fatal(exc)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            loader.cancel()
+            await asyncio.gather(loader, return_exceptions=True)
+            await state.shutdown()
+
+    app = FastAPI(title="decode_server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.decode = state
+    app.include_router(router)
+    return app

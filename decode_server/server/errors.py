@@ -1,0 +1,102 @@
+"""One error hierarchy for the decode server's HTTP layer.
+
+Every failure a client can see is an :class:`ApiError`; its ``error_type`` is both
+the ``error.type`` of the OpenAI-shaped body and the ``error_type`` label of the
+``decode_server_errors_total`` metric. Lower-layer errors (receiver, engine) are
+mapped to these at one boundary, :mod:`decode_server.server.generation`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorBody(BaseModel):
+    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI sends it."""
+
+    error: ErrorDetail
+
+
+class ApiError(Exception):
+    status: int = 500
+    error_type: str = "internal_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(error=ErrorDetail(message=self.message, type=self.error_type, param=self.param,
+                                           code=self.status))
+
+    def json_bytes(self) -> bytes:
+        return self.body().model_dump_json().encode()
+
+
+class InvalidRequest(ApiError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class NotFound(ApiError):
+    status = 404
+    error_type = "not_found_error"
+
+
+class Busy(ApiError):
+    status = 429
+    error_type = "rate_limit_error"
+
+
+class Cancelled(ApiError):
+    """The request was cancelled (cancel endpoint) or its client went away."""
+
+    status = 499
+    error_type = "cancelled"
+
+
+class EngineFailure(ApiError):
+    status = 500
+    error_type = "engine_error"
+
+
+class NotReady(ApiError):
+    status = 503
+    error_type = "service_unavailable"
+
+
+class HandoffFailed(ApiError):
+    """Prefill reported the KV handoff as failed, or the sender aborted it."""
+
+    status = 502
+    error_type = "kv_handoff_failed"
+
+
+class KVTimeout(ApiError):
+    status = 504
+    error_type = "kv_timeout"
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """Turn pydantic's error list into one message and the offending parameter."""
+    first = errors[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    msg = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]
+    )
+    return msg, loc or None
+
+
+class Conflict(ApiError):
+    status = 409
+    error_type = "conflict_error"

@@ -1,0 +1,342 @@
+"""One generation, from KV wait to the last byte, with one abort path.
+
+:class:`Job` owns everything a request holds — its decode slot, its KV handoff in
+the receiver, its engine session and worker thread — and gives each back exactly
+once, whatever happens (client gone, cancel endpoint, KV timeout, engine error,
+server shutdown). :class:`GenerationResponse` is the ASGI response that runs the
+job and watches the client: a disconnect aborts the job at once.
+
+Threads: the engine runs on the slot's worker thread (``engine.start`` then
+``session.step`` until a stop condition); stop conditions, detokenization and
+stop strings run there too (:class:`SequenceProcessor`). Results come back to the
+loop through ``call_soon_threadsafe``; the loop only renders and sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from starlette.responses import Response
+
+from connector.errors import HandoffFailed as KVHandoffFailed
+from connector.errors import HandoffTimeout
+from connector.protocol import HandoffResult
+from connector.receiver import ReceivedKV
+from decode_server.engine.base import Cancelled as EngineCancelled
+from decode_server.engine.base import DecodeSession, Engine, EngineError, TokenOut
+from decode_server.server.errors import ApiError, Cancelled, EngineFailure, HandoffFailed, KVTimeout
+from decode_server.server.metrics import DecodeMetrics
+from decode_server.server.responses import DONE, dumps, renderer_for, sse
+from decode_server.server.sampling import Plan
+from decode_server.server.sequence import Delta, SequenceProcessor
+from decode_server.server.slots import Slot, SlotManager
+from decode_server.server.text import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+class Receiver(Protocol):
+    """What the server uses of :class:`connector.receiver.KVReceiver`."""
+
+    async def wait_for(self, handoff_id: str, timeout: float) -> ReceivedKV: ...
+
+    def release(self, handoff_id: str) -> None: ...
+
+
+@dataclass
+class GenerationContext:
+    engine: Engine
+    receiver: Receiver
+    tokenizer: TextTokenizer
+    slots: SlotManager
+    metrics: DecodeMetrics
+    executor: Executor
+    kv_timeout: float
+
+
+class _Started:
+    pass
+
+
+_ABORTED = object()
+
+
+def error_response_parts(err: ApiError, extra_headers: list[tuple[bytes, bytes]]) -> tuple[dict, dict]:
+    body = err.json_bytes()
+    start = {"type": "http.response.start", "status": err.status,
+             "headers": JSON_HEADERS + [(b"content-length", str(len(body)).encode())] + extra_headers}
+    return start, {"type": "http.response.body", "body": body}
+
+
+class Job:
+    def __init__(self, ctx: GenerationContext, plan: Plan, endpoint_label: str) -> None:
+        self.ctx = ctx
+        self.plan = plan
+        self.endpoint_label = endpoint_label
+        self.request_id = plan.request_id
+        self.slot: Slot | None = None
+        self.arrived = time.monotonic()
+        self.abort_reason: str | None = None
+        self._aborted = asyncio.Event()
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._session: DecodeSession | None = None
+        self._worker_started = False
+        self._kv_released = False
+        self._closed = False
+
+    # ---- abort path -------------------------------------------------------------
+    def abort(self, reason: str) -> bool:
+        """Stop this generation (from the loop). Returns False if it already ended."""
+        if self._closed or self.abort_reason is not None:
+            return False
+        self.abort_reason = reason
+        self.ctx.metrics.cancelled.labels(reason).inc()
+        self._stop.set()
+        with self._lock:
+            session = self._session
+        if session is not None:
+            session.cancel()
+        self._aborted.set()
+        self._queue.put_nowait(_ABORTED)
+        return True
+
+    def close(self) -> None:
+        """Always called last (on the loop): gives back whatever the worker does not own."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        with self._lock:
+            session = self._session
+        if session is not None:
+            session.cancel()
+        if not self._worker_started:
+            self._release_kv()
+            if self.slot is not None:
+                self.ctx.slots.release(self.slot)
+
+    def _release_kv(self) -> None:
+        if not self._kv_released:
+            self._kv_released = True
+            self.ctx.receiver.release(self.plan.handoff.handoff_id)
+
+    def _from_worker(self, fn: Any, *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed at shutdown: nothing left to notify
+            pass
+
+    # ---- KV wait --------------------------------------------------------------------
+    async def _wait_kv(self) -> ReceivedKV:
+        handoff = self.plan.handoff
+        wait = asyncio.ensure_future(self.ctx.receiver.wait_for(handoff.handoff_id, self.ctx.kv_timeout))
+        aborted = asyncio.ensure_future(self._aborted.wait())
+        try:
+            await asyncio.wait({wait, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for fut in (wait, aborted):
+                if not fut.done():
+                    fut.cancel()
+        if not wait.done() or wait.cancelled():
+            raise Cancelled(f"request {self.request_id!r} was cancelled ({self.abort_reason}) while waiting for KV")
+        try:
+            kv = wait.result()
+        except HandoffTimeout as exc:
+            raise KVTimeout(f"the KV of handoff {handoff.handoff_id!r} did not arrive within "
+                            f"{self.ctx.kv_timeout:g} s: {exc}") from exc
+        except KVHandoffFailed as exc:
+            raise HandoffFailed(f"the KV handoff {handoff.handoff_id!r} failed: {exc}") from exc
+        self.ctx.metrics.kv_wait.observe(time.monotonic() - self.arrived)
+        return kv
+
+    # ---- worker thread ----------------------------------------------------------------
+    def _post(self, item: Any) -> None:
+        self._from_worker(self._queue.put_nowait, item)
+
+    def _work(self, kv: ReceivedKV) -> None:
+        session: DecodeSession | None = None
+        try:
+            try:
+                session = self.ctx.engine.start(kv, self.plan.handoff, self.plan.sampling)
+            finally:
+                self._from_worker(self._release_kv)  # the engine copied the KV (or failed)
+            with self._lock:
+                self._session = session
+            if self._stop.is_set():
+                session.cancel()
+            self._post(_Started())
+            self._decode(session, self.plan.handoff)
+        except EngineCancelled:
+            pass
+        except ApiError as exc:
+            self._post(exc)
+        except EngineError as exc:
+            self._post(EngineFailure(f"decode engine error: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - report, never kill the worker silently
+            log.exception("request %s: engine failure", self.request_id)
+            self._post(EngineFailure(f"decode engine failure: {type(exc).__name__}: {exc}"))
+        finally:
+            if session is not None:
+                try:
+                    session.close()
+                except Exception:  # noqa: BLE001
+                    log.exception("request %s: session.close failed", self.request_id)
+            if self.slot is not None:
+                self._from_worker(self.ctx.slots.release, self.slot)
+
+    def _decode(self, session: DecodeSession, handoff: HandoffResult) -> None:
+        plan, metrics = self.plan, self.ctx.metrics
+        proc = SequenceProcessor(self.ctx.tokenizer, plan.stop, [handoff.last_prompt_token_id],
+                                 plan.logprobs, plan.tokens_as_ids)
+        delta = proc.feed([TokenOut(handoff.first_token_id)], plan.first_logprob)
+        metrics.first_token()
+        self._post(delta)
+        drafted = accepted = 0
+        while not proc.finished and not self._stop.is_set():
+            t0 = time.perf_counter()
+            tokens = session.step()
+            dt = time.perf_counter() - t0
+            if not tokens:
+                raise EngineError("the engine step produced no token")
+            delta = proc.feed(tokens)
+            metrics.step(len(delta.token_ids), dt)
+            stats = session.stats
+            metrics.spec(stats.drafted - drafted, stats.accepted - accepted)
+            drafted, accepted = stats.drafted, stats.accepted
+            self._post(delta)
+
+    # ---- the response -------------------------------------------------------------------
+    async def _first_event(self) -> None:
+        kv = await self._wait_kv()
+        if self.abort_reason is not None:
+            self._release_kv()
+            raise Cancelled(f"request {self.request_id!r} was cancelled ({self.abort_reason})")
+        self._worker_started = True
+        self._loop.run_in_executor(self.ctx.executor, self._work, kv)
+        first = await self._queue.get()
+        if first is _ABORTED:
+            raise Cancelled(f"request {self.request_id!r} was cancelled ({self.abort_reason})")
+        if isinstance(first, ApiError):
+            raise first
+
+    async def run(self, send: Any, headers: list[tuple[bytes, bytes]]) -> None:
+        renderer = renderer_for(self.plan)
+        try:
+            await self._first_event()
+        except ApiError as err:
+            self._count(err.status, err)
+            if self.abort_reason != "client_disconnected":
+                start, body = error_response_parts(err, headers)
+                await send(start)
+                await send(body)
+            return
+        status_sent = False
+        try:
+            if self.plan.stream:
+                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers})
+                status_sent = True
+                self._count(200)
+                await self._stream(send, renderer)
+            else:
+                await self._full(send, renderer, headers)
+        except ApiError as err:
+            if not status_sent:
+                self._count(err.status, err)
+                start, body = error_response_parts(err, headers)
+                await send(start)
+                await send(body)
+            elif self.abort_reason != "client_disconnected":
+                self.ctx.metrics.errors.labels(err.error_type).inc()
+                await send({"type": "http.response.body", "body": sse(err.body().model_dump()) + DONE})
+
+    async def _next_delta(self) -> Delta:
+        item = await self._queue.get()
+        if item is _ABORTED:
+            raise Cancelled(f"request {self.request_id!r} was cancelled ({self.abort_reason})")
+        if isinstance(item, ApiError):
+            raise item
+        return item
+
+    async def _stream(self, send: Any, renderer: Any) -> None:
+        out = [sse(c) for c in renderer.start()]
+        while True:
+            delta = await self._next_delta()
+            out.extend(sse(c) for c in renderer.add(delta))
+            if delta.finish_reason:
+                break
+            if out:
+                await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                out = []
+        out.extend(sse(c) for c in renderer.end())
+        out.append(DONE)
+        await send({"type": "http.response.body", "body": b"".join(out)})
+
+    async def _full(self, send: Any, renderer: Any, headers: list[tuple[bytes, bytes]]) -> None:
+        while not (await self._next_delta_into(renderer)).finish_reason:
+            pass
+        body = dumps(renderer.full())
+        self._count(200)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": JSON_HEADERS + [(b"content-length", str(len(body)).encode())] + headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _next_delta_into(self, renderer: Any) -> Delta:
+        delta = await self._next_delta()
+        renderer.add(delta)
+        return delta
+
+    def _count(self, status: int, err: ApiError | None = None) -> None:
+        self.ctx.metrics.requests.labels(self.endpoint_label, str(status)).inc()
+        if err is not None:
+            self.ctx.metrics.errors.labels(err.error_type).inc()
+
+
+class GenerationResponse(Response):
+    """ASGI response running one :class:`Job` while watching for the client leaving.
+
+    (A Starlette ``Response`` only so that FastAPI passes it through; the status and
+    body are decided while it runs.)"""
+
+    def __init__(self, job: Job, headers: list[tuple[bytes, bytes]]) -> None:  # noqa: D107
+        self.job = job
+        self._extra_headers = headers
+        self.status_code = 200
+        self.background = None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        watcher = asyncio.ensure_future(self._watch(receive))
+        try:
+            await self.job.run(self._safe_send(send), self._extra_headers)
+        finally:
+            watcher.cancel()
+            self.job.close()
+
+    def _safe_send(self, send: Any) -> Any:
+        async def wrapped(message: dict) -> None:
+            if self.job.abort_reason == "client_disconnected":
+                return
+            try:
+                await send(message)
+            except OSError:
+                self.job.abort("client_disconnected")
+        return wrapped
+
+    async def _watch(self, receive: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.job.abort("client_disconnected")
+                return

@@ -1,0 +1,171 @@
+"""GLM chat output parsing: ``<think>..</think>`` -> ``reasoning_content`` and
+``<tool_call>..</tool_call>`` -> ``tool_calls``, incrementally over text deltas.
+
+GLM-4.5..5 tool-call body: ``name<arg_key>k</arg_key><arg_value>v</arg_value>...``
+(newlines between the parts allowed); a JSON object ``{"name", "arguments"}`` is
+accepted too. Argument values are strings unless the tool's JSON schema gives the
+parameter a non-string type, in which case they are read as JSON when they parse.
+With reasoning on, generation starts inside the reasoning block (GLM templates
+open ``<think>`` in the prompt), as vLLM's GLM parser does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from decode_server.server.stops import partial_suffix_len
+
+THINK_START, THINK_END = "<think>", "</think>"
+TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
+_ARG_RE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+_REASONING, _CONTENT, _TOOL = "reasoning", "content", "tool"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            out["index"] = index
+        return out
+
+
+@dataclass
+class ChatPiece:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+def _param_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, str]]:
+    types: dict[str, dict[str, str]] = {}
+    for tool in tools or []:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            continue
+        props = (fn.get("parameters") or {}).get("properties") or {}
+        types[fn["name"]] = {k: str(v.get("type", "string")) for k, v in props.items() if isinstance(v, dict)}
+    return types
+
+
+def parse_tool_call(body: str, param_types: dict[str, dict[str, str]]) -> ToolCall | None:
+    """One ``<tool_call>`` body -> a ToolCall, or None when it is not one."""
+    text = body.strip()
+    call_id = f"call_{uuid.uuid4().hex[:24]}"
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        return ToolCall(call_id, obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    cut = text.find("<arg_key>")
+    name = (text if cut < 0 else text[:cut]).strip()
+    if not name or "<" in name or "\n" in name:
+        return None
+    types = param_types.get(name, {})
+    args: dict[str, Any] = {}
+    for key, value in _ARG_RE.findall(text):
+        key = key.strip()
+        args[key] = value
+        if types.get(key, "string") != "string":
+            try:
+                args[key] = json.loads(value)
+            except json.JSONDecodeError:
+                pass
+    return ToolCall(call_id, name, json.dumps(args, ensure_ascii=False))
+
+
+class GlmChatParser:
+    """Feed text deltas, get reasoning / content / complete tool calls back."""
+
+    def __init__(self, reasoning: bool, tools: list[dict[str, Any]] | None) -> None:
+        self._reasoning = reasoning
+        self._tools_on = tools is not None
+        self._types = _param_types(tools)
+        self._state = _REASONING if reasoning else _CONTENT
+        self._held = ""
+        self._tool_body: list[str] = []
+        self.num_tool_calls = 0
+
+    def _markers(self) -> tuple[str, ...]:
+        if self._state == _REASONING:
+            return (THINK_START, THINK_END, TOOL_START) if self._tools_on else (THINK_START, THINK_END)
+        if self._state == _TOOL:
+            return (TOOL_END,)
+        markers: tuple[str, ...] = (TOOL_START,) if self._tools_on else ()
+        return markers + ((THINK_START, THINK_END) if self._reasoning else ())
+
+    def feed(self, text: str) -> ChatPiece:
+        piece = ChatPiece()
+        buf = self._held + text
+        self._held = ""
+        while buf:
+            markers = self._markers()
+            hits = [(buf.find(m), m) for m in markers if m in buf]
+            if not hits:
+                keep = partial_suffix_len(buf, markers)
+                self._emit(piece, buf[: len(buf) - keep])
+                self._held = buf[len(buf) - keep:]
+                break
+            pos, marker = min(hits)
+            self._emit(piece, buf[:pos])
+            self._transition(piece, marker)
+            buf = buf[pos + len(marker):]
+        return piece
+
+    def finish(self) -> ChatPiece:
+        """End of generation: held text is emitted; an unclosed tool call stays text."""
+        piece = ChatPiece()
+        held, self._held = self._held, ""
+        if self._state == _TOOL:
+            self._state = _CONTENT
+            held = TOOL_START + "".join(self._tool_body) + held
+            self._tool_body = []
+        self._emit(piece, held)
+        return piece
+
+    def _emit(self, piece: ChatPiece, text: str) -> None:
+        if not text:
+            return
+        if self._state == _REASONING:
+            piece.reasoning += text
+        elif self._state == _TOOL:
+            self._tool_body.append(text)
+        else:
+            piece.content += text
+
+    def _transition(self, piece: ChatPiece, marker: str) -> None:
+        if marker == THINK_START:
+            self._state = _REASONING
+        elif marker == THINK_END:
+            self._state = _CONTENT
+        elif marker == TOOL_START:
+            self._state = _TOOL
+            self._tool_body = []
+        elif marker == TOOL_END:
+            body = "".join(self._tool_body)
+            self._tool_body = []
+            self._state = _CONTENT
+            call = parse_tool_call(body, self._types)
+            if call is None:
+                piece.content += TOOL_START + body + TOOL_END
+            else:
+                piece.tool_calls.append(call)
+                self.num_tool_calls += 1
+

@@ -1,0 +1,94 @@
+"""Prometheus metrics of one decode server app (its own registry; prefix
+``decode_server_``). Counters are updated from worker threads too
+(prometheus-client is thread-safe)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _RecentRate:
+    """Output tokens per second over the last ``window`` seconds, all slots together."""
+
+    def __init__(self, window: float = 10.0) -> None:
+        self._window = window
+        self._events: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._events.append((now, n))
+            self._trim(now)
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            self._trim(now)
+            return sum(n for _, n in self._events) / self._window
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self._window:
+            self._events.popleft()
+
+
+class DecodeMetrics:
+    def __init__(self, busy_slots: Callable[[], int], slots: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("decode_server_requests", "Requests by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.errors = Counter("decode_server_errors", "Errors by type (the OpenAI error.type)", ["error_type"],
+                              registry=r)
+        self.tokens = Counter("decode_server_generated_tokens", "Output tokens sent (the first token included)",
+                              registry=r)
+        self.tpot = Histogram("decode_server_time_per_output_token_seconds",
+                              "Engine step time divided by the tokens it produced", buckets=_TPOT_BUCKETS, registry=r)
+        self.kv_wait = Histogram("decode_server_kv_wait_seconds", "Time from request arrival until its KV was complete",
+                                 buckets=_WAIT_BUCKETS, registry=r)
+        self.drafted = Counter("decode_server_mtp_drafted_tokens", "MTP draft tokens proposed", registry=r)
+        self.accepted = Counter("decode_server_mtp_accepted_tokens", "MTP draft tokens accepted", registry=r)
+        self.cancelled = Counter("decode_server_cancelled", "Generations stopped early, by reason", ["reason"],
+                                 registry=r)
+        self._rate = _RecentRate()
+        self._spec_lock = threading.Lock()
+        self._spec_totals = (0, 0)
+        Gauge("decode_server_tokens_per_second", "Output tokens per second over the last 10 s, all slots",
+              registry=r).set_function(self._rate.rate)
+        Gauge("decode_server_mtp_acceptance_rate", "Accepted / drafted MTP tokens since start",
+              registry=r).set_function(self._acceptance)
+        Gauge("decode_server_busy_slots", "Slots holding a sequence", registry=r).set_function(busy_slots)
+        Gauge("decode_server_slots", "Configured slots", registry=r).set(slots)
+
+    def _acceptance(self) -> float:
+        with self._spec_lock:
+            drafted, accepted = self._spec_totals
+        return accepted / drafted if drafted else 0.0
+
+    def step(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens:
+            self.tokens.inc(n_tokens)
+            self._rate.add(n_tokens)
+            self.tpot.observe(seconds / n_tokens)
+
+    def first_token(self) -> None:
+        self.tokens.inc()
+        self._rate.add(1)
+
+    def spec(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            with self._spec_lock:
+                self._spec_totals = (self._spec_totals[0] + drafted, self._spec_totals[1] + accepted)
+            self.drafted.inc(drafted)
+            self.accepted.inc(accepted)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,181 @@
+"""From a validated OpenAI request to what one generation needs: engine sampling
+parameters, stop conditions, output options. Every rejection is an OpenAI 400
+naming the parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from connector.protocol import PROTOCOL_VERSION, HandoffResult
+from decode_server.engine.base import SamplingParams
+from decode_server.server.errors import HandoffFailed, InvalidRequest
+from decode_server.server.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
+from decode_server.server.sequence import StopSpec, TokenLogprob
+from decode_server.server.text import GenerationDefaults
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_seq_len: int
+    supports_logprobs: bool
+    engine: str
+    model_name: str
+    reasoning_parser: bool = False
+    tool_call_parser: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    endpoint: Endpoint
+    request_id: str
+    handoff: HandoffResult
+    sampling: SamplingParams
+    stop: StopSpec
+    stream: bool
+    include_usage: bool
+    model: str
+    logprobs: int | None  # None: off; k: chosen token + top k
+    tokens_as_ids: bool
+    reasoning: bool
+    tools: list[dict[str, Any]] | None  # parse tool calls when not None
+    first_logprob: TokenLogprob | None
+
+
+def _reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if (req.n or 1) > 1:
+        raise InvalidRequest("n > 1 is not supported: a KV handoff carries one sequence; send n requests", "n")
+    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    for name, value in neutral.items():
+        got = getattr(req, name)
+        if got is not None and got != value:
+            raise InvalidRequest(f"{name}={got} is not supported by the decode engines (only {value})", name)
+    if req.logit_bias:
+        raise InvalidRequest("logit_bias is not supported by the decode engines", "logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise InvalidRequest("echo is not supported: the decode server never sees the prompt's logprobs", "echo")
+        if req.suffix:
+            raise InvalidRequest("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of > 1:
+            raise InvalidRequest("best_of > 1 is not supported", "best_of")
+
+
+def _check_handoff(handoff: HandoffResult) -> None:
+    if handoff.protocol_version != PROTOCOL_VERSION:
+        raise InvalidRequest(
+            f"kv_transfer_params.protocol_version is {handoff.protocol_version}, this server speaks "
+            f"{PROTOCOL_VERSION}", "kv_transfer_params.protocol_version")
+    if handoff.status == "failed":
+        raise HandoffFailed(f"prefill reported the KV handoff {handoff.handoff_id!r} as failed: "
+                            f"{handoff.error or 'no reason given'}", "kv_transfer_params.status")
+
+
+def _logprobs_k(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits) -> int | None:
+    if isinstance(req, CompletionRequest):
+        k, param = req.logprobs, "logprobs"
+    else:
+        if req.top_logprobs and not req.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        k, param = (req.top_logprobs or 0) if req.logprobs else None, "logprobs"
+    if k is not None and not limits.supports_logprobs:
+        raise InvalidRequest(f"logprobs are not supported by the {limits.engine} engine", param)
+    return k
+
+
+def _max_tokens(req: CompletionRequest | ChatCompletionRequest, prompt_tokens: int, limits: ServerLimits) -> int:
+    room = limits.max_seq_len - prompt_tokens
+    if room < 1:
+        raise InvalidRequest(f"This model's maximum context length is {limits.max_seq_len} tokens; the prompt has "
+                             f"{prompt_tokens} tokens, which leaves no room for output", "messages")
+    requested = req.max_tokens
+    param = "max_tokens"
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        requested, param = req.max_completion_tokens, "max_completion_tokens"
+    if requested is None:
+        return room
+    if requested > room:
+        raise InvalidRequest(
+            f"This model's maximum context length is {limits.max_seq_len} tokens. However, you requested "
+            f"{prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, {requested} in the completion). "
+            f"Please reduce the length of the prompt or of {param}.", param)
+    return requested
+
+
+def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionRequest, request_id: str,
+               limits: ServerLimits, defaults: GenerationDefaults) -> Plan:
+    _reject_unsupported(req)
+    handoff = req.kv_transfer_params
+    _check_handoff(handoff)
+    k = _logprobs_k(req, limits)
+    max_tokens = _max_tokens(req, handoff.num_prompt_tokens, limits)
+    if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
+        raise InvalidRequest("stop_token_ids must be non-negative token ids", "stop_token_ids")
+    temperature = req.temperature if req.temperature is not None else defaults.temperature
+    top_k = req.top_k if req.top_k is not None else defaults.top_k
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else float(temperature),
+        top_p=float(req.top_p if req.top_p is not None else (defaults.top_p or 1.0)),
+        top_k=0 if top_k is None or top_k < 0 else int(top_k),
+        seed=req.seed,
+        logprobs=k,
+    )
+    stop = StopSpec(
+        max_tokens=max_tokens,
+        eos_token_ids=defaults.eos_token_ids,
+        stop_token_ids=frozenset(req.stop_token_ids or ()),
+        stop_strings=tuple(req.stop_list()),
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    chat = isinstance(req, ChatCompletionRequest)
+    tools = None
+    if chat and limits.tool_call_parser and req.tools and req.tool_choice != "none":
+        tools = req.tools
+    thinking = True
+    if chat and req.chat_template_kwargs:
+        for key in ("enable_thinking", "thinking"):
+            if req.chat_template_kwargs.get(key) is False:
+                thinking = False
+    return Plan(
+        endpoint=endpoint, request_id=request_id, handoff=handoff, sampling=sampling, stop=stop,
+        stream=bool(req.stream), include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        model=req.model or limits.model_name, logprobs=k, tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        reasoning=chat and limits.reasoning_parser and thinking, tools=tools,
+        first_logprob=prefill_logprob(handoff.prefill_logprobs, k) if k is not None else None,
+    )
+
+
+def prefill_logprob(data: dict[str, Any] | None, k: int | None) -> TokenLogprob | None:
+    """The first token's logprobs from prefill's ``choices[0].logprobs`` (either shape)."""
+    if not data:
+        return None
+    k = k or 0
+    try:
+        if isinstance(data.get("content"), list):  # chat shape
+            entry = data["content"][0]
+            top = [(t["token"], float(t["logprob"])) for t in entry.get("top_logprobs") or []]
+            return TokenLogprob(entry["token"], _finite(entry.get("logprob")), tuple(top[:k]))
+        tokens = data.get("tokens") or []
+        if tokens:  # completions shape
+            lps = data.get("token_logprobs") or [None]
+            tops = data.get("top_logprobs") or [None]
+            top_d = tops[0] or {}
+            top = sorted(((t, float(v)) for t, v in top_d.items()), key=lambda x: -x[1])
+            return TokenLogprob(tokens[0], _finite(lps[0]), tuple(top[:k]))
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise InvalidRequest(f"kv_transfer_params.prefill_logprobs is malformed: {exc!r}",
+                             "kv_transfer_params.prefill_logprobs") from exc
+    return None
+
+
+def _finite(value: Any) -> float | None:
+    if value is None:
+        return None
+    v = float(value)
+    return v if math.isfinite(v) else -9999.0

@@ -1,0 +1,134 @@
+"""The model's tokenizer and generation defaults, read from the model directory,
+and incremental detokenization.
+
+Only ``tokenizer.json`` (Hugging Face ``tokenizers``), ``generation_config.json``,
+``config.json`` and ``tokenizer_config.json`` are read; no chat template is needed
+on the decode side (the prompt already is KV).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+REPLACEMENT = "\ufffd"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """``generation_config.json`` as vLLM applies it: EOS ids and default sampling."""
+
+    eos_token_ids: frozenset[int] = frozenset()
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path, tokenizer: "TextTokenizer | None" = None) -> "GenerationDefaults":
+        gen = _read_json(model_dir / "generation_config.json")
+        cfg = _read_json(model_dir / "config.json")
+        eos = _id_list(gen.get("eos_token_id")) or _id_list(cfg.get("eos_token_id"))
+        if not eos and tokenizer is not None:
+            tok_cfg = _read_json(model_dir / "tokenizer_config.json")
+            name = tok_cfg.get("eos_token")
+            name = name.get("content") if isinstance(name, dict) else name
+            tid = tokenizer.token_id(name) if isinstance(name, str) else None
+            eos = [tid] if tid is not None else []
+        sampling = {k: gen[k] for k in ("temperature", "top_p", "top_k") if isinstance(gen.get(k), (int, float))}
+        return cls(eos_token_ids=frozenset(eos), **sampling)
+
+
+@dataclass
+class TextTokenizer:
+    """A ``tokenizers.Tokenizer`` with the few operations the server needs.
+
+    ``token_text`` caches per instance (the vocabulary is fixed)."""
+
+    tokenizer: Tokenizer
+    special_ids: frozenset[int]
+    _token_cache: dict[tuple[int, bool], str] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path) -> "TextTokenizer":
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no tokenizer.json in the model directory")
+        tok = Tokenizer.from_file(str(path))
+        special = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+        return cls(tok, special)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, text: str) -> int | None:
+        return self.tokenizer.token_to_id(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int, skip_special_tokens: bool = False) -> str:
+        """One token's text as logprobs show it (may hold U+FFFD for a partial character)."""
+        key = (token_id, skip_special_tokens)
+        text = self._token_cache.get(key)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens)
+            self._token_cache[key] = text
+        return text
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token sequence into text deltas without ever splitting a
+    multi-byte UTF-8 character: text ending in U+FFFD is held back until the
+    following tokens complete it.
+
+    Decoding restarts from a short window (``prefix``..end) each time, so the cost
+    per token stays constant; ``context`` (e.g. the last prompt token) gives the
+    first generated token the left context some decoders need for spacing.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, context: list[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(context or [])
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def feed(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        before = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
+        after = self._tok.decode(self._ids[self._prefix:], self._skip)
+        if len(after) <= len(before) or after.endswith(REPLACEMENT):
+            return ""  # nothing new yet, or an incomplete character: wait for more tokens
+        self._prefix = self._read
+        self._read = len(self._ids)
+        return after[len(before):]
+
+    def flush(self) -> str:
+        """Text still held back at the end of the sequence (an incomplete character)."""
+        if self._read == len(self._ids):
+            return ""
+        before = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
+        after = self._tok.decode(self._ids[self._prefix:], self._skip)
+        self._prefix = self._read = len(self._ids)
+        return after[len(before):]

@@ -1,0 +1,137 @@
+"""A scripted decode engine implementing decode_server.engine.base.Engine, for unit tests.
+
+Each session replays a token script (after the handoff's first token) ``per_step``
+tokens at a time, optionally sleeping ``step_delay`` seconds per step (in small
+slices, so that ``cancel`` interrupts it at once). It records every start/close and
+counts live sessions, so tests can check that nothing leaks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from connector.layout import KVLayout, cpu_mla_layout
+from decode_server.engine.base import (
+    Cancelled,
+    DecodeSession,
+    Engine,
+    EngineCapabilities,
+    EngineError,
+    SamplingParams,
+    SpecStats,
+    TokenOut,
+)
+
+
+def fake_logprob(token_id: int) -> float:
+    return -0.25 - (token_id % 7) * 0.1
+
+
+@dataclass
+class FakeEngineConfig:
+    script: list[int] = field(default_factory=list)  # tokens after the first one
+    per_step: int = 1  # >1 emulates MTP (accepted drafts + bonus)
+    step_delay: float = 0.0
+    slots: int = 4
+    supports_logprobs: bool = True
+    fail_start: str | None = None  # EngineError message raised by start()
+    fail_at_step: int | None = None  # EngineError raised by this step (1-based)
+    filler_token: int = 0  # emitted once the script is exhausted
+
+
+class FakeSession(DecodeSession):
+    def __init__(self, engine: "FakeEngine", params: SamplingParams, script: list[int]) -> None:
+        self._engine = engine
+        self._params = params
+        self._script = script
+        self._pos = 0
+        self._steps = 0
+        self._cancel = threading.Event()
+        self._stats = SpecStats()
+        self.closed = False
+
+    @property
+    def stats(self) -> SpecStats:
+        return self._stats
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._engine._session_closed(self)
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if self._cancel.is_set():
+                raise Cancelled("cancelled")
+            time.sleep(min(0.002, max(0.0, end - time.monotonic())))
+
+    def step(self) -> list[TokenOut]:
+        cfg = self._engine.config
+        if self._cancel.is_set():
+            raise Cancelled("cancelled")
+        self._steps += 1
+        self._engine.steps += 1
+        self._sleep(cfg.step_delay)
+        if cfg.fail_at_step is not None and self._steps == cfg.fail_at_step:
+            raise EngineError(f"scripted failure at step {self._steps}")
+        out: list[TokenOut] = []
+        for _ in range(cfg.per_step):
+            tok = self._script[self._pos] if self._pos < len(self._script) else cfg.filler_token
+            self._pos += 1
+            if self._params.logprobs is not None:
+                top = tuple((tok + k, fake_logprob(tok) - 0.5 * k) for k in range(max(self._params.logprobs, 0)))
+                out.append(TokenOut(tok, fake_logprob(tok), top))
+            else:
+                out.append(TokenOut(tok))
+        if cfg.per_step > 1:
+            self._stats.steps += 1
+            self._stats.drafted += cfg.per_step - 1
+            self._stats.accepted += cfg.per_step - 1
+        return out
+
+
+class FakeEngine(Engine):
+    def __init__(self, config: FakeEngineConfig | None = None, layout: KVLayout | None = None) -> None:
+        self.config = config or FakeEngineConfig()
+        self._layout = layout or cpu_mla_layout(2, 1)
+        self._lock = threading.Lock()
+        self.live: set[FakeSession] = set()
+        self.started: list[tuple[str, SamplingParams]] = []
+        self.closed = 0
+        self.steps = 0
+        self.scripts: dict[str, list[int]] = {}  # per handoff id, overrides config.script
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(model="fake", engine="fake", slots=self.config.slots, max_seq_len=1 << 20,
+                                  num_mtp=self.config.per_step - 1, supports_logprobs=self.config.supports_logprobs)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self._layout
+
+    def start(self, kv, handoff, params: SamplingParams) -> FakeSession:  # noqa: ANN001
+        if kv.handoff_id != handoff.handoff_id:
+            raise EngineError(f"KV of {kv.handoff_id!r} given for handoff {handoff.handoff_id!r}")
+        if self.config.fail_start:
+            raise EngineError(self.config.fail_start)
+        session = FakeSession(self, params, list(self.scripts.get(handoff.handoff_id, self.config.script)))
+        with self._lock:
+            self.live.add(session)
+            self.started.append((handoff.handoff_id, params))
+        return session
+
+    def _session_closed(self, session: FakeSession) -> None:
+        with self._lock:
+            self.live.discard(session)
+            self.closed += 1
+
+    def live_sessions(self) -> int:
+        with self._lock:
+            return len(self.live)

@@ -1,0 +1,103 @@
+"""An in-process stand-in for connector.receiver.KVReceiver (same API), for unit tests.
+
+Handoffs complete when the test says so (``complete``/``fail``), or at once with
+``auto_complete``. Thread-safe: tests drive it from their own thread while the
+server's loop runs in another. ``held()`` lists handoffs not yet released (leak check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import torch
+
+from connector.errors import HandoffFailed, HandoffTimeout
+from connector.layout import KVLayout
+from connector.receiver import ReceivedKV
+from pd_router.contract import PeerStatus
+
+
+class FakeReceiver:
+    def __init__(self, layout: KVLayout, slots: int, max_tokens: int, auto_complete: bool = True,
+                 num_tokens: int = 4) -> None:
+        self.layout = layout
+        self.slots = slots
+        self.max_tokens = max_tokens
+        self.auto_complete = auto_complete
+        self.num_tokens = num_tokens
+        self._lock = threading.Lock()
+        self._done: dict[str, str | None] = {}  # handoff id -> None (complete) or failure reason
+        self._held: set[str] = set()
+        self.released: list[str] = []
+        self.waits: list[str] = []
+        self._listening = False
+
+    async def start(self) -> None:
+        self._listening = True
+
+    async def stop(self) -> None:
+        self._listening = False
+
+    @property
+    def endpoint(self) -> str:
+        return "127.0.0.1:1"
+
+    @property
+    def fingerprint(self) -> str:
+        return self.layout.fingerprint()
+
+    @property
+    def listening(self) -> bool:
+        return self._listening
+
+    def peers(self) -> list[PeerStatus]:
+        return [PeerStatus(peer="fake-prefill", state="ok")]
+
+    def busy_slots(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def held(self) -> set[str]:
+        with self._lock:
+            return set(self._held)
+
+    # test controls ------------------------------------------------------------
+    def complete(self, handoff_id: str) -> None:
+        with self._lock:
+            self._done[handoff_id] = None
+
+    def fail(self, handoff_id: str, reason: str = "sender aborted") -> None:
+        with self._lock:
+            self._done[handoff_id] = reason
+
+    # receiver API ---------------------------------------------------------------
+    def _kv(self, handoff_id: str) -> ReceivedKV:
+        layers = [{p.name: torch.zeros(self.num_tokens, p.width, dtype=getattr(torch, p.dtype))
+                   for p in self.layout.planes} for _ in range(self.layout.num_layers)]
+        return ReceivedKV(handoff_id=handoff_id, num_tokens=self.num_tokens, layers=layers)
+
+    async def wait_for(self, handoff_id: str, timeout: float) -> ReceivedKV:
+        with self._lock:
+            self._held.add(handoff_id)
+            self.waits.append(handoff_id)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                state = self._done.get(handoff_id, "pending") if not self.auto_complete else self._done.get(handoff_id)
+            if state is None:
+                return self._kv(handoff_id)
+            if state != "pending":
+                self.release(handoff_id)
+                raise HandoffFailed(f"handoff {handoff_id!r}: {state}")
+            if time.monotonic() >= deadline:
+                self.release(handoff_id)
+                raise HandoffTimeout(f"handoff {handoff_id!r}: no KV after {timeout:g} s")
+            await asyncio.sleep(0.005)
+
+    def release(self, handoff_id: str) -> None:
+        with self._lock:
+            if handoff_id in self._held:
+                self._held.discard(handoff_id)
+                self.released.append(handoff_id)
