@@ -1,0 +1,126 @@
+"""Loading a recipe (schema + topology), printing a plan, and writing it for the Slurm job.
+
+The job directory's ``plan/`` holds what ``deploy/slurm/*.sh`` read, in formats bash reads
+without Python on the compute nodes:
+
+* ``steps.tsv``: one line per step: id, role, kind, node, image (``-`` if none), ready URL (``-``);
+* ``<id>.argv`` / ``<id>.env``: the step's argv and environment (``KEY=VALUE``), NUL-separated;
+* ``job.env``: shell assignments (quoted) of the job-wide settings;
+* ``dry-run.txt``: what ``dry-run`` prints.
+
+``@HOSTi@`` and ``@JOBDIR@`` in any of them are replaced by the job at run time.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from pd_router.deploy_recipe.plan import Plan, Step, build_plan, gsm8k_task_yaml, host_placeholder
+from pd_router.deploy_recipe.schema import Recipe, load_recipe_text
+from pd_router.deploy_recipe.topology import RecipeError, RecipeProblem, topology_problems
+
+
+def parse_recipe(data: dict, source: str = "<recipe>") -> Recipe:
+    """Validate ``data`` (schema, then topology); raise :class:`RecipeError` listing every problem."""
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        problems = [RecipeProblem(".".join(str(p) for p in e["loc"]) or "<root>", e.get("input"), e["msg"])
+                    for e in exc.errors()]
+        raise RecipeError(source, problems) from None
+    problems = topology_problems(recipe)
+    if problems:
+        raise RecipeError(source, problems)
+    return recipe
+
+
+def load_recipe(path: Path) -> Recipe:
+    import yaml
+
+    try:
+        data = load_recipe_text(path)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise RecipeError(str(path), [RecipeProblem("<file>", str(path), f"cannot read recipe: {exc}")]) from None
+    return parse_recipe(data, str(path))
+
+
+def _substitute(text: str, hosts: list[str], job_dir: str) -> str:
+    for i, host in enumerate(hosts):
+        text = text.replace(host_placeholder(i), host)
+    return text.replace("@JOBDIR@", job_dir)
+
+
+def describe(plan: Plan, hosts: list[str] | None = None, job_dir: str = "<job-dir>") -> str:
+    """Human-readable plan: every process of every node with its exact command, in start order."""
+    r = plan.recipe
+    names = hosts or [f"node{i}" for i in range(r.num_nodes)]
+    lines = [f"recipe {r.name}: {r.num_nodes} node(s), model {r.model.name} ({r.model.profile}), "
+             f"decode engine {r.decode.engine}, MTP {'on' if r.mtp.enabled else 'off'}",
+             "start order: convert (once) -> prefill + decode -> gates -> router -> gate -> benchmarks"]
+    for node in range(r.num_nodes):
+        lines.append(f"\n== node {node} ({names[node]}) ==")
+        for step in plan.steps:
+            if step.node != node:
+                continue
+            lines.append(f"[{step.id}] role={step.role} kind={step.kind} image={step.image or '-'}")
+            if step.ready_url:
+                lines.append(f"  gate: {_substitute(step.ready_url, names, job_dir)}")
+            for key, value in sorted(step.env.items()):
+                shown = "***" if "TOKEN" in key else value
+                lines.append(f"  env {key}={_substitute(shown, names, job_dir)}")
+            lines.append("  $ " + _substitute(step.command_line(), names, job_dir))
+    return "\n".join(lines) + "\n"
+
+
+def _nul(items: list[str]) -> bytes:
+    return b"".join(i.encode() + b"\0" for i in items)
+
+
+def _job_env(plan: Plan) -> dict[str, str]:
+    r = plan.recipe
+    conv = r.conversion
+    gpus = max(r.prefill.gpus_per_node, r.decode.gpus_per_node)
+    env = {
+        "RECIPE_NAME": r.name, "NUM_NODES": str(r.num_nodes), "MODEL_NAME": r.model.name,
+        "ROUTER_URL": plan.router_url, "GATE_TIMEOUT": str(r.slurm.gate_timeout_s),
+        "CONTAINER_MODE": r.slurm.container, "CONTAINER_MOUNTS": ",".join(r.slurm.mounts),
+        "SMOKE_TEST": "1" if r.slurm.smoke_test else "0", "HOLD": "1" if r.slurm.hold else "0",
+        "SLURM_PARTITION": r.slurm.partition or "", "SLURM_ACCOUNT": r.slurm.account or "",
+        "SLURM_TIME": r.slurm.time, "GPUS_PER_NODE": str(gpus),
+        "CPUS_PER_NODE": str(r.slurm.cpus_per_node or ""),
+    }
+    if conv and r.model.converted:
+        env.update({"CONVERT_SRC": r.model.source, "CONVERT_DST": r.model.converted,
+                    "CONVERT_SHARDS": str(conv.shards), "CONVERT_SHARD_GLOB": conv.shard_glob,
+                    "CONVERT_TOKENIZER_FILES": " ".join(conv.tokenizer_files),
+                    "CONVERT_LOCK_TIMEOUT": str(conv.lock_timeout_s)})
+    return env
+
+
+def _step_row(step: Step) -> str:
+    return "\t".join([step.id, step.role, step.kind, str(step.node), step.image or "-", step.ready_url or "-"])
+
+
+def write_plan(plan: Plan, job_dir: Path) -> Path:
+    """Write ``job_dir/plan`` (see the module docstring); returns that directory."""
+    out = job_dir / "plan"
+    out.mkdir(parents=True, exist_ok=True)
+    for step in plan.steps:
+        (out / f"{step.id}.argv").write_bytes(_nul(step.argv))
+        (out / f"{step.id}.env").write_bytes(_nul([f"{k}={v}" for k, v in step.env.items()]))
+    (out / "steps.tsv").write_text("".join(_step_row(s) + "\n" for s in plan.steps))
+    (out / "job.env").write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in _job_env(plan).items()))
+    (out / "dry-run.txt").write_text(describe(plan))
+    bench = plan.recipe.benchmark
+    if bench and bench.gsm8k:
+        tasks = out / "lm_eval_tasks"
+        tasks.mkdir(exist_ok=True)
+        (tasks / "gsm8k_local.yaml").write_text(gsm8k_task_yaml(bench.gsm8k.data_path))
+    return out
+
+
+def plan_for(path: Path) -> Plan:
+    return build_plan(load_recipe(path))

@@ -1,0 +1,141 @@
+"""The deployment recipe: one YAML file describing a multi-node PD deployment.
+
+A recipe names the model (checkpoint and converted-weights paths), one prefill node
+(stock vLLM, TP over its GPUs), one or more decode nodes (one decode server each),
+the router, the images of every role, the weight conversion, the benchmark and the
+Slurm settings. Field-level rules live here (pydantic); rules that relate several
+fields (the topology) live in :mod:`pd_router.deploy_recipe.topology`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    name: str = Field(min_length=1, description="served model name (what clients put in 'model')")
+    profile: Literal["glm5.1", "tiny"] = Field(description="connector model profile")
+    source: str = Field(min_length=1, description="Hugging Face checkpoint dir on the shared filesystem "
+                                                   "(prefill loads it; tokenizer files come from it)")
+    converted: str | None = Field(default=None, description="converted decode weights dir (TileRT)")
+
+
+class MtpSpec(_Strict):
+    enabled: bool = True
+    num_speculative_tokens: int = Field(default=1, ge=1, description="prefill-side MTP drafts")
+
+
+class RoleSpec(_Strict):
+    image: str | None = Field(default=None, description="container image of this role")
+    python: str = Field(default="python3", description="python executable inside the role's environment")
+    env: dict[str, str] = Field(default_factory=dict)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class PrefillRole(RoleSpec):
+    nodes: int = Field(default=1, ge=0)
+    gpus_per_node: int = Field(default=8, ge=0)
+    tensor_parallel: int = Field(default=8, ge=1)
+    port: int = Field(default=8100, ge=1, le=65535)
+    max_model_len: int | None = Field(default=None, ge=1)
+    enforce_eager: bool = False
+
+
+class DecodeRole(RoleSpec):
+    engine: Literal["tilert", "reference"] = "tilert"
+    nodes: int = Field(default=1, ge=0)
+    gpus_per_node: int = Field(default=8, ge=0)
+    port: int = Field(default=8200, ge=1, le=65535)
+    kv_port: int = Field(default=8300, ge=1, le=65535)
+    slots: int = Field(default=1, ge=1)
+    max_seq_len: int = Field(default=16384, ge=1)
+    num_mtp: int = Field(default=3, ge=0, description="decode-side MTP drafts per step")
+
+
+class RouterRole(RoleSpec):
+    port: int = Field(default=8000, ge=1, le=65535)
+
+
+class ConversionSpec(_Strict):
+    """Converting ``model.source`` into ``model.converted`` once, under a lock.
+
+    ``command`` is run with ``{src}`` and ``{dst}`` replaced; ``{dst}`` is a temporary
+    directory next to the final one, renamed into place once validated.
+    """
+
+    command: list[str] = Field(min_length=1)
+    image: str | None = Field(default=None, description="image to convert in (default: the decode image)")
+    shards: int = Field(ge=1, description="number of weight shards a complete conversion has")
+    shard_glob: str = "*.safetensors"
+    tokenizer_files: list[str] = Field(default_factory=lambda: ["tokenizer.json", "tokenizer_config.json"])
+    env: dict[str, str] = Field(default_factory=dict)
+    lock_timeout_s: int = Field(default=4 * 3600, ge=1)
+
+
+class Gsm8kSpec(_Strict):
+    data_path: str = Field(min_length=1, description="local directory with gsm8k's test split (no hub access)")
+    limit: int | None = Field(default=None, ge=1)
+    num_fewshot: int = Field(default=5, ge=0)
+    concurrency: int = Field(default=8, ge=1)
+
+
+class BenchmarkSpec(_Strict):
+    isl: int = Field(ge=1, description="input sequence length (tokens)")
+    osl: int = Field(ge=1, description="output sequence length (tokens)")
+    concurrency: list[int] = Field(min_length=1)
+    requests_per_concurrency: int = Field(default=0, ge=0, description="0: 10 x concurrency (at least 20)")
+    aiperf: bool = True
+    tokenizer: str | None = Field(default=None, description="local tokenizer dir (default: model.source)")
+    gsm8k: Gsm8kSpec | None = None
+
+
+class SlurmSpec(_Strict):
+    partition: str | None = None
+    account: str | None = None
+    time: str = "04:00:00"
+    container: Literal["auto", "pyxis", "none"] = Field(
+        default="auto", description="auto: pyxis flags when srun has them, else plain processes")
+    mounts: list[str] = Field(default_factory=list, description="extra SRC:DST container mounts")
+    colocate: bool = Field(default=False, description="every role on one node (CPU test stacks only)")
+    cpus_per_node: int | None = Field(default=None, ge=1)
+    gate_timeout_s: int = Field(default=1800, ge=1)
+    smoke_test: bool = Field(default=True, description="send one chat completion once the router is ready")
+    hold: bool = Field(default=True, description="keep serving after the gates (and benchmarks) until "
+                                                 "the job is cancelled or <job dir>/STOP appears")
+
+
+class Recipe(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    model: ModelSpec
+    mtp: MtpSpec = Field(default_factory=MtpSpec)
+    prefill: PrefillRole = Field(default_factory=PrefillRole)
+    decode: DecodeRole = Field(default_factory=DecodeRole)
+    router: RouterRole = Field(default_factory=RouterRole)
+    conversion: ConversionSpec | None = None
+    benchmark: BenchmarkSpec | None = None
+    slurm: SlurmSpec = Field(default_factory=SlurmSpec)
+
+    @property
+    def num_nodes(self) -> int:
+        return 1 if self.slurm.colocate else self.prefill.nodes + self.decode.nodes
+
+    @property
+    def decode_weights(self) -> str:
+        """What the decode server loads: the converted weights if any, else the checkpoint."""
+        return self.model.converted or self.model.source
+
+
+def load_recipe_text(path: Path) -> dict:
+    import yaml
+
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a recipe is a YAML mapping, got {type(data).__name__}")
+    return data

@@ -1,0 +1,149 @@
+"""A real single-node Slurm cluster (Debian's slurm-wlm + munge) in a temporary directory.
+
+Everything private to the test: its own munge socket, slurm.conf, ports, state and
+spool directories; the commands see it through ``SLURM_CONF``. The daemons are started
+by us (no init system here) and stopped by the pids in their pid files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from tests.procs import free_port
+
+PACKAGES = ("slurm-wlm", "munge")
+
+
+def ensure_installed(timeout: float = 600.0) -> None:
+    """apt-get install slurm-wlm and munge when missing (we run as root in the test machine)."""
+    if shutil.which("slurmctld", path="/usr/sbin:/usr/bin") and shutil.which("munged", path="/usr/sbin"):
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update"], check=True, timeout=timeout, env=env, capture_output=True)
+    subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES], check=True,
+                   timeout=timeout, env=env, capture_output=True)
+
+
+def _mem_mib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) // 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+class SlurmCluster:
+    def __init__(self, root: Path, cpus: int = 16) -> None:
+        self.root = root
+        self.host = socket.gethostname().split(".")[0]
+        self.cpus = cpus
+        self.conf = root / "slurm.conf"
+        # munged runs as the munge user and checks every directory above its files: keep
+        # them in a directory of their own outside the (root-only) pytest temp tree.
+        self.munge_dir = Path(tempfile.mkdtemp(prefix="pdtest-munge-"))
+        self.munge_socket = self.munge_dir / "munge.socket"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def _write_conf(self) -> None:
+        r = self.root
+        for d in ("state", "spool", "log", "run"):
+            (r / d).mkdir(parents=True, exist_ok=True)
+        lines = [
+            "ClusterName=pdtest", f"SlurmctldHost={self.host}(127.0.0.1)",
+            f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}", "SlurmUser=root",
+            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket}",
+            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/filetxt",
+            f"JobCompLoc={r / 'log' / 'jobcomp.txt'}",
+            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "SlurmdParameters=config_overrides",
+            "MpiDefault=none", "ReturnToService=2", "KillWait=10", "MinJobAge=600",
+            f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool'}",
+            f"SlurmctldPidFile={r / 'run' / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'run' / 'slurmd.pid'}",
+            f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}", f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+            f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={_mem_mib() - 1024} State=UNKNOWN",
+            f"PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP",
+        ]
+        self.conf.write_text("\n".join(lines) + "\n")
+
+    def _start_munge(self) -> None:
+        shutil.chown(self.munge_dir, "munge", "munge")
+        os.chmod(self.munge_dir, 0o755)
+        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged", f"--socket={self.munge_socket}",
+                        f"--pid-file={self.munge_dir / 'munged.pid'}", f"--log-file={self.munge_dir / 'munged.log'}",
+                        f"--seed-file={self.munge_dir / 'munged.seed'}"], check=True, timeout=30)
+
+    def start(self, timeout: float = 60.0) -> None:
+        self._write_conf()
+        self._start_munge()
+        subprocess.run(["/usr/sbin/slurmctld", "-i", "-f", str(self.conf)], check=True, timeout=30, env=self.env)
+        subprocess.run(["/usr/sbin/slurmd", "-f", str(self.conf)], check=True, timeout=30, env=self.env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            out = self.run(["sinfo", "-h", "-o", "%T"], check=False).stdout.strip()
+            if out in ("idle", "mixed"):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"node not idle after {timeout}s (sinfo says {out!r}):\n{self.logs()}")
+
+    def run(self, argv: list[str], check: bool = True, timeout: float = 30.0,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, check=check, timeout=timeout, capture_output=True, text=True,
+                              env={**self.env, **(env or {})})
+
+    def job_state(self, job_id: str) -> str:
+        out = self.run(["scontrol", "show", "job", job_id], check=False).stdout
+        for field in out.split():
+            if field.startswith("JobState="):
+                return field.split("=", 1)[1]
+        return "UNKNOWN"
+
+    def wait_job_end(self, job_id: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        state = "UNKNOWN"
+        while time.monotonic() < deadline:
+            state = self.job_state(job_id)
+            if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "UNKNOWN"):
+                return state
+            time.sleep(1)
+        raise TimeoutError(f"job {job_id} still {state} after {timeout}s")
+
+    def logs(self) -> str:
+        parts = []
+        for name in ("slurmctld.log", "slurmd.log"):
+            p = self.root / "log" / name
+            if p.exists():
+                parts.append(f"--- {name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:]))
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        if self.conf.exists():
+            self.run(["scancel", "--user=root"], check=False)
+        for pid_file in (self.root / "run" / "slurmd.pid", self.root / "run" / "slurmctld.pid",
+                         self.munge_dir / "munged.pid"):
+            _terminate(pid_file)
+        shutil.rmtree(self.munge_dir, ignore_errors=True)
+
+
+def _terminate(pid_file: Path, timeout: float = 15.0) -> None:
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)

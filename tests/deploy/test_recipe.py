@@ -1,0 +1,178 @@
+"""Recipe schema, topology checks and dry-run output."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from pd_router.deploy_recipe import RecipeError, build_plan, conversion_env, parse_recipe, write_plan
+from pd_router.stack.commands import DecodeSpec, decode_server_argv
+from tests.deploy.conftest import DEPLOY, dump_recipe, load_recipe_dict
+from tests.procs import REPO
+
+GLM = "glm5.1-fp8-b200.yaml"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pd_router.deploy_recipe", *args], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (DEPLOY / "recipes").glob("*.yaml")))
+def test_shipped_recipes_validate(name: str) -> None:
+    out = _cli("validate", str(DEPLOY / "recipes" / name))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"{DEPLOY / 'recipes' / name}: ok")
+
+
+def _set(path: str, value: Any) -> Callable[[dict], None]:
+    def edit(d: dict) -> None:
+        *parents, last = path.split(".")
+        for p in parents:
+            d = d[p]
+        d[last] = value
+    return edit
+
+
+def _pop(path: str) -> Callable[[dict], None]:
+    def edit(d: dict) -> None:
+        *parents, last = path.split(".")
+        for p in parents:
+            d = d[p]
+        d.pop(last)
+    return edit
+
+
+BAD_TOPOLOGIES = [
+    ("two prefill nodes", _set("prefill.nodes", 2), "prefill.nodes = 2: exactly one prefill node"),
+    ("no prefill node", _set("prefill.nodes", 0), "prefill.nodes = 0: exactly one prefill node"),
+    ("no decode node", _set("decode.nodes", 0), "decode.nodes = 0: at least one decode node"),
+    ("decode on 4 GPUs", _set("decode.gpus_per_node", 4), "decode.gpus_per_node = 4: GLM-5 decode with TileRT "
+                                                          "needs 8 GPUs"),
+    ("MTP off", _set("mtp.enabled", False), "mtp.enabled = False: MTP is required"),
+    ("decode without MTP drafts", _set("decode.num_mtp", 0), "decode.num_mtp = 0: MTP is required"),
+    ("prefill without image", _pop("prefill.image"), "prefill.image = None: the prefill role has no image"),
+    ("decode without image", _pop("decode.image"), "decode.image = None: the decode role has no image"),
+    ("router without image", _pop("router.image"), "router.image = None: the router role has no image"),
+    ("one image for both", _set("decode.image", "vllm/vllm-openai:v0.32.0-tilert-pd"),
+     "prefill and decode cannot share one image"),
+    ("TP beyond the node", _set("prefill.tensor_parallel", 16), "prefill.tensor_parallel = 16: larger than"),
+    ("TileRT with 2 slots", _set("decode.slots", 2), "decode.slots = 2: TileRT decodes one sequence"),
+    ("TileRT without conversion", _pop("conversion"), "conversion = None: the tilert engine needs"),
+    ("GLM on the reference engine", _set("decode.engine", "reference"), "decode.engine = 'reference'"),
+    ("colocated TileRT", _set("slurm.colocate", True), "slurm.colocate = True: a TileRT decode server needs"),
+    ("gsm8k from the hub", _set("benchmark.gsm8k.data_path", "openai/gsm8k"),
+     "benchmark.gsm8k.data_path = 'openai/gsm8k': must be an absolute local path"),
+    ("HF_HOME disagreement", _set("decode.env", {"HF_HOME": "/other"}), "*.env.HF_HOME"),
+    ("unknown field", _set("decode.gpus", 8), "decode.gpus = 8: Extra inputs are not permitted"),
+    ("bad port", _set("router.port", 70000), "router.port = 70000: Input should be less than or equal to 65535"),
+    ("router on the prefill port", _set("router.port", 8100), "router.port = 8100: the router runs on the "
+                                                             "prefill node"),
+]
+
+
+@pytest.mark.parametrize("edit,message", [b[1:] for b in BAD_TOPOLOGIES], ids=[b[0] for b in BAD_TOPOLOGIES])
+def test_bad_topology_is_rejected_with_a_clear_message(edit: Callable[[dict], None], message: str,
+                                                       tmp_path: Path) -> None:
+    data = load_recipe_dict(GLM)
+    edit(data)
+    with pytest.raises(RecipeError) as exc:
+        parse_recipe(copy.deepcopy(data), "r.yaml")
+    assert message in str(exc.value)
+    # the command line says the same and exits 2
+    out = _cli("validate", str(dump_recipe(data, tmp_path / "bad.yaml")))
+    assert out.returncode == 2
+    assert message in out.stderr
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    data = load_recipe_dict(GLM)
+    data["prefill"]["nodes"] = 2
+    data["mtp"]["enabled"] = False
+    data["decode"]["gpus_per_node"] = 4
+    with pytest.raises(RecipeError) as exc:
+        parse_recipe(data)
+    fields = [p.field for p in exc.value.problems]
+    assert fields == ["prefill.nodes", "decode.gpus_per_node", "mtp.enabled"]
+
+
+def test_unreadable_recipe(tmp_path: Path) -> None:
+    (tmp_path / "x.yaml").write_text("name: [unclosed\n")
+    out = _cli("validate", str(tmp_path / "x.yaml"), str(tmp_path / "missing.yaml"))
+    assert out.returncode == 2
+    assert "x.yaml: invalid recipe" in out.stderr and "missing.yaml: invalid recipe" in out.stderr
+
+
+def test_dry_run_prints_every_process_of_every_node() -> None:
+    out = _cli("dry-run", str(DEPLOY / "recipes" / GLM), "--hosts", "pf0,dc0", "--job-dir", "/shared/run1")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    node0, node1 = text.split("== node 1 (dc0) ==")
+    assert "== node 0 (pf0) ==" in node0
+    cmds = {line.split("] ")[0][1:]: None for line in text.splitlines() if line.startswith("[")}
+    assert list(cmds) == ["prefill", "router", "aiperf-c1", "aiperf-c2", "aiperf-c4", "aiperf-c8", "gsm8k",
+                          "convert", "decode0"]
+    commands = [shlex.split(line[4:]) for line in text.splitlines() if line.startswith("  $ ")]
+    prefill, router, *bench, convert, decode = commands
+    assert prefill[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert prefill[prefill.index("--tensor-parallel-size") + 1] == "8"
+    assert json.loads(prefill[prefill.index("--speculative-config") + 1])["method"] == "mtp"
+    kv = json.loads(prefill[prefill.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "TileRTConnector" and kv["kv_role"] == "kv_producer"
+    assert kv["kv_connector_extra_config"] == {"profile": "glm5.1", "decode_endpoints": ["dc0:8300"]}
+    assert router == ["python3", "-m", "pd_router", "--host", "0.0.0.0", "--port", "8000",
+                      "--prefill", "http://pf0:8100", "--decode", "http://dc0:8200"]
+    assert decode == decode_server_argv(DecodeSpec(
+        model="/shared/models/GLM-5.1-FP8-tilert", port=8200, kv_port=8300, host="0.0.0.0", engine="tilert",
+        slots=1, max_seq_len=16384, num_mtp=3, python="python3"))
+    assert convert[-4:] == ["--model_dir", "/shared/models/GLM-5.1-FP8", "--save_dir", "{dst}"]
+    assert all("/shared/run1/bench/" in " ".join(b) for b in bench)
+    assert "gate: http://pf0:8100/health" in node0 and "gate: http://pf0:8000/ready" in node0
+    assert "gate: http://dc0:8200/ready" in node1
+    assert "HF_TOKEN" not in text or "HF_TOKEN=***" in text
+
+
+def test_dry_run_host_count_must_match() -> None:
+    out = _cli("dry-run", str(DEPLOY / "recipes" / GLM), "--hosts", "only-one")
+    assert out.returncode == 2 and "the recipe needs 2" in out.stderr
+
+
+def test_decode_nodes_scale_out() -> None:
+    data = load_recipe_dict(GLM)
+    data["decode"]["nodes"] = 3
+    plan = build_plan(parse_recipe(data))
+    decodes = [s for s in plan.workers if s.role == "decode"]
+    assert [s.node for s in decodes] == [1, 2, 3]
+    assert plan.router.argv.count("--decode") == 3
+    kv = json.loads(plan.workers[0].argv[plan.workers[0].argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_extra_config"]["decode_endpoints"] == ["@HOST1@:8300", "@HOST2@:8300", "@HOST3@:8300"]
+
+
+def test_conversion_sees_hf_settings_of_every_role() -> None:
+    data = load_recipe_dict(GLM)
+    data["prefill"]["env"]["HF_TOKEN"] = "hf_prefill_only"
+    data["decode"]["env"] = {"HF_HOME": "/shared/hf"}
+    data["router"]["env"] = {"HF_ENDPOINT": "http://mirror.local"}
+    env = conversion_env(parse_recipe(data))
+    assert env == {"HF_HOME": "/shared/hf", "HF_TOKEN": "hf_prefill_only", "HF_ENDPOINT": "http://mirror.local"}
+
+
+def test_render_writes_what_the_slurm_scripts_read(tmp_path: Path) -> None:
+    plan = build_plan(parse_recipe(load_recipe_dict(GLM)))
+    out = write_plan(plan, tmp_path)
+    rows = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
+    assert [r[0] for r in rows] == ["convert", "prefill", "decode0", "router", "aiperf-c1", "aiperf-c2",
+                                    "aiperf-c4", "aiperf-c8", "gsm8k"]
+    assert all(len(r) == 6 for r in rows)
+    for step in plan.steps:
+        assert (out / f"{step.id}.argv").read_bytes().split(b"\0")[:-1] == [a.encode() for a in step.argv]
+    job_env = (out / "job.env").read_text()
+    assert "CONVERT_DST=/shared/models/GLM-5.1-FP8-tilert\n" in job_env and "NUM_NODES=2\n" in job_env
+    assert (out / "lm_eval_tasks" / "gsm8k_local.yaml").exists()

@@ -1,0 +1,149 @@
+"""submit.sh on a real single-node Slurm cluster, with stand-in servers.
+
+The job is the real one (render, sbatch, srun steps, conversion, gates, router, smoke
+test, benchmarks, hold, stop); only the server processes are stand-ins
+(tests/fakes/deploy_standin.py) that record their argv and timing, so the order and the
+gates are checked exactly. tests/deploy/test_slurm_cpu_stack.py runs the real CPU stack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from pd_router.deploy_recipe import build_plan, parse_recipe
+from tests.deploy.conftest import (
+    SLURM_DIR, dump_recipe, fake_checkpoint, load_recipe_dict, read_records, recording_stub,
+)
+from tests.deploy.slurm_cluster import SlurmCluster
+from tests.procs import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+DECODE_DELAY = 3.0
+
+
+def _recipe(tmp: Path, python: Path, gate_timeout: int = 60) -> dict[str, Any]:
+    data = load_recipe_dict("cpu-tiny.yaml")
+    data["model"]["source"] = str(fake_checkpoint(tmp / "models" / "tiny-glm"))
+    data["model"]["converted"] = str(tmp / "models" / "decode" / "tiny-glm")
+    for role in ("prefill", "decode", "router"):
+        data[role]["python"] = str(python)
+    data["prefill"]["port"] = free_port()
+    data["router"]["port"] = free_port()
+    data["decode"]["port"] = free_port()
+    data["decode"]["kv_port"] = free_port()
+    data["slurm"]["gate_timeout_s"] = gate_timeout
+    data["benchmark"] = {"isl": 16, "osl": 8, "concurrency": [1, 2], "tokenizer": data["model"]["source"],
+                         "gsm8k": {"data_path": str(tmp / "gsm8k"), "limit": 4, "concurrency": 2}}
+    return data
+
+
+def _submit(cluster: SlurmCluster, recipe: Path, job_dir: Path, env: dict[str, str]) -> str:
+    out = subprocess.run([str(SLURM_DIR / "submit.sh"), "--job-dir", str(job_dir), str(recipe)],
+                         capture_output=True, text=True, timeout=60,
+                         env={**cluster.env, "PYTHON": sys.executable, **env})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _wait_state(job_dir: Path, want: str, cluster: SlurmCluster, job_id: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        state = (job_dir / "state").read_text().strip() if (job_dir / "state").exists() else ""
+        if state == want:
+            return
+        if state in ("failed", "done"):
+            break
+        time.sleep(0.5)
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((job_dir / "logs").glob("*")))
+    raise AssertionError(f"job {job_id} state {state!r}, wanted {want!r} ({cluster.job_state(job_id)})\n{logs}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_job_orders_gates_serves_and_stops(slurm_cluster: SlurmCluster, tmp_path: Path,
+                                           standin_python: Path) -> None:
+    records, stubs = tmp_path / "records", tmp_path / "bin"
+    records.mkdir()
+    for tool in ("aiperf", "lm_eval"):
+        recording_stub(stubs, tool, records)
+    data = _recipe(tmp_path, standin_python)
+    recipe = dump_recipe(data, tmp_path / "recipe.yaml")
+    job_dir = tmp_path / "job"
+    env = {"STANDIN_DIR": str(records), "STANDIN_DECODE_DELAY": str(DECODE_DELAY),
+           "PATH": f"{stubs}:{os.environ['PATH']}"}
+    job_id = _submit(slurm_cluster, recipe, job_dir, env)
+    _wait_state(job_dir, "serving", slurm_cluster, job_id, timeout=120)
+
+    rec = {r: json.loads((records / f"{r}.json").read_text()) for r in ("prefill", "decode", "router")}
+    plan = build_plan(parse_recipe(data))
+    # every server got exactly the command the plan (pd_router.stack.commands) built
+    for step in plan.workers + [plan.router]:
+        assert rec[step.role]["argv"] == step.argv[1:], step.id
+    # the conversion ran once, before the servers, into a validated directory
+    converted = Path(data["model"]["converted"])
+    assert (converted / ".tilert-pd-complete").exists()
+    assert converted.stat().st_mtime <= rec["prefill"]["started"]
+    # gates: the router started only after prefill and (delayed) decode were ready
+    assert rec["decode"]["ready"] >= rec["decode"]["started"] + DECODE_DELAY - 0.5
+    assert rec["router"]["started"] > rec["decode"]["ready"]
+    assert rec["router"]["started"] > rec["prefill"]["ready"]
+    # smoke test, then the benchmarks through the router, offline with the local tokenizer
+    assert json.loads((job_dir / "smoke.json").read_text())["choices"][0]["message"]["content"]
+    aiperf = read_records(records, "aiperf")
+    assert sorted(a[a.index("--concurrency") + 1] for a in aiperf) == ["1", "2"]
+    assert all(a[a.index("--tokenizer") + 1] == data["model"]["source"] for a in aiperf)
+    port = data["router"]["port"]
+    assert all(a[a.index("--url") + 1] == f"127.0.0.1:{port}" for a in aiperf)
+    (lm_eval,) = read_records(records, "lm_eval")
+    assert lm_eval[lm_eval.index("--include_path") + 1] == f"{job_dir}/plan/lm_eval_tasks"
+    assert str(tmp_path / "gsm8k") in (job_dir / "plan" / "lm_eval_tasks" / "gsm8k_local.yaml").read_text()
+
+    # a client through the router while the job serves (the official SDK)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=10)
+    reply = client.chat.completions.create(model="tiny-glm", messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].message.content
+
+    (job_dir / "STOP").touch()
+    assert slurm_cluster.wait_job_end(job_id, timeout=90) == "COMPLETED"
+    assert (job_dir / "state").read_text().strip() == "done"
+    for role, r in rec.items():
+        final = json.loads((records / f"{role}.json").read_text())
+        assert final["stopped"], f"{role} was not stopped by SIGTERM"
+        assert not _alive(r["pid"]), f"{role} (pid {r['pid']}) still running"
+    assert slurm_cluster.run(["squeue", "-h"]).stdout.strip() == ""
+
+
+def test_gate_timeout_fails_the_job_and_stops_everything(slurm_cluster: SlurmCluster, tmp_path: Path,
+                                                         standin_python: Path) -> None:
+    records = tmp_path / "records"
+    records.mkdir()
+    data = _recipe(tmp_path, standin_python, gate_timeout=4)
+    data.pop("benchmark")
+    recipe = dump_recipe(data, tmp_path / "recipe.yaml")
+    job_dir = tmp_path / "job"
+    job_id = _submit(slurm_cluster, recipe, job_dir, {"STANDIN_DIR": str(records), "STANDIN_DECODE_DELAY": "600"})
+    assert slurm_cluster.wait_job_end(job_id, timeout=120) == "FAILED"
+    assert (job_dir / "state").read_text().strip() == "failed"
+    assert not (records / "router.json").exists(), "the router must not start before the decode gate passes"
+    job_log = next((job_dir / "logs").glob("job-*.out")).read_text()
+    assert "/ready not ready after 4s" in job_log
+    for role in ("prefill", "decode"):
+        r = json.loads((records / f"{role}.json").read_text())
+        assert r["stopped"] and not _alive(r["pid"]), role
