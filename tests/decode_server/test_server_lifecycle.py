@@ -1,0 +1,252 @@
+"""Errors, busy, cancel, KV timeout and client disconnects on a real loopback socket;
+a leak check (no slot, engine session or KV handoff held) after every test."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from pd_router.contract import CANCEL_PATH
+from tests.decode_server.helpers import client, handoff, script_for
+from tests.fakes.fake_engine import FakeEngineConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+LONG = FakeEngineConfig(script=[], filler_token=5, step_delay=0.02)
+
+
+def _assert_openai_error(resp: httpx.Response, status: int, error_type: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if error_type:
+        assert err["type"] == error_type
+    return err
+
+
+def _body(first: int = 5, **kw) -> dict:
+    return {"prompt": "x", "max_tokens": 500, "kv_transfer_params": handoff(first), **kw}
+
+
+def _wait(predicate, timeout: float = 5.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("kv", [
+    {"handoff_id": "h", "kv_endpoint": "x:1", "num_prompt_tokens": 3, "last_prompt_token_id": 1, "status": "sent"},
+    {"handoff_id": "h", "kv_endpoint": "x:1", "num_prompt_tokens": 0, "first_token_id": 1,
+     "last_prompt_token_id": 1, "status": "sent"},
+    {"handoff_id": "h", "kv_endpoint": "x:1", "num_prompt_tokens": 3, "first_token_id": "abc",
+     "last_prompt_token_id": 1, "status": "sent"},
+    {"handoff_id": "h", "kv_endpoint": "x:1", "num_prompt_tokens": 3, "first_token_id": 1,
+     "last_prompt_token_id": 1, "status": "maybe"},
+    "not-an-object",
+    None,
+])
+def test_malformed_kv_transfer_params_400(make_server, kv):
+    srv = make_server()
+    resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": kv})
+    err = _assert_openai_error(resp, 400, "invalid_request_error")
+    assert "kv_transfer_params" in (err["param"] or "") + err["message"]
+    srv.wait_idle()
+    assert srv.receiver.waits == []
+
+
+def test_bad_bodies_400(make_server):
+    srv = make_server()
+    assert httpx.post(srv.url + "/v1/completions", content=b"{not json").status_code == 400
+    err = _assert_openai_error(httpx.post(srv.url + "/v1/chat/completions", json=_body(n=2)), 400)
+    assert err["param"] == "n" and "n > 1" in err["message"]
+    err = _assert_openai_error(httpx.post(srv.url + "/v1/completions", json=_body(max_tokens=0)), 400)
+    assert err["param"] == "max_tokens"
+    err = _assert_openai_error(httpx.post(srv.url + "/v1/completions", json=_body(max_tokens=5000)), 400)
+    assert "maximum context length" in err["message"]
+    err = _assert_openai_error(httpx.post(srv.url + "/v1/completions", json=_body(frequency_penalty=0.5)), 400)
+    assert err["param"] == "frequency_penalty"
+    err = _assert_openai_error(httpx.post(srv.url + "/v1/chat/completions", json=_body(top_logprobs=2)), 400)
+    assert err["param"] == "top_logprobs"
+    srv.wait_idle()
+
+
+def test_prefill_failed_handoff_502(make_server):
+    srv = make_server()
+    kv = handoff(5, status="failed", error="busy")
+    resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": kv})
+    err = _assert_openai_error(resp, 502)
+    assert "busy" in err["message"]
+    srv.wait_idle()
+
+
+def test_sender_failure_while_waiting_502(make_server):
+    srv = make_server(auto_complete=False)
+    kv = handoff(5)
+    threading.Timer(0.2, srv.receiver.fail, (kv["handoff_id"], "sender vanished")).start()
+    resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": kv})
+    assert "sender vanished" in _assert_openai_error(resp, 502, "kv_handoff_failed")["message"]
+    srv.wait_idle()
+
+
+def test_kv_wait_timeout_504_frees_the_slot(make_server):
+    srv = make_server(slots=1, auto_complete=False, kv_timeout=0.3)
+    t0 = time.monotonic()
+    resp = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [], "kv_transfer_params": handoff(5),
+                                                              "stream": True})
+    _assert_openai_error(resp, 504, "kv_timeout")
+    assert 0.25 < time.monotonic() - t0 < 5
+    srv.wait_idle()
+    # the one slot is usable again
+    kv = handoff(5)
+    srv.receiver.complete(kv["handoff_id"])
+    assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2,
+                                                         "kv_transfer_params": kv}).status_code == 200
+    srv.wait_idle()
+
+
+def test_late_kv_arrival_is_served(make_server, tokenizer):
+    first, rest = script_for(tokenizer, "hello world")
+    srv = make_server(FakeEngineConfig(script=rest), auto_complete=False)
+    kv = handoff(first)
+    threading.Timer(0.2, srv.receiver.complete, (kv["handoff_id"],)).start()
+    out = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": kv}).json()
+    assert out["choices"][0]["text"] == "hello world"
+    srv.wait_idle()
+
+
+def test_busy_429_when_all_slots_are_taken(make_server):
+    srv = make_server(LONG, slots=1)
+    holder = threading.Thread(target=lambda: httpx.post(srv.url + "/v1/completions",
+                                                        json=_body(max_tokens=40), timeout=30))
+    holder.start()
+    _wait(lambda: srv.state.slots.busy == 1)
+    with pytest.raises(openai.RateLimitError) as exc:
+        client(srv.url).completions.create(model="m", prompt="x", extra_body={"kv_transfer_params": handoff(5)})
+    assert exc.value.body["type"] == "rate_limit_error"
+    holder.join(30)
+    srv.wait_idle()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_cancel_endpoint_stops_generation_and_frees_slot(make_server, stream):
+    srv = make_server(LONG, slots=1)
+    result: dict = {}
+
+    def run() -> None:
+        r = httpx.post(srv.url + "/v1/completions", json=_body(stream=stream), headers={"X-Request-Id": "victim"},
+                       timeout=30)
+        result["status"], result["body"] = r.status_code, r.text
+
+    t = threading.Thread(target=run)
+    t.start()
+    _wait(lambda: srv.engine.steps >= 3)
+    resp = httpx.post(srv.url + CANCEL_PATH, json={"request_id": "victim"}).json()
+    assert resp == {"request_id": "victim", "cancelled": True}
+    t.join(10)
+    srv.wait_idle(2.0)
+    if stream:
+        assert result["status"] == 200 and '"cancelled"' in result["body"] and "[DONE]" in result["body"]
+    else:
+        assert result["status"] == 499 and '"cancelled"' in result["body"]
+    steps = srv.engine.steps
+    time.sleep(0.1)
+    assert srv.engine.steps == steps
+    again = httpx.post(srv.url + CANCEL_PATH, json={"request_id": "victim"}).json()
+    assert again["cancelled"] is False
+
+
+def test_cancel_while_waiting_for_kv(make_server):
+    srv = make_server(slots=1, auto_complete=False, kv_timeout=30)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
+        srv.url + "/v1/completions", json=_body(), headers={"X-Request-Id": "w"}, timeout=30)))
+    t.start()
+    _wait(lambda: srv.receiver.waits)
+    assert httpx.post(srv.url + CANCEL_PATH, json={"request_id": "w"}).json()["cancelled"] is True
+    t.join(10)
+    assert result["r"].status_code == 499
+    srv.wait_idle()
+
+
+def _raw_request(url: str, body: bytes, path: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_during_decode_frees_slot(make_server, stream):
+    import json
+
+    srv = make_server(LONG, slots=1)
+    sock = _raw_request(srv.url, json.dumps(_body(stream=stream)).encode(), "/v1/completions")
+    if stream:
+        assert b"200 OK" in sock.recv(4096)
+    _wait(lambda: srv.engine.steps >= 3)
+    sock.close()
+    srv.wait_idle(2.0)
+    steps = srv.engine.steps
+    time.sleep(0.1)
+    assert srv.engine.steps == steps, "generation continued after the client left"
+    assert "decode_server_cancelled_total{reason=\"client_disconnected\"} 1.0" in httpx.get(srv.url + "/metrics").text
+
+
+def test_client_disconnect_while_waiting_for_kv_frees_slot(make_server):
+    import json
+
+    srv = make_server(slots=1, auto_complete=False, kv_timeout=30)
+    sock = _raw_request(srv.url, json.dumps(_body()).encode(), "/v1/chat/completions")
+    _wait(lambda: srv.receiver.waits)
+    sock.close()
+    srv.wait_idle(2.0)
+    assert srv.engine.started == []
+
+
+def test_engine_errors_map_to_openai_errors(make_server):
+    srv = make_server(FakeEngineConfig(fail_start="bad KV for layer 3"))
+    err = _assert_openai_error(httpx.post(srv.url + "/v1/completions", json=_body()), 500, "engine_error")
+    assert "bad KV for layer 3" in err["message"]
+    srv.wait_idle()
+
+
+def test_engine_error_mid_stream_ends_with_error_event(make_server):
+    srv = make_server(FakeEngineConfig(script=[], filler_token=5, fail_at_step=3))
+    text = httpx.post(srv.url + "/v1/completions", json=_body(stream=True)).text
+    assert '"engine_error"' in text and text.rstrip().endswith("data: [DONE]")
+    resp = httpx.post(srv.url + "/v1/completions", json=_body())
+    _assert_openai_error(resp, 500, "engine_error")
+    srv.wait_idle()
+
+
+def test_logprobs_rejected_when_engine_has_none(make_server):
+    srv = make_server(FakeEngineConfig(supports_logprobs=False))
+    err = _assert_openai_error(httpx.post(srv.url + "/v1/completions", json=_body(logprobs=1)), 400)
+    assert err["param"] == "logprobs"
+    srv.wait_idle()
+
+
+def test_many_concurrent_requests_no_leak(make_server, tokenizer):
+    first, rest = script_for(tokenizer, "the quick brown fox")
+    srv = make_server(FakeEngineConfig(script=rest, step_delay=0.002), slots=4)
+    statuses: list[int] = []
+
+    def one() -> None:
+        statuses.append(httpx.post(srv.url + "/v1/completions", json=_body(first, stream=True), timeout=30)
+                        .status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(set(statuses)) <= [200, 429] and 200 in statuses
+    srv.wait_idle()
+    assert srv.engine.closed == len(srv.engine.started)

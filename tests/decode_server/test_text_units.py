@@ -1,0 +1,166 @@
+"""Unit tests of the pure pieces: detokenizer, stop strings, sequence processor,
+GLM parsing, request planning and settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.protocol import HandoffResult
+from decode_server.engine.base import TokenOut
+from decode_server.server import (
+    GlmChatParser,
+    IncrementalDetokenizer,
+    SequenceProcessor,
+    StopSpec,
+    StopStringMatcher,
+    TextTokenizer,
+    parse_tool_call,
+)
+from decode_server.server.errors import HandoffFailed, InvalidRequest
+from decode_server.server.protocol import ChatCompletionRequest, CompletionRequest
+from decode_server.server.sampling import ServerLimits, build_plan, prefill_logprob
+from decode_server.server.text import GenerationDefaults
+from decode_server.settings import SettingsError, load_settings
+from tests.decode_server.helpers import handoff
+
+
+@pytest.fixture(scope="module")
+def text_tok(model_dir):  # noqa: ANN001, ANN201
+    return TextTokenizer.from_model_dir(model_dir)
+
+
+def test_detokenizer_holds_partial_characters(text_tok):
+    text = "a 日本 🙂 wörld"
+    ids = text_tok.tokenizer.encode(text).ids
+    detok = IncrementalDetokenizer(text_tok, [])
+    deltas = [detok.feed(i) for i in ids]
+    assert "".join(deltas) + detok.flush() == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert "" in deltas  # some token completed no character on its own
+
+
+def test_detokenizer_skips_special_tokens(text_tok):
+    eos = text_tok.token_id("<|endoftext|>")
+    ids = text_tok.tokenizer.encode("hello").ids
+    detok = IncrementalDetokenizer(text_tok, [])
+    assert "".join(detok.feed(i) for i in [*ids, eos, *ids]) == "hellohello"
+    keep = IncrementalDetokenizer(text_tok, [], skip_special_tokens=False)
+    assert "".join(keep.feed(i) for i in [*ids, eos]) == "hello<|endoftext|>"
+
+
+@pytest.mark.parametrize("deltas,stops,expect,matched", [
+    (["hel", "lo wo", "rld"], ["o w"], "hell", "o w"),
+    (["ab", "c", "d"], ["cd", "bc"], "a", "bc"),  # the earliest match wins
+    (["x", "ST", "O", "P!"], ["STOP"], "x", "STOP"),
+    (["ST", "ART"], ["STOP"], "START", None),  # a prefix that did not complete is released
+])
+def test_stop_string_matcher(deltas, stops, expect, matched):
+    m = StopStringMatcher(stops)
+    out = "".join(m.feed(d) for d in deltas) + m.flush()
+    assert out == expect and m.matched == matched
+
+
+def test_stop_matcher_include_and_no_text_after_stop():
+    m = StopStringMatcher(["END"], include_stop=True)
+    assert m.feed("abcEN") == "abc"
+    assert m.feed("Dxyz") == "END"
+    assert m.feed("more") == "" and m.flush() == ""
+
+
+def _proc(text_tok, **kw):  # noqa: ANN001, ANN003, ANN202
+    spec = StopSpec(**{"max_tokens": 100, "eos_token_ids": frozenset({text_tok.token_id("<|endoftext|>")}), **kw})
+    return SequenceProcessor(text_tok, spec, [])
+
+
+def test_sequence_eos_min_tokens_and_drop_after_finish(text_tok):
+    eos = text_tok.token_id("<|endoftext|>")
+    ids = text_tok.tokenizer.encode("hello world").ids
+    p = _proc(text_tok)
+    d = p.feed([TokenOut(i) for i in [*ids, eos, *ids]])
+    assert (d.text, d.finish_reason, p.num_generated) == ("hello world", "stop", len(ids) + 1)
+    assert d.token_ids == [*ids, eos]
+    p = _proc(text_tok, min_tokens=len(ids) + 2, max_tokens=len(ids) + 3)
+    d = p.feed([TokenOut(i) for i in [*ids, eos, ids[0], ids[1]]])
+    assert d.finish_reason == "length" and p.num_generated == len(ids) + 3
+
+
+def test_sequence_max_tokens_flushes_held_stop_prefix(text_tok):
+    ids = text_tok.tokenizer.encode("hello wo").ids
+    p = _proc(text_tok, stop_strings=("world",), max_tokens=len(ids))
+    d = p.feed([TokenOut(i) for i in ids])
+    assert d.text == "hello wo" and d.finish_reason == "length"
+
+
+def test_glm_parser_streaming_any_split():
+    text = "plan</think>Hi <tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value></tool_call> bye"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "integer"}}}}}]
+    for size in (1, 2, 3, 7, len(text)):
+        p = GlmChatParser(reasoning=True, tools=tools)
+        pieces = [p.feed(text[i:i + size]) for i in range(0, len(text), size)] + [p.finish()]
+        assert "".join(x.reasoning for x in pieces) == "plan"
+        assert "".join(x.content for x in pieces) == "Hi  bye"
+        calls = [c for x in pieces for c in x.tool_calls]
+        assert [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}')]
+
+
+def test_glm_parser_unclosed_or_invalid_tool_call_stays_text():
+    p = GlmChatParser(reasoning=False, tools=[])
+    out = p.feed("x<tool_call>{not json}</tool_call>y<tool_call>g")
+    tail = p.finish()
+    assert out.content + tail.content == "x<tool_call>{not json}</tool_call>y<tool_call>g"
+    assert not out.tool_calls
+    call = parse_tool_call('{"name": "g", "arguments": {"q": "x"}}', {})
+    assert (call.name, call.arguments) == ("g", '{"q": "x"}')
+
+
+LIMITS = ServerLimits(max_seq_len=100, supports_logprobs=True, engine="fake", model_name="m")
+
+
+def _plan(kind, **body):  # noqa: ANN001, ANN003, ANN202
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    req = model.model_validate({"kv_transfer_params": handoff(5, num_prompt_tokens=10), **body})
+    return build_plan(kind, req, "r", LIMITS, GenerationDefaults(eos_token_ids=frozenset({9}), temperature=0.7))
+
+
+def test_plan_defaults_and_limits():
+    p = _plan("chat")
+    assert p.sampling.max_tokens == 90 and p.sampling.temperature == 0.7 and p.stop.eos_token_ids == {9}
+    assert _plan("completions").sampling.max_tokens == 16  # the OpenAI completions default
+    assert _plan("chat", max_tokens=5, max_completion_tokens=7).sampling.max_tokens == 7
+    with pytest.raises(InvalidRequest, match="maximum context length"):
+        _plan("chat", max_tokens=91)
+    with pytest.raises(HandoffFailed):
+        _plan("completions", kv_transfer_params=handoff(5, status="failed"))
+    with pytest.raises(InvalidRequest, match="protocol_version"):
+        _plan("completions", kv_transfer_params=handoff(5, protocol_version=99))
+
+
+def test_prefill_logprob_both_shapes():
+    comp = {"tokens": ["a"], "token_logprobs": [-1.0], "top_logprobs": [{"a": -1.0, "b": -2.0, "c": -0.5}]}
+    lp = prefill_logprob(comp, 2)
+    assert lp.token == "a" and lp.logprob == -1.0 and lp.top == (("c", -0.5), ("a", -1.0))
+    chat = {"content": [{"token": "a", "logprob": -1.0, "top_logprobs": [{"token": "a", "logprob": -1.0}]}]}
+    assert prefill_logprob(chat, 1).top == (("a", -1.0),)
+    with pytest.raises(InvalidRequest):
+        prefill_logprob({"content": [{}]}, 1)
+
+
+def test_handoff_result_round_trip():
+    h = HandoffResult.model_validate(handoff(3, remote_prefill_cached_tokens=0))
+    assert h.first_token_id == 3
+
+
+def test_settings_cli_env_and_errors(model_dir, tmp_path):
+    s = load_settings(["--engine", "reference", "--model", str(model_dir), "--slots", "3"],
+                      env={"DECODE_SERVER_KV_TIMEOUT": "12.5", "DECODE_SERVER_SLOTS": "9"})
+    assert (s.slots, s.kv_timeout, s.model_name) == (3, 12.5, "fake-model")
+    with pytest.raises(SettingsError, match=r"--port '0'"):
+        load_settings(["--engine", "reference", "--model", str(model_dir), "--port", "0"], env={})
+    with pytest.raises(SettingsError, match=r"--model .*not a directory"):
+        load_settings(["--engine", "reference", "--model", str(tmp_path / "nope")], env={})
+    with pytest.raises(SettingsError, match="num_mtp=1"):
+        load_settings(["--engine", "tilert", "--model", str(model_dir)], env={})
+    s = load_settings(["--engine", "tilert", "--model", str(model_dir), "--num-mtp", "3", "--slots", "4"], env={})
+    assert s.effective_slots == 1
+    with pytest.raises(SettingsError, match="--engine"):
+        load_settings(["--engine", "vllm", "--model", str(model_dir)], env={})
