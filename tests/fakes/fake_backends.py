@@ -51,7 +51,7 @@ class PrefillKnobs(BaseModel):
     model: str = "tiny"
     delay: float = 0.0
     healthy: bool = True
-    fail: str | None = None  # "status" | "drop" | "handoff_failed" | "bad_json" | "no_params"
+    fail: str | None = None  # "status" | "handoff_failed" | "bad_json" | "no_params"
     fail_status: int = 400
     fail_body: str = '{"error": {"message": "prompt too long", "type": "BadRequestError", "param": null, "code": 400}}'
 
@@ -149,8 +149,6 @@ class FakePrefill(_FakeBase):
                 return
             if k.fail == "status":
                 return await respond(send, k.fail_status, k.fail_body.encode())
-            if k.fail == "drop":
-                raise ConnectionAbortedError("fake prefill: dropping the connection")
             if k.fail == "bad_json":
                 return await respond(send, 200, b"{not json")
             await respond(send, 200, json.dumps(self._answer(path, body, rid)).encode())
@@ -204,7 +202,8 @@ class FakeDecode(_FakeBase):
     def __init__(self, **knobs: Any) -> None:
         super().__init__()
         self.knobs = DecodeKnobs(**knobs)
-        self._release = asyncio.Semaphore(0)
+        self._held: dict[str, asyncio.Event] = {}  # hold mode: waiting requests, oldest first
+        self._permits = 0  # releases that came before the request they were meant for
         self._cancel: dict[str, asyncio.Event] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -212,9 +211,7 @@ class FakeDecode(_FakeBase):
             return
         k, path = self.knobs, scope["path"]
         if path == "/fake/release":
-            n = json.loads(await read_body(scope, receive, 1 << 20) or b"{}").get("n", 1)
-            for _ in range(n):
-                self._release.release()
+            self._release(json.loads(await read_body(scope, receive, 1 << 20) or b"{}"))
             return await respond(send, 200, b"{}")
         if path in ("/health", "/ready"):
             return await respond(send, 200 if (k.ready or path == "/health") else 503,
@@ -256,13 +253,43 @@ class FakeDecode(_FakeBase):
         cancel = self._cancel[rid] = asyncio.Event()
         rec.active.add(rid)
         rec.max_active = max(rec.max_active, len(rec.active))
+        watch = asyncio.ensure_future(receive())  # completes when the client goes away
         try:
-            if k.hold:
-                await self._release.acquire()
-            await self._emit(scope, receive, send, path, body, rid, cancel)
+            if k.hold and not await self._hold(rid, cancel, watch):
+                return
+            await self._emit(send, path, body, rid, cancel, watch)
         finally:
+            watch.cancel()
             rec.active.discard(rid)
             self._cancel.pop(rid, None)
+
+    def _release(self, what: dict[str, Any]) -> None:
+        """``{"request_id": id}`` releases that held request, ``{"n": n}`` the n oldest."""
+        if "request_id" in what:
+            self._held.pop(what["request_id"]).set()
+            return
+        for _ in range(what.get("n", 1)):
+            if self._held:
+                self._held.pop(next(iter(self._held))).set()
+            else:
+                self._permits += 1
+
+    async def _hold(self, rid: str, cancel: asyncio.Event, watch: asyncio.Future[Any]) -> bool:
+        """Wait for a release; False if cancelled or the client left first."""
+        if self._permits:
+            self._permits -= 1
+            return True
+        gate = self._held[rid] = asyncio.Event()
+        waits = [asyncio.ensure_future(gate.wait()), asyncio.ensure_future(cancel.wait())]
+        await asyncio.wait([*waits, watch], return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        self._held.pop(rid, None)
+        if gate.is_set():
+            return True
+        if watch.done():
+            self.records.disconnects.append(rid)
+        return False
 
     def _check(self, body: dict[str, Any], rid: str) -> str | None:
         params = body.get("kv_transfer_params")
@@ -280,17 +307,19 @@ class FakeDecode(_FakeBase):
             return "decode body: logprobs asked, no prefill_logprobs"
         return None
 
-    async def _emit(self, scope: Scope, receive: Receive, send: Send, path: str, body: dict[str, Any], rid: str,
-                    cancel: asyncio.Event) -> None:
+    async def _emit(self, send: Send, path: str, body: dict[str, Any], rid: str, cancel: asyncio.Event,
+                    watch: asyncio.Future[Any]) -> None:
         k = self.knobs
         n = body.get("max_completion_tokens") or body.get("max_tokens") or k.tokens
         chat = path == "/v1/chat/completions"
         stream = bool(body.get("stream"))
         if not stream:
             text = "".join(f"t{i} " for i in range(n))
-            if k.token_delay and not await _wait_or_disconnect(receive, k.token_delay * n):
-                self.records.disconnects.append(rid)
-                return
+            if k.token_delay:
+                await asyncio.wait([watch], timeout=k.token_delay * n)
+                if watch.done():
+                    self.records.disconnects.append(rid)
+                    return
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": text, "finish_reason": "length"})
             out = {"id": f"cmpl-{rid}", "object": "chat.completion" if chat else "text_completion",
@@ -299,37 +328,33 @@ class FakeDecode(_FakeBase):
             return await respond(send, 200, json.dumps(out).encode())
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
-        watch = asyncio.ensure_future(receive())
         obj = "chat.completion.chunk" if chat else "text_completion"
         t0 = time.monotonic()
-        try:
-            for i in range(n):
-                if k.fail == "mid_stream" and i == k.fail_after:
-                    raise ConnectionAbortedError("fake decode: dying mid-stream")
-                wait = t0 + i * k.token_delay - time.monotonic()
-                if wait > 0:
-                    await asyncio.wait({watch}, timeout=wait)
-                if watch.done():
-                    self.records.disconnects.append(rid)
-                    return
-                if cancel.is_set():
-                    return
-                last = i == n - 1
-                choice = ({"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": "length" if last else None}
-                          if chat else {"index": 0, "text": f"t{i} ", "finish_reason": "length" if last else None})
-                chunk = {"id": f"cmpl-{rid}", "object": obj, "created": 0, "model": k.model, "choices": [choice]}
-                await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
-                            "more_body": True})
-            tail = b""
-            if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
-                tail = b"data: " + json.dumps({"id": f"cmpl-{rid}", "object": obj, "created": 0, "model": k.model,
-                                               "choices": [], "usage": usage}).encode() + b"\n\n"
-            if k.fail != "no_done":
-                tail += b"data: [DONE]\n\n"
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
-        finally:
-            watch.cancel()
+        for i in range(n):
+            if k.fail == "mid_stream" and i == k.fail_after:
+                raise ConnectionAbortedError("fake decode: dying mid-stream")
+            wait = t0 + i * k.token_delay - time.monotonic()
+            if wait > 0:
+                await asyncio.wait({watch}, timeout=wait)
+            if watch.done():
+                self.records.disconnects.append(rid)
+                return
+            if cancel.is_set():
+                return
+            last = i == n - 1
+            choice = ({"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": "length" if last else None}
+                      if chat else {"index": 0, "text": f"t{i} ", "finish_reason": "length" if last else None})
+            chunk = {"id": f"cmpl-{rid}", "object": obj, "created": 0, "model": k.model, "choices": [choice]}
+            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
+                        "more_body": True})
+        tail = b""
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+            tail = b"data: " + json.dumps({"id": f"cmpl-{rid}", "object": obj, "created": 0, "model": k.model,
+                                           "choices": [], "usage": usage}).encode() + b"\n\n"
+        if k.fail != "no_done":
+            tail += b"data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
 class ServerThread:

@@ -73,9 +73,9 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
 
     def make(n_prefill: int = 1, n_decode: int = 1, prefill: dict[str, Any] | None = None,
              decode: dict[str, Any] | None = None, wait_ready: bool = True, **settings: Any) -> Rig:
-        prefills = [ServerThread(FakePrefill(model=MODEL, **(prefill or {})), free_port()).start()
+        prefills = [ServerThread(FakePrefill(**{"model": MODEL, **(prefill or {})}), free_port()).start()
                     for _ in range(n_prefill)]
-        decodes = [ServerThread(FakeDecode(model=MODEL, **(decode or {})), free_port()).start()
+        decodes = [ServerThread(FakeDecode(**{"model": MODEL, **(decode or {})}), free_port()).start()
                    for _ in range(n_decode)]
         values = {"prefill": tuple(p.url for p in prefills), "decode": tuple(d.url for d in decodes),
                   "port": free_port(), "probe_interval": 0.2, "log_level": "warning", **settings}
@@ -88,6 +88,8 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
         return rig
 
     yield make
-    for rig in rigs:
-        for s in [rig.server, *rig.prefills, *rig.decodes, *rig.extra]:
-            s.stop()
+    servers = [s for rig in rigs for s in [rig.server, *rig.prefills, *rig.decodes, *rig.extra]]
+    for s in servers:  # all at once, then wait for each
+        s.server.should_exit = True
+    for s in servers:
+        s.stop()

@@ -1,0 +1,99 @@
+"""Readiness follows backend health and compatibility; requests fail fast while down."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
+from tests.router.conftest import MODEL
+
+pytestmark = pytest.mark.timeout(60)
+COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+PROBE = 0.2
+
+
+def _wait_status(rig, status: int) -> float:
+    t0 = time.monotonic()
+    rig.wait(lambda: rig.ready_status() == status, 3 * PROBE + 1.0, f"/ready {status}")
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_backend_down_and_back(make_rig, role):
+    rig = make_rig(probe_interval=PROBE)
+    servers = rig.decodes if role == "decode" else rig.prefills
+    port = servers[0].port
+    servers.pop().stop()
+    took = _wait_status(rig, 503)
+    assert took <= PROBE + 0.5, took
+    body = httpx.get(rig.url + "/ready").json()
+    assert body["ready"] is False
+    down = [b for b in body[role] if not b["healthy"]]
+    assert down and "unreachable" in down[0]["reason"] and down[0]["url"].endswith(f":{port}")
+    t0 = time.monotonic()
+    resp = httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=5)
+    assert resp.status_code == 503 and time.monotonic() - t0 < 1.0
+    assert resp.json()["error"]["type"] == "no_healthy_backend"
+    app = FakeDecode(model=MODEL) if role == "decode" else FakePrefill(model=MODEL)
+    servers.append(ServerThread(app, port).start())
+    _wait_status(rig, 200)
+    assert httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=5).status_code == 200
+    rig.assert_no_leaks()
+
+
+def test_queued_requests_fail_with_503_when_decode_goes_down(make_rig):
+    rig = make_rig(probe_interval=PROBE, decode={"hold": True}, queue_timeout=30)
+    results: list[int] = []
+    threads = [threading.Thread(target=lambda: results.append(
+        httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=20).status_code)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    rig.wait(lambda: rig.state.pool.queue_depth == 2, what="two queued")
+    rig.config(rig.decodes[0], ready=False)
+    rig.wait(lambda: sorted(results) == [503, 503], 3, "queued requests answered 503")
+    httpx.post(rig.decodes[0].url + "/fake/release", json={"n": 1})
+    for t in threads:
+        t.join(10)
+    assert sorted(results) == [200, 503, 503]
+    rig.assert_no_leaks()
+
+
+@pytest.mark.parametrize("decode,needle", [
+    ({"peers": [{"peer": "prefill-a", "state": "rejected", "reason": "layout fingerprint tiny-mla-3L-x != y"}]},
+     "prefill-a: layout fingerprint tiny-mla-3L-x != y"),
+    ({"peers": []}, "no prefill connector has completed the KV handshake"),
+    ({"protocol_version": 99}, "protocol_version 99"),
+    ({"model": "other-model"}, "serves ['other-model']"),
+    ({"ready": False}, "/ready answered 503"),
+])
+def test_incompatible_decode_is_not_ready(make_rig, decode, needle):
+    rig = make_rig(decode=decode, wait_ready=False, probe_interval=PROBE)
+    _wait_status(rig, 503)
+    body = httpx.get(rig.url + "/ready").json()
+    reason = body["decode"][0]["reason"]
+    assert needle in reason, body
+    assert any(needle in p and rig.decodes[0].url in p for p in body["problems"]), body
+    rig.config(rig.decodes[0], peers=[{"peer": "prefill-a", "state": "ok"}], protocol_version=1, model=MODEL,
+               ready=True)
+    _wait_status(rig, 200)
+    rig.assert_no_leaks()
+
+
+def test_handshake_not_required(make_rig):
+    rig = make_rig(decode={"peers": []}, require_handshake=False)
+    assert rig.ready_status() == 200
+    assert httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=5).status_code == 200
+    rig.assert_no_leaks()
+
+
+def test_health_is_liveness_only(make_rig):
+    rig = make_rig(wait_ready=False, probe_interval=PROBE)
+    rig.decodes.pop().stop()
+    _wait_status(rig, 503)
+    assert httpx.get(rig.url + "/health").json() == {"status": "ok"}
+    metrics = httpx.get(rig.url + "/metrics").text
+    assert 'pd_router_backend_healthy{backend="%s",role="decode"} 0.0' % rig.state.backends.decode[0].url in metrics
