@@ -105,7 +105,8 @@ def _workers(r: Recipe) -> list[Step]:
         host = _host(r, node)
         spec = DecodeSpec(model=r.decode_weights, port=port, kv_port=kv_port, host=_bind(r),
                           engine=r.decode.engine, slots=r.decode.slots, max_seq_len=r.decode.max_seq_len,
-                          num_mtp=r.decode.num_mtp, extra_args=tuple(r.decode.extra_args), python=r.decode.python)
+                          num_mtp=r.decode.num_mtp, python=r.decode.python,
+                          extra_args=("--kv-host", host, "--served-model-name", r.model.name, *r.decode.extra_args))
         steps.append(Step(id=f"decode{i}", role="decode", kind="service", node=node, image=r.decode.image,
                           argv=decode_server_argv(spec), env={**DECODE_ENV, **r.decode.env},
                           ready_url=f"http://{host}:{port}/ready"))

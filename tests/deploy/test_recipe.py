@@ -131,7 +131,8 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
                       "--prefill", "http://pf0:8100", "--decode", "http://dc0:8200"]
     assert decode == decode_server_argv(DecodeSpec(
         model="/shared/models/GLM-5.1-FP8-tilert", port=8200, kv_port=8300, host="0.0.0.0", engine="tilert",
-        slots=1, max_seq_len=16384, num_mtp=3, python="python3"))
+        slots=1, max_seq_len=16384, num_mtp=3, python="python3",
+        extra_args=("--kv-host", "dc0", "--served-model-name", "GLM-5.1-FP8")))
     assert convert[-4:] == ["--model_dir", "/shared/models/GLM-5.1-FP8", "--save_dir", "{dst}"]
     assert all("/shared/run1/bench/" in " ".join(b) for b in bench)
     assert "gate: http://pf0:8100/health" in node0 and "gate: http://pf0:8000/ready" in node0
