@@ -20,6 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, loop="uvloop", http="httptools",
                 log_level=settings.log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=5)
