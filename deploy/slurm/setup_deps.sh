@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Prepare what the servers need before they start: the converted decode weights.
 #
-#   setup_deps.sh convert JOB_DIR
+#   setup_deps.sh convert JOB_DIR                       (Slurm: settings from the plan)
+#   setup_deps.sh convert-env -- CONVERTER [ARGS...]     (Kubernetes: CONVERT_* variables)
 #
-# Converts CONVERT_SRC into CONVERT_DST (JOB_DIR/plan/job.env) with the plan's `convert`
-# command, exactly once across concurrent jobs sharing the filesystem:
+# Converts CONVERT_SRC into CONVERT_DST (JOB_DIR/plan/job.env, or the environment) with
+# the converter command ({src} and {dst} replaced), exactly once across concurrent jobs
+# sharing the filesystem:
 #   * a complete conversion (marker file + shard count + tokenizer files) is reused at
 #     once, without running anything else: no model hub is contacted on a cache hit;
 #   * otherwise, under an flock on DST.lock (shared filesystem), re-check, then convert
@@ -41,13 +43,11 @@ check_dir() {
 
 is_complete() { [[ -f $1/$MARKER && -z "$(check_dir "$1")" ]]; }
 
-convert() {
-    local job_dir=$1 tmp reason a kv
-    # shellcheck disable=SC1091
-    source "$job_dir/plan/job.env"
-    [[ -n ${CONVERT_DST:-} ]] || { log "recipe has no conversion: nothing to do"; return 0; }
+# convert_with CMD...: the conversion itself; settings from the CONVERT_* variables,
+# {src} / {dst} in CMD replaced by the source and the temporary directory.
+convert_with() {
+    local tmp reason a
     local dst=${CONVERT_DST%/} lock="${CONVERT_DST%/}.lock"
-
     if is_complete "$dst"; then
         log "reusing complete conversion $dst (converter not run, no hub contact)"
         return 0
@@ -65,16 +65,10 @@ convert() {
     tmp=$(mktemp -d "$dst.tmp-XXXXXX")
     trap 'rm -rf "$tmp"' EXIT
 
-    local argv=() env_entries=()
-    mapfile -d '' -t argv < "$job_dir/plan/convert.argv"
-    mapfile -d '' -t env_entries < "$job_dir/plan/convert.env"
     local cmd=()
-    for a in "${argv[@]}"; do cmd+=("${a//\{dst\}/$tmp}"); done
+    for a in "$@"; do a=${a//\{src\}/$CONVERT_SRC}; cmd+=("${a//\{dst\}/$tmp}"); done
     log "converting $CONVERT_SRC -> $tmp: ${cmd[*]}"
-    (
-        for kv in "${env_entries[@]}"; do export "$kv"; done
-        exec "${cmd[@]}"
-    ) || die "converter failed (exit $?); removed $tmp"
+    "${cmd[@]}" || die "converter failed (exit $?); removed $tmp"
 
     for a in $CONVERT_TOKENIZER_FILES; do
         [[ -e $tmp/$a || ! -f $CONVERT_SRC/$a ]] || cp "$CONVERT_SRC/$a" "$tmp/$a"
@@ -87,10 +81,42 @@ convert() {
     log "converted into $dst"
 }
 
+# convert JOB_DIR: settings from the rendered plan; the converter gets the plan's
+# convert.env (every role's Hugging Face settings) on top of the job's environment.
+convert() {
+    local job_dir=$1 kv argv=() env_entries=()
+    # shellcheck disable=SC1091
+    source "$job_dir/plan/job.env"
+    [[ -n ${CONVERT_DST:-} ]] || { log "recipe has no conversion: nothing to do"; return 0; }
+    mapfile -d '' -t argv < "$job_dir/plan/convert.argv"
+    mapfile -d '' -t env_entries < "$job_dir/plan/convert.env"
+    for kv in "${env_entries[@]}"; do export "${kv?}"; done
+    convert_with "${argv[@]}"
+}
+
+# convert-env -- CMD...: settings from the environment (Kubernetes init container).
+convert_env() {
+    local v
+    for v in CONVERT_SRC CONVERT_DST CONVERT_SHARDS; do
+        [[ -n ${!v:-} ]] || die "$v is not set"
+    done
+    CONVERT_SHARD_GLOB=${CONVERT_SHARD_GLOB:-*.safetensors}
+    CONVERT_TOKENIZER_FILES=${CONVERT_TOKENIZER_FILES:-tokenizer.json tokenizer_config.json}
+    CONVERT_LOCK_TIMEOUT=${CONVERT_LOCK_TIMEOUT:-14400}
+    [[ $CONVERT_SHARDS =~ ^[1-9][0-9]*$ ]] || die "CONVERT_SHARDS=$CONVERT_SHARDS: not a positive integer"
+    [[ $# -gt 0 ]] || die "usage: setup_deps.sh convert-env -- CONVERTER [ARGS with {src} {dst}]"
+    convert_with "$@"
+}
+
+USAGE="usage: setup_deps.sh convert JOB_DIR | setup_deps.sh convert-env -- CONVERTER [ARGS...]"
 case ${1:-} in
     convert)
-        [[ $# -eq 2 ]] || die "usage: setup_deps.sh convert JOB_DIR"
+        [[ $# -eq 2 ]] || die "$USAGE"
         convert "$2" ;;
+    convert-env)
+        shift
+        [[ ${1:-} != -- ]] || shift
+        convert_env "$@" ;;
     *)
-        die "usage: setup_deps.sh convert JOB_DIR" ;;
+        die "$USAGE" ;;
 esac

@@ -1,0 +1,123 @@
+"""Kubernetes manifests: valid against the Kubernetes schemas (offline, strict), GPU
+resources, probes, the router Service, and the init container's conversion command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.conftest import DEPLOY, SLURM_DIR, fake_checkpoint, write_exe
+
+K8S = DEPLOY / "k8s"
+VERSIONS = ["1.30.0", "1.33.0"]
+
+
+def _resources() -> list[dict[str, Any]]:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    docs: list[dict[str, Any]] = []
+    for name in kustomization["resources"]:
+        docs += [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+    return docs
+
+
+def _get(kind: str, name: str) -> dict[str, Any]:
+    (doc,) = [d for d in _resources() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def _container(kind: str, name: str) -> dict[str, Any]:
+    (c,) = _get(kind, name)["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_manifests_validate_offline_against_kubernetes_schemas(version: str) -> None:
+    docs = _resources()
+    assert {(d["kind"], d["metadata"]["name"]) for d in docs} >= {
+        ("Deployment", "prefill"), ("StatefulSet", "decode"), ("Deployment", "router"), ("Service", "router")}
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_validation_does_reject_a_broken_manifest() -> None:
+    doc = _get("Deployment", "router")
+    doc["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["port"] = [8000]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)
+    doc = _get("Service", "router")
+    doc["spec"]["portz"] = []
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize("kind,name,gpus", [("Deployment", "prefill", 8), ("StatefulSet", "decode", 8)])
+def test_gpu_workers(kind: str, name: str, gpus: int) -> None:
+    c = _container(kind, name)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_probes_and_router_service() -> None:
+    assert _container("StatefulSet", "decode")["readinessProbe"]["httpGet"]["path"] == "/ready"
+    router = _container("Deployment", "router")
+    assert router["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert router["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert router["command"] == ["/usr/local/bin/pd-entrypoint", "router"]
+    svc = _get("Service", "router")
+    assert svc["spec"]["selector"] == _get("Deployment", "router")["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["ports"][0]["port"] == int(_env(router)["PD_PORT"])
+
+
+def test_exactly_one_prefill_and_wiring_between_roles() -> None:
+    assert _get("Deployment", "prefill")["spec"]["replicas"] == 1
+    decode = _get("StatefulSet", "decode")
+    assert decode["spec"]["serviceName"] == "decode" and _get("Service", "decode")["spec"]["clusterIP"] == "None"
+    prefill_env, decode_env = _env(_container("Deployment", "prefill")), _env(_container("StatefulSet", "decode"))
+    router_env = _env(_container("Deployment", "router"))
+    replicas = decode["spec"]["replicas"]
+    assert prefill_env["PD_DECODE_KV_ENDPOINTS"].split(",") == [f"decode-{i}.decode:{decode_env['PD_KV_PORT']}"
+                                                                for i in range(replicas)]
+    assert router_env["PD_DECODE_URLS"].split(",") == [f"http://decode-{i}.decode:{decode_env['PD_PORT']}"
+                                                       for i in range(replicas)]
+    assert router_env["PD_PREFILL_URLS"] == f"http://prefill:{prefill_env['PD_PORT']}"
+    assert prefill_env["PD_SERVED_MODEL_NAME"] == decode_env["PD_SERVED_MODEL_NAME"]
+    assert "$(POD_NAME).decode" in decode_env["PD_KV_HOST"]
+    (init,) = decode["spec"]["template"]["spec"]["initContainers"]
+    assert _env(init)["CONVERT_DST"] == decode_env["PD_MODEL"]
+    assert _env(init)["CONVERT_SRC"] == prefill_env["PD_MODEL"]
+
+
+def test_init_container_conversion_command_runs(tmp_path: Path) -> None:
+    """The init container's command, with the converter replaced by a stub, through the
+    same setup_deps.sh the decode image carries (as /usr/local/bin/pd-setup-deps)."""
+    (init,) = _get("StatefulSet", "decode")["spec"]["template"]["spec"]["initContainers"]
+    command = init["command"]
+    assert command[:3] == ["/usr/local/bin/pd-setup-deps", "convert-env", "--"]
+    stub = write_exe(tmp_path / "converter", '#!/usr/bin/env bash\nset -e\nwhile [ $# -gt 0 ]; do '
+                     'case $1 in --model_dir) src=$2; shift;; --save_dir) dst=$2; shift;; esac; shift; done\n'
+                     'for i in 1 2 3 4 5 6 7 8; do cp "$src/model-00000-of-00001.safetensors" '
+                     '"$dst/model-$i.safetensors"; done\n')
+    env = {**os.environ, **_env(init)}
+    env.pop("HF_TOKEN", None)
+    env["CONVERT_SRC"] = str(fake_checkpoint(tmp_path / "src"))
+    env["CONVERT_DST"] = str(tmp_path / "dst")
+    argv = ["bash", str(SLURM_DIR / "setup_deps.sh"), *command[1:3], str(stub), *command[4:]]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert len(list((tmp_path / "dst").glob("*.safetensors"))) == int(env["CONVERT_SHARDS"])
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert "reusing complete conversion" in again.stderr
+    env.pop("CONVERT_SHARDS")
+    bad = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode != 0 and "CONVERT_SHARDS is not set" in bad.stderr
