@@ -122,6 +122,7 @@ class Hello(BaseModel):
     agent_name: str = Field(min_length=1, max_length=256)
     fingerprint: LayoutFingerprint
     transport: str = Field(default="nixl", description="the sender's data transport kind")
+    agent_metadata: str = Field(default="", description="base64 of the sender's agent metadata (for Revoked)")
 
 
 class Welcome(BaseModel):
@@ -200,9 +201,24 @@ ControlMessage = Annotated[
 
 
 class LayersDone(BaseModel):
-    """The notification attached to a KV WRITE: these layers of that handoff have landed."""
+    """Sender -> receiver, attached to a KV WRITE: these layers of that handoff have landed."""
 
     model_config = ConfigDict(frozen=True)
 
+    type: Literal["layers_done"] = "layers_done"
     handoff_id: str
     layers: list[int]
+
+
+class Revoked(BaseModel):
+    """Receiver -> sender, a standalone transport notification: the receiver gave up on
+    that handoff (timed out, stopped) and freed its slot; the sender must stop writing."""
+
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["revoked"] = "revoked"
+    handoff_id: str
+    reason: str
+
+
+Notification = Annotated[Union[LayersDone, Revoked], Field(discriminator="type")]

@@ -41,10 +41,11 @@ from connector.protocol import (
     LayersDone,
     Refused,
     Reject,
+    Revoked,
     Welcome,
     fingerprint_mismatch,
 )
-from connector.transport import TRANSPORT_KINDS, Transport, create_transport, encode_regions
+from connector.transport import TRANSPORT_KINDS, Transport, TransportError, create_transport, encode_regions
 from pd_router.contract import PeerStatus
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ class KVReceiver:
         self._free: list[int] = list(range(settings.slots))
         self._handoffs: dict[str, _Handoff] = {}
         self._peers: dict[str, PeerStatus] = {}
+        self._revocable: set[str] = set()  # senders whose agent we added (they can be told Revoked)
         self._changed: asyncio.Condition | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._poll_stop = threading.Event()
@@ -240,13 +242,26 @@ class KVReceiver:
             self._free.append(h.slot)
             h.slot = None
 
-    async def _fail(self, h: _Handoff, error: str) -> None:
+    async def _fail(self, h: _Handoff, error: str, revoke: bool = True) -> None:
         if h.state == "failed":
             return
+        was_incomplete = h.state == "admitted"
         h.state, h.error = "failed", error
         h.since = time.monotonic()
         self._free_slot(h)
+        if revoke and was_incomplete:
+            await self._revoke(h, error)
         await self._notify_all()
+
+    async def _revoke(self, h: _Handoff, reason: str) -> None:
+        """Tell the handoff's senders to stop writing into the slot just freed."""
+        assert self._transport is not None
+        msg = Revoked(handoff_id=h.handoff_id, reason=reason).model_dump_json().encode()
+        for peer in h.peers & self._revocable:
+            try:
+                await asyncio.to_thread(self._transport.notify, peer, msg)
+            except TransportError as exc:
+                log.warning("KV receiver: could not revoke %s at %s: %s", h.handoff_id, peer, exc)
 
     async def _notify_all(self) -> None:
         assert self._changed is not None
@@ -257,7 +272,7 @@ class KVReceiver:
 
     async def _on_message(self, conn: ControlConnection, msg: BaseModel) -> BaseModel | None:
         if isinstance(msg, Hello):
-            return self._on_hello(conn, msg)
+            return await self._on_hello(conn, msg)
         if conn.peer is None:
             if isinstance(msg, (Admit, Abort)):
                 return Refused(handoff_id=msg.handoff_id, reason="unknown_peer",
@@ -268,11 +283,11 @@ class KVReceiver:
         if isinstance(msg, Abort):
             h = self._handoffs.get(msg.handoff_id)
             if h is not None and h.state == "admitted":
-                await self._fail(h, f"aborted by the sender {conn.peer}: {msg.reason}")
+                await self._fail(h, f"aborted by the sender {conn.peer}: {msg.reason}", revoke=False)
             return Aborted(handoff_id=msg.handoff_id, known=h is not None)
         return None
 
-    def _on_hello(self, conn: ControlConnection, hello: Hello) -> BaseModel:
+    async def _on_hello(self, conn: ControlConnection, hello: Hello) -> BaseModel:
         mine = layout_fingerprint(self._layout, hello.fingerprint.sender_world_size)
         if hello.protocol_version != PROTOCOL_VERSION:
             bad = ("protocol_version", str(PROTOCOL_VERSION), str(hello.protocol_version))
@@ -287,6 +302,15 @@ class KVReceiver:
             log.warning(message)
             self._peers[hello.agent_name] = PeerStatus(peer=hello.agent_name, state="rejected", reason=message)
             return Reject(field=fld, expected=expected, received=received, message=message)
+        if hello.agent_metadata:  # lets us revoke its handoffs; a restarted sender may reuse its name
+            assert self._transport is not None
+            self._revocable.discard(hello.agent_name)
+            await asyncio.to_thread(self._transport.remove_peer, hello.agent_name)
+            try:
+                added = await asyncio.to_thread(self._transport.add_peer, base64.b64decode(hello.agent_metadata))
+                self._revocable.add(added)
+            except (TransportError, ValueError) as exc:
+                log.warning("KV receiver: cannot add sender %s's agent (no revocation): %s", hello.agent_name, exc)
         conn.peer = hello.agent_name
         self._peers[hello.agent_name] = PeerStatus(peer=hello.agent_name, state="ok")
         assert self._welcome_parts is not None
@@ -332,7 +356,7 @@ class KVReceiver:
         for h in list(self._handoffs.values()):
             if h.state == "admitted" and peer in h.peers:
                 await self._fail(h, f"the sender {peer} disconnected after {len(h.arrived)}/"
-                                    f"{self._layout.num_layers} layers")
+                                    f"{self._layout.num_layers} layers", revoke=False)
 
     # ----------------------------------------------------------------- notifications
 
@@ -359,7 +383,7 @@ class KVReceiver:
         for peer, raw in notifs:
             try:
                 done = LayersDone.model_validate_json(raw)
-            except ValidationError:
+            except ValidationError:  # also a Revoked sent to us by mistake
                 log.warning("KV receiver: ignoring a malformed notification from %s", peer)
                 continue
             h = self._handoffs.get(done.handoff_id)
@@ -381,4 +405,5 @@ class KVReceiver:
                 if h.state != "claimed" and h.waiters == 0 and now - h.since > self._s.unclaimed_timeout_s:
                     log.warning("KV receiver: freeing unclaimed handoff %s (%s)", hid, h.state)
                     self._handoffs.pop(hid, None)
+                    await self._fail(h, f"nobody claimed it within {self._s.unclaimed_timeout_s:g}s")
                     self._free_slot(h)

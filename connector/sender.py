@@ -36,6 +36,7 @@ from connector.protocol import (
     LayersDone,
     Refused,
     Reject,
+    Revoked,
     Welcome,
     fingerprint_mismatch,
 )
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 5.0
 _POLL_S = 0.0002
+_IDLE_POLL_S = 0.02  # while handoffs are pending but nothing is queued: look for Revoked
 
 
 @dataclass
@@ -165,6 +167,7 @@ class Handoff:
             if free:
                 self._staging_held = False
         if free:
+            self._sender._forget(self)
             self._sender._release_staging(self._staging_slot)
 
 
@@ -193,6 +196,8 @@ class KVSender:
         self._peers: dict[str, _Peer] = {}
         self._peers_lock = threading.Lock()
         self._queue: queue.Queue[tuple[Handoff, int] | None] = queue.Queue()
+        self._active: dict[str, Handoff] = {}  # pending handoffs by id, for Revoked
+        self._active_lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"{agent_name}-kv-sender", daemon=True)
         self._thread.start()
@@ -218,8 +223,10 @@ class KVSender:
     def _handshake(self, endpoint: str, timeout: float) -> _Peer:
         client = ControlClient(endpoint, timeout)
         try:
-            reply = client.request(Hello(protocol_version=PROTOCOL_VERSION, agent_name=self.agent_name,
-                                         fingerprint=self._fingerprint, transport=self._transport_kind), timeout)
+            hello = Hello(protocol_version=PROTOCOL_VERSION, agent_name=self.agent_name,
+                          fingerprint=self._fingerprint, transport=self._transport_kind,
+                          agent_metadata=base64.b64encode(self._transport.metadata()).decode())
+            reply = client.request(hello, timeout)
             if isinstance(reply, Reject):
                 raise HandshakeRejected(reply.field, reply.expected, reply.received,
                                         f"decode server {endpoint}: {reply.message}")
@@ -274,7 +281,11 @@ class KVSender:
         except BaseException:
             self._release_staging(slot)
             raise
-        return Handoff(self, peer, reply, num_tokens, slot)
+        handoff = Handoff(self, peer, reply, num_tokens, slot)
+        if handoff.status() == "pending":
+            with self._active_lock:
+                self._active[handoff_id] = handoff
+        return handoff
 
     def _check_offsets(self, peer: _Peer, admitted: Admitted, num_tokens: int) -> None:
         sizes = [p.nbytes(num_tokens) for p in self.layout.planes]
@@ -308,10 +319,15 @@ class KVSender:
 
     def _run(self) -> None:
         inflight: list[tuple[Handoff, XferHandle, list[int]]] = []
+        last_check = 0.0
         while True:
             batch: list[tuple[Handoff, int]] = []
+            waiting = bool(self._active)
+            if waiting and time.monotonic() - last_check >= _IDLE_POLL_S / 2:
+                self._check_revocations()
+                last_check = time.monotonic()
             try:
-                item = self._queue.get(timeout=None if not inflight else _POLL_S)
+                item = self._queue.get(timeout=_POLL_S if inflight else (_IDLE_POLL_S if waiting else None))
                 if item is None:
                     break
                 batch.append(item)
@@ -364,6 +380,27 @@ class KVSender:
                 continue
             posted.append((handoff, xfer, layers))
         return posted
+
+    def _check_revocations(self) -> None:
+        try:
+            notifs = self._transport.notifications()
+        except TransportError as exc:
+            log.warning("KV sender: reading notifications failed: %s", exc)
+            return
+        for peer, raw in notifs:
+            try:
+                revoked = Revoked.model_validate_json(raw)
+            except ValueError:
+                continue
+            with self._active_lock:
+                handoff = self._active.get(revoked.handoff_id)
+            if handoff is not None and handoff._peer.agent == peer:
+                handoff._fail(f"revoked by the decode server {handoff._peer.endpoint}: {revoked.reason}")
+
+    def _forget(self, handoff: Handoff) -> None:
+        with self._active_lock:
+            if self._active.get(handoff.handoff_id) is handoff:
+                del self._active[handoff.handoff_id]
 
     def _on_transport_error(self, handoff: Handoff, error: str) -> None:
         handoff._peer.stale = True  # handshake again (and re-add the agent) next time

@@ -15,6 +15,7 @@ Contract:
   nbytes)`` pieces; adjacent pieces are merged first (:func:`merge_pieces`); the
   notification reaches the peer after the data. It returns a handle to ``poll``
   ("pending" / "done" / "error") and ``release``. Errors raise :class:`TransportError`.
+* ``notify(peer, msg)`` sends a standalone notification (no data) to a known peer.
 * ``notifications()`` drains the notifications received: ``[(peer_name, bytes)]``.
 
 Implementations are thread-safe: a sender thread writes while another thread
@@ -104,6 +105,9 @@ class Transport(ABC):
 
     @abstractmethod
     def write(self, peer: str, pieces: Sequence[Piece], notif: bytes) -> XferHandle: ...
+
+    @abstractmethod
+    def notify(self, peer: str, notif: bytes) -> None: ...
 
     @abstractmethod
     def poll(self, handle: XferHandle) -> XferState: ...

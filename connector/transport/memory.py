@@ -116,6 +116,9 @@ class MemoryTransport(Transport):
         target._deliver(self._name, notif)
         return _Done()
 
+    def notify(self, peer: str, notif: bytes) -> None:
+        self._live_peer(peer)._deliver(self._name, notif)
+
     def _deliver(self, sender: str, notif: bytes) -> None:
         with self._lock:
             if not self._closed:

@@ -123,6 +123,12 @@ class NixlTransport(Transport):
             raise TransportError(f"NIXL WRITE to {peer!r} failed at post")
         return _NixlXfer(handle)
 
+    def notify(self, peer: str, notif: bytes) -> None:
+        try:
+            self._agent.send_notif(peer, notif)
+        except Exception as exc:
+            raise TransportError(f"NIXL notification to {peer!r} failed: {exc}") from exc
+
     def poll(self, handle: XferHandle) -> XferState:
         assert isinstance(handle, _NixlXfer)
         try:
