@@ -16,6 +16,7 @@ import pytest
 import uvicorn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from decode_server.engine.base import Engine
 from decode_server.server import AppConfig, create_app
 from tests.fakes.fake_engine import FakeEngine, FakeEngineConfig
 from tests.fakes.fake_receiver import FakeReceiver
@@ -63,7 +64,7 @@ def tokenizer(model_dir: Path) -> Tokenizer:
 @dataclass
 class RunningServer:
     url: str
-    engine: FakeEngine
+    engine: Engine
     receiver: FakeReceiver
     app: object
 
@@ -75,25 +76,26 @@ class RunningServer:
         """Wait until no slot, session or handoff is held (the leak check)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.state.slots.busy == 0 and self.engine.live_sessions() == 0 and not self.receiver.held():
+            live = self.engine.live_sessions() if isinstance(self.engine, FakeEngine) else 0
+            if self.state.slots.busy == 0 and live == 0 and not self.receiver.held():
                 return
             time.sleep(0.01)
-        raise AssertionError(f"leak: busy_slots={self.state.slots.busy} live_sessions={self.engine.live_sessions()} "
-                             f"held_handoffs={self.receiver.held()}")
+        raise AssertionError(f"leak: busy_slots={self.state.slots.busy} held_handoffs={self.receiver.held()}")
 
 
 def start_server(model_dir: Path, engine_cfg: FakeEngineConfig, slots: int = 2, kv_timeout: float = 5.0,
                  auto_complete: bool = True, max_seq_len: int = 4096, reasoning: bool = False,
-                 tools: bool = False) -> tuple[RunningServer, uvicorn.Server, threading.Thread]:
-    engine = FakeEngine(engine_cfg)
+                 tools: bool = False, engine: Engine | None = None, engine_name: str = "reference",
+                 kv_tokens: int = 4) -> tuple[RunningServer, uvicorn.Server, threading.Thread]:
+    engine = engine or FakeEngine(engine_cfg)
     receivers: list[FakeReceiver] = []
 
     def make_receiver(layout, n, max_tokens):  # noqa: ANN001, ANN202
-        receivers.append(FakeReceiver(layout, n, max_tokens, auto_complete=auto_complete))
+        receivers.append(FakeReceiver(layout, n, max_tokens, auto_complete=auto_complete, num_tokens=kv_tokens))
         return receivers[-1]
 
-    cfg = AppConfig(model_dir=model_dir, served_model_name="fake-model", engine="reference", slots=slots,
-                    max_seq_len=max_seq_len, num_mtp=engine_cfg.per_step - 1, kv_timeout=kv_timeout,
+    cfg = AppConfig(model_dir=model_dir, served_model_name="fake-model", engine=engine_name, slots=slots,
+                    max_seq_len=max_seq_len, num_mtp=engine.capabilities.num_mtp, kv_timeout=kv_timeout,
                     reasoning_parser=reasoning, tool_call_parser=tools)
     app = create_app(cfg, lambda: engine, make_receiver)
     port = free_port()

@@ -1,0 +1,246 @@
+"""TileRT engine: an adapter over TileRT's GLM-5 generator (PyPI ``tilert``, B200 only).
+
+TileRT cannot run on CPU machines; this module imports ``tilert`` lazily, and its
+tests drive it with a fake generator exposing the same methods
+(``tests/fakes/fake_tilert.py``). What it relies on, read from tilert 0.1.6.post3:
+
+* ``tilert.load_backend("glm5")``; ``GLM5Generator(model_args=ModelArgsGLM5(),
+  max_new_tokens=, model_weights_dir=, with_mtp=, use_topp=True, enable_thinking=False)``;
+  ``.from_pretrained()`` loads the converted weights (all 8 GPUs of the node).
+* One sequence at a time: ``.inject_cache([(indexer_keys, latent, rope)] per layer,
+  start_pos=0)`` (bf16; see :mod:`decode_server.engine.tilert_kv`) then
+  ``.set_cur_pos(num_prompt_tokens - 1)``.
+* Sampling: ``.update_sampling_params(temperature, top_p, top_k, use_topp)``; greedy is
+  top-k 1 without top-p; the kernel's top-k pool is 256 (256 = off);
+  ``decode_layer.set_sampling_seed(seed, with_mtp=)``.
+* MTP decode (3 drafts + 1): ``decode_layer.show_hands(draft[1, 4] int32, ar_steps)``;
+  the first call, with a draft of the last prompt token, only primes the MTP layer's
+  state and its output is discarded; the next uses the first token (from prefill), later
+  ones ``decode_layer.get_next_draft_tokens(0)``. Results: ``ar_accepted_tokens(0)`` =
+  ``[count, tokens...]`` and ``ar_num_accepted(0)`` = ``[steps, per-step counts...]``.
+* Without MTP: ``set_prefill_valid_tokens(0, with_mtp=False)``,
+  ``show_hands_no_mtp(prev[1] int32, ar_steps)``, ``ar_accepted_tokens_no_mtp(0)``.
+* ``decode_layer.reset_sequence()`` after each sequence. No logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from connector.layout import KVLayout, glm5_fp8_ds_mla_layout
+from decode_server.engine.base import (
+    Cancelled,
+    DecodeSession,
+    Engine,
+    EngineCapabilities,
+    EngineError,
+    SamplingParams,
+    SpecStats,
+    TokenOut,
+)
+from decode_server.engine.tilert_kv import INDEX_HEAD_DIM, convert_layers, hadamard_matrix
+
+if TYPE_CHECKING:
+    from connector.protocol import HandoffResult
+    from connector.receiver import ReceivedKV
+
+GLM5_MAIN_LAYERS = 78
+TILERT_NUM_MTP = 3
+TOP_K_POOL = 256  # TileRT's sampling kernel: top-k over at most 256 candidates; 256 means off
+MISSING_TILERT = ("the tilert engine needs the `tilert` package (PyPI tilert==0.1.6.post3: Python 3.12, CUDA 13, "
+                  "NVIDIA B200/B300), i.e. the TileRT decode image or `pip install 'tilert-pd[tilert]'`; "
+                  "on other machines use --engine reference")
+
+
+def load_glm5_generator(model_dir: Path, max_seq_len: int, with_mtp: bool) -> Any:
+    """Build and load TileRT's GLM-5 generator (minutes on 8 x B200)."""
+    try:
+        import tilert
+        from tilert.models.glm_5.generator import GLM5Generator
+        from tilert.models.glm_5.model_args import ModelArgsGLM5
+    except ImportError as exc:
+        raise EngineError(f"{MISSING_TILERT} ({exc})") from exc
+    if hasattr(tilert, "load_backend"):
+        tilert.load_backend("glm5")
+    gen = GLM5Generator(model_args=ModelArgsGLM5(), max_new_tokens=max_seq_len, model_weights_dir=str(model_dir),
+                        with_mtp=with_mtp, use_topp=True, enable_thinking=False)
+    gen.from_pretrained()
+    return gen
+
+
+def tilert_top_k(top_k: int) -> int:
+    return top_k if 1 <= top_k < TOP_K_POOL else TOP_K_POOL
+
+
+def _flat(tensor: Any) -> list[int]:
+    t = tensor.cpu()
+    if t.dim() > 1:
+        t = t[0]
+    return [int(v) for v in t.tolist()]
+
+
+class TileRTSession(DecodeSession):
+    def __init__(self, engine: "TileRTEngine", handoff: "HandoffResult", params: SamplingParams) -> None:
+        self._engine = engine
+        self._dl = engine.generator.decode_layer
+        self._last_prompt = handoff.last_prompt_token_id
+        self._first = handoff.first_token_id
+        self._budget = params.max_tokens - 1  # tokens left after the first one
+        self._calls = 0
+        self._prev_token = handoff.first_token_id
+        self._cancel = threading.Event()
+        self._stats = SpecStats()
+        self._closed = False
+
+    @property
+    def stats(self) -> SpecStats:
+        return self._stats
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self._dl.reset_sequence()
+            finally:
+                self._engine._release()
+
+    def _ar_steps(self, per_step: int) -> int:
+        return max(1, min(self._engine.ar_steps, -(-self._budget // per_step)))
+
+    def step(self) -> list[TokenOut]:
+        if self._cancel.is_set():
+            raise Cancelled("cancelled")
+        if self._closed:
+            raise EngineError("session is closed")
+        tokens = self._step_mtp() if self._engine.num_mtp else self._step_plain()
+        self._budget -= len(tokens)
+        return [TokenOut(t) for t in tokens]
+
+    def _draft(self, token: int) -> Any:
+        torch = self._engine.torch
+        return torch.full((1, TILERT_NUM_MTP + 1), int(token), dtype=torch.int32, device=self._engine.device)
+
+    def _step_mtp(self) -> list[int]:
+        width = TILERT_NUM_MTP + 1
+        if self._calls == 0:
+            self._dl.set_prefill_valid_tokens(0)
+            self._dl.show_hands(self._draft(self._last_prompt), 1)  # primes MTP; output discarded
+            draft = self._draft(self._first)
+        else:
+            draft = self._dl.get_next_draft_tokens(0).reshape(1, width)
+        self._calls += 1
+        self._dl.show_hands(draft, self._ar_steps(width))
+        accepted = _flat(self._dl.ar_accepted_tokens(0))
+        per_step = _flat(self._dl.ar_num_accepted(0))
+        tokens = accepted[1:1 + accepted[0]]
+        steps = per_step[1:1 + per_step[0]]
+        self._stats.steps += len(steps)
+        self._stats.drafted += TILERT_NUM_MTP * len(steps)
+        self._stats.accepted += sum(steps) - len(steps)  # each verify step adds one bonus token
+        return tokens
+
+    def _step_plain(self) -> list[int]:
+        torch = self._engine.torch
+        if self._calls == 0:
+            self._dl.set_prefill_valid_tokens(0, with_mtp=False)
+        self._calls += 1
+        prev = torch.tensor([self._prev_token], dtype=torch.int32, device=self._engine.device)
+        self._dl.show_hands_no_mtp(prev, self._ar_steps(1))
+        accepted = _flat(self._dl.ar_accepted_tokens_no_mtp(0))
+        tokens = accepted[1:1 + accepted[0]]
+        if tokens:
+            self._prev_token = tokens[-1]
+        return tokens
+
+
+class TileRTEngine(Engine):
+    """One slot. ``generator`` may be given (tests); otherwise TileRT is loaded."""
+
+    def __init__(self, model_dir: Path | str, *, max_seq_len: int, num_mtp: int = TILERT_NUM_MTP,
+                 ar_steps: int = 8, device: str = "cuda:0", generator: Any = None) -> None:
+        import torch
+
+        if num_mtp not in (0, TILERT_NUM_MTP):
+            raise ValueError(f"num_mtp={num_mtp}: TileRT's GLM-5 MTP drafts {TILERT_NUM_MTP} tokens; use 3 or 0")
+        if ar_steps < 1:
+            raise ValueError(f"ar_steps={ar_steps}: must be >= 1")
+        self.torch = torch
+        self.model_dir = Path(model_dir)
+        self.num_mtp = num_mtp
+        self.ar_steps = ar_steps
+        self.device = device
+        self._max_seq_len = max_seq_len
+        self._layout = glm5_fp8_ds_mla_layout(self._main_layers(), 1 if num_mtp else 0)
+        self._hadamard = hadamard_matrix(INDEX_HEAD_DIM)
+        self._lock = threading.Lock()
+        self._busy = False
+        self.generator = generator if generator is not None else load_glm5_generator(
+            self.model_dir, max_seq_len, with_mtp=bool(num_mtp))
+
+    def _main_layers(self) -> int:
+        cfg_path = self.model_dir / "config.json"
+        if cfg_path.is_file():
+            layers = json.loads(cfg_path.read_text()).get("num_hidden_layers")
+            if isinstance(layers, int) and layers > 0:
+                return layers
+        return GLM5_MAIN_LAYERS
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(model=self.model_dir.name, engine="tilert", slots=1, max_seq_len=self._max_seq_len,
+                                  num_mtp=self.num_mtp, supports_logprobs=False)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self._layout
+
+    def _release(self) -> None:
+        with self._lock:
+            self._busy = False
+
+    def _apply_sampling(self, params: SamplingParams) -> None:
+        gen = self.generator
+        if params.greedy:
+            gen.update_sampling_params(temperature=1.0, top_p=1.0, top_k=1, use_topp=False)
+        else:
+            gen.update_sampling_params(temperature=params.temperature, top_p=params.top_p,
+                                       top_k=tilert_top_k(params.top_k), use_topp=True)
+        if params.seed is not None:
+            gen.decode_layer.set_sampling_seed(params.seed, with_mtp=bool(self.num_mtp))
+
+    def start(self, kv: "ReceivedKV", handoff: "HandoffResult", params: SamplingParams) -> TileRTSession:
+        n = handoff.num_prompt_tokens
+        if kv.num_tokens != n:
+            raise EngineError(f"received {kv.num_tokens} tokens of KV, the handoff says {n}")
+        if len(kv.layers) != self._layout.num_layers:
+            raise EngineError(f"received {len(kv.layers)} layers, the tilert engine needs {self._layout.num_layers}")
+        if n + params.max_tokens > self._max_seq_len:
+            raise EngineError(f"{n} prompt + {params.max_tokens} new tokens exceed max_seq_len {self._max_seq_len}")
+        if params.logprobs is not None:
+            raise EngineError("the tilert engine has no logprobs")
+        with self._lock:
+            if self._busy:
+                raise EngineError("the tilert engine decodes one sequence at a time and is busy")
+            self._busy = True
+        try:
+            layers = convert_layers(kv.layers, n, self._hadamard)
+            self.generator.inject_cache(layers, start_pos=0)
+            self.generator.set_cur_pos(n - 1)
+            self._apply_sampling(params)
+        except Exception as exc:
+            self._release()
+            if isinstance(exc, ValueError):
+                raise EngineError(f"bad KV for the tilert engine: {exc}") from exc
+            raise
+        return TileRTSession(self, handoff, params)
+
+    def shutdown(self) -> None:
+        cleanup = getattr(self.generator, "cleanup", None)
+        if cleanup is not None:
+            cleanup()
