@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +18,9 @@ import pytest
 
 from pd_router.deploy_recipe import build_plan, parse_recipe
 from tests.deploy.conftest import (
-    SLURM_DIR, dump_recipe, fake_checkpoint, load_recipe_dict, read_records, recording_stub,
+    dump_recipe, fake_checkpoint, load_recipe_dict, read_records, recording_stub,
 )
+from tests.deploy.jobs import alive, submit_job, wait_state
 from tests.deploy.slurm_cluster import SlurmCluster
 from tests.procs import free_port
 
@@ -47,36 +45,6 @@ def _recipe(tmp: Path, python: Path, gate_timeout: int = 60) -> dict[str, Any]:
     return data
 
 
-def _submit(cluster: SlurmCluster, recipe: Path, job_dir: Path, env: dict[str, str]) -> str:
-    out = subprocess.run([str(SLURM_DIR / "submit.sh"), "--job-dir", str(job_dir), str(recipe)],
-                         capture_output=True, text=True, timeout=60,
-                         env={**cluster.env, "PYTHON": sys.executable, **env})
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip().splitlines()[-1]
-
-
-def _wait_state(job_dir: Path, want: str, cluster: SlurmCluster, job_id: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    state = ""
-    while time.monotonic() < deadline:
-        state = (job_dir / "state").read_text().strip() if (job_dir / "state").exists() else ""
-        if state == want:
-            return
-        if state in ("failed", "done"):
-            break
-        time.sleep(0.5)
-    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((job_dir / "logs").glob("*")))
-    raise AssertionError(f"job {job_id} state {state!r}, wanted {want!r} ({cluster.job_state(job_id)})\n{logs}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-
-
 def test_job_orders_gates_serves_and_stops(slurm_cluster: SlurmCluster, tmp_path: Path,
                                            standin_python: Path) -> None:
     records, stubs = tmp_path / "records", tmp_path / "bin"
@@ -88,8 +56,8 @@ def test_job_orders_gates_serves_and_stops(slurm_cluster: SlurmCluster, tmp_path
     job_dir = tmp_path / "job"
     env = {"STANDIN_DIR": str(records), "STANDIN_DECODE_DELAY": str(DECODE_DELAY),
            "PATH": f"{stubs}:{os.environ['PATH']}"}
-    job_id = _submit(slurm_cluster, recipe, job_dir, env)
-    _wait_state(job_dir, "serving", slurm_cluster, job_id, timeout=120)
+    job_id = submit_job(slurm_cluster, recipe, job_dir, env)
+    wait_state(job_dir, "serving", slurm_cluster, job_id, timeout=120)
 
     rec = {r: json.loads((records / f"{r}.json").read_text()) for r in ("prefill", "decode", "router")}
     plan = build_plan(parse_recipe(data))
@@ -126,7 +94,7 @@ def test_job_orders_gates_serves_and_stops(slurm_cluster: SlurmCluster, tmp_path
     for role, r in rec.items():
         final = json.loads((records / f"{role}.json").read_text())
         assert final["stopped"], f"{role} was not stopped by SIGTERM"
-        assert not _alive(r["pid"]), f"{role} (pid {r['pid']}) still running"
+        assert not alive(r["pid"]), f"{role} (pid {r['pid']}) still running"
     assert slurm_cluster.run(["squeue", "-h"]).stdout.strip() == ""
 
 
@@ -138,7 +106,7 @@ def test_gate_timeout_fails_the_job_and_stops_everything(slurm_cluster: SlurmClu
     data.pop("benchmark")
     recipe = dump_recipe(data, tmp_path / "recipe.yaml")
     job_dir = tmp_path / "job"
-    job_id = _submit(slurm_cluster, recipe, job_dir, {"STANDIN_DIR": str(records), "STANDIN_DECODE_DELAY": "600"})
+    job_id = submit_job(slurm_cluster, recipe, job_dir, {"STANDIN_DIR": str(records), "STANDIN_DECODE_DELAY": "600"})
     assert slurm_cluster.wait_job_end(job_id, timeout=120) == "FAILED"
     assert (job_dir / "state").read_text().strip() == "failed"
     assert not (records / "router.json").exists(), "the router must not start before the decode gate passes"
@@ -146,4 +114,4 @@ def test_gate_timeout_fails_the_job_and_stops_everything(slurm_cluster: SlurmClu
     assert "/ready not ready after 4s" in job_log
     for role in ("prefill", "decode"):
         r = json.loads((records / f"{role}.json").read_text())
-        assert r["stopped"] and not _alive(r["pid"]), role
+        assert r["stopped"] and not alive(r["pid"]), role
