@@ -329,24 +329,23 @@ class FakeDecode(_FakeBase):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         obj = "chat.completion.chunk" if chat else "text_completion"
+        head = f'data: {{"id": "cmpl-{rid}", "object": "{obj}", "created": 0, "model": "{k.model}", "choices": ['
+        piece = ('{{"index": 0, "delta": {{"content": "t{} "}}, "finish_reason": {}}}]}}\n\n' if chat else
+                 '{{"index": 0, "text": "t{} ", "finish_reason": {}}}]}}\n\n')
         t0 = time.monotonic()
         for i in range(n):
             if k.fail == "mid_stream" and i == k.fail_after:
                 raise ConnectionAbortedError("fake decode: dying mid-stream")
             wait = t0 + i * k.token_delay - time.monotonic()
             if wait > 0:
-                await asyncio.wait({watch}, timeout=wait)
+                await asyncio.sleep(wait)
             if watch.done():
                 self.records.disconnects.append(rid)
                 return
             if cancel.is_set():
                 return
-            last = i == n - 1
-            choice = ({"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": "length" if last else None}
-                      if chat else {"index": 0, "text": f"t{i} ", "finish_reason": "length" if last else None})
-            chunk = {"id": f"cmpl-{rid}", "object": obj, "created": 0, "model": k.model, "choices": [choice]}
-            await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
-                        "more_body": True})
+            chunk = head + piece.format(i, '"length"' if i == n - 1 else "null")
+            await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
         tail = b""
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}

@@ -1,0 +1,182 @@
+"""Router overhead: a fake decode server called directly vs through pd_router.
+
+One run, same fakes: for concurrency 1, 16 and 64, streaming /v1/completions with a
+~1k-token prompt, 64 output tokens, 3.19 ms between tokens (TileRT on B200). Prints
+the router's added TTFT p50/p99, added inter-token latency p50/p99, throughput
+ratio (router/direct) and router CPU microseconds per output token (from the router
+process's CPU time), and writes them to docs/benchmarks.md under "## Router overhead".
+
+    .venv/bin/python bench/router_overhead.py [--requests-per-client N] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import uvloop
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from connector.protocol import HandoffResult  # noqa: E402
+from pd_router.stack.commands import RouterSpec, router_argv  # noqa: E402
+from tests.procs import free_port, python_argv, server  # noqa: E402
+
+TOKENS, TOKEN_DELAY, PROMPT = 64, 0.00319, " ".join(f"w{i % 97}" for i in range(1000))
+CONCURRENCY = (1, 16, 64)
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Phase:
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    tokens: int = 0
+    wall: float = 0.0
+    cpu: float = 0.0
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def _one(session: aiohttp.ClientSession, url: str, direct: bool, rid: str, phase: Phase) -> None:
+    body: dict = {"model": "tiny", "prompt": PROMPT, "max_tokens": TOKENS, "stream": True}
+    if direct:  # what the router would add: the handoff prefill returned
+        body["kv_transfer_params"] = HandoffResult(handoff_id=rid, kv_endpoint="127.0.0.1:1", num_prompt_tokens=1000,
+                                                   first_token_id=7, last_prompt_token_id=3, status="sent").model_dump()
+    t0 = time.perf_counter()
+    prev = 0.0
+    async with session.post(url, json=body, headers={"X-Request-Id": rid}) as resp:
+        assert resp.status == 200, await resp.text()
+        async for chunk in resp.content.iter_any():
+            now = time.perf_counter()
+            n = chunk.count(b"data: {")
+            if not n:
+                continue
+            if prev:
+                phase.itl.extend([(now - prev) / n] * n)
+            else:
+                phase.ttft.append(now - t0)
+                phase.itl.extend([0.0] * 0)
+            prev = now
+            phase.tokens += n
+
+
+async def _phase(url: str, direct: bool, concurrency: int, per_client: int, pid: int | None, tag: str) -> Phase:
+    phase = Phase()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await _one(session, url, direct, f"warm-{tag}", Phase())
+
+        async def client(c: int) -> None:
+            for i in range(per_client):
+                await _one(session, url, direct, f"{tag}-{c}-{i}", phase)
+
+        cpu0 = _cpu_seconds(pid) if pid else 0.0
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(concurrency)))
+        phase.wall = time.perf_counter() - t0
+        phase.cpu = (_cpu_seconds(pid) - cpu0) if pid else 0.0
+    return phase
+
+
+async def _measure(decode_url: str, router_url: str, router_pid: int, per_client: dict[int, int]) -> list[dict]:
+    rows = []
+    for c in CONCURRENCY:
+        direct = await _phase(decode_url + "/v1/completions", True, c, per_client[c], None, f"d{c}")
+        routed = await _phase(router_url + "/v1/completions", False, c, per_client[c], router_pid, f"r{c}")
+        rows.append({
+            "concurrency": c, "requests": c * per_client[c],
+            "ttft_p50_ms": (_pct(routed.ttft, .5) - _pct(direct.ttft, .5)) * 1e3,
+            "ttft_p99_ms": (_pct(routed.ttft, .99) - _pct(direct.ttft, .99)) * 1e3,
+            "itl_p50_ms": (_pct(routed.itl, .5) - _pct(direct.itl, .5)) * 1e3,
+            "itl_p99_ms": (_pct(routed.itl, .99) - _pct(direct.itl, .99)) * 1e3,
+            "throughput_ratio": (routed.tokens / routed.wall) / (direct.tokens / direct.wall),
+            "router_cpu_us_per_token": routed.cpu / routed.tokens * 1e6,
+            "direct_tok_s": direct.tokens / direct.wall, "routed_tok_s": routed.tokens / routed.wall,
+            "direct_ttft_p50_ms": _pct(direct.ttft, .5) * 1e3,
+        })
+    return rows
+
+
+GOALS = "goals: added TTFT p50 <= 1 ms (C=1); added ITL p99 <= 0.25 ms (C=16); throughput >= 0.95 (C=64); " \
+        "router CPU <= 20 us/token"
+
+
+def _table(rows: list[dict]) -> str:
+    lines = ["| concurrency | requests | added TTFT p50 / p99 (ms) | added ITL p50 / p99 (ms) | throughput ratio "
+             "| router CPU us/token | direct tok/s |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['concurrency']} | {r['requests']} | {r['ttft_p50_ms']:.2f} / {r['ttft_p99_ms']:.2f} "
+                     f"| {r['itl_p50_ms']:.3f} / {r['itl_p99_ms']:.3f} | {r['throughput_ratio']:.3f} "
+                     f"| {r['router_cpu_us_per_token']:.1f} | {r['direct_tok_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def _write_section(text: str) -> None:
+    path = REPO / "docs" / "benchmarks.md"
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    head, sep, rest = old.partition("## Router overhead")
+    if sep:  # keep the other sections as they are
+        nxt = rest.find("\n## ")
+        rest = rest[nxt + 1:] if nxt >= 0 else ""
+    else:
+        head, rest = old.rstrip() + "\n\n", ""
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(head + text.rstrip() + "\n" + ("\n" + rest if rest else ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests-per-client", type=int, nargs=3, default=[40, 8, 4], metavar=("C1", "C16", "C64"))
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    args = parser.parse_args()
+    per_client = dict(zip(CONCURRENCY, args.requests_per_client))
+    ports = {name: free_port() for name in ("prefill", "decode", "router")}
+    logs = Path(tempfile.mkdtemp(prefix="router-bench-"))
+    fake = ["-m", "tests.fakes.fake_backends"]
+    decode_knobs = json.dumps({"model": "tiny", "slots": 1024, "token_delay": TOKEN_DELAY})
+    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+    with server(python_argv(*fake, "prefill", "--port", str(ports["prefill"])), logs / "prefill.log",
+                urls["prefill"] + "/health", 30), \
+         server(python_argv(*fake, "decode", "--port", str(ports["decode"]), "--knobs", decode_knobs),
+                logs / "decode.log", urls["decode"] + "/ready", 30), \
+         server(router_argv(RouterSpec((urls["prefill"],), (urls["decode"],), port=ports["router"],
+                                       extra_args=("--log-level", "warning", "--max-queue", "4096"))),
+                logs / "router.log", urls["router"] + "/ready", 30) as router:
+        t0 = time.perf_counter()
+        rows = uvloop.run(_measure(urls["decode"], urls["router"], router.proc.pid, per_client))
+        took = time.perf_counter() - t0
+    table = _table(rows)
+    load = os.getloadavg()[0]
+    print(table)
+    print(GOALS)
+    print(f"({took:.0f} s; load average at the end {load:.1f} on {os.cpu_count()} CPUs; logs in {logs})")
+    if not args.no_write:
+        _write_section("## Router overhead\n\n"
+                       f"`.venv/bin/python bench/router_overhead.py` (fake prefill + fake decode as processes, "
+                       f"{TOKENS} tokens, ~1k-token prompts, {TOKEN_DELAY * 1e3:.2f} ms between tokens; the router "
+                       f"process's CPU time from /proc). Added = through the router minus direct to the fake decode, "
+                       f"same run. Machine: {os.cpu_count()} CPUs, load average {load:.1f} at the end.\n\n"
+                       f"{table}\n\n{GOALS}.\n")
+
+
+if __name__ == "__main__":
+    main()
