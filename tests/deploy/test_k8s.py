@@ -121,3 +121,13 @@ def test_init_container_conversion_command_runs(tmp_path: Path) -> None:
     env.pop("CONVERT_SHARDS")
     bad = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode != 0 and "CONVERT_SHARDS is not set" in bad.stderr
+
+
+def test_manifests_use_the_recipes_images_and_ports() -> None:
+    recipe = yaml.safe_load((DEPLOY / "recipes" / "glm5.1-fp8-b200.yaml").read_text())
+    assert _container("Deployment", "prefill")["image"] == recipe["prefill"]["image"]
+    assert _container("StatefulSet", "decode")["image"] == recipe["decode"]["image"]
+    assert _container("Deployment", "router")["image"] == recipe["router"]["image"]
+    assert int(_env(_container("StatefulSet", "decode"))["PD_KV_PORT"]) == recipe["decode"]["kv_port"]
+    assert _env(_container("Deployment", "prefill"))["PD_MODEL"] == recipe["model"]["source"]
+    assert _env(_container("StatefulSet", "decode"))["PD_MODEL"] == recipe["model"]["converted"]

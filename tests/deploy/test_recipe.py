@@ -61,7 +61,7 @@ BAD_TOPOLOGIES = [
     ("prefill without image", _pop("prefill.image"), "prefill.image = None: the prefill role has no image"),
     ("decode without image", _pop("decode.image"), "decode.image = None: the decode role has no image"),
     ("router without image", _pop("router.image"), "router.image = None: the router role has no image"),
-    ("one image for both", _set("decode.image", "vllm/vllm-openai:v0.32.0-tilert-pd"),
+    ("one image for both", _set("decode.image", "tilert-pd-prefill:0.1.0"),
      "prefill and decode cannot share one image"),
     ("TP beyond the node", _set("prefill.tensor_parallel", 16), "prefill.tensor_parallel = 16: larger than"),
     ("TileRT with 2 slots", _set("decode.slots", 2), "decode.slots = 2: TileRT decodes one sequence"),
