@@ -34,7 +34,7 @@ def _host(r: Recipe, node: int) -> str:
 
 
 def _bind(r: Recipe) -> str:
-    return "127.0.0.1" if r.slurm.colocate else "0.0.0.0"
+    return "127.0.0.1" if r.slurm.colocate else r.slurm.bind_host
 
 
 @dataclass(frozen=True)

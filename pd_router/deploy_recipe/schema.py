@@ -104,6 +104,8 @@ class SlurmSpec(_Strict):
         default="auto", description="auto: pyxis flags when srun has them, else plain processes")
     mounts: list[str] = Field(default_factory=list, description="extra SRC:DST container mounts")
     colocate: bool = Field(default=False, description="every role on one node (CPU test stacks only)")
+    bind_host: str = Field(default="0.0.0.0", min_length=1,
+                           description="address the servers listen on (colocate: always 127.0.0.1)")
     cpus_per_node: int | None = Field(default=None, ge=1)
     gate_timeout_s: int = Field(default=1800, ge=1)
     smoke_test: bool = Field(default=True, description="send one chat completion once the router is ready")
