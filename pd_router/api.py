@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -78,13 +79,13 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], OpenA
 
 
 # vLLM's NIXL connector convention for "prefill here, decode elsewhere" (plain vLLM decode).
-VLLM_REMOTE_DECODE_PARAMS: dict[str, Any] = {
+VLLM_REMOTE_DECODE_PARAMS: Mapping[str, Any] = MappingProxyType({
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None,
-}
+})
 
 
-def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> bytes:
+def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: Mapping[str, Any]) -> bytes:
     """The prefill leg's body (FACTS.md §1): one token, not streamed, with the handoff target."""
     out = dict(body)
     out["stream"] = False
@@ -96,7 +97,7 @@ def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: d
             out["max_tokens"] = 1
     else:
         out["max_tokens"] = 1
-    out["kv_transfer_params"] = kv_transfer_params
+    out["kv_transfer_params"] = dict(kv_transfer_params)
     return json.dumps(out).encode()
 
 

@@ -17,19 +17,19 @@ import logging
 import uuid
 from dataclasses import dataclass
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import aiohttp
 from pydantic import ValidationError
 
 from connector.protocol import HandoffResult, HandoffTarget
 from pd_router import upstream
-from pd_router.api import VLLM_REMOTE_DECODE_PARAMS, Endpoint, OpenAIRequest, decode_body, parse_request, \
-    prefill_body
+from pd_router.api import (VLLM_REMOTE_DECODE_PARAMS, Endpoint, OpenAIRequest, decode_body, parse_request,
+                           prefill_body)
 from pd_router.asgi import SSE, Receive, Scope, Send, header, read_body, respond
-from pd_router.errors import BadUpstream, ModelNotFound, NoHealthyBackend, RouterError, Unauthorized, \
-    UpstreamTimeout
 from pd_router.backends import DecodeBackend
+from pd_router.errors import (BadUpstream, InvalidRequest, ModelNotFound, NoHealthyBackend, RouterError,
+                              Unauthorized, UpstreamTimeout)
 from pd_router.slots import Lease
 
 if TYPE_CHECKING:
@@ -77,7 +77,12 @@ class CompletionHandler:
         metrics.in_flight.inc()
         me = asyncio.current_task()
         watcher: asyncio.Task[None] | None = None
+        in_flight = self.state.request_ids
+        owned = rid not in in_flight
         try:
+            if not owned:  # the id names the KV handoff on the decode server: it must be unique
+                raise InvalidRequest(f"X-Request-Id {rid!r} is already in flight", param="X-Request-Id")
+            in_flight.add(rid)
             if self._api_key is not None and header(scope, b"authorization") != self._api_key:
                 raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
             raw = await read_body(scope, receive, self.state.settings.max_body_bytes)
@@ -95,6 +100,8 @@ class CompletionHandler:
         finally:
             if watcher is not None:
                 watcher.cancel()
+            if owned:
+                in_flight.discard(rid)
             metrics.in_flight.dec()
             if ctx.disconnected:
                 ctx.status, ctx.error_type = 499, "client_disconnected"
@@ -141,7 +148,7 @@ class CompletionHandler:
         state = self.state
         decode = lease.backend
         if decode.capabilities is None:
-            target: dict[str, Any] = VLLM_REMOTE_DECODE_PARAMS
+            target: Mapping[str, Any] = VLLM_REMOTE_DECODE_PARAMS
         else:
             target = HandoffTarget(handoff_id=ctx.request_id,
                                    kv_endpoint=decode.capabilities.kv_endpoint).model_dump()

@@ -35,6 +35,7 @@ class RouterState:
         self._session: aiohttp.ClientSession | None = None
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.request_ids: set[str] = set()  # X-Request-Ids of the requests being served
         self.update_gauges()
 
     @property
@@ -119,7 +120,8 @@ class RouterState:
     def leaks(self) -> dict[str, int]:
         """Non-zero counts of things that should be zero when the router is idle."""
         counts = {"queued": self.pool.queue_depth, "leased_slots": self.pool.leased(),
-                  "prefill_in_flight": sum(p.in_flight for p in self.backends.prefill)}
+                  "prefill_in_flight": sum(p.in_flight for p in self.backends.prefill),
+                  "request_ids": len(self.request_ids)}
         return {k: v for k, v in counts.items() if v}
 
 

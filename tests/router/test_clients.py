@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 
 import httpx
 import pytest
@@ -139,4 +140,21 @@ def test_metrics_exposed(make_rig):
                    "pd_router_in_flight_requests 0.0", f'pd_router_decode_free_slots{{backend="{rig.decodes[0].url}"}} 1.0',
                    f'pd_router_backend_healthy{{backend="{rig.prefills[0].url}",role="prefill"}} 1.0'):
         assert needle in text, needle
+    rig.assert_no_leaks()
+
+
+def test_request_id_in_flight_twice_is_rejected(make_rig):
+    rig = make_rig(decode={"hold": True, "slots": 2})
+    first: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: first.append(httpx.post(
+        rig.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1},
+        headers={"X-Request-Id": "same"}, timeout=10)))
+    t.start()
+    rig.wait(lambda: rig.records(rig.decodes[0])["active"] == ["same"], what="first in decode")
+    again = httpx.post(rig.url + "/v1/completions", json={"model": MODEL, "prompt": "a"},
+                       headers={"X-Request-Id": "same"}, timeout=10)
+    assert again.status_code == 400 and again.json()["error"]["param"] == "X-Request-Id"
+    httpx.post(rig.decodes[0].url + "/fake/release", json={"n": 1})
+    t.join(10)
+    assert first[0].status_code == 200
     rig.assert_no_leaks()

@@ -1,0 +1,102 @@
+"""Unit tests of the pure parts: request rewrites and the FIFO slot pool."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from pd_router.api import Endpoint, decode_body, parse_request, prefill_body
+from pd_router.backends import Backends
+from pd_router.contract import DecodeCapabilities, PeerStatus
+from pd_router.errors import InvalidRequest, NoHealthyBackend, Overloaded
+from pd_router.slots import SlotPool
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.parametrize("endpoint,body,limits", [
+    (Endpoint.CHAT, {"max_completion_tokens": 9}, {"max_completion_tokens": 1}),
+    (Endpoint.CHAT, {"max_tokens": 9, "max_completion_tokens": 9}, {"max_tokens": 1, "max_completion_tokens": 1}),
+    (Endpoint.CHAT, {}, {"max_tokens": 1}),
+    (Endpoint.COMPLETIONS, {"max_tokens": 9}, {"max_tokens": 1}),
+])
+def test_prefill_rewrite(endpoint, body, limits):
+    base = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 3, "seed": 5,
+            **({"messages": [{"role": "user", "content": "x"}]} if endpoint is Endpoint.CHAT else {"prompt": "x"})}
+    original = {**base, **body}
+    out = json.loads(prefill_body(endpoint, original, {"handoff_id": "r", "kv_endpoint": "h:1"}))
+    assert out["stream"] is False and "stream_options" not in out and "min_tokens" not in out
+    assert {k: out[k] for k in ("max_tokens", "max_completion_tokens") if k in out} == limits
+    assert out["seed"] == 5 and out["kv_transfer_params"] == {"handoff_id": "r", "kv_endpoint": "h:1"}
+    assert original == {**base, **body}  # not mutated
+    assert json.loads(decode_body(original, {"a": 1})) == {**original, "kv_transfer_params": {"a": 1}}
+
+
+def test_parse_request_keeps_unknown_fields_and_rejects_bad_ones():
+    body, req = parse_request(Endpoint.COMPLETIONS, b'{"model": "m", "prompt": [1, 2], "foo": {"bar": 1}}')
+    assert body["foo"] == {"bar": 1} and req.model == "m" and not req.wants_logprobs()
+    with pytest.raises(InvalidRequest) as err:
+        parse_request(Endpoint.CHAT, b'{"model": "m", "messages": [{"role": "user"}], "logprobs": [1]}')
+    assert err.value.param == "logprobs"
+
+
+def _backends(n_decode: int, slots: int = 1, models: tuple[str, ...] = ("m",)) -> Backends:
+    b = Backends.from_urls(("http://p",), tuple(f"http://d{i}" for i in range(n_decode)), None, True)
+    b.prefill[0].healthy, b.prefill[0].models = True, frozenset(models)
+    for i, d in enumerate(b.decode):
+        model = models[i % len(models)]
+        d.healthy, d.models = True, frozenset({model})
+        d.capabilities = DecodeCapabilities(protocol_version=1, model=model, engine="reference", slots=slots,
+                                            busy_slots=0, max_seq_len=8, num_mtp=0, kv_endpoint="h:1",
+                                            layout_fingerprint="f", peers=[PeerStatus(peer="p", state="ok")])
+    b.refresh()
+    return b
+
+
+async def test_pool_fifo_per_model_and_timeout():
+    backends = _backends(2, slots=1, models=("m", "n"))
+    pool = SlotPool(backends, max_queue=10, queue_timeout=0.2)
+    first_m, first_n = await pool.lease("m"), await pool.lease("n")
+    waiters = [asyncio.create_task(pool.lease(model)) for model in ("m", "n", "m")]
+    await asyncio.sleep(0)
+    assert pool.queue_depth == 3
+    pool.release(first_n)  # only the "n" waiter can use it, although a "m" waiter is older
+    await asyncio.sleep(0)
+    assert waiters[1].done() and not waiters[0].done()
+    pool.release(first_m)
+    await asyncio.sleep(0)
+    assert waiters[0].done() and not waiters[2].done()  # the older "m" waiter first
+    with pytest.raises(Overloaded):
+        await waiters[2]  # times out after 0.2 s
+    for w in waiters[:2]:
+        pool.release(w.result())
+    assert pool.queue_depth == 0 and pool.leased() == 0
+
+
+async def test_pool_cancelled_waiter_and_backend_loss():
+    backends = _backends(1)
+    pool = SlotPool(backends, max_queue=1, queue_timeout=10)
+    held = await pool.lease("m")
+    waiter = asyncio.create_task(pool.lease("m"))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded):
+        await pool.lease("m")  # queue full
+    pool.release(held)  # granted to the waiter...
+    waiter.cancel()  # ...which is cancelled before it runs: the slot must come back
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert pool.leased() == 0 and pool.queue_depth == 0
+    held = await pool.lease("m")
+    waiter = asyncio.create_task(pool.lease("m"))
+    await asyncio.sleep(0)
+    backends.decode[0].healthy = False
+    backends.refresh()
+    pool.dispatch()
+    with pytest.raises(NoHealthyBackend):
+        await waiter
+    pool.release(held)
+    with pytest.raises(NoHealthyBackend):
+        await pool.lease("m")
+    assert pool.leased() == 0
