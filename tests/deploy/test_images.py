@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from pd_router.deploy_recipe import build_plan, parse_recipe
 from pd_router.deploy_recipe.launch import DecodeEnv
 from pd_router.stack.commands import (
     DecodeSpec, PrefillSpec, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv,
@@ -63,6 +65,17 @@ def test_images_pin_what_the_issue_requires() -> None:
         assert pin in decode
     assert "cannot share one environment" in decode
     assert 'ENTRYPOINT ["/usr/local/bin/pd-entrypoint", "decode"]' in decode
+
+
+def test_decode_image_has_every_tool_the_recipe_runs_in_it() -> None:
+    """Benchmark steps run in the router image (the decode image): their executables must be there."""
+    decode = (REPO / "Dockerfile.decode").read_text()
+    plan = build_plan(parse_recipe(yaml.safe_load((REPO / "deploy/recipes/glm5.1-fp8-b200.yaml").read_text())))
+    tools = {s.argv[0] for s in plan.benchmarks}
+    assert tools == {"aiperf", "lm_eval"}
+    link = re.search(r"ln -s (.+) /usr/local/bin/", decode).group(1).split()
+    assert {Path(p).name for p in link} == tools
+    assert "/usr/local/bin/pd-setup-deps" in decode  # the Kubernetes init container's command
 
 
 def _run_entrypoint(tmp_path: Path, role: str, env: dict[str, str], *extra: str,

@@ -177,3 +177,13 @@ def test_render_writes_what_the_slurm_scripts_read(tmp_path: Path) -> None:
     job_env = (out / "job.env").read_text()
     assert "CONVERT_DST=/shared/models/GLM-5.1-FP8-tilert\n" in job_env and "NUM_NODES=2\n" in job_env
     assert (out / "lm_eval_tasks" / "gsm8k_local.yaml").exists()
+
+
+def test_submit_dry_run_prints_the_plan_without_submitting(tmp_path: Path) -> None:
+    recipe = str(DEPLOY / "recipes" / GLM)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}  # no sbatch on PATH: nothing can be submitted
+    out = subprocess.run([str(DEPLOY / "slurm" / "submit.sh"), "--dry-run", recipe], capture_output=True,
+                         text=True, timeout=60, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == _cli("dry-run", recipe).stdout
+    assert list(tmp_path.iterdir()) == []
