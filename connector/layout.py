@@ -189,7 +189,8 @@ def gather_tokens(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: i
     return out
 
 
-def gather_pages(cache: "torch.Tensor", block_ids: Sequence[int], num_pages: int, out: "torch.Tensor") -> "torch.Tensor":
+def gather_pages(cache: "torch.Tensor", block_ids: Sequence[int], num_pages: int,
+                 out: "torch.Tensor") -> "torch.Tensor":
     """Copy whole blocks (pages) of a paged cache: ``out[i] = cache[block_ids[i]]`` flattened."""
     import torch
 

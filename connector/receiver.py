@@ -23,14 +23,13 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ValidationError
 
 from connector.control import ControlConnection, ControlServer
 from connector.errors import HandoffFailed, HandoffTimeout, ReceiverError
-from connector.layout import KVLayout, layer_views, layout_fingerprint, plane_offsets
+from connector.layout import layer_views, layout_fingerprint, plane_offsets
 from connector.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -45,7 +44,8 @@ from connector.protocol import (
     Welcome,
     fingerprint_mismatch,
 )
-from connector.transport import TRANSPORT_KINDS, Transport, TransportError, create_transport, encode_regions
+from connector.receiver_state import HandoffState, ReceivedKV, ReceiverSettings
+from connector.transport import Transport, TransportError, create_transport, encode_regions
 from pd_router.contract import PeerStatus
 
 if TYPE_CHECKING:
@@ -56,52 +56,6 @@ __all__ = ["HandoffFailed", "HandoffTimeout", "KVReceiver", "ReceivedKV", "Recei
 log = logging.getLogger(__name__)
 
 DISCONNECT_GRACE_S = 1.0  # notifications may trail a sender's closed control connection
-
-
-@dataclass
-class ReceivedKV:
-    handoff_id: str
-    num_tokens: int
-    layers: list[dict[str, "torch.Tensor"]]
-
-
-@dataclass(frozen=True)
-class ReceiverSettings:
-    layout: KVLayout
-    max_tokens: int
-    slots: int = 1
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: ephemeral
-    transport: str = "nixl"  # or "memory" (unit tests)
-    unclaimed_timeout_s: float = 30.0  # an admitted/completed handoff nobody claims is freed after this
-    agent_name: str | None = None
-    device: str = "cpu"  # where the receive buffer lives ("cuda:0" registers VRAM)
-
-    def __post_init__(self) -> None:
-        checks = [
-            ("max_tokens", self.max_tokens, self.max_tokens >= 1, "must be >= 1"),
-            ("slots", self.slots, self.slots >= 1, "must be >= 1"),
-            ("port", self.port, 0 <= self.port < 65536, "must be in 0..65535 (0: ephemeral)"),
-            ("transport", self.transport, self.transport in TRANSPORT_KINDS, f"must be one of {TRANSPORT_KINDS}"),
-            ("unclaimed_timeout_s", self.unclaimed_timeout_s, self.unclaimed_timeout_s > 0, "must be > 0"),
-        ]
-        for name, value, ok, reason in checks:
-            if not ok:
-                raise ValueError(f"ReceiverSettings.{name}={value!r}: {reason}")
-
-
-@dataclass
-class _Handoff:
-    handoff_id: str
-    slot: int | None
-    num_tokens: int
-    offsets: list[list[int]]
-    peers: set[str] = field(default_factory=set)
-    arrived: set[int] = field(default_factory=set)
-    state: str = "admitted"  # "admitted" | "complete" | "claimed" | "failed"
-    error: str | None = None
-    waiters: int = 0
-    since: float = field(default_factory=time.monotonic)
 
 
 class KVReceiver:
@@ -115,7 +69,7 @@ class KVReceiver:
         self._welcome_parts: tuple[str, str] | None = None
         self._server = ControlServer(settings.host, settings.port, self._on_message, self._on_disconnect)
         self._free: list[int] = list(range(settings.slots))
-        self._handoffs: dict[str, _Handoff] = {}
+        self._handoffs: dict[str, HandoffState] = {}
         self._peers: dict[str, PeerStatus] = {}
         self._revocable: set[str] = set()  # senders whose agent we added (they can be told Revoked)
         self._changed: asyncio.Condition | None = None
@@ -189,7 +143,7 @@ class KVReceiver:
     async def wait_for(self, handoff_id: str, timeout: float) -> ReceivedKV:
         assert self._changed is not None, "KVReceiver.start() was not awaited"
         deadline = time.monotonic() + timeout
-        counted: _Handoff | None = None
+        counted: HandoffState | None = None
         try:
             async with self._changed:
                 while True:
@@ -227,7 +181,7 @@ class KVReceiver:
         if h is not None:
             self._free_slot(h)
 
-    def _view(self, h: _Handoff) -> ReceivedKV:
+    def _view(self, h: HandoffState) -> ReceivedKV:
         assert self._buffer is not None and h.slot is not None
         layers = []
         for offs in h.offsets:
@@ -237,12 +191,12 @@ class KVReceiver:
             layers.append(layer_views(self._buffer[base:base + size], self._layout, h.num_tokens, rel))
         return ReceivedKV(h.handoff_id, h.num_tokens, layers)
 
-    def _free_slot(self, h: _Handoff) -> None:
+    def _free_slot(self, h: HandoffState) -> None:
         if h.slot is not None:
             self._free.append(h.slot)
             h.slot = None
 
-    async def _fail(self, h: _Handoff, error: str, revoke: bool = True) -> None:
+    async def _fail(self, h: HandoffState, error: str, revoke: bool = True) -> None:
         if h.state == "failed":
             return
         was_incomplete = h.state == "admitted"
@@ -253,7 +207,7 @@ class KVReceiver:
             await self._revoke(h, error)
         await self._notify_all()
 
-    async def _revoke(self, h: _Handoff, reason: str) -> None:
+    async def _revoke(self, h: HandoffState, reason: str) -> None:
         """Tell the handoff's senders to stop writing into the slot just freed."""
         assert self._transport is not None
         msg = Revoked(handoff_id=h.handoff_id, reason=reason).model_dump_json().encode()
@@ -329,7 +283,8 @@ class KVReceiver:
             return Refused(handoff_id=hid, reason="duplicate",
                            message=f"handoff {hid} is already {h.state} with {h.num_tokens} tokens")
         if n > self._s.max_tokens:
-            message = f"handoff {hid}: {n} prompt tokens exceed the decode server's max_tokens {self._s.max_tokens}"
+            message = (f"handoff {hid}: {n} prompt tokens exceed the decode server's "
+                       f"max_tokens {self._s.max_tokens}")
             log.warning(message)
             return Refused(handoff_id=hid, reason="too_long", message=message)
         if not self._free:
@@ -340,7 +295,7 @@ class KVReceiver:
         planes = plane_offsets(self._layout, n)
         base = slot * self._slot_bytes
         offsets = [[base + layer * layer_bytes + p for p in planes] for layer in range(self._layout.num_layers)]
-        self._handoffs[hid] = _Handoff(hid, slot, n, offsets, peers={peer})
+        self._handoffs[hid] = HandoffState(hid, slot, n, offsets, peers={peer})
         self._poll_wake.set()
         await self._notify_all()
         return Admitted(handoff_id=hid, slot=slot, offsets=offsets)

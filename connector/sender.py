@@ -22,11 +22,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
 
 from connector.control import ControlClient
 from connector.errors import AdmissionRefused, ControlChannelError, HandshakeRejected, TransportError
-from connector.layout import KVLayout, SenderPlan, layer_views, layout_fingerprint
+from connector.handoff import ABORT_TIMEOUT_S, Handoff
+from connector.layout import KVLayout, SenderPlan, layout_fingerprint
 from connector.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -42,14 +42,10 @@ from connector.protocol import (
 )
 from connector.transport import Region, XferHandle, create_transport, decode_regions
 
-if TYPE_CHECKING:
-    import torch
-
 __all__ = ["AdmissionRefused", "Handoff", "HandshakeRejected", "KVSender", "SenderPlan"]
 
 log = logging.getLogger(__name__)
 
-ABORT_TIMEOUT_S = 5.0
 _POLL_S = 0.0002
 _IDLE_POLL_S = 0.02  # while handoffs are pending but nothing is queued: look for Revoked
 
@@ -64,116 +60,10 @@ class _Peer:
     stale: bool = False
 
 
-class Handoff:
-    """One prompt's KV on its way to one decode server. Create with :meth:`KVSender.begin`."""
-
-    def __init__(self, sender: "KVSender", peer: _Peer, admitted: Admitted, num_tokens: int, staging: int) -> None:
-        self._sender = sender
-        self._peer = peer
-        self.handoff_id = admitted.handoff_id
-        self.num_tokens = num_tokens
-        self.offsets = admitted.offsets
-        self._staging_slot = staging
-        self._layers = sender.plan_layers
-        self._index = {layer: i for i, layer in enumerate(self._layers)}
-        self._posted: set[int] = set()
-        self._sent: set[int] = set()
-        self._inflight = 0
-        self._status: Literal["pending", "sent", "failed"] = "pending" if self._layers else "sent"
-        self.error: str | None = None
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        if not self._layers:
-            self._done.set()
-            sender._release_staging(staging)
-        self._staging_held = bool(self._layers)
-
-    # -- caller side ------------------------------------------------------------------
-
-    def staging(self, layer: int) -> dict[str, "torch.Tensor"]:
-        start, size = self._local_span(layer)
-        return layer_views(self._sender.staging_buffer[start:start + size], self._sender.layout, self.num_tokens)
-
-    def post_layer(self, layer: int) -> None:
-        with self._lock:
-            if layer not in self._index:
-                raise ValueError(f"layer {layer} is not sent by this rank (plan: {self._layers})")
-            if layer in self._posted:
-                raise ValueError(f"handoff {self.handoff_id}: layer {layer} posted twice")
-            self._posted.add(layer)
-            if self._status != "pending":
-                return
-        self._sender._queue.put((self, layer))
-
-    def status(self) -> Literal["pending", "sent", "failed"]:
-        return self._status
-
-    def wait(self, timeout: float) -> Literal["sent", "failed"]:
-        if not self._done.wait(timeout):
-            self.abort(f"not all layers were written within {timeout:.1f}s "
-                       f"({len(self._sent)}/{len(self._layers)} sent, {len(self._posted)} posted)")
-        return "sent" if self._status == "sent" else "failed"
-
-    def abort(self, reason: str) -> None:
-        """Stop sending, tell the receiver, free the staging buffer once no WRITE reads it."""
-        if not self._fail(f"aborted: {reason}"):
-            return
-        deadline = time.monotonic() + ABORT_TIMEOUT_S
-        while self._inflight and time.monotonic() < deadline:  # in-flight WRITEs land before Abort
-            time.sleep(0.001)
-        self._sender._send_abort(self._peer, self.handoff_id, reason)
-
-    # -- sender-thread side -----------------------------------------------------------
-
-    def _local_span(self, layer: int) -> tuple[int, int]:
-        if layer not in self._index:
-            raise ValueError(f"layer {layer} is not sent by this rank (plan: {self._layers})")
-        size = self._sender.layout.bytes_per_layer(self.num_tokens)
-        return self._staging_slot * self._sender.slot_bytes + self._index[layer] * size, size
-
-    def _pieces(self, layers: list[int]) -> list[tuple[int, int, int]]:
-        base_local = self._sender.staging_region.addr
-        base_remote = self._peer.region.addr
-        sizes = [p.nbytes(self.num_tokens) for p in self._sender.layout.planes]
-        pieces = []
-        for layer in layers:
-            local, _ = self._local_span(layer)
-            for offset, size in zip(self.offsets[layer], sizes):
-                pieces.append((base_local + local, base_remote + offset, size))
-                local += size
-        return pieces
-
-    def _fail(self, error: str) -> bool:
-        with self._lock:
-            if self._status != "pending":
-                return False
-            self._status, self.error = "failed", error
-        self._done.set()
-        self._maybe_free()
-        return True
-
-    def _on_written(self, layers: list[int]) -> None:
-        with self._lock:
-            self._inflight -= 1
-            self._sent.update(layers)
-            if self._status == "pending" and len(self._sent) == len(self._layers):
-                self._status = "sent"
-                self._done.set()
-        self._maybe_free()
-
-    def _maybe_free(self) -> None:
-        with self._lock:
-            free = self._staging_held and self._inflight == 0 and self._status != "pending"
-            if free:
-                self._staging_held = False
-        if free:
-            self._sender._forget(self)
-            self._sender._release_staging(self._staging_slot)
-
-
 class KVSender:
     def __init__(self, agent_name: str, layout: KVLayout, max_tokens: int,
-                 sender_plan: SenderPlan | None = None, transport: str = "nixl", staging_slots: int = 2) -> None:
+                 sender_plan: SenderPlan | None = None, transport: str = "nixl", staging_slots: int = 2,
+                 device: str = "cpu") -> None:
         import torch
 
         if max_tokens < 1:
@@ -189,7 +79,8 @@ class KVSender:
         self._fingerprint = layout_fingerprint(layout, self.plan.world_size)
         self._transport_kind = transport
         self._transport = create_transport(transport, agent_name)
-        self.staging_buffer = torch.zeros(staging_slots * self.slot_bytes, dtype=torch.uint8)
+        # zeros, not empty: every page is touched now, not during the first WRITE
+        self.staging_buffer = torch.zeros(staging_slots * self.slot_bytes, dtype=torch.uint8, device=device)
         self.staging_region = self._transport.register(self.staging_buffer)
         self._free_staging = list(range(staging_slots))
         self._staging_cv = threading.Condition()
@@ -236,7 +127,8 @@ class KVSender:
             self._transport.remove_peer(reply.agent_name)  # a restarted peer may reuse its name
             agent = self._transport.add_peer(base64.b64decode(reply.agent_metadata))
             if agent != reply.agent_name:
-                raise ControlChannelError(f"{endpoint}: agent metadata names {agent!r}, Welcome {reply.agent_name!r}")
+                raise ControlChannelError(
+                    f"{endpoint}: agent metadata names {agent!r}, Welcome {reply.agent_name!r}")
             self._transport.connect(agent)
             regions = decode_regions(reply.buffer_descs)
         except BaseException:
@@ -372,7 +264,8 @@ class KVSender:
             with handoff._lock:
                 handoff._inflight += 1
             try:
-                xfer = self._transport.write(handoff._peer.agent, handoff._pieces(layers), notif)
+                xfer = self._transport.write(handoff._peer.agent, handoff._pieces(layers), notif,
+                                             handoff._peer.region)
             except TransportError as exc:
                 self._on_transport_error(handoff, f"KV WRITE of layers {layers} to decode server "
                                                   f"{handoff._peer.endpoint} failed: {exc}")

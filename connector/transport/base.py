@@ -11,8 +11,9 @@ Contract:
   :class:`Region`; regions travel to peers with :func:`encode_regions`.
 * ``metadata()`` is this agent's connection info; a peer passes it to ``add_peer``
   (which returns this agent's name) and may pre-warm with ``connect``.
-* ``write(peer, pieces, notif)`` queues one WRITE of ``(local_addr, remote_addr,
-  nbytes)`` pieces; adjacent pieces are merged first (:func:`merge_pieces`); the
+* ``write(peer, pieces, notif, remote_region)`` queues one WRITE of ``(local_addr,
+  remote_addr, nbytes)`` pieces into the peer's region ``remote_region`` (None: host
+  memory); adjacent pieces are merged first (:func:`merge_pieces`); the
   notification reaches the peer after the data. It returns a handle to ``poll``
   ("pending" / "done" / "error") and ``release``. Errors raise :class:`TransportError`.
 * ``notify(peer, msg)`` sends a standalone notification (no data) to a known peer.
@@ -34,29 +35,38 @@ if TYPE_CHECKING:
     import torch
 
 XferState = Literal["pending", "done", "error"]
-_REGION = struct.Struct("<QQQ")
+_REGION = struct.Struct("<QQQQ")
+_MEMS = ("DRAM", "VRAM")
 
 
 @dataclass(frozen=True)
 class Region:
     addr: int
     nbytes: int
-    device: int = 0  # -1 or 0 for host memory; the GPU index for VRAM
+    device: int = 0  # the GPU index for VRAM, 0 for host memory
+    mem: str = "DRAM"  # "DRAM" (host) or "VRAM" (GPU)
 
     def contains(self, addr: int, nbytes: int) -> bool:
         return self.addr <= addr and addr + nbytes <= self.addr + self.nbytes
 
 
 def encode_regions(regions: Sequence[Region]) -> str:
-    """Regions as base64 of little-endian (addr, nbytes, device) uint64 triples."""
-    return base64.b64encode(b"".join(_REGION.pack(r.addr, r.nbytes, max(r.device, 0)) for r in regions)).decode()
+    """Regions as base64 of little-endian (addr, nbytes, device, 0=DRAM|1=VRAM) uint64 quadruples."""
+    return base64.b64encode(b"".join(_REGION.pack(r.addr, r.nbytes, max(r.device, 0), _MEMS.index(r.mem))
+                                     for r in regions)).decode()
 
 
 def decode_regions(text: str) -> list[Region]:
     raw = base64.b64decode(text, validate=True)
     if not raw or len(raw) % _REGION.size:
         raise ValueError(f"region descriptors of {len(raw)} bytes: not a multiple of {_REGION.size}")
-    return [Region(*_REGION.unpack_from(raw, i)) for i in range(0, len(raw), _REGION.size)]
+    regions = []
+    for i in range(0, len(raw), _REGION.size):
+        addr, nbytes, device, mem = _REGION.unpack_from(raw, i)
+        if mem >= len(_MEMS):
+            raise ValueError(f"region descriptor with unknown memory kind {mem}")
+        regions.append(Region(addr, nbytes, device, _MEMS[mem]))
+    return regions
 
 
 Piece = tuple[int, int, int]  # (local_addr, remote_addr, nbytes)
@@ -104,7 +114,8 @@ class Transport(ABC):
     def connect(self, peer: str) -> None: ...
 
     @abstractmethod
-    def write(self, peer: str, pieces: Sequence[Piece], notif: bytes) -> XferHandle: ...
+    def write(self, peer: str, pieces: Sequence[Piece], notif: bytes,
+              remote_region: Region | None = None) -> XferHandle: ...
 
     @abstractmethod
     def notify(self, peer: str, notif: bytes) -> None: ...

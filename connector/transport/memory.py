@@ -67,8 +67,8 @@ class MemoryTransport(Transport):
         return self._name
 
     def register(self, tensor: "torch.Tensor") -> Region:
-        if not tensor.is_contiguous():
-            raise TransportError("memory transport: can only register contiguous tensors")
+        if not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise TransportError("memory transport: can only register contiguous host tensors")
         region = Region(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
         with self._lock:
             self._regions.append(region)
@@ -103,7 +103,8 @@ class MemoryTransport(Transport):
         with self._lock:
             return any(r.contains(addr, nbytes) for r in self._regions)
 
-    def write(self, peer: str, pieces: Sequence[Piece], notif: bytes) -> XferHandle:
+    def write(self, peer: str, pieces: Sequence[Piece], notif: bytes,
+              remote_region: Region | None = None) -> XferHandle:
         target = self._live_peer(peer)
         merged = merge_pieces(pieces)
         for local, remote, n in merged:

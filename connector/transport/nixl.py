@@ -51,7 +51,7 @@ class NixlTransport(Transport):
         self._lock = threading.Lock()  # guards the Python-side lists below
         self._registrations: list[Any] = []
         self._buffers: list["torch.Tensor"] = []
-        self._mem_type = "DRAM"
+        self._mem_type, self._device = "DRAM", 0
         self._closed = False
 
     @property
@@ -63,15 +63,16 @@ class NixlTransport(Transport):
             raise TransportError("NIXL transport: can only register contiguous tensors")
         device = tensor.get_device()
         mem_type = "VRAM" if device >= 0 else "DRAM"
-        region = Region(tensor.data_ptr(), tensor.numel() * tensor.element_size(), max(device, 0))
+        region = Region(tensor.data_ptr(), tensor.numel() * tensor.element_size(), max(device, 0), mem_type)
         try:
             reg = self._agent.register_memory([(region.addr, region.nbytes, region.device, "")], mem_type)
         except Exception as exc:
-            raise TransportError(f"NIXL register_memory of {region.nbytes} bytes ({mem_type}) failed: {exc}") from exc
+            raise TransportError(
+                f"NIXL register_memory of {region.nbytes} bytes ({mem_type}) failed: {exc}") from exc
         with self._lock:
             self._registrations.append(reg)
             self._buffers.append(tensor)
-            self._mem_type = mem_type
+            self._mem_type, self._device = mem_type, region.device  # one kind of local memory per agent
         return region
 
     def metadata(self) -> bytes:
@@ -96,7 +97,8 @@ class NixlTransport(Transport):
         except Exception as exc:
             raise TransportError(f"NIXL make_connection to {peer!r} failed: {exc}") from exc
 
-    def write(self, peer: str, pieces: Sequence[Piece], notif: bytes) -> XferHandle:
+    def write(self, peer: str, pieces: Sequence[Piece], notif: bytes,
+              remote_region: Region | None = None) -> XferHandle:
         import numpy as np
 
         merged = merge_pieces(pieces)
@@ -105,12 +107,13 @@ class NixlTransport(Transport):
         arr = np.array(merged, dtype=np.uint64)
         local = np.zeros((len(merged), 3), dtype=np.uint64)
         remote = np.zeros((len(merged), 3), dtype=np.uint64)
-        local[:, 0], local[:, 1] = arr[:, 0], arr[:, 2]
+        local[:, 0], local[:, 1], local[:, 2] = arr[:, 0], arr[:, 2], self._device
         remote[:, 0], remote[:, 1] = arr[:, 1], arr[:, 2]
+        remote[:, 2] = remote_region.device if remote_region else 0
         try:
             handle = self._agent.initialize_xfer(
                 "WRITE", self._agent.get_xfer_descs(local, self._mem_type),
-                self._agent.get_xfer_descs(remote, self._mem_type), peer, notif)
+                self._agent.get_xfer_descs(remote, remote_region.mem if remote_region else "DRAM"), peer, notif)
         except Exception as exc:
             raise TransportError(f"NIXL cannot prepare a WRITE to {peer!r}: {exc}") from exc
         try:

@@ -41,7 +41,7 @@ def test_parse_endpoint_rejects(bad):
 
 
 def test_regions_encode_decode_and_merge():
-    regions = [Region(0x1000, 4096, 0), Region(0x9000, 8, 3)]
+    regions = [Region(0x1000, 4096, 0), Region(0x9000, 8, 3, "VRAM")]
     assert decode_regions(encode_regions(regions)) == regions
     with pytest.raises(ValueError):
         decode_regions("AAAA")

@@ -1,0 +1,61 @@
+"""Data types of the receiving half (see :mod:`connector.receiver`, which re-exports them)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from connector.layout import KVLayout
+from connector.transport import TRANSPORT_KINDS
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class ReceivedKV:
+    handoff_id: str
+    num_tokens: int
+    layers: list[dict[str, "torch.Tensor"]]
+
+
+@dataclass(frozen=True)
+class ReceiverSettings:
+    layout: KVLayout
+    max_tokens: int
+    slots: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: ephemeral
+    transport: str = "nixl"  # or "memory" (unit tests)
+    unclaimed_timeout_s: float = 30.0  # an admitted/completed handoff nobody claims is freed after this
+    agent_name: str | None = None
+    device: str = "cpu"  # where the receive buffer lives ("cuda:0" registers VRAM)
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("max_tokens", self.max_tokens, self.max_tokens >= 1, "must be >= 1"),
+            ("slots", self.slots, self.slots >= 1, "must be >= 1"),
+            ("port", self.port, 0 <= self.port < 65536, "must be in 0..65535 (0: ephemeral)"),
+            ("transport", self.transport, self.transport in TRANSPORT_KINDS, f"must be one of {TRANSPORT_KINDS}"),
+            ("unclaimed_timeout_s", self.unclaimed_timeout_s, self.unclaimed_timeout_s > 0, "must be > 0"),
+        ]
+        for name, value, ok, reason in checks:
+            if not ok:
+                raise ValueError(f"ReceiverSettings.{name}={value!r}: {reason}")
+
+
+@dataclass
+class HandoffState:
+    """The receiver's record of one admitted handoff (private to the receiver)."""
+
+    handoff_id: str
+    slot: int | None
+    num_tokens: int
+    offsets: list[list[int]]
+    peers: set[str] = field(default_factory=set)
+    arrived: set[int] = field(default_factory=set)
+    state: str = "admitted"  # "admitted" | "complete" | "claimed" | "failed"
+    error: str | None = None
+    waiters: int = 0
+    since: float = field(default_factory=time.monotonic)
