@@ -224,8 +224,12 @@ class Job:
         if self.abort_reason is not None:
             self._release_kv()
             raise Cancelled(f"request {self.request_id!r} was cancelled ({self.abort_reason})")
+        try:
+            self._loop.run_in_executor(self.ctx.executor, self._work, kv)
+        except RuntimeError as exc:  # executor shut down: the server is stopping
+            self._release_kv()
+            raise EngineFailure(f"decode server is shutting down: {exc}") from exc
         self._worker_started = True
-        self._loop.run_in_executor(self.ctx.executor, self._work, kv)
         first = await self._queue.get()
         if first is _ABORTED:
             raise Cancelled(f"request {self.request_id!r} was cancelled ({self.abort_reason})")
