@@ -14,7 +14,7 @@ from typing import Any
 
 from decode_server.server.glm import ChatPiece, GlmChatParser, ToolCall
 from decode_server.server.sampling import Plan
-from decode_server.server.sequence import Delta, TokenLogprob
+from decode_server.server.sequence import MIN_LOGPROB, Delta, TokenLogprob
 
 DONE = b"data: [DONE]\n\n"
 
@@ -133,7 +133,8 @@ class ChatRenderer(_Renderer):
 
     @staticmethod
     def _logprobs_of(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
-        return [{"token": e.token, "logprob": -9999.0 if e.logprob is None else e.logprob, "bytes": _bytes(e.token),
+        return [{"token": e.token, "logprob": MIN_LOGPROB if e.logprob is None else e.logprob,
+                 "bytes": _bytes(e.token),
                  "top_logprobs": [{"token": t, "logprob": lp, "bytes": _bytes(t)} for t, lp in e.top]}
                 for e in entries]
 

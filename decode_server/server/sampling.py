@@ -13,7 +13,7 @@ from connector.protocol import PROTOCOL_VERSION, HandoffResult
 from decode_server.engine.base import SamplingParams
 from decode_server.server.errors import HandoffFailed, InvalidRequest
 from decode_server.server.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
-from decode_server.server.sequence import StopSpec, TokenLogprob
+from decode_server.server.sequence import MIN_LOGPROB, StopSpec, TokenLogprob
 from decode_server.server.text import GenerationDefaults
 
 
@@ -178,4 +178,4 @@ def _finite(value: Any) -> float | None:
     if value is None:
         return None
     v = float(value)
-    return v if math.isfinite(v) else -9999.0
+    return v if math.isfinite(v) else MIN_LOGPROB

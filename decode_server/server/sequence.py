@@ -12,6 +12,9 @@ from decode_server.server.stops import StopStringMatcher
 from decode_server.server.text import IncrementalDetokenizer, TextTokenizer
 
 
+MIN_LOGPROB = -9999.0  # what OpenAI (and vLLM) send for -inf; JSON has no infinities
+
+
 @dataclass(frozen=True)
 class StopSpec:
     max_tokens: int
@@ -106,6 +109,6 @@ class SequenceProcessor:
         k = self._logprobs or 0
         return TokenLogprob(
             token=self.token_label(tok.token_id),
-            logprob=tok.logprob,
-            top=tuple((self.token_label(t), lp) for t, lp in top[:k]),
+            logprob=None if tok.logprob is None else max(tok.logprob, MIN_LOGPROB),
+            top=tuple((self.token_label(t), max(lp, MIN_LOGPROB)) for t, lp in top[:k]),
         )
