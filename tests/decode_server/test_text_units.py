@@ -164,3 +164,10 @@ def test_settings_cli_env_and_errors(model_dir, tmp_path):
     assert s.effective_slots == 1
     with pytest.raises(SettingsError, match="--engine"):
         load_settings(["--engine", "vllm", "--model", str(model_dir)], env={})
+
+
+def test_infinite_logprobs_are_clamped(text_tok):
+    spec = StopSpec(max_tokens=5)
+    p = SequenceProcessor(text_tok, spec, [], logprobs=1)
+    d = p.feed([TokenOut(7, float("-inf"), ((7, float("-inf")),))])
+    assert d.logprobs[0].logprob == -9999.0 and d.logprobs[0].top[0][1] == -9999.0
