@@ -31,7 +31,7 @@ def receiver_factory(settings: DecodeServerSettings):  # noqa: ANN201 - returns 
 
         return KVReceiver(ReceiverSettings(layout=layout, max_tokens=max_tokens, slots=slots, host=settings.kv_host,
                                            port=settings.kv_port, transport=settings.kv_transport,
-                                           device=settings.device if settings.engine == "tilert" else "cpu"))
+                                           device=settings.kv_device))
     return build
 
 

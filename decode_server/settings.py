@@ -38,7 +38,8 @@ class DecodeServerSettings(BaseModel):
     tool_call_parser: Literal["none", "glm45"] = Field(
         "none", description="glm45: parse <tool_call>..</tool_call> into tool_calls (chat, when tools are given)")
     kv_transport: Literal["nixl", "memory"] = Field("nixl", description="KV transport (memory: single-process tests)")
-    device: str = Field("cpu", min_length=1, description="torch device of the engine and receive buffer")
+    kv_device: str = Field("cpu", pattern=r"^(cpu|cuda:\d+)$",
+                           description="where the KV receive buffer lives: cpu, or cuda:N (tilert) to receive into VRAM")
     kv_dtype: Literal["bfloat16", "float32", "float16"] | None = Field(
         None, description="reference engine: dtype of the received KV (default: the model's torch_dtype)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
@@ -59,6 +60,8 @@ class DecodeServerSettings(BaseModel):
 
     @model_validator(mode="after")
     def _engine_rules(self) -> "DecodeServerSettings":
+        if self.engine == "reference" and self.kv_device != "cpu":
+            raise ValueError(f"kv_device={self.kv_device!r}: the reference engine runs on the CPU; use cpu")
         if self.engine == "tilert" and self.num_mtp not in TILERT_NUM_MTP:
             raise ValueError(f"num_mtp={self.num_mtp}: TileRT's GLM-5 MTP drafts 3 tokens per step; use 3 or 0")
         return self
