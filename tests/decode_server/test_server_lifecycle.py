@@ -250,3 +250,15 @@ def test_many_concurrent_requests_no_leak(make_server, tokenizer):
     assert sorted(set(statuses)) <= [200, 429] and 200 in statuses
     srv.wait_idle()
     assert srv.engine.closed == len(srv.engine.started)
+
+
+def test_duplicate_in_flight_request_id_409(make_server):
+    srv = make_server(LONG, slots=2)
+    t = threading.Thread(target=lambda: httpx.post(srv.url + "/v1/completions", json=_body(max_tokens=30),
+                                                   headers={"X-Request-Id": "dup"}, timeout=30))
+    t.start()
+    _wait(lambda: srv.state.slots.busy == 1)
+    resp = httpx.post(srv.url + "/v1/completions", json=_body(), headers={"X-Request-Id": "dup"})
+    _assert_openai_error(resp, 409, "conflict_error")
+    t.join(30)
+    srv.wait_idle()
