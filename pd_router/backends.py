@@ -13,6 +13,7 @@ from typing import Any
 
 from connector.protocol import PROTOCOL_VERSION
 from pd_router.contract import DecodeCapabilities
+from pd_router.upstream import Target
 
 
 @dataclass
@@ -22,6 +23,10 @@ class PrefillBackend:
     reason: str = "not probed yet"
     models: frozenset[str] = frozenset()
     in_flight: int = 0
+    target: Target = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.target = Target.parse(self.url)
 
     def report(self) -> dict[str, Any]:
         return {"url": self.url, "healthy": self.healthy, "reason": self.reason,
@@ -40,6 +45,10 @@ class DecodeBackend:
     in_use: int = 0
     compatible: bool = False
     incompatible_reason: str | None = None
+    target: Target = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.target = Target.parse(self.url)
 
     @property
     def slots(self) -> float:

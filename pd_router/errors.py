@@ -3,7 +3,7 @@
 Every error the router produces is a :class:`RouterError`. Its ``type`` string is
 both the OpenAI error ``type`` in the JSON body and the ``error_type`` label of the
 ``pd_router_requests_total`` metric; ``status`` is its one HTTP status. Lower-layer
-exceptions (aiohttp, httpx, pydantic) are mapped to these at the boundary where
+exceptions (transport, httpx, pydantic) are mapped to these at the boundary where
 they happen (:mod:`pd_router.upstream`, :mod:`pd_router.api`).
 """
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Mapping
 
-import aiohttp
 from pydantic import ValidationError
 
 from connector.protocol import HandoffResult, HandoffTarget
@@ -28,8 +27,8 @@ from pd_router.api import (VLLM_REMOTE_DECODE_PARAMS, Endpoint, OpenAIRequest, d
                            prefill_body)
 from pd_router.asgi import SSE, Receive, Scope, Send, header, read_body, respond
 from pd_router.backends import DecodeBackend
-from pd_router.errors import (BadUpstream, InvalidRequest, ModelNotFound, NoHealthyBackend, RouterError,
-                              Unauthorized, UpstreamTimeout)
+from pd_router.errors import BadUpstream, InvalidRequest, ModelNotFound, NoHealthyBackend, RouterError, Unauthorized
+from pd_router.rawhttp import Response, UpstreamError
 from pd_router.slots import Lease
 
 if TYPE_CHECKING:
@@ -164,7 +163,7 @@ class CompletionHandler:
                 raise NoHealthyBackend(f"no healthy prefill server for model {request.model!r}")
             backend.in_flight += 1
             try:
-                answer = await upstream.prefill(state.session, backend.url + ctx.endpoint.value, data,
+                answer = await upstream.prefill(state.upstream, backend.target, ctx.endpoint.value, data,
                                                 ctx.request_id, state.settings.prefill_timeout)
                 break
             except upstream.Unreachable as err:
@@ -211,7 +210,7 @@ class CompletionHandler:
         state = self.state
         backend = lease.backend
         try:
-            resp = await upstream.open_decode(state.session, backend.url + ctx.endpoint.value,
+            resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.value,
                                               decode_body(body, kv_params), ctx.request_id,
                                               state.settings.decode_timeout)
         except RouterError as err:
@@ -222,29 +221,29 @@ class CompletionHandler:
                 return await self._relay_stream(ctx, resp, backend)
             try:
                 data = await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                err = self._mid_answer_error(backend.url, exc)
+            except UpstreamError as exc:
+                err = self._mid_answer_error(backend, exc)
                 state.upstream_failed("decode", backend, err)
                 raise err from None
             ctx.status, ctx.finished = 200, True
             state.metrics.ttft.labels(ctx.endpoint.label).observe(perf_counter() - ctx.start)
-            await respond(ctx.send, 200, data, resp.headers.get("Content-Type", "application/json").encode(),
+            await respond(ctx.send, 200, data, resp.headers.get(b"content-type", b"application/json"),
                           [(b"x-request-id", ctx.request_id.encode())])
             return True
         finally:
             resp.release()
 
-    async def _relay_stream(self, ctx: _Ctx, resp: aiohttp.ClientResponse, backend: DecodeBackend) -> bool:
+    async def _relay_stream(self, ctx: _Ctx, resp: Response, backend: DecodeBackend) -> bool:
         state, send = self.state, ctx.send
         itl = state.metrics.itl
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", resp.headers.get("Content-Type", "").encode() or SSE),
+                    "headers": [(b"content-type", resp.headers.get(b"content-type", SSE)),
                                 (b"cache-control", b"no-cache"), (b"x-request-id", ctx.request_id.encode())]})
         ctx.started, ctx.status = True, 200
         prev = last = b""
         t_prev = 0.0
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp:
                 now = perf_counter()
                 if t_prev:
                     itl.observe(now - t_prev)
@@ -253,13 +252,13 @@ class CompletionHandler:
                 t_prev = now
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 prev, last = last, chunk
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            err = self._mid_answer_error(str(resp.url), exc)
+        except UpstreamError as exc:
+            err = self._mid_answer_error(backend, exc)
             state.upstream_failed("decode", backend, err)
             await ctx.fail(err)
             return False
         if not (prev[-16:] + last).rstrip().endswith(_DONE):
-            err2 = BadUpstream(f"decode server {resp.url.origin()} ended the stream without data: [DONE]")
+            err2 = BadUpstream(f"decode server {backend.url} ended the stream without data: [DONE]")
             state.upstream_failed("decode", backend, err2)
             await ctx.fail(err2)
             return False
@@ -267,9 +266,7 @@ class CompletionHandler:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return True
 
-    @staticmethod
-    def _mid_answer_error(url: str, exc: BaseException) -> RouterError:
-        if isinstance(exc, asyncio.TimeoutError):
-            return UpstreamTimeout(f"decode server {url} stalled longer than --decode-timeout")
-        return BadUpstream(f"decode server {url} failed mid-answer: {type(exc).__name__}: {exc}")
+    def _mid_answer_error(self, backend: DecodeBackend, exc: UpstreamError) -> RouterError:
+        return upstream.map_error("decode", backend.target, exc,
+                                  f"--decode-timeout {self.state.settings.decode_timeout:g}s")
 

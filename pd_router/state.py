@@ -1,5 +1,5 @@
 """Everything one router app owns: settings, metrics, backends, slot pool, the two
-HTTP clients (aiohttp for the hot path, httpx for probes and control calls) and its
+HTTP clients (a raw keep-alive pool for the hot path, httpx for probes and control calls) and its
 background tasks. Created by :func:`pd_router.app.create_app`; started and stopped by
 the app's lifespan. Nothing here is module-global."""
 
@@ -9,15 +9,14 @@ import asyncio
 import logging
 from typing import Any, Coroutine
 
-import aiohttp
 import httpx
 
-from pd_router import upstream
 from pd_router.backends import Backends, DecodeBackend, PrefillBackend
 from pd_router.contract import CANCEL_PATH, CancelRequest
 from pd_router.errors import RouterError, UpstreamRejected
 from pd_router.metrics import RouterMetrics
 from pd_router.probes import Prober
+from pd_router.rawhttp import ConnectionPool
 from pd_router.settings import RouterSettings
 from pd_router.slots import Lease, SlotPool
 
@@ -32,17 +31,17 @@ class RouterState:
         self.backends = Backends.from_urls(settings.prefill, settings.decode, settings.decode_slots,
                                            settings.require_handshake)
         self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout, self.update_gauges)
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: ConnectionPool | None = None
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.request_ids: set[str] = set()  # X-Request-Ids of the requests being served
         self.update_gauges()
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def upstream(self) -> ConnectionPool:
+        if self._pool is None:
             raise RuntimeError("router not started")
-        return self._session
+        return self._pool
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -51,7 +50,7 @@ class RouterState:
         return self._client
 
     async def start(self) -> None:
-        self._session = upstream.make_session()
+        self._pool = ConnectionPool()
         probe_timeout = min(5.0, max(0.5, self.settings.probe_interval))
         self._client = httpx.AsyncClient(timeout=probe_timeout, trust_env=False)
         prober = Prober(self.backends, self._client, self.settings.probe_interval, self._on_probe)
@@ -62,8 +61,8 @@ class RouterState:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            self._pool.close()
         if self._client is not None:
             await self._client.aclose()
 

@@ -1,0 +1,293 @@
+"""A minimal HTTP/1.1 client for the hot path: pooled keep-alive connections as
+asyncio protocols, responses parsed by httptools.
+
+Why not aiohttp/httpx here: per relayed token the router does one recv and one send;
+everything else is overhead, and a general client's per-chunk machinery (stream
+readers, timers rescheduled per packet, payload objects) costs as much as the kernel
+work (FACTS.md §7). This client does only what the router needs: POST a JSON body,
+wait for the status and headers, then read the body whole or as it arrives.
+
+Errors (mapped to :mod:`pd_router.errors` by :mod:`pd_router.upstream`):
+:class:`ConnectFailed` (nothing was answered: refused, reset or closed before the first
+response byte), :class:`ReadTimeout` (no byte for ``read_timeout`` seconds) and
+:class:`ResponseFailed` (a malformed answer or a connection lost mid-answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from typing import Any, NamedTuple
+
+import httptools
+
+_HIGH_WATER = 1 << 20  # pause reading the upstream while this much is buffered
+_LOW_WATER = 1 << 16
+
+
+class Origin(NamedTuple):
+    host: str
+    port: int
+    tls: bool = False
+
+    def __str__(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
+
+
+class UpstreamError(Exception):
+    pass
+
+
+class ConnectFailed(UpstreamError):
+    pass
+
+
+class ReadTimeout(UpstreamError):
+    pass
+
+
+class ResponseFailed(UpstreamError):
+    pass
+
+
+class Response:
+    """One upstream answer: ``status`` and ``headers`` (lower-case names), then the body
+    via :meth:`read` or ``async for chunk in response``. Always end with :meth:`release`."""
+
+    def __init__(self, conn: _Connection, read_timeout: float | None) -> None:
+        self._conn = conn
+        self._timeout = read_timeout
+        self.status = 0
+        self.headers: dict[bytes, bytes] = {}
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._headers_done = False
+        self._complete = False
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self.got_bytes = False
+        self.keep_alive = False
+
+    # producer side (called by the protocol)
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: UpstreamError) -> None:
+        if not self._complete and self._error is None:
+            self._error = error
+            self._wake()
+
+    # consumer side
+    async def _wait(self) -> None:
+        loop = self._conn.loop
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(self._timeout, self._expire, waiter) if self._timeout else None
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _expire(self, waiter: asyncio.Future[None]) -> None:
+        if not waiter.done():
+            self._fail(ReadTimeout(f"no data from {self._conn.origin} for {self._timeout:g}s"))
+
+    async def wait_headers(self) -> None:
+        while not self._headers_done:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+    def __aiter__(self) -> Response:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while True:
+            if self._chunks:
+                chunks = self._chunks
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                self._chunks = []
+                if self._buffered > _LOW_WATER and self._conn.paused:
+                    self._conn.resume()
+                self._buffered = 0
+                return data
+            if self._complete:
+                raise StopAsyncIteration
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self])
+
+    def release(self) -> None:
+        """Back to the pool if the answer was read whole and the connection may be reused."""
+        self._conn.finish(self, reusable=self._complete and self._error is None and self.keep_alive)
+
+    def close(self) -> None:
+        self._conn.finish(self, reusable=False)
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, pool: ConnectionPool, origin: Origin) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: Response | None = None
+        self.closed = False
+        self.paused = False
+        self.idle_since = 0.0
+        self.uses = 0
+
+    # asyncio.Protocol
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        resp = self.response
+        if resp is None:  # bytes nobody asked for: this connection cannot be trusted
+            self.abort()
+            return
+        resp.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            resp._fail(ResponseFailed(f"malformed answer from {self.origin}: {exc}"))
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        resp = self.response
+        if resp is not None:
+            why = f": {exc}" if exc else ""
+            resp._fail(ResponseFailed(f"{self.origin} closed the connection mid-answer{why}") if resp.got_bytes
+                       else ConnectFailed(f"{self.origin} closed the connection before answering{why}"))
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.response is not None:
+            self.response.headers[name.lower()] = value
+
+    def on_headers_complete(self) -> None:
+        resp = self.response
+        if resp is not None:
+            resp.status = self.parser.get_status_code()
+            resp._headers_done = True
+            resp._wake()
+
+    def on_body(self, body: bytes) -> None:
+        resp = self.response
+        if resp is not None:
+            resp._chunks.append(body)
+            resp._buffered += len(body)
+            if resp._buffered > _HIGH_WATER and not self.paused and self.transport is not None:
+                self.paused = True
+                self.transport.pause_reading()
+            resp._wake()
+
+    def on_message_complete(self) -> None:
+        resp = self.response
+        if resp is not None:
+            resp._complete = True
+            resp.keep_alive = self.parser.should_keep_alive()  # must be asked now: the parser resets after
+            resp._wake()
+
+    # used by Response / ConnectionPool
+    def resume(self) -> None:
+        self.paused = False
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def send(self, head: bytes, body: bytes, read_timeout: float | None) -> Response:
+        self.response = resp = Response(self, read_timeout)
+        if self.transport is None or self.closed:
+            resp._fail(ConnectFailed(f"connection to {self.origin} is closed"))
+            return resp
+        self.uses += 1
+        self.transport.write(head + body)
+        return resp
+
+    def finish(self, resp: Response, reusable: bool) -> None:
+        if self.response is not resp:
+            return
+        self.response = None
+        if reusable and not self.closed:
+            if self.paused:
+                self.resume()
+            self.idle_since = self.loop.time()
+            self.pool.put(self)
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class ConnectionPool:
+    """Keep-alive connections per upstream origin (LIFO, idle ones dropped after
+    ``idle_ttl`` seconds, below the usual 5 s server keep-alive)."""
+
+    def __init__(self, connect_timeout: float = 5.0, idle_ttl: float = 2.0) -> None:
+        self.connect_timeout = connect_timeout
+        self.idle_ttl = idle_ttl
+        self._tls: ssl.SSLContext | None = None
+        self._idle: dict[Origin, list[_Connection]] = {}
+
+    def put(self, conn: _Connection) -> None:
+        self._idle.setdefault(conn.origin, []).append(conn)
+
+    async def _acquire(self, origin: Origin) -> _Connection:
+        idle = self._idle.get(origin)
+        if idle:
+            now = asyncio.get_running_loop().time()
+            while idle:
+                conn = idle.pop()
+                if not conn.closed and now - conn.idle_since < self.idle_ttl:
+                    return conn
+                conn.abort()
+        loop = asyncio.get_running_loop()
+        if origin.tls and self._tls is None:
+            self._tls = ssl.create_default_context()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(lambda: _Connection(self, origin), origin.host, origin.port,
+                                                       ssl=self._tls if origin.tls else None)
+        except (OSError, TimeoutError) as exc:
+            raise ConnectFailed(f"cannot connect to {origin}: {exc or type(exc).__name__}") from None
+        return conn
+
+    async def post(self, origin: Origin, path: str, body: bytes, headers: dict[str, str],
+                   read_timeout: float | None = None) -> Response:
+        """POST ``body`` (JSON); returns once the status and headers arrived."""
+        head = "".join([f"POST {path} HTTP/1.1\r\nHost: {origin.host}:{origin.port}\r\n"
+                        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n",
+                        *(f"{k}: {v}\r\n" for k, v in headers.items()), "\r\n"]).encode("latin-1")
+        retried = False
+        while True:
+            conn = await self._acquire(origin)
+            reused = conn.uses > 0
+            resp = conn.send(head, body, read_timeout)
+            try:
+                await resp.wait_headers()
+                return resp
+            except ConnectFailed:
+                resp.close()
+                if not reused or retried:
+                    raise
+                retried = True  # a pooled connection the server had just closed: once more, fresh
+            except BaseException:
+                resp.close()
+                raise
+
+    def close(self) -> None:
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.abort()
+        self._idle.clear()
