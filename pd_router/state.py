@@ -34,6 +34,7 @@ class RouterState:
         self._pool: ConnectionPool | None = None
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._prober: asyncio.Task[Any] | None = None
         self.request_ids: set[str] = set()  # X-Request-Ids of the requests being served
         self.update_gauges()
 
@@ -55,9 +56,15 @@ class RouterState:
         self._client = httpx.AsyncClient(timeout=probe_timeout, trust_env=False)
         prober = Prober(self.backends, self._client, self.settings.probe_interval, self._on_probe)
         await prober.probe_all()
-        self.spawn(prober.run())
+        self._prober = self.spawn(prober.run())
 
     async def stop(self) -> None:
+        """Let pending cancels reach the decode servers (bounded), then stop everything."""
+        if self._prober is not None:
+            self._prober.cancel()
+        pending = [t for t in self._tasks if t is not self._prober]
+        if pending:
+            await asyncio.wait(pending, timeout=CANCEL_TIMEOUT_S)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
