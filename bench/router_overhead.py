@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -59,8 +58,14 @@ def _pct(values: list[float], q: float) -> float:
 async def _one(session: aiohttp.ClientSession, url: str, direct: bool, rid: str, phase: Phase) -> None:
     body: dict = {"model": "tiny", "prompt": PROMPT, "max_tokens": TOKENS, "stream": True}
     if direct:  # what the router would add: the handoff prefill returned
-        body["kv_transfer_params"] = HandoffResult(handoff_id=rid, kv_endpoint="127.0.0.1:1", num_prompt_tokens=1000,
-                                                   first_token_id=7, last_prompt_token_id=3, status="sent").model_dump()
+        body["kv_transfer_params"] = HandoffResult(
+            handoff_id=rid,
+            kv_endpoint="127.0.0.1:1",
+            num_prompt_tokens=1000,
+            first_token_id=7,
+            last_prompt_token_id=3,
+            status="sent",
+        ).model_dump()
     t0 = time.perf_counter()
     prev = 0.0
     async with session.post(url, json=body, headers={"X-Request-Id": rid}) as resp:
@@ -79,7 +84,9 @@ async def _one(session: aiohttp.ClientSession, url: str, direct: bool, rid: str,
             phase.tokens += n
 
 
-async def _phase(url: str, direct: bool, concurrency: int, per_client: int, pid: int | None, tag: str) -> Phase:
+async def _phase(
+    url: str, direct: bool, concurrency: int, per_client: int, pid: int | None, tag: str
+) -> Phase:
     phase = Phase()
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -97,36 +104,49 @@ async def _phase(url: str, direct: bool, concurrency: int, per_client: int, pid:
     return phase
 
 
-async def _measure(decode_url: str, router_url: str, router_pid: int, per_client: dict[int, int]) -> list[dict]:
+async def _measure(
+    decode_url: str, router_url: str, router_pid: int, per_client: dict[int, int]
+) -> list[dict]:
     rows = []
     for c in CONCURRENCY:
         direct = await _phase(decode_url + "/v1/completions", True, c, per_client[c], None, f"d{c}")
         routed = await _phase(router_url + "/v1/completions", False, c, per_client[c], router_pid, f"r{c}")
-        rows.append({
-            "concurrency": c, "requests": c * per_client[c],
-            "ttft_p50_ms": (_pct(routed.ttft, .5) - _pct(direct.ttft, .5)) * 1e3,
-            "ttft_p99_ms": (_pct(routed.ttft, .99) - _pct(direct.ttft, .99)) * 1e3,
-            "itl_p50_ms": (_pct(routed.itl, .5) - _pct(direct.itl, .5)) * 1e3,
-            "itl_p99_ms": (_pct(routed.itl, .99) - _pct(direct.itl, .99)) * 1e3,
-            "throughput_ratio": (routed.tokens / routed.wall) / (direct.tokens / direct.wall),
-            "router_cpu_us_per_token": routed.cpu / routed.tokens * 1e6,
-            "direct_tok_s": direct.tokens / direct.wall, "routed_tok_s": routed.tokens / routed.wall,
-            "direct_ttft_p50_ms": _pct(direct.ttft, .5) * 1e3,
-        })
+        rows.append(
+            {
+                "concurrency": c,
+                "requests": c * per_client[c],
+                "ttft_p50_ms": (_pct(routed.ttft, 0.5) - _pct(direct.ttft, 0.5)) * 1e3,
+                "ttft_p99_ms": (_pct(routed.ttft, 0.99) - _pct(direct.ttft, 0.99)) * 1e3,
+                "itl_p50_ms": (_pct(routed.itl, 0.5) - _pct(direct.itl, 0.5)) * 1e3,
+                "itl_p99_ms": (_pct(routed.itl, 0.99) - _pct(direct.itl, 0.99)) * 1e3,
+                "throughput_ratio": (routed.tokens / routed.wall) / (direct.tokens / direct.wall),
+                "router_cpu_us_per_token": routed.cpu / routed.tokens * 1e6,
+                "direct_tok_s": direct.tokens / direct.wall,
+                "routed_tok_s": routed.tokens / routed.wall,
+                "direct_ttft_p50_ms": _pct(direct.ttft, 0.5) * 1e3,
+            }
+        )
     return rows
 
 
-GOALS = "goals: added TTFT p50 <= 1 ms (C=1); added ITL p99 <= 0.25 ms (C=16); throughput >= 0.95 (C=64); " \
-        "router CPU <= 20 us/token"
+GOALS = (
+    "goals: added TTFT p50 <= 1 ms (C=1); added ITL p99 <= 0.25 ms (C=16); throughput >= 0.95 (C=64); "
+    "router CPU <= 20 us/token"
+)
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| concurrency | requests | added TTFT p50 / p99 (ms) | added ITL p50 / p99 (ms) | throughput ratio "
-             "| router CPU us/token | direct tok/s |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| concurrency | requests | added TTFT p50 / p99 (ms) | added ITL p50 / p99 (ms) | throughput ratio "
+        "| router CPU us/token | direct tok/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['concurrency']} | {r['requests']} | {r['ttft_p50_ms']:.2f} / {r['ttft_p99_ms']:.2f} "
-                     f"| {r['itl_p50_ms']:.3f} / {r['itl_p99_ms']:.3f} | {r['throughput_ratio']:.3f} "
-                     f"| {r['router_cpu_us_per_token']:.1f} | {r['direct_tok_s']:.0f} |")
+        lines.append(
+            f"| {r['concurrency']} | {r['requests']} | {r['ttft_p50_ms']:.2f} / {r['ttft_p99_ms']:.2f} "
+            f"| {r['itl_p50_ms']:.3f} / {r['itl_p99_ms']:.3f} | {r['throughput_ratio']:.3f} "
+            f"| {r['router_cpu_us_per_token']:.1f} | {r['direct_tok_s']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -136,7 +156,7 @@ def _write_section(text: str) -> None:
     head, sep, rest = old.partition("## Router overhead")
     if sep:  # keep the other sections as they are
         nxt = rest.find("\n## ")
-        rest = rest[nxt + 1:] if nxt >= 0 else ""
+        rest = rest[nxt + 1 :] if nxt >= 0 else ""
     else:
         head, rest = old.rstrip() + "\n\n", ""
     path.parent.mkdir(exist_ok=True)
@@ -145,22 +165,44 @@ def _write_section(text: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests-per-client", type=int, nargs=3, default=[40, 8, 4], metavar=("C1", "C16", "C64"))
+    parser.add_argument(
+        "--requests-per-client", type=int, nargs=3, default=[40, 8, 4], metavar=("C1", "C16", "C64")
+    )
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args()
-    per_client = dict(zip(CONCURRENCY, args.requests_per_client))
+    per_client = dict(zip(CONCURRENCY, args.requests_per_client, strict=True))
     ports = {name: free_port() for name in ("prefill", "decode", "router")}
     logs = Path(tempfile.mkdtemp(prefix="router-bench-"))
     fake = ["-m", "tests.fakes.fake_backends"]
     decode_knobs = json.dumps({"model": "tiny", "slots": 1024, "token_delay": TOKEN_DELAY})
     urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
-    with server(python_argv(*fake, "prefill", "--port", str(ports["prefill"])), logs / "prefill.log",
-                urls["prefill"] + "/health", 30), \
-         server(python_argv(*fake, "decode", "--port", str(ports["decode"]), "--knobs", decode_knobs),
-                logs / "decode.log", urls["decode"] + "/ready", 30), \
-         server(router_argv(RouterSpec((urls["prefill"],), (urls["decode"],), port=ports["router"],
-                                       extra_args=("--log-level", "warning", "--max-queue", "4096"))),
-                logs / "router.log", urls["router"] + "/ready", 30) as router:
+    with (
+        server(
+            python_argv(*fake, "prefill", "--port", str(ports["prefill"])),
+            logs / "prefill.log",
+            urls["prefill"] + "/health",
+            30,
+        ),
+        server(
+            python_argv(*fake, "decode", "--port", str(ports["decode"]), "--knobs", decode_knobs),
+            logs / "decode.log",
+            urls["decode"] + "/ready",
+            30,
+        ),
+        server(
+            router_argv(
+                RouterSpec(
+                    (urls["prefill"],),
+                    (urls["decode"],),
+                    port=ports["router"],
+                    extra_args=("--log-level", "warning", "--max-queue", "4096"),
+                )
+            ),
+            logs / "router.log",
+            urls["router"] + "/ready",
+            30,
+        ) as router,
+    ):
         t0 = time.perf_counter()
         rows = uvloop.run(_measure(urls["decode"], urls["router"], router.proc.pid, per_client))
         took = time.perf_counter() - t0
@@ -170,12 +212,14 @@ def main() -> None:
     print(GOALS)
     print(f"({took:.0f} s; load average at the end {load:.1f} on {os.cpu_count()} CPUs; logs in {logs})")
     if not args.no_write:
-        _write_section("## Router overhead\n\n"
-                       f"`.venv/bin/python bench/router_overhead.py` (fake prefill + fake decode as processes, "
-                       f"{TOKENS} tokens, ~1k-token prompts, {TOKEN_DELAY * 1e3:.2f} ms between tokens; the router "
-                       f"process's CPU time from /proc). Added = through the router minus direct to the fake decode, "
-                       f"same run. Machine: {os.cpu_count()} CPUs, load average {load:.1f} at the end.\n\n"
-                       f"{table}\n\n{GOALS}.\n")
+        _write_section(
+            "## Router overhead\n\n"
+            f"`.venv/bin/python bench/router_overhead.py` (fake prefill + fake decode as processes, "
+            f"{TOKENS} tokens, ~1k-token prompts, {TOKEN_DELAY * 1e3:.2f} ms between tokens; the router "
+            f"process's CPU time from /proc). Added = through the router minus direct to the fake decode, "
+            f"same run. Machine: {os.cpu_count()} CPUs, load average {load:.1f} at the end.\n\n"
+            f"{table}\n\n{GOALS}.\n"
+        )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import uvicorn
 
@@ -18,12 +18,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"pd_router: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, loop="uvloop", http="httptools",
-                log_level=settings.log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=settings.log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )
     return 0
 
 

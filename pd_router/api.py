@@ -7,16 +7,17 @@ prefill and decode untouched (``extra="allow"``).
 from __future__ import annotations
 
 import json
-from enum import Enum
+from collections.abc import Mapping
+from enum import StrEnum
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pd_router.errors import InvalidRequest
 
 
-class Endpoint(str, Enum):
+class Endpoint(StrEnum):
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
 
@@ -79,10 +80,16 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], OpenA
 
 
 # vLLM's NIXL connector convention for "prefill here, decode elsewhere" (plain vLLM decode).
-VLLM_REMOTE_DECODE_PARAMS: Mapping[str, Any] = MappingProxyType({
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
-})
+VLLM_REMOTE_DECODE_PARAMS: Mapping[str, Any] = MappingProxyType(
+    {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+)
 
 
 def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: Mapping[str, Any]) -> bytes:

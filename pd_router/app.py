@@ -9,8 +9,8 @@ Two layers: the completion routes (``POST /v1/completions``, ``POST
 from __future__ import annotations
 
 import hmac
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,8 +28,9 @@ _ROUTES = {e.value: e for e in Endpoint}
 
 
 def _error_response(err: RouterError) -> JSONResponse:
-    return JSONResponse(err.payload(), status_code=err.status,
-                        headers={k.decode(): v.decode() for k, v in err.headers()})
+    return JSONResponse(
+        err.payload(), status_code=err.status, headers={k.decode(): v.decode() for k, v in err.headers()}
+    )
 
 
 def _control_app(state: RouterState) -> FastAPI:
@@ -73,10 +74,17 @@ def _control_app(state: RouterState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, object]:
-        if expected is not None and not hmac.compare_digest(request.headers.get("authorization", ""), expected):
+        if expected is not None and not hmac.compare_digest(
+            request.headers.get("authorization", ""), expected
+        ):
             raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
-        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "pd_router"}
-                                           for m in sorted(state.backends.prefill_models())]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "owned_by": "pd_router"}
+                for m in sorted(state.backends.prefill_models())
+            ],
+        }
 
     for path in _ROUTES:  # so that GET on a completion route answers 405, not 404
         app.add_api_route(path, _method_not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"])

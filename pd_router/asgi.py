@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
 
 from pd_router.errors import BodyTooLarge, InvalidRequest
 
@@ -47,9 +48,22 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def respond(send: Send, status: int, body: bytes, content_type: bytes = JSON,
-                  headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
-                            *(headers or [])]})
+async def respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes = JSON,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -29,8 +29,13 @@ class PrefillBackend:
         self.target = Target.parse(self.url)
 
     def report(self) -> dict[str, Any]:
-        return {"url": self.url, "healthy": self.healthy, "reason": self.reason,
-                "models": sorted(self.models), "in_flight": self.in_flight}
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "reason": self.reason,
+            "models": sorted(self.models),
+            "in_flight": self.in_flight,
+        }
 
 
 @dataclass
@@ -69,11 +74,17 @@ class DecodeBackend:
 
     def report(self) -> dict[str, Any]:
         caps = self.capabilities
-        return {"url": self.url, "healthy": self.healthy, "compatible": self.compatible,
-                "reason": self.incompatible_reason if self.healthy and not self.compatible else self.reason,
-                "models": sorted(self.models), "engine": caps.engine if caps else ("plain" if self.plain else None),
-                "slots": None if math.isinf(self.slots) else int(self.slots), "in_use": self.in_use,
-                "peers": [p.model_dump() for p in caps.peers] if caps else []}
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "compatible": self.compatible,
+            "reason": self.incompatible_reason if self.healthy and not self.compatible else self.reason,
+            "models": sorted(self.models),
+            "engine": caps.engine if caps else ("plain" if self.plain else None),
+            "slots": None if math.isinf(self.slots) else int(self.slots),
+            "in_use": self.in_use,
+            "peers": [p.model_dump() for p in caps.peers] if caps else [],
+        }
 
 
 @dataclass
@@ -84,10 +95,18 @@ class Backends:
     _served: frozenset[str] = field(default=frozenset(), init=False)
 
     @classmethod
-    def from_urls(cls, prefill: tuple[str, ...], decode: tuple[str, ...], decode_slots: int | None,
-                  require_handshake: bool) -> Backends:
-        return cls([PrefillBackend(u) for u in prefill], [DecodeBackend(u, decode_slots) for u in decode],
-                   require_handshake)
+    def from_urls(
+        cls,
+        prefill: tuple[str, ...],
+        decode: tuple[str, ...],
+        decode_slots: int | None,
+        require_handshake: bool,
+    ) -> Backends:
+        return cls(
+            [PrefillBackend(u) for u in prefill],
+            [DecodeBackend(u, decode_slots) for u in decode],
+            require_handshake,
+        )
 
     def prefill_models(self) -> frozenset[str]:
         return self._served
@@ -121,7 +140,12 @@ class Backends:
     def pick_prefill(self, model: str, exclude: PrefillBackend | None = None) -> PrefillBackend | None:
         best = None
         for p in self.prefill:
-            if p.healthy and p is not exclude and model in p.models and (best is None or p.in_flight < best.in_flight):
+            if (
+                p.healthy
+                and p is not exclude
+                and model in p.models
+                and (best is None or p.in_flight < best.in_flight)
+            ):
                 best = p
         return best
 
@@ -129,8 +153,12 @@ class Backends:
         """The usable decode server for ``model`` with the most free slots, if one is free."""
         best = None
         for d in self.decode:
-            if d.usable and d.free > 0 and d.serves(model) and (
-                    best is None or (d.free, -d.in_use) > (best.free, -best.in_use)):
+            if (
+                d.usable
+                and d.free > 0
+                and d.serves(model)
+                and (best is None or (d.free, -d.in_use) > (best.free, -best.in_use))
+            ):
                 best = d
         return best
 
@@ -143,6 +171,10 @@ class Backends:
         ready = prefill_ok and decode_ok
         problems = [f"prefill {p.url}: {p.reason}" for p in self.prefill if not p.healthy]
         problems += [f"decode {d.url}: {d.report()['reason']}" for d in self.decode if not d.usable]
-        body = {"ready": ready, "problems": problems,
-                "prefill": [p.report() for p in self.prefill], "decode": [d.report() for d in self.decode]}
+        body = {
+            "ready": ready,
+            "problems": problems,
+            "prefill": [p.report() for p in self.prefill],
+            "decode": [d.report() for d in self.decode],
+        }
         return ready, body

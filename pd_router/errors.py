@@ -24,8 +24,14 @@ class RouterError(Exception):
         self.code = code
 
     def payload(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code is not None else self.status,
+            }
+        }
 
     def body(self) -> bytes:
         return json.dumps(self.payload()).encode()

@@ -15,19 +15,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from connector.protocol import HandoffResult, HandoffTarget
 from pd_router import upstream
-from pd_router.api import (VLLM_REMOTE_DECODE_PARAMS, Endpoint, OpenAIRequest, decode_body, parse_request,
-                           prefill_body)
+from pd_router.api import (
+    VLLM_REMOTE_DECODE_PARAMS,
+    Endpoint,
+    OpenAIRequest,
+    decode_body,
+    parse_request,
+    prefill_body,
+)
 from pd_router.asgi import SSE, Receive, Scope, Send, header, read_body, respond
 from pd_router.backends import DecodeBackend
-from pd_router.errors import BadUpstream, InvalidRequest, ModelNotFound, NoHealthyBackend, RouterError, Unauthorized
+from pd_router.errors import (
+    BadUpstream,
+    InvalidRequest,
+    ModelNotFound,
+    NoHealthyBackend,
+    RouterError,
+    Unauthorized,
+)
 from pd_router.rawhttp import Response, UpstreamError
 from pd_router.slots import Lease
 
@@ -59,8 +73,13 @@ class _Ctx:
             return
         self.finished = True
         ctype = getattr(err, "content_type", b"application/json")
-        await respond(self.send, err.status, err.body(), ctype,
-                      [(b"x-request-id", self.request_id.encode()), *err.headers()])
+        await respond(
+            self.send,
+            err.status,
+            err.body(),
+            ctype,
+            [(b"x-request-id", self.request_id.encode()), *err.headers()],
+        )
 
 
 class CompletionHandler:
@@ -107,9 +126,15 @@ class CompletionHandler:
                 metrics.client_aborts.labels(ctx.stage).inc()
             metrics.requests.labels(endpoint.label, str(ctx.status), ctx.error_type).inc()
             metrics.e2e.labels(endpoint.label).observe(perf_counter() - ctx.start)
-            log.info("request_id=%s %s status=%d%s stage=%s %.1fms", rid, endpoint.value, ctx.status,
-                     f" error={ctx.error_type}" if ctx.error_type else "", ctx.stage,
-                     (perf_counter() - ctx.start) * 1e3)
+            log.info(
+                "request_id=%s %s status=%d%s stage=%s %.1fms",
+                rid,
+                endpoint.value,
+                ctx.status,
+                f" error={ctx.error_type}" if ctx.error_type else "",
+                ctx.stage,
+                (perf_counter() - ctx.start) * 1e3,
+            )
 
     @staticmethod
     async def _watch(receive: Receive, ctx: _Ctx, task: asyncio.Task[Any] | None) -> None:
@@ -124,8 +149,11 @@ class CompletionHandler:
         if not served:
             raise NoHealthyBackend("no healthy prefill server")
         if request.model not in served:
-            raise ModelNotFound(f"model {request.model!r} does not exist; served: {sorted(served)}",
-                                param="model", code="model_not_found")
+            raise ModelNotFound(
+                f"model {request.model!r} does not exist; served: {sorted(served)}",
+                param="model",
+                code="model_not_found",
+            )
         ctx.stage = "queued"
         t_queue = perf_counter()
         lease = await state.pool.lease(request.model)
@@ -142,15 +170,17 @@ class CompletionHandler:
             else:
                 state.abort(lease, ctx.request_id)
 
-    async def _prefill(self, ctx: _Ctx, lease: Lease, body: dict[str, Any],
-                       request: OpenAIRequest) -> dict[str, Any]:
+    async def _prefill(
+        self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest
+    ) -> dict[str, Any]:
         state = self.state
         decode = lease.backend
         if decode.capabilities is None:
             target: Mapping[str, Any] = VLLM_REMOTE_DECODE_PARAMS
         else:
-            target = HandoffTarget(handoff_id=ctx.request_id,
-                                   kv_endpoint=decode.capabilities.kv_endpoint).model_dump()
+            target = HandoffTarget(
+                handoff_id=ctx.request_id, kv_endpoint=decode.capabilities.kv_endpoint
+            ).model_dump()
         data = prefill_body(ctx.endpoint, body, target)
         t0 = perf_counter()
         failed: upstream.Unreachable | None = None
@@ -163,8 +193,14 @@ class CompletionHandler:
                 raise NoHealthyBackend(f"no healthy prefill server for model {request.model!r}")
             backend.in_flight += 1
             try:
-                answer = await upstream.prefill(state.upstream, backend.target, ctx.endpoint.value, data,
-                                                ctx.request_id, state.settings.prefill_timeout)
+                answer = await upstream.prefill(
+                    state.upstream,
+                    backend.target,
+                    ctx.endpoint.value,
+                    data,
+                    ctx.request_id,
+                    state.settings.prefill_timeout,
+                )
                 break
             except upstream.Unreachable as err:
                 state.upstream_failed("prefill", backend, err, mark_down=True)
@@ -184,35 +220,50 @@ class CompletionHandler:
         """The ``kv_transfer_params`` for decode, from the prefill answer."""
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict):
-            raise BadUpstream("prefill answer carries no kv_transfer_params (is the KV connector configured?)")
+            raise BadUpstream(
+                "prefill answer carries no kv_transfer_params (is the KV connector configured?)"
+            )
         if lease.backend.capabilities is None:
             return params  # plain vLLM decode: as prefill returned them
         try:
             result = HandoffResult.model_validate(params)
         except ValidationError as exc:
-            raise BadUpstream(f"prefill returned invalid kv_transfer_params: {exc.errors()[0]['msg']} "
-                              f"at {'.'.join(map(str, exc.errors()[0]['loc']))}") from None
+            raise BadUpstream(
+                f"prefill returned invalid kv_transfer_params: {exc.errors()[0]['msg']} "
+                f"at {'.'.join(map(str, exc.errors()[0]['loc']))}"
+            ) from None
         if result.status == "failed":
             raise BadUpstream(f"KV handoff to {result.kv_endpoint} failed: {result.error}")
         if result.handoff_id != ctx.request_id:
-            raise BadUpstream(f"prefill returned handoff {result.handoff_id!r} for request {ctx.request_id!r}")
+            raise BadUpstream(
+                f"prefill returned handoff {result.handoff_id!r} for request {ctx.request_id!r}"
+            )
         if request.wants_logprobs():
             choices = answer.get("choices")
-            logprobs = choices[0].get("logprobs") if isinstance(choices, list) and choices and \
-                isinstance(choices[0], dict) else None
+            logprobs = (
+                choices[0].get("logprobs")
+                if isinstance(choices, list) and choices and isinstance(choices[0], dict)
+                else None
+            )
             if isinstance(logprobs, dict):
                 result = result.model_copy(update={"prefill_logprobs": logprobs})
         return result.model_dump()
 
-    async def _decode(self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest,
-                      kv_params: dict[str, Any]) -> bool:
+    async def _decode(
+        self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest, kv_params: dict[str, Any]
+    ) -> bool:
         """Relay the decode answer; True when it ended cleanly."""
         state = self.state
         backend = lease.backend
         try:
-            resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.value,
-                                              decode_body(body, kv_params), ctx.request_id,
-                                              state.settings.decode_timeout)
+            resp = await upstream.open_decode(
+                state.upstream,
+                backend.target,
+                ctx.endpoint.value,
+                decode_body(body, kv_params),
+                ctx.request_id,
+                state.settings.decode_timeout,
+            )
         except RouterError as err:
             state.upstream_failed("decode", backend, err, mark_down=isinstance(err, upstream.Unreachable))
             raise
@@ -222,13 +273,18 @@ class CompletionHandler:
             try:
                 data = await resp.read()
             except UpstreamError as exc:
-                err = self._mid_answer_error(backend, exc)
-                state.upstream_failed("decode", backend, err)
-                raise err from None
+                failure = self._mid_answer_error(backend, exc)
+                state.upstream_failed("decode", backend, failure)
+                raise failure from None
             ctx.status, ctx.finished = 200, True
             state.metrics.ttft.labels(ctx.endpoint.label).observe(perf_counter() - ctx.start)
-            await respond(ctx.send, 200, data, resp.headers.get(b"content-type", b"application/json"),
-                          [(b"x-request-id", ctx.request_id.encode())])
+            await respond(
+                ctx.send,
+                200,
+                data,
+                resp.headers.get(b"content-type", b"application/json"),
+                [(b"x-request-id", ctx.request_id.encode())],
+            )
             return True
         finally:
             resp.release()
@@ -236,9 +292,17 @@ class CompletionHandler:
     async def _relay_stream(self, ctx: _Ctx, resp: Response, backend: DecodeBackend) -> bool:
         state, send = self.state, ctx.send
         itl = state.metrics.itl
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", resp.headers.get(b"content-type", SSE)),
-                                (b"cache-control", b"no-cache"), (b"x-request-id", ctx.request_id.encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", resp.headers.get(b"content-type", SSE)),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-request-id", ctx.request_id.encode()),
+                ],
+            }
+        )
         ctx.started, ctx.status = True, 200
         prev = last = b""
         t_prev = 0.0
@@ -267,6 +331,6 @@ class CompletionHandler:
         return True
 
     def _mid_answer_error(self, backend: DecodeBackend, exc: UpstreamError) -> RouterError:
-        return upstream.map_error("decode", backend.target, exc,
-                                  f"--decode-timeout {self.state.settings.decode_timeout:g}s")
-
+        return upstream.map_error(
+            "decode", backend.target, exc, f"--decode-timeout {self.state.settings.decode_timeout:g}s"
+        )

@@ -2,41 +2,54 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-_ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5)
+PREFIX = "pd_router_"
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5)
 
 
 class RouterMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry(auto_describe=True)
-        p = "pd_router_"
-        self.requests = Counter(p + "requests", "Completed requests", ["endpoint", "status", "error_type"],
-                                registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Request arrival to first decode byte",
-                              ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between two relayed decode chunks",
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "e2e_latency_seconds", "Request arrival to last byte", ["endpoint"],
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram(p + "queue_wait_seconds", "Time waiting for a decode slot",
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefill_latency = Histogram(p + "prefill_latency_seconds", "Prefill request round trip",
-                                         buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_depth = Gauge(p + "queue_depth", "Requests waiting for a decode slot", registry=r)
-        self.in_flight = Gauge(p + "in_flight_requests", "Requests being served", registry=r)
-        self.free_slots = Gauge(p + "decode_free_slots", "Free decode slots (+Inf: unlimited)", ["backend"],
-                                registry=r)
-        self.backend_healthy = Gauge(p + "backend_healthy", "1 if the backend is healthy (and compatible)",
-                                     ["role", "backend"], registry=r)
-        self.client_aborts = Counter(p + "client_aborts", "Clients that disconnected before the end",
-                                     ["stage"], registry=r)
-        self.upstream_errors = Counter(p + "upstream_errors", "Failed upstream calls",
-                                       ["role", "backend", "error_type"], registry=r)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = self._counter("requests", "Completed requests", ("endpoint", "status", "error_type"))
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds", "Arrival to first decode byte", ("endpoint",)
+        )
+        self.itl = self._histogram(
+            "inter_token_latency_seconds", "Between two relayed decode chunks", (), _ITL
+        )
+        self.e2e = self._histogram("e2e_latency_seconds", "Request arrival to last byte", ("endpoint",))
+        self.queue_wait = self._histogram("queue_wait_seconds", "Time waiting for a decode slot")
+        self.prefill_latency = self._histogram("prefill_latency_seconds", "Prefill request round trip")
+        self.queue_depth = self._gauge("queue_depth", "Requests waiting for a decode slot")
+        self.in_flight = self._gauge("in_flight_requests", "Requests being served")
+        self.free_slots = self._gauge(
+            "decode_free_slots", "Free decode slots (+Inf: unlimited)", ("backend",)
+        )
+        self.backend_healthy = self._gauge(
+            "backend_healthy", "1 if the backend is healthy (and compatible)", ("role", "backend")
+        )
+        self.client_aborts = self._counter("client_aborts", "Clients that left before the end", ("stage",))
+        self.upstream_errors = self._counter(
+            "upstream_errors", "Failed upstream calls", ("role", "backend", "error_type")
+        )
+
+    def _counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+        return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _histogram(
+        self, name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = _LATENCY
+    ) -> Histogram:
+        return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

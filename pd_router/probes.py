@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import httpx
 from pydantic import ValidationError
@@ -31,8 +31,9 @@ def _models(resp: httpx.Response) -> frozenset[str]:
 
 
 class Prober:
-    def __init__(self, backends: Backends, client: httpx.AsyncClient, interval: float,
-                 on_change: Callable[[], None]) -> None:
+    def __init__(
+        self, backends: Backends, client: httpx.AsyncClient, interval: float, on_change: Callable[[], None]
+    ) -> None:
         self.backends = backends
         self.client = client
         self.interval = interval
@@ -44,8 +45,10 @@ class Prober:
             await asyncio.sleep(self.interval)
 
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self._prefill(p) for p in self.backends.prefill),
-                             *(self._decode(d) for d in self.backends.decode))
+        await asyncio.gather(
+            *(self._prefill(p) for p in self.backends.prefill),
+            *(self._decode(d) for d in self.backends.decode),
+        )
         self.backends.refresh()
         self.on_change()
 
@@ -91,6 +94,11 @@ class Prober:
     @staticmethod
     def _set(b: PrefillBackend | DecodeBackend, healthy: bool, reason: str) -> None:
         if healthy != b.healthy:
-            log.log(logging.INFO if healthy else logging.WARNING, "backend %s %s: %s", b.url,
-                    "healthy" if healthy else "unhealthy", reason)
+            log.log(
+                logging.INFO if healthy else logging.WARNING,
+                "backend %s %s: %s",
+                b.url,
+                "healthy" if healthy else "unhealthy",
+                reason,
+            )
         b.healthy, b.reason = healthy, reason

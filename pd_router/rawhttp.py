@@ -165,8 +165,11 @@ class _Connection(asyncio.Protocol):
         resp = self.response
         if resp is not None:
             why = f": {exc}" if exc else ""
-            resp._fail(ResponseFailed(f"{self.origin} closed the connection mid-answer{why}") if resp.got_bytes
-                       else ConnectFailed(f"{self.origin} closed the connection before answering{why}"))
+            resp._fail(
+                ResponseFailed(f"{self.origin} closed the connection mid-answer{why}")
+                if resp.got_bytes
+                else ConnectFailed(f"{self.origin} closed the connection before answering{why}")
+            )
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -257,18 +260,33 @@ class ConnectionPool:
             self._tls = ssl.create_default_context()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: _Connection(self, origin), origin.host, origin.port,
-                                                       ssl=self._tls if origin.tls else None)
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self, origin),
+                    origin.host,
+                    origin.port,
+                    ssl=self._tls if origin.tls else None,
+                )
         except (OSError, TimeoutError) as exc:
             raise ConnectFailed(f"cannot connect to {origin}: {exc or type(exc).__name__}") from None
         return conn
 
-    async def post(self, origin: Origin, path: str, body: bytes, headers: dict[str, str],
-                   read_timeout: float | None = None) -> Response:
+    async def post(
+        self,
+        origin: Origin,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        read_timeout: float | None = None,
+    ) -> Response:
         """POST ``body`` (JSON); returns once the status and headers arrived."""
-        head = "".join([f"POST {path} HTTP/1.1\r\nHost: {origin.host}:{origin.port}\r\n"
-                        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n",
-                        *(f"{k}: {v}\r\n" for k, v in headers.items()), "\r\n"]).encode("latin-1")
+        head = "".join(
+            [
+                f"POST {path} HTTP/1.1\r\nHost: {origin.host}:{origin.port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n",
+                *(f"{k}: {v}\r\n" for k, v in headers.items()),
+                "\r\n",
+            ]
+        ).encode("latin-1")
         retried = False
         while True:
             conn = await self._acquire(origin)

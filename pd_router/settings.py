@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Literal, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -22,22 +23,41 @@ class SettingsError(ValueError):
 class RouterSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    prefill: tuple[str, ...] = Field(min_length=1, description="base URL of a vLLM prefill server (repeatable)")
+    prefill: tuple[str, ...] = Field(
+        min_length=1, description="base URL of a vLLM prefill server (repeatable)"
+    )
     decode: tuple[str, ...] = Field(min_length=1, description="base URL of a decode server (repeatable)")
     host: str = Field("127.0.0.1", min_length=1, description="address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="port to listen on")
-    api_key: str | None = Field(None, min_length=1, description="require 'Authorization: Bearer KEY' on /v1/*")
+    api_key: str | None = Field(
+        None, min_length=1, description="require 'Authorization: Bearer KEY' on /v1/*"
+    )
     max_queue: int = Field(1024, ge=0, description="requests that may wait for a decode slot; more get 429")
-    queue_timeout: float = Field(30.0, gt=0, description="seconds a request may wait for a decode slot (then 429)")
+    queue_timeout: float = Field(
+        30.0, gt=0, description="seconds a request may wait for a decode slot (then 429)"
+    )
     decode_slots: int | None = Field(
-        None, ge=1, description="slots of a decode server without a capabilities endpoint (default: unlimited)")
+        None,
+        ge=1,
+        description="slots of a decode server without a capabilities endpoint (default: unlimited)",
+    )
     probe_interval: float = Field(2.0, gt=0, le=3600, description="seconds between backend health probes")
-    prefill_timeout: float = Field(300.0, gt=0, description="seconds allowed for one prefill request (then 504)")
+    prefill_timeout: float = Field(
+        300.0, gt=0, description="seconds allowed for one prefill request (then 504)"
+    )
     decode_timeout: float = Field(
-        120.0, gt=0, description="seconds allowed until decode answers and between two decode chunks (then 504)")
-    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="largest accepted request body (then 413)")
+        120.0,
+        gt=0,
+        description="seconds allowed until decode answers and between two decode chunks (then 504)",
+    )
+    max_body_bytes: int = Field(
+        32 * 1024 * 1024, ge=1024, description="largest accepted request body (then 413)"
+    )
     require_handshake: bool = Field(
-        True, description="a decode server with capabilities is ready only once a prefill connector handshook with it")
+        True,
+        description="a decode server with capabilities is ready only once a prefill connector "
+        "handshook with it",
+    )
     log_level: LogLevel = Field("info", description="log level")
 
     @field_validator("prefill", "decode")
@@ -49,7 +69,7 @@ class RouterSettings(BaseModel):
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
             try:
-                parts.port
+                _ = parts.port  # raises for a port out of range or not a number
             except ValueError as exc:
                 raise ValueError(f"{url!r} has an invalid port") from exc
             if parts.query or parts.fragment:
@@ -73,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pd_router",
         description="OpenAI-compatible prefill/decode router. Every option can also be set with the "
-                    f"environment variable {ENV_PREFIX}<OPTION> (e.g. {ENV_PREFIX}MAX_QUEUE=64; list options "
-                    "separated by commas); the command line wins.")
+        f"environment variable {ENV_PREFIX}<OPTION> (e.g. {ENV_PREFIX}MAX_QUEUE=64; list options "
+        "separated by commas); the command line wins.",
+    )
     for name, field in RouterSettings.model_fields.items():
         env = ENV_PREFIX + name.upper()
         default = field.default
@@ -82,13 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("prefill", "decode"):
             parser.add_argument(_option(name), action="append", metavar="URL", help=help_text)
         elif field.annotation is bool:
-            parser.add_argument(_option(name), action=argparse.BooleanOptionalAction, default=None,
-                                help=f"{help_text} (default: {default})")
+            parser.add_argument(
+                _option(name),
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{help_text} (default: {default})",
+            )
         else:
-            parser.add_argument(_option(name), default=None,
-                                help=f"{help_text} (default: {default})",
-                                choices=["critical", "error", "warning", "info", "debug"]
-                                if name == "log_level" else None)
+            parser.add_argument(
+                _option(name),
+                default=None,
+                help=f"{help_text} (default: {default})",
+                choices=["critical", "error", "warning", "info", "debug"] if name == "log_level" else None,
+            )
     return parser
 
 
@@ -127,5 +154,7 @@ def validate_settings(values: Mapping[str, object]) -> RouterSettings:
             name = str(err["loc"][0]) if err["loc"] else "?"
             value = values.get(name, "<missing>")
             reason = err["msg"].removeprefix("Value error, ")
-            problems.append(f"option {_option(name)} (env {ENV_PREFIX}{name.upper()}), value {value!r}: {reason}")
+            problems.append(
+                f"option {_option(name)} (env {ENV_PREFIX}{name.upper()}), value {value!r}: {reason}"
+            )
         raise SettingsError("invalid settings:\n  " + "\n  ".join(problems)) from None

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from pd_router.backends import Backends, DecodeBackend
 from pd_router.errors import NoHealthyBackend, Overloaded
@@ -34,8 +34,13 @@ class _Waiter:
 
 
 class SlotPool:
-    def __init__(self, backends: Backends, max_queue: int, queue_timeout: float,
-                 on_change: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        backends: Backends,
+        max_queue: int,
+        queue_timeout: float,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
         self.backends = backends
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
@@ -61,8 +66,9 @@ class SlotPool:
             if backend is not None:
                 return self._grant(backend, model)
         if len(self._queue) >= self.max_queue:
-            raise Overloaded(f"all decode slots are busy and {len(self._queue)} requests are queued",
-                             retry_after=1)
+            raise Overloaded(
+                f"all decode slots are busy and {len(self._queue)} requests are queued", retry_after=1
+            )
         loop = asyncio.get_running_loop()
         waiter = _Waiter(model, loop.create_future())
         self._queue.append(waiter)
@@ -95,7 +101,8 @@ class SlotPool:
             if not self.backends.decode_available(waiter.model):
                 self._forget(waiter)
                 waiter.future.set_exception(
-                    NoHealthyBackend(f"no healthy, compatible decode server for model {waiter.model!r}"))
+                    NoHealthyBackend(f"no healthy, compatible decode server for model {waiter.model!r}")
+                )
                 continue
             backend = self.backends.pick_decode(waiter.model)
             if backend is None:
@@ -115,9 +122,12 @@ class SlotPool:
     def _expire(self, waiter: _Waiter) -> None:
         if not waiter.future.done():
             self._forget(waiter)
-            waiter.future.set_exception(Overloaded(
-                f"no decode slot became free within --queue-timeout {self.queue_timeout:g}s",
-                retry_after=math.ceil(min(self.queue_timeout, 30))))
+            waiter.future.set_exception(
+                Overloaded(
+                    f"no decode slot became free within --queue-timeout {self.queue_timeout:g}s",
+                    retry_after=math.ceil(min(self.queue_timeout, 30)),
+                )
+            )
 
     def _forget(self, waiter: _Waiter) -> None:
         try:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Coroutine
+from collections.abc import Coroutine
+from typing import Any
 
 import httpx
 
@@ -28,8 +29,9 @@ class RouterState:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.metrics = RouterMetrics()
-        self.backends = Backends.from_urls(settings.prefill, settings.decode, settings.decode_slots,
-                                           settings.require_handshake)
+        self.backends = Backends.from_urls(
+            settings.prefill, settings.decode, settings.decode_slots, settings.require_handshake
+        )
         self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout, self.update_gauges)
         self._pool: ConnectionPool | None = None
         self._client: httpx.AsyncClient | None = None
@@ -89,18 +91,27 @@ class RouterState:
     async def _cancel_then_release(self, lease: Lease, request_id: str) -> None:
         try:
             if lease.backend.capabilities is not None:
-                resp = await self.client.post(lease.backend.url + CANCEL_PATH, timeout=CANCEL_TIMEOUT_S,
-                                              json=CancelRequest(request_id=request_id).model_dump(),
-                                              headers={"X-Request-Id": request_id})
-                log.info("request_id=%s cancel on %s: %d %s", request_id, lease.backend.url, resp.status_code,
-                         resp.text[:100])
+                resp = await self.client.post(
+                    lease.backend.url + CANCEL_PATH,
+                    timeout=CANCEL_TIMEOUT_S,
+                    json=CancelRequest(request_id=request_id).model_dump(),
+                    headers={"X-Request-Id": request_id},
+                )
+                log.info(
+                    "request_id=%s cancel on %s: %d %s",
+                    request_id,
+                    lease.backend.url,
+                    resp.status_code,
+                    resp.text[:100],
+                )
         except httpx.HTTPError as exc:
             log.warning("request_id=%s cancel on %s failed: %s", request_id, lease.backend.url, exc)
         finally:
             self.pool.release(lease)
 
-    def upstream_failed(self, role: str, backend: PrefillBackend | DecodeBackend, err: RouterError,
-                        mark_down: bool = False) -> None:
+    def upstream_failed(
+        self, role: str, backend: PrefillBackend | DecodeBackend, err: RouterError, mark_down: bool = False
+    ) -> None:
         if isinstance(err, UpstreamRejected):
             return
         self.metrics.upstream_errors.labels(role, backend.url, err.type).inc()
@@ -125,9 +136,12 @@ class RouterState:
 
     def leaks(self) -> dict[str, int]:
         """Non-zero counts of things that should be zero when the router is idle."""
-        counts = {"queued": self.pool.queue_depth, "leased_slots": self.pool.leased(),
-                  "prefill_in_flight": sum(p.in_flight for p in self.backends.prefill),
-                  "request_ids": len(self.request_ids)}
+        counts = {
+            "queued": self.pool.queue_depth,
+            "leased_slots": self.pool.leased(),
+            "prefill_in_flight": sum(p.in_flight for p in self.backends.prefill),
+            "request_ids": len(self.request_ids),
+        }
         return {k: v for k, v in counts.items() if v}
 
 

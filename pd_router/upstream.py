@@ -33,7 +33,9 @@ class Target(NamedTuple):
     def parse(cls, url: str) -> Target:
         parts = urlsplit(url)
         tls = parts.scheme == "https"
-        return cls(Origin(parts.hostname or "", parts.port or (443 if tls else 80), tls), parts.path.rstrip("/"))
+        return cls(
+            Origin(parts.hostname or "", parts.port or (443 if tls else 80), tls), parts.path.rstrip("/")
+        )
 
 
 def _short(data: bytes) -> str:
@@ -62,8 +64,9 @@ async def _check_status(resp: Response, role: str, target: Target) -> None:
     raise BadUpstream(f"{role} server {target.origin} answered {resp.status}: {_short(data)}")
 
 
-async def prefill(pool: ConnectionPool, target: Target, path: str, body: bytes, request_id: str,
-                  timeout_s: float) -> dict[str, Any]:
+async def prefill(
+    pool: ConnectionPool, target: Target, path: str, body: bytes, request_id: str, timeout_s: float
+) -> dict[str, Any]:
     """POST the rewritten request to a prefill server; its JSON answer."""
     try:
         async with asyncio.timeout(timeout_s):
@@ -80,17 +83,21 @@ async def prefill(pool: ConnectionPool, target: Target, path: str, body: bytes, 
     except ValueError:
         raise BadUpstream(f"prefill server {target.origin} answered invalid JSON: {_short(data)}") from None
     if not isinstance(answer, dict):
-        raise BadUpstream(f"prefill server {target.origin} answered a JSON {type(answer).__name__}, not an object")
+        raise BadUpstream(
+            f"prefill server {target.origin} answered a JSON {type(answer).__name__}, not an object"
+        )
     return answer
 
 
-async def open_decode(pool: ConnectionPool, target: Target, path: str, body: bytes, request_id: str,
-                      timeout_s: float) -> Response:
+async def open_decode(
+    pool: ConnectionPool, target: Target, path: str, body: bytes, request_id: str, timeout_s: float
+) -> Response:
     """POST to the leased decode server; the open response (status 200 checked).
     ``timeout_s`` bounds the wait for the answer and for each later chunk."""
     try:
-        resp = await pool.post(target.origin, target.prefix + path, body, {REQUEST_ID_HEADER: request_id},
-                               read_timeout=timeout_s)
+        resp = await pool.post(
+            target.origin, target.prefix + path, body, {REQUEST_ID_HEADER: request_id}, read_timeout=timeout_s
+        )
         await _check_status(resp, "decode", target)
     except UpstreamError as exc:
         raise map_error("decode", target, exc, f"--decode-timeout {timeout_s:g}s") from None

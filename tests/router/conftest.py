@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -57,12 +58,15 @@ class Rig:
         def clean() -> bool:
             fakes = all(not self.records(b)["active"] for b in self.prefills + self.decodes)
             return fakes and not self.state.leaks() and self.state.background_tasks() == 1  # the prober
+
         try:
             self.wait(clean, timeout, "no leaks")
         except AssertionError:
             active = {b.url: self.records(b)["active"] for b in self.prefills + self.decodes}
-            raise AssertionError(f"leak: router {self.state.leaks()}, background tasks "
-                                 f"{self.state.background_tasks()}, fakes active {active}") from None
+            raise AssertionError(
+                f"leak: router {self.state.leaks()}, background tasks "
+                f"{self.state.background_tasks()}, fakes active {active}"
+            ) from None
         for b in self.prefills + self.decodes:
             assert not self.records(b)["errors"], self.records(b)["errors"]
 
@@ -71,14 +75,30 @@ class Rig:
 def make_rig() -> Iterator[Callable[..., Rig]]:
     rigs: list[Rig] = []
 
-    def make(n_prefill: int = 1, n_decode: int = 1, prefill: dict[str, Any] | None = None,
-             decode: dict[str, Any] | None = None, wait_ready: bool = True, **settings: Any) -> Rig:
-        prefills = [ServerThread(FakePrefill(**{"model": MODEL, **(prefill or {})}), free_port()).start()
-                    for _ in range(n_prefill)]
-        decodes = [ServerThread(FakeDecode(**{"model": MODEL, **(decode or {})}), free_port()).start()
-                   for _ in range(n_decode)]
-        values = {"prefill": tuple(p.url for p in prefills), "decode": tuple(d.url for d in decodes),
-                  "port": free_port(), "probe_interval": 0.2, "log_level": "warning", **settings}
+    def make(
+        n_prefill: int = 1,
+        n_decode: int = 1,
+        prefill: dict[str, Any] | None = None,
+        decode: dict[str, Any] | None = None,
+        wait_ready: bool = True,
+        **settings: Any,
+    ) -> Rig:
+        prefills = [
+            ServerThread(FakePrefill(**{"model": MODEL, **(prefill or {})}), free_port()).start()
+            for _ in range(n_prefill)
+        ]
+        decodes = [
+            ServerThread(FakeDecode(**{"model": MODEL, **(decode or {})}), free_port()).start()
+            for _ in range(n_decode)
+        ]
+        values = {
+            "prefill": tuple(p.url for p in prefills),
+            "decode": tuple(d.url for d in decodes),
+            "port": free_port(),
+            "probe_interval": 0.2,
+            "log_level": "warning",
+            **settings,
+        }
         app = create_app(validate_settings(values))
         rig = Rig(app, ServerThread(app, values["port"], loop="uvloop"), prefills, decodes)
         rigs.append(rig)

@@ -25,14 +25,25 @@ def test_sdk_sync_chat(make_rig, stream):
     rig = make_rig()
     client = _client(rig)
     if stream:
-        chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, stream=True,
-                                                     stream_options={"include_usage": True}))
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=5,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[-1].usage.completion_tokens == 5
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     else:
-        out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=5,
-                                             extra_body={"ignore_eos": True, "min_tokens": 2, "custom_field": [1, 2]})
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_completion_tokens=5,
+            extra_body={"ignore_eos": True, "min_tokens": 2, "custom_field": [1, 2]},
+        )
         text = out.choices[0].message.content
         assert out.usage.completion_tokens == 5
     assert text == "t0 t1 t2 t3 t4 "
@@ -54,13 +65,17 @@ async def test_sdk_async_completions(make_rig, stream):
     client = AsyncOpenAI(base_url=rig.url + "/v1", api_key="unused", timeout=20, max_retries=0)
     if stream:
         text = ""
-        async for chunk in await client.completions.create(model=MODEL, prompt="hi", max_tokens=3, stream=True):
+        async for chunk in await client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=3, stream=True
+        ):
             text += chunk.choices[0].text
     else:
         out = await client.completions.create(model=MODEL, prompt=["hi"], max_tokens=3, logprobs=2)
         text = out.choices[0].text
         handoff = rig.records(rig.decodes[0])["requests"][0]["body"]["kv_transfer_params"]
-        assert handoff["prefill_logprobs"] == {"content": [{"token": "t7", "logprob": -0.5, "top_logprobs": []}]}
+        assert handoff["prefill_logprobs"] == {
+            "content": [{"token": "t7", "logprob": -0.5, "top_logprobs": []}]
+        }
     await client.close()
     assert text == "t0 t1 t2 "
     rig.assert_no_leaks()
@@ -71,8 +86,9 @@ async def test_sdk_async_chat_stream_and_models(make_rig):
     client = AsyncOpenAI(base_url=rig.url + "/v1", api_key="unused", timeout=20, max_retries=0)
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
-    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, stream=True,
-                                                  logprobs=True, top_logprobs=1)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, stream=True, logprobs=True, top_logprobs=1
+    )
     parts = [c.choices[0].delta.content async for c in stream]
     await client.close()
     assert "".join(parts) == "t0 t1 t2 t3 "
@@ -83,7 +99,9 @@ def test_raw_http_request_id_and_sse_bytes(make_rig):
     rig = make_rig()
     conn = http.client.HTTPConnection("127.0.0.1", rig.server.port, timeout=10)
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True})
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json", "X-Request-Id": "my-id-1"})
+    conn.request(
+        "POST", "/v1/completions", body, {"Content-Type": "application/json", "X-Request-Id": "my-id-1"}
+    )
     resp = conn.getresponse()
     raw = resp.read()
     assert resp.status == 200 and resp.getheader("X-Request-Id") == "my-id-1"
@@ -116,11 +134,20 @@ def test_plain_vllm_decode_gets_vllm_kv_params(make_rig):
 def test_api_key(make_rig):
     rig = make_rig(api_key="sekrit")
     out = OpenAI(base_url=rig.url + "/v1", api_key="sekrit", max_retries=0).completions.create(
-        model=MODEL, prompt="a", max_tokens=1)
+        model=MODEL, prompt="a", max_tokens=1
+    )
     assert out.choices[0].text == "t0 "
-    for path, method in (("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET")):
-        r = httpx.request(method, rig.url + path, json={"model": MODEL, "prompt": "a"},
-                          headers={"Authorization": "Bearer wrong"})
+    for path, method in (
+        ("/v1/completions", "POST"),
+        ("/v1/chat/completions", "POST"),
+        ("/v1/models", "GET"),
+    ):
+        r = httpx.request(
+            method,
+            rig.url + path,
+            json={"model": MODEL, "prompt": "a"},
+            headers={"Authorization": "Bearer wrong"},
+        )
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, r.text)
     assert httpx.get(rig.url + "/health").status_code == 200  # probes need no key
     rig.assert_no_leaks()
@@ -132,13 +159,19 @@ def test_metrics_exposed(make_rig):
     list(_client(rig).completions.create(model=MODEL, prompt="a", max_tokens=3, stream=True))
     httpx.post(rig.url + "/v1/completions", json={"model": "nope", "prompt": "a"})
     text = httpx.get(rig.url + "/metrics").text
-    for needle in ('pd_router_requests_total{endpoint="completions",error_type="",status="200"} 2.0',
-                   'pd_router_requests_total{endpoint="completions",error_type="model_not_found",status="404"} 1.0',
-                   "pd_router_time_to_first_token_seconds_count", "pd_router_inter_token_latency_seconds_count",
-                   "pd_router_e2e_latency_seconds_count", "pd_router_queue_wait_seconds_count",
-                   "pd_router_prefill_latency_seconds_count", "pd_router_queue_depth 0.0",
-                   "pd_router_in_flight_requests 0.0", f'pd_router_decode_free_slots{{backend="{rig.decodes[0].url}"}} 1.0',
-                   f'pd_router_backend_healthy{{backend="{rig.prefills[0].url}",role="prefill"}} 1.0'):
+    for needle in (
+        'pd_router_requests_total{endpoint="completions",error_type="",status="200"} 2.0',
+        'pd_router_requests_total{endpoint="completions",error_type="model_not_found",status="404"} 1.0',
+        "pd_router_time_to_first_token_seconds_count",
+        "pd_router_inter_token_latency_seconds_count",
+        "pd_router_e2e_latency_seconds_count",
+        "pd_router_queue_wait_seconds_count",
+        "pd_router_prefill_latency_seconds_count",
+        "pd_router_queue_depth 0.0",
+        "pd_router_in_flight_requests 0.0",
+        f'pd_router_decode_free_slots{{backend="{rig.decodes[0].url}"}} 1.0',
+        f'pd_router_backend_healthy{{backend="{rig.prefills[0].url}",role="prefill"}} 1.0',
+    ):
         assert needle in text, needle
     rig.assert_no_leaks()
 
@@ -146,13 +179,24 @@ def test_metrics_exposed(make_rig):
 def test_request_id_in_flight_twice_is_rejected(make_rig):
     rig = make_rig(decode={"hold": True, "slots": 2})
     first: list[httpx.Response] = []
-    t = threading.Thread(target=lambda: first.append(httpx.post(
-        rig.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1},
-        headers={"X-Request-Id": "same"}, timeout=10)))
+    t = threading.Thread(
+        target=lambda: first.append(
+            httpx.post(
+                rig.url + "/v1/completions",
+                json={"model": MODEL, "prompt": "a", "max_tokens": 1},
+                headers={"X-Request-Id": "same"},
+                timeout=10,
+            )
+        )
+    )
     t.start()
     rig.wait(lambda: rig.records(rig.decodes[0])["active"] == ["same"], what="first in decode")
-    again = httpx.post(rig.url + "/v1/completions", json={"model": MODEL, "prompt": "a"},
-                       headers={"X-Request-Id": "same"}, timeout=10)
+    again = httpx.post(
+        rig.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "a"},
+        headers={"X-Request-Id": "same"},
+        timeout=10,
+    )
     assert again.status_code == 400 and again.json()["error"]["param"] == "X-Request-Id"
     httpx.post(rig.decodes[0].url + "/fake/release", json={"n": 1})
     t.join(10)

@@ -24,14 +24,19 @@ def _error(resp: httpx.Response, status: int, type_: str, completion: bool = Tru
     return body["error"]
 
 
-@pytest.mark.parametrize("raw,param", [
-    (b"{not json", None),
-    (b"[1, 2]", None),
-    (json.dumps({"prompt": "x"}).encode(), "model"),
-    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(), "max_tokens"),
-    (json.dumps({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}).encode(),
-     "stream_options"),
-])
+@pytest.mark.parametrize(
+    "raw,param",
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (json.dumps({"prompt": "x"}).encode(), "model"),
+        (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(), "max_tokens"),
+        (
+            json.dumps({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}).encode(),
+            "stream_options",
+        ),
+    ],
+)
 def test_400_invalid_body(make_rig, raw, param):
     rig = make_rig()
     err = _error(httpx.post(rig.url + "/v1/completions", content=raw), 400, "invalid_request_error")
@@ -44,8 +49,9 @@ def test_400_invalid_body(make_rig, raw, param):
 
 def test_404_unknown_model_and_route_405_method(make_rig):
     rig = make_rig()
-    err = _error(httpx.post(rig.url + "/v1/chat/completions", json={**CHAT, "model": "other"}), 404,
-                 "model_not_found")
+    err = _error(
+        httpx.post(rig.url + "/v1/chat/completions", json={**CHAT, "model": "other"}), 404, "model_not_found"
+    )
     assert "other" in err["message"] and err["param"] == "model"
     _error(httpx.post(rig.url + "/v1/embeddings", json={}), 404, "not_found_error", completion=False)
     _error(httpx.get(rig.url + "/v1/completions"), 405, "method_not_allowed", completion=False)
@@ -54,13 +60,17 @@ def test_404_unknown_model_and_route_405_method(make_rig):
 
 def test_413_body_too_large(make_rig):
     rig = make_rig(max_body_bytes=2048)
-    _error(httpx.post(rig.url + "/v1/completions", json={**COMPLETION, "prompt": "x" * 4096}), 413,
-           "request_too_large")
+    _error(
+        httpx.post(rig.url + "/v1/completions", json={**COMPLETION, "prompt": "x" * 4096}),
+        413,
+        "request_too_large",
+    )
 
     def chunked():  # no Content-Length: the limit is enforced while reading
         for _ in range(8):
             yield b" " * 512
         yield json.dumps(COMPLETION).encode()
+
     _error(httpx.post(rig.url + "/v1/completions", content=chunked()), 413, "request_too_large")
     rig.assert_no_leaks()
 
@@ -69,13 +79,20 @@ def test_429_queue_full_and_queue_timeout(make_rig):
     rig = make_rig(decode={"hold": True}, max_queue=1, queue_timeout=0.5)
     with httpx.Client(timeout=10) as client:
         import threading
+
         results: dict[str, httpx.Response] = {}
-        first = threading.Thread(target=lambda: results.__setitem__(
-            "first", client.post(rig.url + "/v1/completions", json=COMPLETION)))
+        first = threading.Thread(
+            target=lambda: results.__setitem__(
+                "first", client.post(rig.url + "/v1/completions", json=COMPLETION)
+            )
+        )
         first.start()
         rig.wait(lambda: rig.records(rig.decodes[0])["active"], what="first request in decode")
-        second = threading.Thread(target=lambda: results.__setitem__(
-            "second", client.post(rig.url + "/v1/completions", json=COMPLETION)))
+        second = threading.Thread(
+            target=lambda: results.__setitem__(
+                "second", client.post(rig.url + "/v1/completions", json=COMPLETION)
+            )
+        )
         second.start()
         rig.wait(lambda: rig.state.pool.queue_depth == 1, what="second request queued")
         full = client.post(rig.url + "/v1/completions", json=COMPLETION)
@@ -91,12 +108,15 @@ def test_429_queue_full_and_queue_timeout(make_rig):
     rig.assert_no_leaks()
 
 
-@pytest.mark.parametrize("knobs,needle", [
-    ({"fail": "status", "fail_status": 500, "fail_body": "boom"}, "answered 500: boom"),
-    ({"fail": "handoff_failed"}, "fake handoff failure"),
-    ({"fail": "bad_json"}, "invalid JSON"),
-    ({"fail": "no_params"}, "no kv_transfer_params"),
-])
+@pytest.mark.parametrize(
+    "knobs,needle",
+    [
+        ({"fail": "status", "fail_status": 500, "fail_body": "boom"}, "answered 500: boom"),
+        ({"fail": "handoff_failed"}, "fake handoff failure"),
+        ({"fail": "bad_json"}, "invalid JSON"),
+        ({"fail": "no_params"}, "no kv_transfer_params"),
+    ],
+)
 def test_502_bad_prefill(make_rig, knobs, needle):
     rig = make_rig(prefill=knobs)
     err = _error(httpx.post(rig.url + "/v1/completions", json=COMPLETION), 502, "bad_upstream_response")
@@ -112,8 +132,9 @@ def test_prefill_4xx_relayed_as_is(make_rig):
     rig = make_rig(prefill={"fail": "status", "fail_status": 400})
     resp = httpx.post(rig.url + "/v1/chat/completions", json=CHAT)
     assert resp.status_code == 400
-    assert resp.json() == {"error": {"message": "prompt too long", "type": "BadRequestError", "param": None,
-                                     "code": 400}}
+    assert resp.json() == {
+        "error": {"message": "prompt too long", "type": "BadRequestError", "param": None, "code": 400}
+    }
     rig.assert_no_leaks()
 
 
@@ -126,7 +147,9 @@ def test_prefill_connection_failure_retried_on_another(make_rig):
     assert not rig.state.backends.prefill[0].healthy  # marked down until the next probe says otherwise
     rig.prefills.pop(0)
     rig.prefills[0].stop()  # now none is left: 502, not a hang
-    err = _error(httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=10), 502, "bad_upstream_response")
+    err = _error(
+        httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=10), 502, "bad_upstream_response"
+    )
     assert "unreachable" in err["message"]
     rig.prefills.clear()
     rig.assert_no_leaks()
@@ -149,8 +172,10 @@ def test_502_decode_error_status_and_mid_stream(make_rig):
         content = [json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-2]]
         assert content == (["t0 ", "t1 "] if mode == "mid_stream" else ["t0 ", "t1 ", "t2 ", "t3 "])
     metrics = httpx.get(rig.url + "/metrics").text
-    assert 'pd_router_upstream_errors_total{backend="%s",error_type="bad_upstream_response",role="decode"}' % \
-        rig.decodes[0].url in metrics
+    assert (
+        f'pd_router_upstream_errors_total{{backend="{rig.decodes[0].url}",error_type="bad_upstream_response",'
+        'role="decode"}' in metrics
+    )
     rig.assert_no_leaks()
 
 
@@ -158,23 +183,31 @@ def test_503_no_healthy_backend(make_rig):
     rig = make_rig()
     rig.config(rig.decodes[0], ready=False)
     rig.wait(lambda: rig.ready_status() == 503, 2, "decode unready")
-    err = _error(httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=5), 503, "no_healthy_backend")
+    err = _error(
+        httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=5), 503, "no_healthy_backend"
+    )
     assert "decode" in err["message"]
     rig.config(rig.prefills[0], healthy=False)
     rig.wait(lambda: not rig.state.backends.prefill_models(), 2, "prefill unhealthy")
-    err = _error(httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=5), 503, "no_healthy_backend")
+    err = _error(
+        httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=5), 503, "no_healthy_backend"
+    )
     assert "prefill" in err["message"]
     rig.assert_no_leaks()
 
 
 def test_504_prefill_and_decode_timeouts(make_rig):
     rig = make_rig(prefill={"delay": 2.0}, prefill_timeout=0.3, decode_timeout=0.3)
-    err = _error(httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=10), 504, "upstream_timeout")
+    err = _error(
+        httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=10), 504, "upstream_timeout"
+    )
     assert "--prefill-timeout" in err["message"]
     rig.wait(lambda: rig.records(rig.prefills[0])["disconnects"], what="prefill sees the close")
     rig.config(rig.prefills[0], delay=0.0)
     rig.config(rig.decodes[0], token_delay=1.0)
-    err = _error(httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=10), 504, "upstream_timeout")
+    err = _error(
+        httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=10), 504, "upstream_timeout"
+    )
     resp = httpx.post(rig.url + "/v1/completions", json={**COMPLETION, "stream": True}, timeout=10)
     events = [e[6:] for e in resp.text.split("\n\n") if e.startswith("data: ")]
     assert resp.status_code == 200 and events[-1] == "[DONE]"

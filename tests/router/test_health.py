@@ -48,8 +48,14 @@ def test_backend_down_and_back(make_rig, role):
 def test_queued_requests_fail_with_503_when_decode_goes_down(make_rig):
     rig = make_rig(probe_interval=PROBE, decode={"hold": True}, queue_timeout=30)
     results: list[int] = []
-    threads = [threading.Thread(target=lambda: results.append(
-        httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=20).status_code)) for _ in range(3)]
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(
+                httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=20).status_code
+            )
+        )
+        for _ in range(3)
+    ]
     for t in threads:
         t.start()
     rig.wait(lambda: rig.state.pool.queue_depth == 2, what="two queued")
@@ -62,14 +68,27 @@ def test_queued_requests_fail_with_503_when_decode_goes_down(make_rig):
     rig.assert_no_leaks()
 
 
-@pytest.mark.parametrize("decode,needle", [
-    ({"peers": [{"peer": "prefill-a", "state": "rejected", "reason": "layout fingerprint tiny-mla-3L-x != y"}]},
-     "prefill-a: layout fingerprint tiny-mla-3L-x != y"),
-    ({"peers": []}, "no prefill connector has completed the KV handshake"),
-    ({"protocol_version": 99}, "protocol_version 99"),
-    ({"model": "other-model"}, "serves ['other-model']"),
-    ({"ready": False}, "/ready answered 503"),
-])
+@pytest.mark.parametrize(
+    "decode,needle",
+    [
+        (
+            {
+                "peers": [
+                    {
+                        "peer": "prefill-a",
+                        "state": "rejected",
+                        "reason": "layout fingerprint tiny-mla-3L-x != y",
+                    }
+                ]
+            },
+            "prefill-a: layout fingerprint tiny-mla-3L-x != y",
+        ),
+        ({"peers": []}, "no prefill connector has completed the KV handshake"),
+        ({"protocol_version": 99}, "protocol_version 99"),
+        ({"model": "other-model"}, "serves ['other-model']"),
+        ({"ready": False}, "/ready answered 503"),
+    ],
+)
 def test_incompatible_decode_is_not_ready(make_rig, decode, needle):
     rig = make_rig(decode=decode, wait_ready=False, probe_interval=PROBE)
     _wait_status(rig, 503)
@@ -77,8 +96,13 @@ def test_incompatible_decode_is_not_ready(make_rig, decode, needle):
     reason = body["decode"][0]["reason"]
     assert needle in reason, body
     assert any(needle in p and rig.decodes[0].url in p for p in body["problems"]), body
-    rig.config(rig.decodes[0], peers=[{"peer": "prefill-a", "state": "ok"}], protocol_version=1, model=MODEL,
-               ready=True)
+    rig.config(
+        rig.decodes[0],
+        peers=[{"peer": "prefill-a", "state": "ok"}],
+        protocol_version=1,
+        model=MODEL,
+        ready=True,
+    )
     _wait_status(rig, 200)
     rig.assert_no_leaks()
 
@@ -96,4 +120,7 @@ def test_health_is_liveness_only(make_rig):
     _wait_status(rig, 503)
     assert httpx.get(rig.url + "/health").json() == {"status": "ok"}
     metrics = httpx.get(rig.url + "/metrics").text
-    assert 'pd_router_backend_healthy{backend="%s",role="decode"} 0.0' % rig.state.backends.decode[0].url in metrics
+    assert (
+        f'pd_router_backend_healthy{{backend="{rig.state.backends.decode[0].url}",role="decode"}} 0.0'
+        in metrics
+    )

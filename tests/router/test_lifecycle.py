@@ -16,9 +16,15 @@ pytestmark = pytest.mark.timeout(60)
 def _open_request(port: int, rid: str, stream: bool = True) -> socket.socket:
     body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 50, "stream": stream}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"X-Request-Id: " + rid.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
-                 b"\r\n\r\n" + body)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"X-Request-Id: "
+        + rid.encode()
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     return sock
 
 
@@ -73,7 +79,9 @@ def test_disconnect_during_decode(make_rig, stream):
     rig.wait(lambda: _aborts(rig, "decode") == 1, what="abort counted")
     rig.assert_no_leaks()
     # the slot really is free: the next request is served at once
-    out = httpx.post(rig.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}, timeout=5)
+    out = httpx.post(
+        rig.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}, timeout=5
+    )
     assert out.status_code == 200
     rig.assert_no_leaks()
 

@@ -4,7 +4,7 @@ a pooled connection closed by the server, malformed answers, timeouts, flow cont
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -21,13 +21,22 @@ async def _serve(handler: Handler) -> tuple[asyncio.Server, Origin]:
 
 async def _read_request(reader: asyncio.StreamReader) -> bytes:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(
+        next(
+            line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        )
+    )
     return head + await reader.readexactly(length)
 
 
 def _ok(body: bytes, close: bool = False) -> bytes:
-    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() +
-            (b"\r\nConnection: close" if close else b"") + b"\r\n\r\n" + body)
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + (b"\r\nConnection: close" if close else b"")
+        + b"\r\n\r\n"
+        + body
+    )
 
 
 async def test_keep_alive_reuse_and_stale_connection_retry():

@@ -16,15 +16,30 @@ from pd_router.slots import SlotPool
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.mark.parametrize("endpoint,body,limits", [
-    (Endpoint.CHAT, {"max_completion_tokens": 9}, {"max_completion_tokens": 1}),
-    (Endpoint.CHAT, {"max_tokens": 9, "max_completion_tokens": 9}, {"max_tokens": 1, "max_completion_tokens": 1}),
-    (Endpoint.CHAT, {}, {"max_tokens": 1}),
-    (Endpoint.COMPLETIONS, {"max_tokens": 9}, {"max_tokens": 1}),
-])
+@pytest.mark.parametrize(
+    "endpoint,body,limits",
+    [
+        (Endpoint.CHAT, {"max_completion_tokens": 9}, {"max_completion_tokens": 1}),
+        (
+            Endpoint.CHAT,
+            {"max_tokens": 9, "max_completion_tokens": 9},
+            {"max_tokens": 1, "max_completion_tokens": 1},
+        ),
+        (Endpoint.CHAT, {}, {"max_tokens": 1}),
+        (Endpoint.COMPLETIONS, {"max_tokens": 9}, {"max_tokens": 1}),
+    ],
+)
 def test_prefill_rewrite(endpoint, body, limits):
-    base = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 3, "seed": 5,
-            **({"messages": [{"role": "user", "content": "x"}]} if endpoint is Endpoint.CHAT else {"prompt": "x"})}
+    base = {
+        "model": "m",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 3,
+        "seed": 5,
+        **(
+            {"messages": [{"role": "user", "content": "x"}]} if endpoint is Endpoint.CHAT else {"prompt": "x"}
+        ),
+    }
     original = {**base, **body}
     out = json.loads(prefill_body(endpoint, original, {"handoff_id": "r", "kv_endpoint": "h:1"}))
     assert out["stream"] is False and "stream_options" not in out and "min_tokens" not in out
@@ -48,9 +63,18 @@ def _backends(n_decode: int, slots: int = 1, models: tuple[str, ...] = ("m",)) -
     for i, d in enumerate(b.decode):
         model = models[i % len(models)]
         d.healthy, d.models = True, frozenset({model})
-        d.capabilities = DecodeCapabilities(protocol_version=1, model=model, engine="reference", slots=slots,
-                                            busy_slots=0, max_seq_len=8, num_mtp=0, kv_endpoint="h:1",
-                                            layout_fingerprint="f", peers=[PeerStatus(peer="p", state="ok")])
+        d.capabilities = DecodeCapabilities(
+            protocol_version=1,
+            model=model,
+            engine="reference",
+            slots=slots,
+            busy_slots=0,
+            max_seq_len=8,
+            num_mtp=0,
+            kv_endpoint="h:1",
+            layout_fingerprint="f",
+            peers=[PeerStatus(peer="p", state="ok")],
+        )
     b.refresh()
     return b
 

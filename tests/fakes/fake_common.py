@@ -1,0 +1,83 @@
+"""Pieces shared by the fake prefill and decode servers (see fake_backends)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel
+
+from pd_router.asgi import Receive, Scope, Send, read_body, respond
+
+K = TypeVar("K", bound=BaseModel)
+
+
+def error_body(message: str, status: int = 400) -> bytes:
+    return json.dumps(
+        {"error": {"message": message, "type": "fake_error", "param": None, "code": status}}
+    ).encode()
+
+
+async def wait_or_disconnect(receive: Receive, delay: float) -> bool:
+    """Sleep ``delay`` s; False if the client disconnected first."""
+    watch = asyncio.ensure_future(receive())
+    try:
+        done, _ = await asyncio.wait({watch}, timeout=delay)
+        return not (done and watch.result()["type"] == "http.disconnect")
+    finally:
+        watch.cancel()
+
+
+@dataclass
+class Records:
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+    disconnects: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # contract violations seen
+    active: set[str] = field(default_factory=set)
+    max_active: int = 0
+
+    def dump(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "cancels": self.cancels,
+            "disconnects": self.disconnects,
+            "errors": self.errors,
+            "active": sorted(self.active),
+            "max_active": self.max_active,
+        }
+
+
+class FakeBase(Generic[K]):
+    knobs: K
+
+    def __init__(self) -> None:
+        self.records = Records()
+
+    def _rid(self, scope: Scope) -> str:
+        for k, v in scope["headers"]:
+            if k == b"x-request-id":
+                return v.decode()
+        self.records.errors.append("request without X-Request-Id")
+        return "?"
+
+    async def _control(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        path = scope["path"]
+        if path == "/fake/config":
+            update = json.loads(await read_body(scope, receive, 1 << 20) or b"{}")
+            self.knobs = type(self.knobs).model_validate({**self.knobs.model_dump(), **update})
+        elif path == "/fake/records":
+            await respond(send, 200, json.dumps(self.records.dump()).encode())
+            return True
+        elif path == "/fake/reset":
+            self.records = Records()
+        else:
+            return False
+        await respond(send, 200, b"{}")
+        return True
+
+    def _models(self) -> bytes:
+        model = self.knobs.model  # type: ignore[attr-defined]
+        return json.dumps({"object": "list", "data": [{"id": model, "object": "model"}]}).encode()
