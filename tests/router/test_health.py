@@ -29,7 +29,7 @@ def test_backend_down_and_back(make_rig, role):
     port = servers[0].port
     servers.pop().stop()
     took = _wait_status(rig, 503)
-    assert took <= PROBE + 0.5, took
+    assert took <= PROBE + 1.0, took  # the probe interval, plus scheduling slack on a loaded machine
     body = httpx.get(rig.url + "/ready").json()
     assert body["ready"] is False
     down = [b for b in body[role] if not b["healthy"]]
