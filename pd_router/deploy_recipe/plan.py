@@ -100,19 +100,22 @@ def _convert_step(r: Recipe, node: int) -> Step | None:
 def _workers(r: Recipe) -> list[Step]:
     prefill_node, decode_nodes = _nodes(r)
     decode_urls, kv_endpoints, steps = [], [], []
+    kv_dtype = ("--kv-dtype", r.model.dtype) if r.model.dtype != "auto" and r.decode.engine == "reference" else ()
     for i, node in enumerate(decode_nodes):
         port, kv_port = _decode_ports(r, i)
         host = _host(r, node)
         spec = DecodeSpec(model=r.decode_weights, port=port, kv_port=kv_port, host=_bind(r),
                           engine=r.decode.engine, slots=r.decode.slots, max_seq_len=r.decode.max_seq_len,
                           num_mtp=r.decode.num_mtp, python=r.decode.python,
-                          extra_args=("--kv-host", host, "--served-model-name", r.model.name, *r.decode.extra_args))
+                          extra_args=("--kv-host", host, "--served-model-name", r.model.name, *kv_dtype,
+                                      *r.decode.extra_args))
         steps.append(Step(id=f"decode{i}", role="decode", kind="service", node=node, image=r.decode.image,
                           argv=decode_server_argv(spec), env={**DECODE_ENV, **r.decode.env},
                           ready_url=f"http://{host}:{port}/ready"))
         decode_urls.append(f"http://{host}:{port}")
         kv_endpoints.append(f"{host}:{kv_port}")
-    extra = list(r.prefill.extra_args)
+    extra = ["--dtype", r.model.dtype] if r.model.dtype != "auto" else []
+    extra += r.prefill.extra_args
     if r.mtp.num_speculative_tokens != 1:
         extra += ["--speculative-config",
                   f'{{"method": "mtp", "num_speculative_tokens": {r.mtp.num_speculative_tokens}}}']

@@ -25,6 +25,9 @@ class ModelSpec(_Strict):
     source: str = Field(min_length=1, description="Hugging Face checkpoint dir on the shared filesystem "
                                                    "(prefill loads it; tokenizer files come from it)")
     converted: str | None = Field(default=None, description="converted decode weights dir (TileRT)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto", description="prefill compute dtype (vLLM --dtype); with the reference engine also the "
+                                    "dtype of the KV decode receives (--kv-dtype), so both sides agree")
 
 
 class MtpSpec(_Strict):

@@ -187,3 +187,15 @@ def test_submit_dry_run_prints_the_plan_without_submitting(tmp_path: Path) -> No
     assert out.returncode == 0, out.stderr
     assert out.stdout == _cli("dry-run", recipe).stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_model_dtype_pins_prefill_and_the_kv_decode_receives() -> None:
+    data = load_recipe_dict("cpu-tiny.yaml")
+    prefill, decode = build_plan(parse_recipe(data)).workers
+    assert prefill.argv[prefill.argv.index("--dtype") + 1] == "bfloat16"
+    assert decode.argv[decode.argv.index("--kv-dtype") + 1] == "bfloat16"
+    data["model"]["dtype"] = "auto"
+    prefill, decode = build_plan(parse_recipe(data)).workers
+    assert "--dtype" not in prefill.argv and "--kv-dtype" not in decode.argv
+    glm_decode = build_plan(parse_recipe(load_recipe_dict(GLM))).workers[1]
+    assert "--kv-dtype" not in glm_decode.argv  # TileRT receives fp8_ds_mla, not a model dtype
