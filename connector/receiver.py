@@ -45,7 +45,7 @@ from connector.protocol import (
     fingerprint_mismatch,
 )
 from connector.receiver_state import HandoffState, ReceivedKV, ReceiverSettings
-from connector.transport import Transport, TransportError, create_transport, encode_regions
+from connector.transport import Transport, TransportError, create_transport, encode_regions, host_tensor
 from pd_router.contract import PeerStatus
 
 if TYPE_CHECKING:
@@ -66,6 +66,7 @@ class KVReceiver:
         self._slot_bytes = self._layout.bytes_per_layer(settings.max_tokens) * self._layout.num_layers
         self._transport: Transport | None = None
         self._buffer: "torch.Tensor | None" = None
+        self._buffer_owner: object = None
         self._welcome_parts: tuple[str, str] | None = None
         self._server = ControlServer(settings.host, settings.port, self._on_message, self._on_disconnect)
         self._free: list[int] = list(range(settings.slots))
@@ -94,11 +95,9 @@ class KVReceiver:
         self._reaper = asyncio.create_task(self._reap_unclaimed())
 
     def _allocate(self) -> tuple[Transport, "torch.Tensor"]:
-        import torch
-
         transport = create_transport(self._s.transport, self._agent_name)
-        # zeros, not empty: touches every page now rather than during the first WRITE
-        return transport, torch.zeros(self._s.slots * self._slot_bytes, dtype=torch.uint8, device=self._s.device)
+        buffer, self._buffer_owner = host_tensor(self._s.slots * self._slot_bytes, self._s.device)
+        return transport, buffer
 
     async def stop(self) -> None:
         await self._server.stop()

@@ -40,7 +40,7 @@ from connector.protocol import (
     Welcome,
     fingerprint_mismatch,
 )
-from connector.transport import Region, XferHandle, create_transport, decode_regions
+from connector.transport import Region, XferHandle, create_transport, decode_regions, host_tensor
 
 __all__ = ["AdmissionRefused", "Handoff", "HandshakeRejected", "KVSender", "SenderPlan"]
 
@@ -64,8 +64,6 @@ class KVSender:
     def __init__(self, agent_name: str, layout: KVLayout, max_tokens: int,
                  sender_plan: SenderPlan | None = None, transport: str = "nixl", staging_slots: int = 2,
                  device: str = "cpu") -> None:
-        import torch
-
         if max_tokens < 1:
             raise ValueError(f"KVSender max_tokens={max_tokens}: must be >= 1")
         if staging_slots < 1:
@@ -79,8 +77,7 @@ class KVSender:
         self._fingerprint = layout_fingerprint(layout, self.plan.world_size)
         self._transport_kind = transport
         self._transport = create_transport(transport, agent_name)
-        # zeros, not empty: every page is touched now, not during the first WRITE
-        self.staging_buffer = torch.zeros(staging_slots * self.slot_bytes, dtype=torch.uint8, device=device)
+        self.staging_buffer, self._staging_owner = host_tensor(staging_slots * self.slot_bytes, device)
         self.staging_region = self._transport.register(self.staging_buffer)
         self._free_staging = list(range(staging_slots))
         self._staging_cv = threading.Condition()

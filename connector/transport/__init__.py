@@ -13,6 +13,7 @@ from connector.transport.base import (
     encode_regions,
     merge_pieces,
 )
+from connector.transport.hostmem import HostBuffer, host_tensor
 from connector.transport.memory import MemoryFabric, MemoryTransport
 
 TRANSPORT_KINDS = ("nixl", "memory")
@@ -45,7 +46,7 @@ def create_transport(kind: str, name: str) -> Transport:
 
 
 __all__ = [
-    "MemoryFabric", "MemoryTransport", "Piece", "Region", "TRANSPORT_KINDS", "Transport", "TransportError",
+    "HostBuffer", "host_tensor", "MemoryFabric", "MemoryTransport", "Piece", "Region", "TRANSPORT_KINDS", "Transport", "TransportError",
     "TransportFactory", "XferHandle", "XferState", "create_transport", "decode_regions", "encode_regions",
     "merge_pieces", "SHARED_FACTORY",
 ]

@@ -2,7 +2,8 @@
 
 Host tensors register as DRAM, CUDA tensors as VRAM. Every call into the agent goes
 through NIXL's own reader/writer lock (``NIXL_THREAD_SYNC_RW``), so a sender thread
-can post WRITEs while another thread adds a peer. ``nixl`` is imported when a
+can post WRITEs while another thread adds a peer. The agent has no progress thread:
+``poll`` and ``notifications`` progress it, so callers poll while anything is pending. ``nixl`` is imported when a
 transport is created, so modules using this one import without NIXL installed.
 """
 
@@ -39,7 +40,10 @@ class NixlTransport(Transport):
 
     def __init__(self, name: str) -> None:
         api = _load_nixl()
-        config = api.nixl_agent_config(backends=["UCX"],
+        # No NIXL progress thread: it spins (no delay) and takes a core from the thread
+        # doing the (synchronous, CMA) WRITE; our callers progress the agent themselves
+        # (poll / notifications). Measured on 2 cores: 486 MiB push 1.8 -> 3.5 GB/s.
+        config = api.nixl_agent_config(backends=["UCX"], enable_prog_thread=False,
                                        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
         try:
             self._agent = api.nixl_agent(name, config)
