@@ -86,8 +86,10 @@ def test_exactly_one_prefill_and_wiring_between_roles() -> None:
     prefill_env, decode_env = _env(_container("Deployment", "prefill")), _env(_container("StatefulSet", "decode"))
     router_env = _env(_container("Deployment", "router"))
     replicas = decode["spec"]["replicas"]
-    assert prefill_env["PD_DECODE_KV_ENDPOINTS"].split(",") == [f"decode-{i}.decode:{decode_env['PD_KV_PORT']}"
-                                                                for i in range(replicas)]
+    # prefill handshakes with exactly the endpoint strings the decode pods advertise
+    advertised = [decode_env["PD_KV_HOST"].replace("$(POD_NAME)", f"decode-{i}") + f":{decode_env['PD_KV_PORT']}"
+                  for i in range(replicas)]
+    assert prefill_env["PD_DECODE_KV_ENDPOINTS"].split(",") == advertised
     assert router_env["PD_DECODE_URLS"].split(",") == [f"http://decode-{i}.decode:{decode_env['PD_PORT']}"
                                                        for i in range(replicas)]
     assert router_env["PD_PREFILL_URLS"] == f"http://prefill:{prefill_env['PD_PORT']}"
