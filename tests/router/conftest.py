@@ -81,8 +81,12 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
         prefill: dict[str, Any] | None = None,
         decode: dict[str, Any] | None = None,
         wait_ready: bool = True,
+        prefill_urls: tuple[str, ...] = (),
+        decode_urls: tuple[str, ...] = (),
+        ready_timeout: float = 10.0,
         **settings: Any,
     ) -> Rig:
+        """A router in front of ``n_prefill``/``n_decode`` new fakes plus any ``*_urls``."""
         prefills = [
             ServerThread(FakePrefill(**{"model": MODEL, **(prefill or {})}), free_port()).start()
             for _ in range(n_prefill)
@@ -92,8 +96,8 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
             for _ in range(n_decode)
         ]
         values = {
-            "prefill": tuple(p.url for p in prefills),
-            "decode": tuple(d.url for d in decodes),
+            "prefill": tuple(p.url for p in prefills) + prefill_urls,
+            "decode": tuple(d.url for d in decodes) + decode_urls,
             "port": free_port(),
             "probe_interval": 0.2,
             "log_level": "warning",
@@ -104,7 +108,7 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
         rigs.append(rig)
         rig.server.start()
         if wait_ready:
-            rig.wait(lambda: rig.ready_status() == 200, 10, "router /ready")
+            rig.wait(lambda: rig.ready_status() == 200, ready_timeout, "router /ready")
         return rig
 
     yield make

