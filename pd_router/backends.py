@@ -119,22 +119,22 @@ class Backends:
             d.compatible = d.incompatible_reason is None
 
     def _incompatibility(self, d: DecodeBackend) -> str | None:
+        """Why ``d`` cannot take requests, or None. The decode server's own problems
+        (protocol, handshake) come first: they say the most about a broken deployment."""
         if not d.healthy:
             return d.reason
-        if not self._served:
-            return "no healthy prefill server to compare models with"
-        if not d.models & self._served:
-            return f"serves {sorted(d.models)}, prefill servers serve {sorted(self._served)}"
         caps = d.capabilities
-        if caps is None:
-            return None
-        if caps.protocol_version != PROTOCOL_VERSION:
+        if caps is not None and caps.protocol_version != PROTOCOL_VERSION:
             return f"protocol_version {caps.protocol_version}, router speaks {PROTOCOL_VERSION}"
-        if self.require_handshake and not any(p.state == "ok" for p in caps.peers):
+        if caps is not None and self.require_handshake and not any(p.state == "ok" for p in caps.peers):
             rejected = [p for p in caps.peers if p.state == "rejected"]
             if rejected:
                 return "KV handshake rejected: " + "; ".join(f"{p.peer}: {p.reason}" for p in rejected)
             return "no prefill connector has completed the KV handshake yet"
+        if not self._served:
+            return "no healthy prefill server to compare models with"
+        if not d.models & self._served:
+            return f"serves {sorted(d.models)}, prefill servers serve {sorted(self._served)}"
         return None
 
     def pick_prefill(self, model: str, exclude: PrefillBackend | None = None) -> PrefillBackend | None:

@@ -124,3 +124,16 @@ def test_health_is_liveness_only(make_rig):
         f'pd_router_backend_healthy{{backend="{rig.state.backends.decode[0].url}",role="decode"}} 0.0'
         in metrics
     )
+
+
+def test_rejection_is_reported_even_without_a_healthy_prefill(make_rig):
+    reason = "layout fingerprint mismatch: 2 layers vs 3"
+    rig = make_rig(
+        decode={"peers": [{"peer": "p", "state": "rejected", "reason": reason}]},
+        wait_ready=False,
+        probe_interval=PROBE,
+    )
+    rig.prefills.pop().stop()
+    rig.wait(lambda: not rig.state.backends.prefill[0].healthy, 3, "prefill down")
+    body = httpx.get(rig.url + "/ready").json()
+    assert any(reason in p and rig.decodes[0].url in p for p in body["problems"]), body
