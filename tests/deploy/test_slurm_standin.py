@@ -115,3 +115,20 @@ def test_gate_timeout_fails_the_job_and_stops_everything(slurm_cluster: SlurmClu
     for role in ("prefill", "decode"):
         r = json.loads((records / f"{role}.json").read_text())
         assert r["stopped"] and not alive(r["pid"]), role
+
+
+def test_scancel_stops_every_server(slurm_cluster: SlurmCluster, tmp_path: Path, standin_python: Path) -> None:
+    records = tmp_path / "records"
+    records.mkdir()
+    data = _recipe(tmp_path, standin_python)
+    data.pop("benchmark")
+    job_dir = tmp_path / "job"
+    job_id = submit_job(slurm_cluster, dump_recipe(data, tmp_path / "recipe.yaml"), job_dir,
+                        {"STANDIN_DIR": str(records)})
+    wait_state(job_dir, "serving", slurm_cluster, job_id, timeout=120)
+    pids = {r: json.loads((records / f"{r}.json").read_text())["pid"] for r in ("prefill", "decode", "router")}
+    slurm_cluster.run(["scancel", job_id])
+    assert slurm_cluster.wait_job_end(job_id, timeout=90) == "CANCELLED"
+    for role, pid in pids.items():
+        assert json.loads((records / f"{role}.json").read_text())["stopped"], f"{role} got no SIGTERM"
+        assert not alive(pid), role
