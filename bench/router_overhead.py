@@ -6,7 +6,7 @@ the router's added TTFT p50/p99, added inter-token latency p50/p99, throughput
 ratio (router/direct) and router CPU microseconds per output token (from the router
 process's CPU time), and writes them to docs/benchmarks.md under "## Router overhead".
 
-    .venv/bin/python bench/router_overhead.py [--requests-per-client N] [--no-write]
+    .venv/bin/python bench/router_overhead.py [--requests-per-client C1 C16 C64] [--rounds N] [--no-write]
 """
 
 from __future__ import annotations
@@ -93,6 +93,9 @@ async def _phase(
         await _one(session, url, direct, f"warm-{tag}", Phase())
 
         async def client(c: int) -> None:
+            # spread the clients' starts over one request's duration; identical requests
+            # started together would stay in lock-step and measure bursts, not a steady load
+            await asyncio.sleep(c * TOKENS * TOKEN_DELAY / concurrency)
             for i in range(per_client):
                 await _one(session, url, direct, f"{tag}-{c}-{i}", phase)
 
@@ -104,17 +107,32 @@ async def _phase(
     return phase
 
 
+def _merge(phases: list[Phase]) -> Phase:
+    out = Phase()
+    for p in phases:
+        out.ttft += p.ttft
+        out.itl += p.itl
+        out.tokens += p.tokens
+        out.wall += p.wall
+        out.cpu += p.cpu
+    return out
+
+
 async def _measure(
-    decode_url: str, router_url: str, router_pid: int, per_client: dict[int, int]
+    decode_url: str, router_url: str, router_pid: int, per_client: dict[int, int], rounds: int
 ) -> list[dict]:
     rows = []
     for c in CONCURRENCY:
-        direct = await _phase(decode_url + "/v1/completions", True, c, per_client[c], None, f"d{c}")
-        routed = await _phase(router_url + "/v1/completions", False, c, per_client[c], router_pid, f"r{c}")
+        directs, routeds = [], []
+        for r in range(rounds):  # alternate, so that drifting machine load hits both alike
+            n = per_client[c]
+            directs.append(await _phase(decode_url + "/v1/completions", True, c, n, None, f"d{c}.{r}"))
+            routeds.append(await _phase(router_url + "/v1/completions", False, c, n, router_pid, f"r{c}.{r}"))
+        direct, routed = _merge(directs), _merge(routeds)
         rows.append(
             {
                 "concurrency": c,
-                "requests": c * per_client[c],
+                "requests": c * per_client[c] * rounds,
                 "ttft_p50_ms": (_pct(routed.ttft, 0.5) - _pct(direct.ttft, 0.5)) * 1e3,
                 "ttft_p99_ms": (_pct(routed.ttft, 0.99) - _pct(direct.ttft, 0.99)) * 1e3,
                 "itl_p50_ms": (_pct(routed.itl, 0.5) - _pct(direct.itl, 0.5)) * 1e3,
@@ -166,8 +184,9 @@ def _write_section(text: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--requests-per-client", type=int, nargs=3, default=[40, 8, 4], metavar=("C1", "C16", "C64")
+        "--requests-per-client", type=int, nargs=3, default=[20, 4, 2], metavar=("C1", "C16", "C64")
     )
+    parser.add_argument("--rounds", type=int, default=3, help="direct/routed alternations per concurrency")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args()
     per_client = dict(zip(CONCURRENCY, args.requests_per_client, strict=True))
@@ -204,7 +223,7 @@ def main() -> None:
         ) as router,
     ):
         t0 = time.perf_counter()
-        rows = uvloop.run(_measure(urls["decode"], urls["router"], router.proc.pid, per_client))
+        rows = uvloop.run(_measure(urls["decode"], urls["router"], router.proc.pid, per_client, args.rounds))
         took = time.perf_counter() - t0
     table = _table(rows)
     load = os.getloadavg()[0]
@@ -216,8 +235,9 @@ def main() -> None:
             "## Router overhead\n\n"
             f"`.venv/bin/python bench/router_overhead.py` (fake prefill + fake decode as processes, "
             f"{TOKENS} tokens, ~1k-token prompts, {TOKEN_DELAY * 1e3:.2f} ms between tokens; the router "
-            f"process's CPU time from /proc). Added = through the router minus direct to the fake decode, "
-            f"same run. Machine: {os.cpu_count()} CPUs, load average {load:.1f} at the end.\n\n"
+            f"process's CPU time from /proc; clients' starts spread over one request). Added = through the "
+            f"router minus direct to the fake decode, same run, {args.rounds} alternations pooled. Machine: "
+            f"{os.cpu_count()} CPUs, load average {load:.1f} at the end.\n\n"
             f"{table}\n\n{GOALS}.\n"
         )
 
