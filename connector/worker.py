@@ -116,7 +116,8 @@ class ConnectorWorker:
         rejected = self._handshake_all()
         if mismatch is not None or rejected is not None:
             self.shutdown()
-            raise mismatch or rejected  # type: ignore[misc]
+            reasons = [str(e) for e in (mismatch, rejected) if e is not None]
+            raise ProfileMismatch("; ".join(reasons))
         self._layer_of = {name: i for i, name in enumerate(layers.mla)}
         self._indexer = {i: kv_caches[name] for i, name in enumerate(layers.indexer) if name is not None}
         self._my_layers = frozenset(self.plan.layers(layout.num_layers))
@@ -124,6 +125,7 @@ class ConnectorWorker:
                  self.plan.rank, self.profile.name, layout.num_layers, len(self._my_layers), layout.fingerprint())
 
     def _check_cache(self, name: str, cache: "torch.Tensor") -> None:
+        cache = _paged_rows(cache)
         row_bytes = cache.shape[-1] * cache.element_size() if cache.dim() == 3 else -1
         if row_bytes != self.profile.mla_row_bytes or not cache.is_contiguous():
             raise ProfileMismatch(
@@ -173,7 +175,7 @@ class ConnectorWorker:
             if send.error is not None or send.handoff is None:
                 continue
             try:
-                self._gather(send.handoff.staging(layer), layer, kv_layer, send.work)
+                self._gather(send.handoff.staging(layer), layer, _paged_rows(kv_layer), send.work)
                 if kv_layer.is_cuda:
                     import torch
 
@@ -266,6 +268,14 @@ class ConnectorWorker:
         send.reported = True
         self._reports.send(SendReport(req_id=send.work.req_id, rank=self.plan.rank, status=status,  # type: ignore[arg-type]
                                       error=error))
+
+
+def _paged_rows(cache: "torch.Tensor") -> "torch.Tensor":
+    """vLLM's CPU MLA cache is ``[num_blocks, 1, block_size, row]`` (one latent "head"):
+    view it as ``[num_blocks, block_size, row]``."""
+    if cache.dim() == 4 and cache.shape[1] == 1:
+        return cache.squeeze(1)
+    return cache
 
 
 def default_agent_name(engine_id: str, rank: int) -> str:

@@ -59,8 +59,8 @@ class MiniEngine:
         self.free_blocks = list(range(num_blocks))
         self.num_blocks = num_blocks
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
-        # one cache per worker rank (TP ranks hold the same MLA KV)
-        self.caches = [{n: torch.zeros(num_blocks, BLOCK, width, dtype=dtype) for n in self.layer_names}
+        # one cache per worker rank (TP ranks hold the same MLA KV); vLLM's CPU MLA shape
+        self.caches = [{n: torch.zeros(num_blocks, 1, BLOCK, width, dtype=dtype) for n in self.layer_names}
                        for _ in workers]
         self.waiting: list[FakeRequest] = []
         self.running: list[FakeRequest] = []
@@ -143,7 +143,7 @@ class MiniEngine:
         for req_id, n in scheduled.items():
             req = by_id[req_id]
             for t in range(req.num_computed_tokens, req.num_computed_tokens + n):
-                cache[req.block_ids[t // BLOCK], t % BLOCK] = kv_value(layer, req.seed, t)
+                cache[req.block_ids[t // BLOCK], 0, t % BLOCK] = kv_value(layer, req.seed, t)
 
     def _update_from_output(self, scheduled: dict[str, int], finished_sending: set[str]) -> None:
         for req in list(self.running):

@@ -256,6 +256,14 @@ def test_without_mtp_startup_fails_naming_the_flag_after_handshaking():
     assert senders[0].connected == [ENDPOINT] and senders[0].closed
 
 
+def test_without_mtp_and_rejected_the_error_names_both():
+    rejection = HandshakeRejected("num_layers", "3", "2", "num_layers: expected 3, received 2")
+    _, factory = make_factory(lambda s: s.reject.update({ENDPOINT: rejection}))
+    with pytest.raises(ProfileMismatch) as info:
+        _worker(factory).register_kv_caches(_caches(N_MAIN))
+    assert MTP_FLAG in str(info.value) and "rejected the handshake: num_layers: expected 3" in str(info.value)
+
+
 def test_handshake_rejection_stops_startup_with_field_and_values():
     rejection = HandshakeRejected("num_layers", "3", "4", "num_layers: expected 3, received 4")
     senders, factory = make_factory(lambda s: s.reject.update({ENDPOINT: rejection}))

