@@ -17,7 +17,8 @@
 #   5. a smoke chat completion, then the benchmark steps (aiperf, lm-eval gsm8k), if any;
 #   6. with hold: serve until the job is cancelled or DIR/STOP appears;
 #   then every step is stopped (router first) and the job ends.
-# DIR/state holds the current phase; DIR/logs/ one log per step.
+# DIR/state holds the current phase (converting, starting, ready, benchmark ID, serving,
+# stopping, then done, failed or cancelled); DIR/logs/ one log per step.
 set -euo pipefail
 
 log() { echo "[$(date -u +%FT%TZ)] submit.sh: $*" >&2; }
@@ -67,7 +68,7 @@ submit() {
 }
 
 # ---------------------------------------------------------------- inside the job
-job_dir="" hosts=() use_pyxis=0 service_pids=() service_ids=()
+job_dir="" hosts=() use_pyxis=0 service_pids=() service_ids=() cancelled=0
 
 subst_hosts() {
     local text=$1 i
@@ -152,7 +153,8 @@ on_exit() {
     local rc=$?
     trap - EXIT TERM INT
     stop_services
-    if [[ $rc -eq 0 ]]; then set_state done; else set_state failed; fi
+    if [[ $rc -eq 0 ]]; then set_state done; elif [[ $cancelled -eq 1 ]]; then set_state cancelled
+    else set_state failed; fi
     exit "$rc"
 }
 
@@ -181,7 +183,7 @@ in_job() {
     esac
     log "job $SLURM_JOB_ID: nodes ${hosts[*]}; containers: $([[ $use_pyxis -eq 1 ]] && echo pyxis || echo none)"
     trap on_exit EXIT
-    trap 'log "signalled: stopping"; exit 143' TERM INT
+    trap 'log "signalled: stopping"; cancelled=1; exit 143' TERM INT
 
     local rows=() row id role kind node image url
     mapfile -t rows < "$job_dir/plan/steps.tsv"

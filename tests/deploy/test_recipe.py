@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import yaml
 
 from pd_router.deploy_recipe import RecipeError, build_plan, conversion_env, parse_recipe, write_plan
 from pd_router.stack.commands import DecodeSpec, decode_server_argv
@@ -176,7 +177,9 @@ def test_render_writes_what_the_slurm_scripts_read(tmp_path: Path) -> None:
         assert (out / f"{step.id}.argv").read_bytes().split(b"\0")[:-1] == [a.encode() for a in step.argv]
     job_env = (out / "job.env").read_text()
     assert "CONVERT_DST=/shared/models/GLM-5.1-FP8-tilert\n" in job_env and "NUM_NODES=2\n" in job_env
-    assert (out / "lm_eval_tasks" / "gsm8k_local.yaml").exists()
+    task = yaml.safe_load((out / "lm_eval_tasks" / "gsm8k_local.yaml").read_text())
+    assert task["task"] == "gsm8k_local" and task["dataset_path"] == "/shared/datasets/gsm8k/main"
+    assert task["filter_list"][0]["filter"][0]["regex_pattern"] == r"#### (\-?[0-9\.\,]+)"
 
 
 def test_submit_dry_run_prints_the_plan_without_submitting(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,10 @@ def test_scancel_stops_every_server(slurm_cluster: SlurmCluster, tmp_path: Path,
     pids = {r: json.loads((records / f"{r}.json").read_text())["pid"] for r in ("prefill", "decode", "router")}
     slurm_cluster.run(["scancel", job_id])
     assert slurm_cluster.wait_job_end(job_id, timeout=90) == "CANCELLED"
+    deadline = time.monotonic() + 30  # the batch script may still be stopping the steps
+    while (job_dir / "state").read_text().strip() == "stopping" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert (job_dir / "state").read_text().strip() == "cancelled"
     for role, pid in pids.items():
         assert json.loads((records / f"{role}.json").read_text())["stopped"], f"{role} got no SIGTERM"
         assert not alive(pid), role
