@@ -96,8 +96,8 @@ class ControlServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        assert task is not None
-        self._conns[task] = writer
+        if task is not None:
+            self._conns[task] = writer
         peername = writer.get_extra_info("peername")
         conn = ControlConnection(f"{peername[0]}:{peername[1]}" if peername else "?")
         try:
@@ -121,7 +121,8 @@ class ControlServer:
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             return
         finally:
-            self._conns.pop(task, None)
+            if task is not None:
+                self._conns.pop(task, None)
             self._on_disconnect(conn)
             writer.close()
 

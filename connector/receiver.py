@@ -67,7 +67,7 @@ class KVReceiver:
         self._transport: Transport | None = None
         self._buffer: "torch.Tensor | None" = None
         self._buffer_owner: object = None
-        self._welcome_parts: tuple[str, str] | None = None
+        self._welcome_parts: tuple[str, str] = ("", "")
         self._server = ControlServer(settings.host, settings.port, self._on_message, self._on_disconnect)
         self._free: list[int] = list(range(settings.slots))
         self._handoffs: dict[str, HandoffState] = {}
@@ -79,6 +79,7 @@ class KVReceiver:
         self._poll_wake = threading.Event()
         self._poller: threading.Thread | None = None
         self._reaper: asyncio.Task | None = None
+        self._stopped = False
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -108,10 +109,12 @@ class KVReceiver:
         self._poll_wake.set()
         if self._poller is not None:
             await asyncio.to_thread(self._poller.join, 5.0)
-        for h in list(self._handoffs.values()):
-            if h.state == "admitted":
-                await self._fail(h, "the KV receiver stopped")
+        self._stopped = True
         if self._transport is not None:
+            for h in list(self._handoffs.values()):
+                if h.state == "admitted":
+                    await self._fail(h, "the KV receiver stopped")
+            await self._notify_all()
             await asyncio.to_thread(self._transport.close)
             self._transport = None
 
@@ -140,12 +143,14 @@ class KVReceiver:
     # ----------------------------------------------------------------- decode-server API
 
     async def wait_for(self, handoff_id: str, timeout: float) -> ReceivedKV:
-        assert self._changed is not None, "KVReceiver.start() was not awaited"
+        changed = self._cond()
         deadline = time.monotonic() + timeout
         counted: HandoffState | None = None
         try:
-            async with self._changed:
+            async with changed:
                 while True:
+                    if self._stopped:
+                        raise ReceiverError(f"handoff {handoff_id}: the KV receiver stopped")
                     h = self._handoffs.get(handoff_id)
                     if h is not None and h is not counted:
                         h.waiters += 1
@@ -160,7 +165,7 @@ class KVReceiver:
                     if remaining <= 0:
                         break
                     try:
-                        await asyncio.wait_for(self._changed.wait(), remaining)
+                        await asyncio.wait_for(changed.wait(), remaining)
                     except asyncio.TimeoutError:
                         pass
         finally:
@@ -181,7 +186,8 @@ class KVReceiver:
             self._free_slot(h)
 
     def _view(self, h: HandoffState) -> ReceivedKV:
-        assert self._buffer is not None and h.slot is not None
+        if self._buffer is None or h.slot is None:
+            raise ReceiverError(f"handoff {h.handoff_id}: its receive slot is gone (receiver stopped?)")
         layers = []
         for offs in h.offsets:
             base = offs[0]
@@ -208,18 +214,28 @@ class KVReceiver:
 
     async def _revoke(self, h: HandoffState, reason: str) -> None:
         """Tell the handoff's senders to stop writing into the slot just freed."""
-        assert self._transport is not None
+        transport = self._need_transport()
         msg = Revoked(handoff_id=h.handoff_id, reason=reason).model_dump_json().encode()
         for peer in h.peers & self._revocable:
             try:
-                await asyncio.to_thread(self._transport.notify, peer, msg)
+                await asyncio.to_thread(transport.notify, peer, msg)
             except TransportError as exc:
                 log.warning("KV receiver: could not revoke %s at %s: %s", h.handoff_id, peer, exc)
 
     async def _notify_all(self) -> None:
-        assert self._changed is not None
-        async with self._changed:
-            self._changed.notify_all()
+        changed = self._cond()
+        async with changed:
+            changed.notify_all()
+
+    def _cond(self) -> asyncio.Condition:
+        if self._changed is None or self._transport is None:
+            raise ReceiverError("the KV receiver is not running (start() not awaited, or stopped)")
+        return self._changed
+
+    def _need_transport(self) -> Transport:
+        if self._transport is None:
+            raise ReceiverError("the KV receiver is not running (start() not awaited, or stopped)")
+        return self._transport
 
     # ----------------------------------------------------------------- control channel
 
@@ -256,17 +272,16 @@ class KVReceiver:
             self._peers[hello.agent_name] = PeerStatus(peer=hello.agent_name, state="rejected", reason=message)
             return Reject(field=fld, expected=expected, received=received, message=message)
         if hello.agent_metadata:  # lets us revoke its handoffs; a restarted sender may reuse its name
-            assert self._transport is not None
+            transport = self._need_transport()
             self._revocable.discard(hello.agent_name)
-            await asyncio.to_thread(self._transport.remove_peer, hello.agent_name)
+            await asyncio.to_thread(transport.remove_peer, hello.agent_name)
             try:
-                added = await asyncio.to_thread(self._transport.add_peer, base64.b64decode(hello.agent_metadata))
+                added = await asyncio.to_thread(transport.add_peer, base64.b64decode(hello.agent_metadata))
                 self._revocable.add(added)
             except (TransportError, ValueError) as exc:
                 log.warning("KV receiver: cannot add sender %s's agent (no revocation): %s", hello.agent_name, exc)
         conn.peer = hello.agent_name
         self._peers[hello.agent_name] = PeerStatus(peer=hello.agent_name, state="ok")
-        assert self._welcome_parts is not None
         md, descs = self._welcome_parts
         return Welcome(protocol_version=PROTOCOL_VERSION, agent_name=self._agent_name, fingerprint=mine,
                        transport=self._s.transport, agent_metadata=md, buffer_descs=descs,
@@ -316,15 +331,17 @@ class KVReceiver:
 
     def _poll_notifications(self) -> None:
         """Thread: drain transport notifications and hand them to the loop."""
-        assert self._transport is not None and self._loop is not None
+        transport, loop = self._need_transport(), self._loop
+        if loop is None:
+            return
         while not self._poll_stop.is_set():
             try:
-                notifs = self._transport.notifications()
+                notifs = transport.notifications()
             except Exception as exc:  # the transport died; keep the thread alive for stop()
                 log.error("KV receiver: polling notifications failed: %s", exc)
                 notifs = []
             if notifs:
-                self._loop.call_soon_threadsafe(lambda n=notifs: asyncio.ensure_future(self._on_notifs(n)))
+                loop.call_soon_threadsafe(lambda n=notifs: asyncio.ensure_future(self._on_notifs(n)))
             active = any(h.state == "admitted" for h in list(self._handoffs.values()))
             if active:
                 time.sleep(0.0005)

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.0002
 _IDLE_POLL_S = 0.02  # while handoffs are pending but nothing is queued: look for Revoked
+_IDLE_TICK_S = 1.0  # otherwise progress the agent now and then (it has no progress thread)
 
 
 @dataclass
@@ -212,11 +213,11 @@ class KVSender:
         while True:
             batch: list[tuple[Handoff, int]] = []
             waiting = bool(self._active)
-            if waiting and time.monotonic() - last_check >= _IDLE_POLL_S / 2:
+            if time.monotonic() - last_check >= (_IDLE_POLL_S / 2 if waiting else _IDLE_TICK_S):
                 self._check_revocations()
                 last_check = time.monotonic()
             try:
-                item = self._queue.get(timeout=_POLL_S if inflight else (_IDLE_POLL_S if waiting else None))
+                item = self._queue.get(timeout=_POLL_S if inflight else (_IDLE_POLL_S if waiting else _IDLE_TICK_S))
                 if item is None:
                     break
                 batch.append(item)

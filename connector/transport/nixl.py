@@ -137,7 +137,8 @@ class NixlTransport(Transport):
             raise TransportError(f"NIXL notification to {peer!r} failed: {exc}") from exc
 
     def poll(self, handle: XferHandle) -> XferState:
-        assert isinstance(handle, _NixlXfer)
+        if not isinstance(handle, _NixlXfer):
+            raise TypeError(f"not a NIXL transfer handle: {handle!r}")
         try:
             state = self._agent.check_xfer_state(handle.handle)
         except Exception:  # e.g. nixlRemoteDisconnectError
@@ -145,7 +146,8 @@ class NixlTransport(Transport):
         return {"DONE": "done", "PROC": "pending"}.get(state, "error")
 
     def release(self, handle: XferHandle) -> None:
-        assert isinstance(handle, _NixlXfer)
+        if not isinstance(handle, _NixlXfer):
+            raise TypeError(f"not a NIXL transfer handle: {handle!r}")
         self._safe_release(handle.handle)
 
     def _safe_release(self, handle: Any) -> None:

@@ -98,3 +98,16 @@ def test_memory_transport_checks_ranges_and_peers():
     with pytest.raises(TransportError, match="unknown or gone"):
         a.write(peer, [(ra.addr, rb.addr, 8)], b"n")
     a.close()
+
+
+def test_host_buffer_is_zeroed_and_huge_page_aligned():
+    from connector.transport import HostBuffer, host_tensor
+
+    buf = HostBuffer(3 << 20)
+    assert buf.tensor.numel() == 3 << 20 and buf.tensor.data_ptr() % (2 << 20) == 0
+    assert int(buf.tensor.count_nonzero()) == 0
+    tensor, owner = host_tensor(4096)
+    tensor.fill_(7)
+    assert owner is not None and int(tensor.sum()) == 7 * 4096
+    with pytest.raises(ValueError, match="nbytes=0"):
+        HostBuffer(0)

@@ -177,3 +177,33 @@ async def test_tensor_parallel_ranks_complete_one_handoff_together():
         finally:
             for sender in senders:
                 sender.close()
+
+
+async def test_stop_ends_every_wait_and_wait_before_start_is_an_error():
+    from connector.errors import ReceiverError
+    from connector.receiver import KVReceiver, ReceiverSettings
+
+    with pytest.raises(ReceiverError, match="not running"):
+        await KVReceiver(ReceiverSettings(layout=SMALL, max_tokens=8, transport="memory")).wait_for("x", 1)
+    async with running_receiver() as receiver:
+        sender = make_sender()
+        try:
+            await asyncio.to_thread(_send, sender, receiver.endpoint, "admitted", 8, [0])
+            waiters = [asyncio.create_task(receiver.wait_for(hid, 30)) for hid in ("admitted", "never-seen")]
+            await asyncio.sleep(0.05)
+            await receiver.stop()
+            results = await asyncio.wait_for(asyncio.gather(*waiters, return_exceptions=True), 5)
+            assert all(isinstance(r, ReceiverError) for r in results), results
+            assert "stopped" in str(results[0]) and "stopped" in str(results[1])
+            assert receiver.busy_slots() == 0
+        finally:
+            sender.close()
+
+
+def test_settings_errors_name_option_value_and_reason():
+    from connector.receiver import ReceiverSettings
+
+    with pytest.raises(ValueError, match=r"ReceiverSettings.slots=0: must be >= 1"):
+        ReceiverSettings(layout=SMALL, max_tokens=8, slots=0)
+    with pytest.raises(ValueError, match=r"ReceiverSettings.transport='tcp': must be one of"):
+        ReceiverSettings(layout=SMALL, max_tokens=8, transport="tcp")
