@@ -108,8 +108,22 @@ def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: M
     return json.dumps(out).encode()
 
 
-def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> bytes:
-    """The decode leg's body: the client's original body plus ``kv_transfer_params``."""
+def decode_body(raw: bytes, body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> bytes:
+    """The decode leg's body: the client's original body plus ``kv_transfer_params``.
+
+    ``raw`` is the client's JSON text of ``body``. When it is a plain UTF-8 object without
+    ``kv_transfer_params``, the field is appended to the text as it is (no re-encoding of
+    a long prompt); otherwise the dict is encoded again."""
+    text = raw.strip()
+    if (
+        "kv_transfer_params" not in body
+        and text[:1] == b"{"
+        and text[-1:] == b"}"
+        and b"\x00" not in text[:4]
+    ):
+        head = text[:-1].rstrip()
+        comma = b"" if head == b"{" else b","
+        return head + comma + b' "kv_transfer_params": ' + json.dumps(kv_transfer_params).encode() + b"}"
     out = dict(body)
     out["kv_transfer_params"] = kv_transfer_params
     return json.dumps(out).encode()

@@ -64,6 +64,7 @@ class _Ctx:
     started: bool = False  # response headers sent
     finished: bool = False  # last byte sent (or being sent)
     disconnected: bool = False
+    raw: bytes = b""  # the client's body as received
 
     async def fail(self, err: RouterError) -> None:
         self.status, self.error_type = err.status, err.type
@@ -105,6 +106,7 @@ class CompletionHandler:
                 raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
             raw = await read_body(scope, receive, self.state.settings.max_body_bytes)
             body, request = parse_request(endpoint, raw)
+            ctx.raw = raw
             watcher = asyncio.get_running_loop().create_task(self._watch(receive, ctx, me))
             await self._serve(ctx, body, request)
         except RouterError as err:
@@ -123,9 +125,9 @@ class CompletionHandler:
             metrics.in_flight.dec()
             if ctx.disconnected:
                 ctx.status, ctx.error_type = 499, "client_disconnected"
-                metrics.client_aborts.labels(ctx.stage).inc()
-            metrics.requests.labels(endpoint.label, str(ctx.status), ctx.error_type).inc()
-            metrics.e2e.labels(endpoint.label).observe(perf_counter() - ctx.start)
+                metrics.child(metrics.client_aborts, ctx.stage).inc()
+            metrics.child(metrics.requests, endpoint.label, str(ctx.status), ctx.error_type).inc()
+            metrics.child(metrics.e2e, endpoint.label).observe(perf_counter() - ctx.start)
             log.info(
                 "request_id=%s %s status=%d%s stage=%s %.1fms",
                 rid,
@@ -260,7 +262,7 @@ class CompletionHandler:
                 state.upstream,
                 backend.target,
                 ctx.endpoint.value,
-                decode_body(body, kv_params),
+                decode_body(ctx.raw, body, kv_params),
                 ctx.request_id,
                 state.settings.decode_timeout,
             )
@@ -277,7 +279,7 @@ class CompletionHandler:
                 state.upstream_failed("decode", backend, failure)
                 raise failure from None
             ctx.status, ctx.finished = 200, True
-            state.metrics.ttft.labels(ctx.endpoint.label).observe(perf_counter() - ctx.start)
+            state.metrics.child(state.metrics.ttft, ctx.endpoint.label).observe(perf_counter() - ctx.start)
             await respond(
                 ctx.send,
                 200,
@@ -312,7 +314,7 @@ class CompletionHandler:
                 if t_prev:
                     itl.observe(now - t_prev)
                 else:
-                    state.metrics.ttft.labels(ctx.endpoint.label).observe(now - ctx.start)
+                    state.metrics.child(state.metrics.ttft, ctx.endpoint.label).observe(now - ctx.start)
                 t_prev = now
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 prev, last = last, chunk

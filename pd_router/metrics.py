@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
 
 PREFIX = "pd_router_"
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5)
+
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 
 class RouterMetrics:
@@ -17,6 +22,7 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = self._counter("requests", "Completed requests", ("endpoint", "status", "error_type"))
         self.ttft = self._histogram(
             "time_to_first_token_seconds", "Arrival to first decode byte", ("endpoint",)
@@ -50,6 +56,15 @@ class RouterMetrics:
         self, name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = _LATENCY
     ) -> Histogram:
         return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+    def child(self, metric: M, *labels: str) -> M:
+        """``metric.labels(*labels)``, cached: prometheus_client's lookup costs microseconds
+        (a lock and validation) and sits on every request's path."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found  # type: ignore[no-any-return]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -114,7 +114,7 @@ class RouterState:
     ) -> None:
         if isinstance(err, UpstreamRejected):
             return
-        self.metrics.upstream_errors.labels(role, backend.url, err.type).inc()
+        self.metrics.child(self.metrics.upstream_errors, role, backend.url, err.type).inc()
         if mark_down and backend.healthy:
             backend.healthy, backend.reason = False, err.message
             log.warning("backend %s marked unhealthy until the next probe: %s", backend.url, err.message)
@@ -129,10 +129,10 @@ class RouterState:
         m = self.metrics
         m.queue_depth.set(self.pool.queue_depth if hasattr(self, "pool") else 0)
         for d in self.backends.decode:
-            m.free_slots.labels(d.url).set(d.free if d.usable else 0)
-            m.backend_healthy.labels("decode", d.url).set(1 if d.usable else 0)
+            m.child(m.free_slots, d.url).set(d.free if d.usable else 0)
+            m.child(m.backend_healthy, "decode", d.url).set(1 if d.usable else 0)
         for p in self.backends.prefill:
-            m.backend_healthy.labels("prefill", p.url).set(1 if p.healthy else 0)
+            m.child(m.backend_healthy, "prefill", p.url).set(1 if p.healthy else 0)
 
     def leaks(self) -> dict[str, int]:
         """Non-zero counts of things that should be zero when the router is idle."""

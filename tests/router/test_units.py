@@ -46,7 +46,16 @@ def test_prefill_rewrite(endpoint, body, limits):
     assert {k: out[k] for k in ("max_tokens", "max_completion_tokens") if k in out} == limits
     assert out["seed"] == 5 and out["kv_transfer_params"] == {"handoff_id": "r", "kv_endpoint": "h:1"}
     assert original == {**base, **body}  # not mutated
-    assert json.loads(decode_body(original, {"a": 1})) == {**original, "kv_transfer_params": {"a": 1}}
+    for raw in (json.dumps(original).encode(), b" \n" + json.dumps(original, indent=2).encode() + b"\n "):
+        assert json.loads(decode_body(raw, original, {"a": 1})) == {
+            **original,
+            "kv_transfer_params": {"a": 1},
+        }
+    client_params = {**original, "kv_transfer_params": {"x": 1}}  # the client's own is replaced
+    out = decode_body(json.dumps(client_params).encode(), client_params, {"a": 1})
+    assert json.loads(out)["kv_transfer_params"] == {"a": 1} and out.count(b"kv_transfer_params") == 1
+    utf16 = json.dumps(original).encode("utf-16")
+    assert json.loads(decode_body(utf16, original, {"a": 1}))["kv_transfer_params"] == {"a": 1}
 
 
 def test_parse_request_keeps_unknown_fields_and_rejects_bad_ones():
