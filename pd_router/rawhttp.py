@@ -30,8 +30,12 @@ class Origin(NamedTuple):
     port: int
     tls: bool = False
 
+    @property
+    def authority(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
     def __str__(self) -> str:
-        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.authority}"
 
 
 class UpstreamError(Exception):
@@ -281,7 +285,7 @@ class ConnectionPool:
         """POST ``body`` (JSON); returns once the status and headers arrived."""
         head = "".join(
             [
-                f"POST {path} HTTP/1.1\r\nHost: {origin.host}:{origin.port}\r\n"
+                f"POST {path} HTTP/1.1\r\nHost: {origin.authority}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n",
                 *(f"{k}: {v}\r\n" for k, v in headers.items()),
                 "\r\n",

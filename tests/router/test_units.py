@@ -133,3 +133,12 @@ async def test_pool_cancelled_waiter_and_backend_loss():
     with pytest.raises(NoHealthyBackend):
         await pool.lease("m")
     assert pool.leased() == 0
+
+
+def test_backend_url_parsing():
+    from pd_router.upstream import Target
+
+    assert Target.parse("http://[::1]:8100/").origin.authority == "[::1]:8100"
+    t = Target.parse("https://decode.example:9443/pd")
+    assert (t.origin.host, t.origin.port, t.origin.tls, t.prefix) == ("decode.example", 9443, True, "/pd")
+    assert Target.parse("http://h").origin.port == 80
