@@ -90,7 +90,7 @@ srun_step() {
     printf '%s\0' "${cmd[@]}"
 }
 
-# start_step STEP_ID NODE IMAGE [SCRIPT...]: start a background srun step; remembers its pid.
+# start_step STEP_ID NODE IMAGE: start the service STEP_ID as a background srun step; remembers its pid.
 start_step() {
     local step=$1 node=$2 image=$3 cmd=()
     mapfile -d '' -t cmd < <(srun_step "$step" "$node" "$image")
