@@ -25,6 +25,9 @@ def ensure_installed(timeout: float = 600.0) -> None:
     """apt-get install slurm-wlm and munge when missing (we run as root in the test machine)."""
     if shutil.which("slurmctld", path="/usr/sbin:/usr/bin") and shutil.which("munged", path="/usr/sbin"):
         return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise RuntimeError("the Slurm tests need slurm-wlm and munge (Debian packages): run "
+                           "`apt-get install -y slurm-wlm munge` as root, or run the tests as root on Debian")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     subprocess.run(["apt-get", "update"], check=True, timeout=timeout, env=env, capture_output=True)
     subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES], check=True,
