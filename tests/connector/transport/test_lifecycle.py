@@ -207,3 +207,20 @@ def test_settings_errors_name_option_value_and_reason():
         ReceiverSettings(layout=SMALL, max_tokens=8, slots=0)
     with pytest.raises(ValueError, match=r"ReceiverSettings.transport='tcp': must be one of"):
         ReceiverSettings(layout=SMALL, max_tokens=8, transport="tcp")
+
+
+async def test_one_sender_two_decode_servers():
+    async with running_receiver() as first, running_receiver() as second:
+        sender = make_sender()
+        try:
+            a = await asyncio.to_thread(_send, sender, first.endpoint, "to-first", 20, range(3), 5)
+            b = await asyncio.to_thread(_send, sender, second.endpoint, "to-second", 30, range(3), 6)
+            assert [await asyncio.to_thread(h.wait, 5) for h in (a, b)] == ["sent", "sent"]
+            kv_a, kv_b = await first.wait_for("to-first", 5), await second.wait_for("to-second", 5)
+            assert mismatches(kv_a.layers, SMALL, 20, 5) == [] and mismatches(kv_b.layers, SMALL, 30, 6) == []
+            first.release("to-first")
+            second.release("to-second")
+            assert_no_leaks(first, sender)
+            assert_no_leaks(second)
+        finally:
+            sender.close()

@@ -41,12 +41,16 @@ def test_glm5_kv_79_layers_2k_tokens_arrive_byte_identical(tmp_path):
     assert result["peers"] == [{"peer": "prefill-rank0", "state": "ok", "reason": None}]
 
 
-@pytest.mark.timeout(120)
-def test_receiver_killed_mid_transfer_fails_the_handoff_quickly(tmp_path):
+@pytest.mark.timeout(180)
+def test_receiver_killed_mid_transfer_fails_the_handoff_quickly_then_a_restart_works(tmp_path):
     tokens = 1024
-    with remote_receiver(tmp_path, "--max-tokens", str(tokens), "--handoff", "doomed", "--timeout", "60") as rr:
-        sender = KVSender("prefill-kill", LAYOUT, tokens, transport="nixl", staging_slots=1)
-        try:
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    sender = KVSender("prefill-kill", LAYOUT, tokens, transport="nixl", staging_slots=1)
+    try:
+        with remote_receiver(first, "--max-tokens", str(tokens), "--handoff", "doomed", "--timeout", "60",
+                             "--agent-name", "decode-0") as rr:
             handoff = sender.begin(rr.endpoint, "doomed", tokens, timeout=10)
             for layer in range(40):
                 handoff.post_layer(layer)
@@ -65,5 +69,16 @@ def test_receiver_killed_mid_transfer_fails_the_handoff_quickly(tmp_path):
             # the staging buffer is free again (staging_slots=1) and the dead endpoint is reported clearly
             with pytest.raises(ControlChannelError, match=rr.endpoint):
                 sender.begin(rr.endpoint, "after-death", tokens, timeout=2)
-        finally:
-            sender.close()
+        # the decode server comes back under the same NIXL agent name: the sender drops the
+        # dead agent and handshakes again
+        with remote_receiver(second, "--max-tokens", str(tokens), "--handoff", "reborn", "--seed", "3",
+                             "--agent-name", "decode-0") as rr:
+            handoff = sender.begin(rr.endpoint, "reborn", tokens, timeout=10)
+            for layer in range(LAYOUT.num_layers):
+                fill(handoff.staging(layer), layer_bytes(LAYOUT, layer, tokens, 3))
+                handoff.post_layer(layer)
+            assert handoff.wait(timeout=30) == "sent", handoff.error
+            (result,) = rr.results(1, timeout=30)
+            assert result.get("error") is None and result["mismatches"] == []
+    finally:
+        sender.close()
