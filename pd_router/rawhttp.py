@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections import deque
 from typing import Any, NamedTuple
 
 import httptools
@@ -245,10 +246,14 @@ class ConnectionPool:
         self.connect_timeout = connect_timeout
         self.idle_ttl = idle_ttl
         self._tls: ssl.SSLContext | None = None
-        self._idle: dict[Origin, list[_Connection]] = {}
+        self._idle: dict[Origin, deque[_Connection]] = {}
 
     def put(self, conn: _Connection) -> None:
-        self._idle.setdefault(conn.origin, []).append(conn)
+        idle = self._idle.setdefault(conn.origin, deque())
+        idle.append(conn)
+        # the oldest idle connections sit at the left: drop those past their time
+        while idle and (idle[0].closed or conn.idle_since - idle[0].idle_since >= self.idle_ttl):
+            idle.popleft().abort()
 
     async def _acquire(self, origin: Origin) -> _Connection:
         idle = self._idle.get(origin)
