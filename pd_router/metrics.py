@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 PREFIX = "pd_router_"
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -15,6 +21,36 @@ _ITL = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1
 
 
 M = TypeVar("M", bound=MetricWrapperBase)
+
+
+class TokenHistogram(Collector):
+    """An unlabelled histogram whose ``observe`` is one bisect and one add: it runs once
+    per relayed chunk, where prometheus_client's Histogram (a lock and a Python loop over
+    the buckets) costs about 1.5 us more. Only touched from the event loop's thread."""
+
+    def __init__(self, name: str, doc: str, buckets: Sequence[float], registry: CollectorRegistry) -> None:
+        self.name, self.doc = name, doc
+        self._bounds = [*buckets, math.inf]
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self.name, self.doc)]
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.doc)
+        cumulative = list(accumulate(self._counts))
+        family.add_metric(
+            [],
+            [(floatToGoString(b), c) for b, c in zip(self._bounds, cumulative, strict=True)],
+            sum_value=self._sum,
+        )
+        return [family]
 
 
 class RouterMetrics:
@@ -27,8 +63,8 @@ class RouterMetrics:
         self.ttft = self._histogram(
             "time_to_first_token_seconds", "Arrival to first decode byte", ("endpoint",)
         )
-        self.itl = self._histogram(
-            "inter_token_latency_seconds", "Between two relayed decode chunks", (), _ITL
+        self.itl = TokenHistogram(
+            PREFIX + "inter_token_latency_seconds", "Between two relayed decode chunks", _ITL, self.registry
         )
         self.e2e = self._histogram("e2e_latency_seconds", "Request arrival to last byte", ("endpoint",))
         self.queue_wait = self._histogram("queue_wait_seconds", "Time waiting for a decode slot")

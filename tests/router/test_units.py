@@ -142,3 +142,24 @@ def test_backend_url_parsing():
     t = Target.parse("https://decode.example:9443/pd")
     assert (t.origin.host, t.origin.port, t.origin.tls, t.prefix) == ("decode.example", 9443, True, "/pd")
     assert Target.parse("http://h").origin.port == 80
+
+
+def test_token_histogram_matches_prometheus_semantics():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from pd_router.metrics import TokenHistogram
+
+    ours, reference = CollectorRegistry(), CollectorRegistry()
+    fast = TokenHistogram("itl_seconds", "doc", (0.001, 0.003, 0.01), ours)
+    slow = Histogram("itl_seconds", "doc", buckets=(0.001, 0.003, 0.01), registry=reference)
+    for value in (0.0005, 0.001, 0.002, 0.003, 0.0031, 0.5, 0.0):
+        fast.observe(value)
+        slow.observe(value)
+    samples = {(s.name, tuple(s.labels.items())): s.value for m in ours.collect() for s in m.samples}
+    expected = {
+        (s.name, tuple(s.labels.items())): s.value
+        for m in reference.collect()
+        for s in m.samples
+        if not s.name.endswith("_created")
+    }
+    assert samples == pytest.approx(expected)
