@@ -10,9 +10,10 @@
 #
 # Inside the job (on the first node), in this order:
 #   1. weight conversion, once, on the first decode node (setup_deps.sh convert);
-#   2. prefill and decode servers, each an srun step on its node (run_node.sh), in the
-#      role's container (pyxis --container-image) when srun has pyxis, else plain;
-#   3. readiness gates: prefill /health, every decode server /ready;
+#   2. the decode servers, each an srun step on its node (run_node.sh), in the role's
+#      container (pyxis --container-image) when srun has pyxis, else plain; gate: /ready;
+#   3. the prefill server (same way), which handshakes with every decode KV endpoint as
+#      it starts; gate: /health;
 #   4. the router, then its /ready gate (ready only once the KV handshake succeeded);
 #   5. a smoke chat completion, then the benchmark steps (aiperf, lm-eval gsm8k), if any;
 #   6. with hold: serve until the job is cancelled or DIR/STOP appears;
@@ -195,13 +196,18 @@ in_job() {
         fi
     done
     set_state starting
-    for row in "${rows[@]}"; do
-        IFS=$'\t' read -r id role kind node image url <<< "$row"
-        if [[ $role == prefill || $role == decode ]]; then start_step "$id" "$node" "$image"; fi
-    done
-    for row in "${rows[@]}"; do
-        IFS=$'\t' read -r id role kind node image url <<< "$row"
-        if [[ $role == prefill || $role == decode ]]; then gate "$id" "$(subst_hosts "$url")"; fi
+    # Decode first: its KV endpoint listens only once its engine is loaded, and vLLM's
+    # connector handshakes with it when vLLM starts (the router is ready only after that
+    # handshake). Every decode server starts at once; prefill once they are all ready.
+    for phase in decode prefill; do
+        for row in "${rows[@]}"; do
+            IFS=$'\t' read -r id role kind node image url <<< "$row"
+            if [[ $role == "$phase" ]]; then start_step "$id" "$node" "$image"; fi
+        done
+        for row in "${rows[@]}"; do
+            IFS=$'\t' read -r id role kind node image url <<< "$row"
+            if [[ $role == "$phase" ]]; then gate "$id" "$(subst_hosts "$url")"; fi
+        done
     done
     for row in "${rows[@]}"; do
         IFS=$'\t' read -r id role kind node image url <<< "$row"

@@ -12,6 +12,17 @@ from pd_router.deploy_recipe.schema import Recipe
 from pd_router.deploy_recipe.topology import RecipeError, RecipeProblem, conversion_env, topology_problems
 
 __all__ = [
-    "Plan", "Recipe", "RecipeError", "RecipeProblem", "Step", "build_plan", "conversion_env", "describe",
-    "host_placeholder", "load_recipe", "parse_recipe", "topology_problems", "write_plan",
+    "Plan",
+    "Recipe",
+    "RecipeError",
+    "RecipeProblem",
+    "Step",
+    "build_plan",
+    "conversion_env",
+    "describe",
+    "host_placeholder",
+    "load_recipe",
+    "parse_recipe",
+    "topology_problems",
+    "write_plan",
 ]

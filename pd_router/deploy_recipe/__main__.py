@@ -12,8 +12,10 @@ from pd_router.deploy_recipe.topology import RecipeError
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pd_router.deploy_recipe",
-                                description="Validate deployment recipes and show or write their plans.")
+    p = argparse.ArgumentParser(
+        prog="python -m pd_router.deploy_recipe",
+        description="Validate deployment recipes and show or write their plans.",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="check recipes (schema and topology); exit 2 if any is invalid")
     v.add_argument("recipes", nargs="+", type=Path)
@@ -44,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "dry-run":
             hosts = [h for h in args.hosts.split(",") if h]
             if hosts and len(hosts) != plan.recipe.num_nodes:
-                print(f"--hosts: {len(hosts)} names given, the recipe needs {plan.recipe.num_nodes}",
-                      file=sys.stderr)
+                print(
+                    f"--hosts: {len(hosts)} names given, the recipe needs {plan.recipe.num_nodes}",
+                    file=sys.stderr,
+                )
                 return 2
             sys.stdout.write(describe(plan, hosts or None, args.job_dir))
             return 0

@@ -32,7 +32,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pd_router.deploy_recipe.plan import DECODE_ENV, PREFILL_ENV
 from pd_router.stack.commands import (
-    DecodeSpec, PrefillSpec, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv,
+    DecodeSpec,
+    PrefillSpec,
+    RouterSpec,
+    decode_server_argv,
+    router_argv,
+    vllm_prefill_argv,
 )
 
 
@@ -69,7 +74,9 @@ class PrefillEnv(_Env):
     @classmethod
     def _mtp_required(cls, value: bool) -> bool:
         if not value:
-            raise ValueError("MTP is required: the decode side expects the MTP layer's KV (unset it or set 1)")
+            raise ValueError(
+                "MTP is required: the decode side expects the MTP layer's KV (unset it or set 1)"
+            )
         return value
 
     @field_validator("decode_kv_endpoints")
@@ -127,26 +134,56 @@ def build_argv(role: str, environ: Mapping[str, str], extra: list[str]) -> tuple
     if isinstance(s, PrefillEnv):
         spec_extra = [*extra]
         if s.num_speculative_tokens != 1:
-            spec_extra += ["--speculative-config",
-                           json.dumps({"method": "mtp", "num_speculative_tokens": s.num_speculative_tokens})]
-        argv = vllm_prefill_argv(PrefillSpec(
-            model=s.model, port=s.port, host=s.host, mtp=s.mtp, profile=s.profile,
-            decode_endpoints=tuple(s.decode_kv_endpoints), enforce_eager=s.enforce_eager,
-            tensor_parallel=s.tensor_parallel, max_model_len=s.max_model_len, python=s.python,
-            extra_args=tuple(spec_extra)))
+            spec_extra += [
+                "--speculative-config",
+                json.dumps({"method": "mtp", "num_speculative_tokens": s.num_speculative_tokens}),
+            ]
+        argv = vllm_prefill_argv(
+            PrefillSpec(
+                model=s.model,
+                port=s.port,
+                host=s.host,
+                mtp=s.mtp,
+                profile=s.profile,
+                decode_endpoints=tuple(s.decode_kv_endpoints),
+                enforce_eager=s.enforce_eager,
+                tensor_parallel=s.tensor_parallel,
+                max_model_len=s.max_model_len,
+                python=s.python,
+                extra_args=tuple(spec_extra),
+            )
+        )
         if s.served_model_name:
             argv[argv.index("--served-model-name") + 1] = s.served_model_name
         return argv, {**PREFILL_ENV, **environ}
     if isinstance(s, DecodeEnv):
         names = ("--served-model-name", s.served_model_name) if s.served_model_name else ()
-        argv = decode_server_argv(DecodeSpec(
-            model=s.model, port=s.port, kv_port=s.kv_port, host=s.host, engine=s.engine, slots=s.slots,
-            max_seq_len=s.max_seq_len, num_mtp=s.num_mtp, python=s.python,
-            extra_args=("--kv-host", s.kv_host, *names, *extra)))
+        argv = decode_server_argv(
+            DecodeSpec(
+                model=s.model,
+                port=s.port,
+                kv_port=s.kv_port,
+                host=s.host,
+                engine=s.engine,
+                slots=s.slots,
+                max_seq_len=s.max_seq_len,
+                num_mtp=s.num_mtp,
+                python=s.python,
+                extra_args=("--kv-host", s.kv_host, *names, *extra),
+            )
+        )
         return argv, {**DECODE_ENV, **environ}
     if isinstance(s, RouterEnv):
-        argv = router_argv(RouterSpec(prefill_urls=tuple(s.prefill_urls), decode_urls=tuple(s.decode_urls),
-                                      port=s.port, host=s.host, python=s.python, extra_args=tuple(extra)))
+        argv = router_argv(
+            RouterSpec(
+                prefill_urls=tuple(s.prefill_urls),
+                decode_urls=tuple(s.decode_urls),
+                port=s.port,
+                host=s.host,
+                python=s.python,
+                extra_args=tuple(extra),
+            )
+        )
         return argv, dict(environ)
     raise LaunchError(f"role {role!r} has no command")
 

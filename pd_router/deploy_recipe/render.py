@@ -28,8 +28,10 @@ def parse_recipe(data: dict, source: str = "<recipe>") -> Recipe:
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
-        problems = [RecipeProblem(".".join(str(p) for p in e["loc"]) or "<root>", e.get("input"), e["msg"])
-                    for e in exc.errors()]
+        problems = [
+            RecipeProblem(".".join(str(p) for p in e["loc"]) or "<root>", e.get("input"), e["msg"])
+            for e in exc.errors()
+        ]
         raise RecipeError(source, problems) from None
     problems = topology_problems(recipe)
     if problems:
@@ -43,7 +45,9 @@ def load_recipe(path: Path) -> Recipe:
     try:
         data = load_recipe_text(path)
     except (OSError, ValueError, yaml.YAMLError) as exc:
-        raise RecipeError(str(path), [RecipeProblem("<file>", str(path), f"cannot read recipe: {exc}")]) from None
+        raise RecipeError(
+            str(path), [RecipeProblem("<file>", str(path), f"cannot read recipe: {exc}")]
+        ) from None
     return parse_recipe(data, str(path))
 
 
@@ -57,9 +61,11 @@ def describe(plan: Plan, hosts: list[str] | None = None, job_dir: str = "<job-di
     """Human-readable plan: every process of every node with its exact command, in start order."""
     r = plan.recipe
     names = hosts or [f"node{i}" for i in range(r.num_nodes)]
-    lines = [f"recipe {r.name}: {r.num_nodes} node(s), model {r.model.name} ({r.model.profile}), "
-             f"decode engine {r.decode.engine}, MTP {'on' if r.mtp.enabled else 'off'}",
-             "start order: convert (once) -> prefill + decode -> gates -> router -> gate -> benchmarks"]
+    lines = [
+        f"recipe {r.name}: {r.num_nodes} node(s), model {r.model.name} ({r.model.profile}), "
+        f"decode engine {r.decode.engine}, MTP {'on' if r.mtp.enabled else 'off'}",
+        "start order: convert (once) -> decode -> gates -> prefill -> gate -> router -> gate -> benchmarks",
+    ]
     for node in range(r.num_nodes):
         lines.append(f"\n== node {node} ({names[node]}) ==")
         for step in plan.steps:
@@ -84,24 +90,39 @@ def _job_env(plan: Plan) -> dict[str, str]:
     conv = r.conversion
     gpus = max(r.prefill.gpus_per_node, r.decode.gpus_per_node)
     env = {
-        "RECIPE_NAME": r.name, "NUM_NODES": str(r.num_nodes), "MODEL_NAME": r.model.name,
-        "ROUTER_URL": plan.router_url, "GATE_TIMEOUT": str(r.slurm.gate_timeout_s),
-        "CONTAINER_MODE": r.slurm.container, "CONTAINER_MOUNTS": ",".join(r.slurm.mounts),
-        "SMOKE_TEST": "1" if r.slurm.smoke_test else "0", "HOLD": "1" if r.slurm.hold else "0",
-        "SLURM_PARTITION": r.slurm.partition or "", "SLURM_ACCOUNT": r.slurm.account or "",
-        "SLURM_TIME": r.slurm.time, "GPUS_PER_NODE": str(gpus),
+        "RECIPE_NAME": r.name,
+        "NUM_NODES": str(r.num_nodes),
+        "MODEL_NAME": r.model.name,
+        "ROUTER_URL": plan.router_url,
+        "GATE_TIMEOUT": str(r.slurm.gate_timeout_s),
+        "CONTAINER_MODE": r.slurm.container,
+        "CONTAINER_MOUNTS": ",".join(r.slurm.mounts),
+        "SMOKE_TEST": "1" if r.slurm.smoke_test else "0",
+        "HOLD": "1" if r.slurm.hold else "0",
+        "SLURM_PARTITION": r.slurm.partition or "",
+        "SLURM_ACCOUNT": r.slurm.account or "",
+        "SLURM_TIME": r.slurm.time,
+        "GPUS_PER_NODE": str(gpus),
         "CPUS_PER_NODE": str(r.slurm.cpus_per_node or ""),
     }
     if conv and r.model.converted:
-        env.update({"CONVERT_SRC": r.model.source, "CONVERT_DST": r.model.converted,
-                    "CONVERT_SHARDS": str(conv.shards), "CONVERT_SHARD_GLOB": conv.shard_glob,
-                    "CONVERT_TOKENIZER_FILES": " ".join(conv.tokenizer_files),
-                    "CONVERT_LOCK_TIMEOUT": str(conv.lock_timeout_s)})
+        env.update(
+            {
+                "CONVERT_SRC": r.model.source,
+                "CONVERT_DST": r.model.converted,
+                "CONVERT_SHARDS": str(conv.shards),
+                "CONVERT_SHARD_GLOB": conv.shard_glob,
+                "CONVERT_TOKENIZER_FILES": " ".join(conv.tokenizer_files),
+                "CONVERT_LOCK_TIMEOUT": str(conv.lock_timeout_s),
+            }
+        )
     return env
 
 
 def _step_row(step: Step) -> str:
-    return "\t".join([step.id, step.role, step.kind, str(step.node), step.image or "-", step.ready_url or "-"])
+    return "\t".join(
+        [step.id, step.role, step.kind, str(step.node), step.image or "-", step.ready_url or "-"]
+    )
 
 
 def write_plan(plan: Plan, job_dir: Path) -> Path:

@@ -22,12 +22,17 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     name: str = Field(min_length=1, description="served model name (what clients put in 'model')")
     profile: Literal["glm5.1", "tiny"] = Field(description="connector model profile")
-    source: str = Field(min_length=1, description="Hugging Face checkpoint dir on the shared filesystem "
-                                                   "(prefill loads it; tokenizer files come from it)")
+    source: str = Field(
+        min_length=1,
+        description="Hugging Face checkpoint dir on the shared filesystem "
+        "(prefill loads it; tokenizer files come from it)",
+    )
     converted: str | None = Field(default=None, description="converted decode weights dir (TileRT)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        default="auto", description="prefill compute dtype (vLLM --dtype); with the reference engine also the "
-                                    "dtype of the KV decode receives (--kv-dtype), so both sides agree")
+        default="auto",
+        description="prefill compute dtype (vLLM --dtype); with the reference engine also the "
+        "dtype of the KV decode receives (--kv-dtype), so both sides agree",
+    )
 
 
 class MtpSpec(_Strict):
@@ -83,7 +88,9 @@ class ConversionSpec(_Strict):
 
 
 class Gsm8kSpec(_Strict):
-    data_path: str = Field(min_length=1, description="local directory with gsm8k's test split (no hub access)")
+    data_path: str = Field(
+        min_length=1, description="local directory with gsm8k's test split (no hub access)"
+    )
     limit: int | None = Field(default=None, ge=1)
     num_fewshot: int = Field(default=5, ge=0)
     concurrency: int = Field(default=8, ge=1)
@@ -104,16 +111,23 @@ class SlurmSpec(_Strict):
     account: str | None = None
     time: str = "04:00:00"
     container: Literal["auto", "pyxis", "none"] = Field(
-        default="auto", description="auto: pyxis flags when srun has them, else plain processes")
+        default="auto", description="auto: pyxis flags when srun has them, else plain processes"
+    )
     mounts: list[str] = Field(default_factory=list, description="extra SRC:DST container mounts")
     colocate: bool = Field(default=False, description="every role on one node (CPU test stacks only)")
-    bind_host: str = Field(default="0.0.0.0", min_length=1,
-                           description="address the servers listen on (colocate: always 127.0.0.1)")
+    bind_host: str = Field(
+        default="0.0.0.0",
+        min_length=1,
+        description="address the servers listen on (colocate: always 127.0.0.1)",
+    )
     cpus_per_node: int | None = Field(default=None, ge=1)
     gate_timeout_s: int = Field(default=1800, ge=1)
     smoke_test: bool = Field(default=True, description="send one chat completion once the router is ready")
-    hold: bool = Field(default=True, description="keep serving after the gates (and benchmarks) until "
-                                                 "the job is cancelled or <job dir>/STOP appears")
+    hold: bool = Field(
+        default=True,
+        description="keep serving after the gates (and benchmarks) until "
+        "the job is cancelled or <job dir>/STOP appears",
+    )
 
 
 class Recipe(_Strict):

@@ -38,42 +38,76 @@ class RecipeError(ValueError):
 def _role_checks(r: Recipe) -> list[RecipeProblem]:
     out: list[RecipeProblem] = []
     if r.prefill.nodes != 1:
-        out.append(RecipeProblem("prefill.nodes", r.prefill.nodes,
-                                 "exactly one prefill node is supported (one vLLM instance, TP over its "
-                                 "GPUs); scale out with decode.nodes"))
+        out.append(
+            RecipeProblem(
+                "prefill.nodes",
+                r.prefill.nodes,
+                "exactly one prefill node is supported (one vLLM instance, TP over its "
+                "GPUs); scale out with decode.nodes",
+            )
+        )
     if r.decode.nodes < 1:
         out.append(RecipeProblem("decode.nodes", r.decode.nodes, "at least one decode node is needed"))
     if r.prefill.gpus_per_node and r.prefill.tensor_parallel > r.prefill.gpus_per_node:
-        out.append(RecipeProblem("prefill.tensor_parallel", r.prefill.tensor_parallel,
-                                 f"larger than prefill.gpus_per_node ({r.prefill.gpus_per_node})"))
+        out.append(
+            RecipeProblem(
+                "prefill.tensor_parallel",
+                r.prefill.tensor_parallel,
+                f"larger than prefill.gpus_per_node ({r.prefill.gpus_per_node})",
+            )
+        )
     if r.decode.engine == "tilert":
         if r.model.profile == "glm5.1" and r.decode.gpus_per_node != GLM5_DECODE_GPUS:
-            out.append(RecipeProblem("decode.gpus_per_node", r.decode.gpus_per_node,
-                                     f"GLM-5 decode with TileRT needs {GLM5_DECODE_GPUS} GPUs per decode node "
-                                     "(the converted weights are 8 device shards)"))
+            out.append(
+                RecipeProblem(
+                    "decode.gpus_per_node",
+                    r.decode.gpus_per_node,
+                    f"GLM-5 decode with TileRT needs {GLM5_DECODE_GPUS} GPUs per decode node "
+                    "(the converted weights are 8 device shards)",
+                )
+            )
         if r.decode.slots != 1:
             out.append(RecipeProblem("decode.slots", r.decode.slots, "TileRT decodes one sequence at a time"))
         if not r.model.converted:
-            out.append(RecipeProblem("model.converted", None, "the tilert engine loads converted weights: "
-                                     "set model.converted (and conversion)"))
+            out.append(
+                RecipeProblem(
+                    "model.converted",
+                    None,
+                    "the tilert engine loads converted weights: set model.converted (and conversion)",
+                )
+            )
         if r.conversion is None:
             out.append(RecipeProblem("conversion", None, "the tilert engine needs a weight conversion step"))
     if r.model.profile == "glm5.1" and r.decode.engine != "tilert":
-        out.append(RecipeProblem("decode.engine", r.decode.engine,
-                                 "the glm5.1 profile decodes with tilert (the reference engine is for "
-                                 "the tiny CPU model)"))
+        out.append(
+            RecipeProblem(
+                "decode.engine",
+                r.decode.engine,
+                "the glm5.1 profile decodes with tilert (the reference engine is for the tiny CPU model)",
+            )
+        )
     return out
 
 
 def _mtp_checks(r: Recipe) -> list[RecipeProblem]:
     out: list[RecipeProblem] = []
     if not r.mtp.enabled:
-        out.append(RecipeProblem("mtp.enabled", False,
-                                 "MTP is required: the decode side expects the MTP layer's KV (N+1 layers) "
-                                 "and a prefill without it fails the KV handshake"))
+        out.append(
+            RecipeProblem(
+                "mtp.enabled",
+                False,
+                "MTP is required: the decode side expects the MTP layer's KV (N+1 layers) "
+                "and a prefill without it fails the KV handshake",
+            )
+        )
     if r.decode.num_mtp < 1:
-        out.append(RecipeProblem("decode.num_mtp", r.decode.num_mtp,
-                                 "MTP is required: decode needs at least one MTP draft per step"))
+        out.append(
+            RecipeProblem(
+                "decode.num_mtp",
+                r.decode.num_mtp,
+                "MTP is required: decode needs at least one MTP draft per step",
+            )
+        )
     return out
 
 
@@ -84,10 +118,15 @@ def _image_checks(r: Recipe) -> list[RecipeProblem]:
     for role in ("prefill", "decode", "router"):
         if not getattr(r, role).image:
             out.append(RecipeProblem(f"{role}.image", None, f"the {role} role has no image"))
-    if (r.decode.engine == "tilert" and r.prefill.image and r.prefill.image == r.decode.image):
-        out.append(RecipeProblem("decode.image", r.decode.image,
-                                 "prefill and decode cannot share one image (vLLM's torch/CUDA vs TileRT's "
-                                 "Python 3.12 + torch 2.11 + CUDA 13); see Dockerfile.decode"))
+    if r.decode.engine == "tilert" and r.prefill.image and r.prefill.image == r.decode.image:
+        out.append(
+            RecipeProblem(
+                "decode.image",
+                r.decode.image,
+                "prefill and decode cannot share one image (vLLM's torch/CUDA vs TileRT's "
+                "Python 3.12 + torch 2.11 + CUDA 13); see Dockerfile.decode",
+            )
+        )
     return out
 
 
@@ -95,8 +134,13 @@ def _placement_checks(r: Recipe) -> list[RecipeProblem]:
     out: list[RecipeProblem] = []
     if r.slurm.colocate:
         if r.decode.engine == "tilert":
-            out.append(RecipeProblem("slurm.colocate", True,
-                                     "a TileRT decode server needs a node of its own; colocate is for CPU stacks"))
+            out.append(
+                RecipeProblem(
+                    "slurm.colocate",
+                    True,
+                    "a TileRT decode server needs a node of its own; colocate is for CPU stacks",
+                )
+            )
         ports = {"prefill.port": r.prefill.port, "router.port": r.router.port}
         for i in range(r.decode.nodes):
             ports[f"decode.port (+{i})"] = r.decode.port + i
@@ -107,8 +151,13 @@ def _placement_checks(r: Recipe) -> list[RecipeProblem]:
                 out.append(RecipeProblem(name, port, f"same port as {seen[port]} on the shared node"))
             seen.setdefault(port, name)
     elif r.router.port == r.prefill.port:
-        out.append(RecipeProblem("router.port", r.router.port, "the router runs on the prefill node: "
-                                 "its port must differ from prefill.port"))
+        out.append(
+            RecipeProblem(
+                "router.port",
+                r.router.port,
+                "the router runs on the prefill node: its port must differ from prefill.port",
+            )
+        )
     return out
 
 
@@ -116,11 +165,17 @@ def _env_checks(r: Recipe) -> list[RecipeProblem]:
     """Conversion sees every role's Hugging Face settings; they must agree."""
     out: list[RecipeProblem] = []
     for var in HF_VARS:
-        values = {role: getattr(r, role).env[var] for role in ("prefill", "decode", "router")
-                  if var in getattr(r, role).env}
+        values = {
+            role: getattr(r, role).env[var]
+            for role in ("prefill", "decode", "router")
+            if var in getattr(r, role).env
+        }
         if len(set(values.values())) > 1:
-            out.append(RecipeProblem(f"*.env.{var}", values,
-                                     "roles disagree; the weight conversion must see one value"))
+            out.append(
+                RecipeProblem(
+                    f"*.env.{var}", values, "roles disagree; the weight conversion must see one value"
+                )
+            )
     return out
 
 
@@ -128,8 +183,13 @@ def _benchmark_checks(r: Recipe) -> list[RecipeProblem]:
     out: list[RecipeProblem] = []
     b = r.benchmark
     if b and b.gsm8k and not b.gsm8k.data_path.startswith("/"):
-        out.append(RecipeProblem("benchmark.gsm8k.data_path", b.gsm8k.data_path,
-                                 "must be an absolute local path: compute nodes cannot reach a hub"))
+        out.append(
+            RecipeProblem(
+                "benchmark.gsm8k.data_path",
+                b.gsm8k.data_path,
+                "must be an absolute local path: compute nodes cannot reach a hub",
+            )
+        )
     if b and b.tokenizer and not b.tokenizer.startswith("/"):
         out.append(RecipeProblem("benchmark.tokenizer", b.tokenizer, "must be an absolute local directory"))
     if b and any(c < 1 for c in b.concurrency):

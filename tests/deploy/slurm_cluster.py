@@ -81,7 +81,7 @@ class SlurmCluster:
                         f"--pid-file={self.munge_dir / 'munged.pid'}", f"--log-file={self.munge_dir / 'munged.log'}",
                         f"--seed-file={self.munge_dir / 'munged.seed'}"], check=True, timeout=30)
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, timeout: float = 180.0) -> None:
         self._write_conf()
         self._start_munge()
         subprocess.run(["/usr/sbin/slurmctld", "-i", "-f", str(self.conf)], check=True, timeout=30, env=self.env)

@@ -69,8 +69,10 @@ def test_job_orders_gates_serves_and_stops(slurm_cluster: SlurmCluster, tmp_path
     converted = Path(data["model"]["converted"])
     assert (converted / ".tilert-pd-complete").exists()
     assert converted.stat().st_mtime <= rec["prefill"]["started"]
-    # gates: the router started only after prefill and (delayed) decode were ready
+    # gates: prefill started only once the (delayed) decode was ready, the router only
+    # once both were
     assert rec["decode"]["ready"] >= rec["decode"]["started"] + DECODE_DELAY - 0.5
+    assert rec["prefill"]["started"] > rec["decode"]["ready"]
     assert rec["router"]["started"] > rec["decode"]["ready"]
     assert rec["router"]["started"] > rec["prefill"]["ready"]
     # smoke test, then the benchmarks through the router, offline with the local tokenizer
@@ -110,12 +112,12 @@ def test_gate_timeout_fails_the_job_and_stops_everything(slurm_cluster: SlurmClu
     job_id = submit_job(slurm_cluster, recipe, job_dir, {"STANDIN_DIR": str(records), "STANDIN_DECODE_DELAY": "600"})
     assert slurm_cluster.wait_job_end(job_id, timeout=120) == "FAILED"
     assert (job_dir / "state").read_text().strip() == "failed"
-    assert not (records / "router.json").exists(), "the router must not start before the decode gate passes"
+    for role in ("prefill", "router"):
+        assert not (records / f"{role}.json").exists(), f"{role} must not start before the decode gate passes"
     job_log = next((job_dir / "logs").glob("job-*.out")).read_text()
     assert "/ready not ready after 4s" in job_log
-    for role in ("prefill", "decode"):
-        r = json.loads((records / f"{role}.json").read_text())
-        assert r["stopped"] and not alive(r["pid"]), role
+    r = json.loads((records / "decode.json").read_text())
+    assert r["stopped"] and not alive(r["pid"])
 
 
 def test_scancel_stops_every_server(slurm_cluster: SlurmCluster, tmp_path: Path, standin_python: Path) -> None:
