@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections import deque
 from typing import Any, NamedTuple
 
@@ -72,6 +73,7 @@ class Response:
         self._waiter: asyncio.Future[None] | None = None
         self.got_bytes = False
         self.keep_alive = False
+        self._watchdog: asyncio.TimerHandle | None = None
 
     # producer side (called by the protocol)
     def _wake(self) -> None:
@@ -88,17 +90,32 @@ class Response:
     async def _wait(self) -> None:
         loop = self._conn.loop
         self._waiter = waiter = loop.create_future()
-        timer = loop.call_later(self._timeout, self._expire, waiter) if self._timeout else None
+        if self._timeout and self._watchdog is None:
+            # one timer per answer, re-armed every read_timeout, instead of one per wait
+            # (a timer costs ~10 us on uvloop, more than relaying the token it guards)
+            self._watchdog = loop.call_later(self._timeout, self._watch)
         try:
             await waiter
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
 
-    def _expire(self, waiter: asyncio.Future[None]) -> None:
-        if not waiter.done():
+    def _watch(self) -> None:
+        """Fail the answer if the reader has been waiting on a silent upstream for
+        ``read_timeout`` seconds; else look again when that could first be true."""
+        self._watchdog = None
+        if self._complete or self._error is not None or self._timeout is None:
+            return
+        silent = time.monotonic() - self._conn.last_data
+        if self._waiter is not None and not self._conn.paused and silent >= self._timeout:
             self._fail(ReadTimeout(f"no data from {self._conn.origin} for {self._timeout:g}s"))
+            return
+        delay = self._timeout - silent if silent < self._timeout else self._timeout
+        self._watchdog = self._conn.loop.call_later(delay, self._watch)
+
+    def _stop_watch(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     async def wait_headers(self) -> None:
         while not self._headers_done:
@@ -147,6 +164,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self.idle_since = 0.0
+        self.last_data = 0.0  # time.monotonic() of the last byte received (or of the last request sent)
         self.uses = 0
 
     # asyncio.Protocol
@@ -159,6 +177,7 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         resp.got_bytes = True
+        self.last_data = time.monotonic()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -213,6 +232,7 @@ class _Connection(asyncio.Protocol):
 
     def send(self, head: bytes, body: bytes, read_timeout: float | None) -> Response:
         self.response = resp = Response(self, read_timeout)
+        self.last_data = time.monotonic()
         if self.transport is None or self.closed:
             resp._fail(ConnectFailed(f"connection to {self.origin} is closed"))
             return resp
@@ -221,6 +241,7 @@ class _Connection(asyncio.Protocol):
         return resp
 
     def finish(self, resp: Response, reusable: bool) -> None:
+        resp._stop_watch()
         if self.response is not resp:
             return
         self.response = None
