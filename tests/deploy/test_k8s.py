@@ -95,6 +95,10 @@ def test_exactly_one_prefill_and_wiring_between_roles() -> None:
     assert router_env["PD_PREFILL_URLS"] == f"http://prefill:{prefill_env['PD_PORT']}"
     assert prefill_env["PD_SERVED_MODEL_NAME"] == decode_env["PD_SERVED_MODEL_NAME"]
     assert "$(POD_NAME).decode" in decode_env["PD_KV_HOST"]
+    # prefill starts only once every decode server is ready (its KV endpoint listens)
+    (wait,) = _get("Deployment", "prefill")["spec"]["template"]["spec"]["initContainers"]
+    assert wait["command"][:2] == ["/usr/local/bin/pd-entrypoint", "wait-ready"]
+    assert wait["command"][2:] == [u + "/ready" for u in router_env["PD_DECODE_URLS"].split(",")]
     (init,) = decode["spec"]["template"]["spec"]["initContainers"]
     assert _env(init)["CONVERT_DST"] == decode_env["PD_MODEL"]
     assert _env(init)["CONVERT_SRC"] == prefill_env["PD_MODEL"]

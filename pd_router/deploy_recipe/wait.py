@@ -1,0 +1,50 @@
+"""``entrypoint.sh wait-ready URL...``: block until every URL answers 200.
+
+Kubernetes has no start order across workloads; the prefill pod's init container uses
+this to wait for every decode server's ``/ready`` (engine loaded, KV endpoint listening),
+because vLLM's connector handshakes with the decode KV endpoints as it starts.
+``PD_WAIT_TIMEOUT`` (seconds, default 0: no limit) and ``PD_WAIT_INTERVAL`` (default 5).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Mapping
+
+
+def _status(url: str) -> int | str:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - URLs come from the manifest
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (OSError, ValueError) as exc:
+        return type(exc).__name__
+
+
+def wait_ready(urls: list[str], environ: Mapping[str, str]) -> int:
+    if not urls or not all(u.startswith(("http://", "https://")) for u in urls):
+        print(f"wait-ready: expected http(s) URLs, got {urls!r}", file=sys.stderr)
+        return 2
+    try:
+        timeout = float(environ.get("PD_WAIT_TIMEOUT", "0"))
+        interval = float(environ.get("PD_WAIT_INTERVAL", "5"))
+    except ValueError as exc:
+        print(f"wait-ready: PD_WAIT_TIMEOUT / PD_WAIT_INTERVAL must be numbers: {exc}", file=sys.stderr)
+        return 2
+    deadline = time.monotonic() + timeout if timeout > 0 else None
+    pending = list(urls)
+    while True:
+        pending = [u for u in pending if _status(u) != 200]
+        if not pending:
+            print(f"wait-ready: all ready: {', '.join(urls)}", file=sys.stderr, flush=True)
+            return 0
+        if deadline is not None and time.monotonic() >= deadline:
+            print(f"wait-ready: not ready after {timeout:g}s: {', '.join(pending)}", file=sys.stderr)
+            return 1
+        print(f"wait-ready: waiting for {', '.join(f'{u} ({_status(u)})' for u in pending)}",
+              file=sys.stderr, flush=True)
+        time.sleep(interval)
