@@ -9,6 +9,7 @@ Reading order: config -> profiles -> metadata -> scheduler -> worker.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -44,6 +45,7 @@ class TileRTConnectorMetadata(KVConnectorMetadata):
 class TileRTConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _route_logs_to_vllm()
         settings = load_settings(self._kv_transfer_config.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
@@ -130,6 +132,16 @@ class TileRTConnector(KVConnectorBase_V1):
             self._worker.shutdown()
         if self._scheduler is not None:
             self._scheduler.close()
+
+
+def _route_logs_to_vllm() -> None:
+    """Our modules log under "connector"; vLLM only configures "vllm". Share its handlers."""
+    ours, theirs = logging.getLogger("connector"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.getEffectiveLevel())
+        ours.propagate = False
 
 
 def _block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> int:

@@ -27,6 +27,7 @@ reports, and the scheduler side answers "sent" only when all ranks did.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -81,6 +82,8 @@ class _Send:
     error: str | None = None
     posted: set[int] = field(default_factory=set)
     reported: bool = False
+    t_step: float = 0.0  # perf_counter at bind of the last step
+    t_last_post: float = 0.0
 
 
 class ConnectorWorker:
@@ -163,6 +166,7 @@ class ConnectorWorker:
             send.work = work
             if work.last and not send.reported:
                 send.posted = set()
+                send.t_step = time.perf_counter()
                 self._active.append(send)
 
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor") -> None:
@@ -182,6 +186,7 @@ class ConnectorWorker:
                     torch.cuda.current_stream(kv_layer.device).synchronize()
                 send.handoff.post_layer(layer)
                 send.posted.add(layer)
+                send.t_last_post = time.perf_counter()
             except Exception as exc:  # noqa: BLE001 - any failure fails this handoff, not vLLM
                 self._fail(send, f"layer {layer}: {type(exc).__name__}: {exc}")
 
@@ -195,10 +200,14 @@ class ConnectorWorker:
                 if missing:
                     self._fail(send, f"layers {missing} were not saved in the prompt's last step")
                     continue
-                status = send.handoff.wait(self.settings.transfer_timeout_s)
+                try:
+                    status = send.handoff.wait(self.settings.transfer_timeout_s)
+                except Exception as exc:  # noqa: BLE001
+                    status, send.handoff.error = "failed", f"{type(exc).__name__}: {exc}"
                 if status != "sent":
                     self._fail(send, send.handoff.error or f"transfer ended {status!r}")
                     continue
+                _log_tail(send, time.perf_counter())
             self._report(send, "sent", None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
@@ -207,18 +216,19 @@ class ConnectorWorker:
             send = self._sends.pop(req_id, None)
             if send is None:
                 continue
-            if send.handoff is not None and send.handoff.status() == "pending":
-                self._abort(send, "the request finished before its handoff completed")
+            self._abort(send, "the request finished before its handoff completed")
             done.add(req_id)
         return (done or None), None
 
     def shutdown(self) -> None:
         for send in list(self._sends.values()):
-            if send.handoff is not None and send.handoff.status() == "pending":
-                self._abort(send, "the prefill connector is shutting down")
+            self._abort(send, "the prefill connector is shutting down")
         self._sends.clear()
         if self._sender is not None:
-            self._sender.close()
+            try:
+                self._sender.close()
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway
+                log.warning("closing the KV sender failed: %s", exc)
             self._sender = None
 
     def pending(self) -> dict[str, str]:
@@ -236,7 +246,7 @@ class ConnectorWorker:
             self._sender.connect(work.kv_endpoint, self.settings.handshake_timeout_s)
             send.handoff = self._sender.begin(work.kv_endpoint, work.handoff_id, work.num_tokens,
                                               self.settings.admission_timeout_s)
-        except (ConnectorError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a refused or broken handoff must not stop vLLM
             self._fail(send, f"{type(exc).__name__}: {exc}")
 
     def _gather(self, views: dict[str, "torch.Tensor"], layer: int, cache: "torch.Tensor", work: RequestWork) -> None:
@@ -250,14 +260,12 @@ class ConnectorWorker:
 
     def _fail(self, send: _Send, error: str) -> None:
         log.warning("handoff %s (request %s) failed: %s", send.work.handoff_id, send.work.req_id, error)
-        if send.handoff is not None and send.handoff.status() == "pending":
-            send.handoff.abort(error)
+        _abort_quietly(send.handoff, error)
         send.error = error
         self._report(send, "failed", error)
 
     def _abort(self, send: _Send, reason: str) -> None:
-        if send.handoff is not None and send.handoff.status() == "pending":
-            send.handoff.abort(reason)
+        _abort_quietly(send.handoff, reason)
         send.error = send.error or reason
         if send in self._active:
             self._active.remove(send)
@@ -268,6 +276,26 @@ class ConnectorWorker:
         send.reported = True
         self._reports.send(SendReport(req_id=send.work.req_id, rank=self.plan.rank, status=status,  # type: ignore[arg-type]
                                       error=error))
+
+
+def _log_tail(send: _Send, t_done: float) -> None:
+    """One line per handoff: the prefill step up to the last layer, then the tail (last layer
+    posted -> every WRITE of this rank landed). Parsed by bench/prefill_tail.py."""
+    step_ms = (send.t_last_post - send.t_step) * 1e3
+    tail_ms = (t_done - send.t_last_post) * 1e3
+    log.info("TileRT handoff %s: %d tokens, %d layers; step to last layer %.2f ms, tail %.3f ms (%.2f%%)",
+             send.work.handoff_id, send.work.num_tokens, len(send.posted), step_ms, tail_ms,
+             100.0 * tail_ms / step_ms if step_ms > 0 else 0.0)
+
+
+def _abort_quietly(handoff: Handoff | None, reason: str) -> None:
+    """Abort a pending handoff; a failing abort (receiver gone) is logged, never raised into vLLM."""
+    if handoff is None or handoff.status() != "pending":
+        return
+    try:
+        handoff.abort(reason)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("aborting handoff failed (%s): %s", reason, exc)
 
 
 def _paged_rows(cache: "torch.Tensor") -> "torch.Tensor":

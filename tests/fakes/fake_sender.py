@@ -6,7 +6,8 @@ handoff so tests can check the gathered bytes. Behaviour knobs:
 * ``reject``: endpoint -> HandshakeRejected raised by ``connect``;
 * ``refuse``: endpoint -> reason ("busy", "too_long") raised by ``begin``;
 * ``fail_wait``: handoff ids whose ``wait`` ends "failed" (receiver gone);
-* ``unreachable``: endpoints whose ``connect`` raises ControlChannelError.
+* ``unreachable``: endpoints whose ``connect`` raises ControlChannelError;
+* ``explode``: Handoff method names ("staging", "abort", "wait") that raise RuntimeError.
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ class FakeHandoff:
     _status: Literal["pending", "sent", "failed"] = "pending"
     abort_reason: str | None = None
 
+    def _maybe_explode(self, method: str) -> None:
+        if method in self.sender.explode:
+            raise RuntimeError(f"{method} exploded")
+
     def staging(self, layer: int) -> dict[str, torch.Tensor]:
+        self._maybe_explode("staging")
         if layer not in self.layers:
             raise KeyError(f"layer {layer} is not sent by this rank")
         if layer not in self.buffers:
@@ -50,6 +56,7 @@ class FakeHandoff:
         return self._status
 
     def wait(self, timeout: float) -> Literal["sent", "failed"]:
+        self._maybe_explode("wait")
         if self._status == "pending":
             if self.handoff_id in self.sender.fail_wait:
                 self._status, self.error = "failed", "nixlRemoteDisconnectError: receiver gone"
@@ -61,6 +68,8 @@ class FakeHandoff:
         return self._status  # type: ignore[return-value]
 
     def abort(self, reason: str) -> None:
+        self.sender.settle(self)
+        self._maybe_explode("abort")
         if self._status == "pending":
             self._status, self.error, self.abort_reason = "failed", f"aborted: {reason}", reason
         self.sender.settle(self)
@@ -80,6 +89,7 @@ class FakeKVSender:
         self.refuse: dict[str, str] = {}
         self.fail_wait: set[str] = set()
         self.unreachable: set[str] = set()
+        self.explode: set[str] = set()
         self.closed = False
 
     def connect(self, endpoint: str, timeout: float) -> None:

@@ -17,19 +17,12 @@ import pytest
 
 from connector.protocol import HandoffResult
 from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
-from tests.procs import REPO, ServerProcess, free_port, python_argv, server
+from tests.procs import ServerProcess, free_port, python_argv, server
 
 HERE = Path(__file__).resolve().parent
-N_MAIN = 2  # main layers of the tiny model (+1 MTP)
+N_MAIN = 2  # main layers of the tiny model of tests/conftest.py (+1 MTP)
 RECEIVER_ENV = {k: v for k, v in VLLM_CPU_ENV.items() if k in ("NIXL_LOG_LEVEL", "UCX_NET_DEVICES")}
 _USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
-
-
-@pytest.fixture(scope="session")
-def model_dir() -> Path:
-    from decode_server.tiny_model import ensure_tiny_model
-
-    return ensure_tiny_model(REPO / ".cache" / "tiny-model", seed=0, layers=N_MAIN)
 
 
 @dataclass
@@ -75,12 +68,13 @@ def prefill_spec(model: Path, port: int, **kw) -> PrefillSpec:
 
 
 @pytest.fixture(scope="module")
-def prefill(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefill]:
+def prefill(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefill]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("vllm-connector") / "vllm.log"
-    with server(vllm_prefill_argv(prefill_spec(model_dir, port)), log, f"{url}/health", 300, VLLM_CPU_ENV) as proc:
-        yield Prefill(url, port, model_dir.name, proc)
+    with server(vllm_prefill_argv(prefill_spec(tiny_model_dir, port)), log, f"{url}/health", 300,
+                VLLM_CPU_ENV) as proc:
+        yield Prefill(url, port, tiny_model_dir.name, proc)
 
 
 @pytest.fixture

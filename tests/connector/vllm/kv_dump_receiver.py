@@ -63,9 +63,10 @@ async def main(args: argparse.Namespace) -> None:
             try:
                 kv = await receiver.wait_for(hid, args.timeout)
                 result["num_tokens"] = kv.num_tokens
-                (out / hid).mkdir()
-                for i, layer in enumerate(kv.layers):
-                    np.save(out / hid / f"layer{i}.npy", layer["kv"].float().numpy())
+                if args.dump:
+                    (out / hid).mkdir()
+                    for i, layer in enumerate(kv.layers):
+                        np.save(out / hid / f"layer{i}.npy", layer["kv"].float().numpy())
                 receiver.release(hid)
             except ReceiverError as exc:
                 result["error"] = f"{type(exc).__name__}: {exc}"
@@ -89,6 +90,7 @@ if __name__ == "__main__":
     ap.add_argument("--handoff", action="append", default=[])
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--die-on-admit", action="store_true")
+    ap.add_argument("--no-dump", dest="dump", action="store_false", help="only wait and release")
     ap.add_argument("--unclaimed-timeout", type=float, default=30.0)
     ap.add_argument("--linger", type=float, default=3600.0)
     asyncio.run(main(ap.parse_args()))

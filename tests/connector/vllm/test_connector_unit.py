@@ -169,6 +169,24 @@ def test_transfer_failure_is_reported_failed_and_frees_blocks(rig):
     r.assert_no_leaks()
 
 
+@pytest.mark.parametrize("method", ["staging", "wait"])
+def test_a_sender_that_raises_fails_the_handoff_not_vllm(rig, method):
+    r = rig(configure=lambda s: s.explode.add(method))
+    r.engine.add(request("a", 40))
+    r.engine.run_until_idle()
+    params = r.engine.results["a"][1]
+    assert params["status"] == "failed" and f"{method} exploded" in params["error"]
+    r.assert_no_leaks()
+
+
+def test_an_abort_that_raises_does_not_reach_vllm(rig):
+    r = rig(configure=lambda s: s.explode.add("abort"), token_budget=32)
+    r.engine.add(request("a", 150))
+    r.engine.step()
+    r.engine.abort("a")
+    r.assert_no_leaks()
+
+
 @pytest.mark.parametrize("reason", ["busy", "too_long"])
 def test_admission_refused_is_reported_failed(rig, reason):
     r = rig(configure=lambda s: s.refuse.update({ENDPOINT: reason}), token_budget=32)

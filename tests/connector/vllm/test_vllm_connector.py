@@ -34,7 +34,7 @@ def rand_prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 4000) for _ in range(n)]
 
 
-def test_received_kv_matches_an_independent_recomputation(checked_prefill: Prefill, model_dir: Path, tmp_path):
+def test_received_kv_matches_an_independent_recomputation(checked_prefill: Prefill, tiny_model_dir: Path, tmp_path):
     prompt = rand_prompt(600, seed=1)
     with receiver(tmp_path, "kv-exact") as recv:
         result = checked_prefill.complete(prompt, "kv-exact", recv.endpoint)
@@ -45,7 +45,7 @@ def test_received_kv_matches_an_independent_recomputation(checked_prefill: Prefi
     assert "error" not in got_result and got_result["num_tokens"] == len(prompt)
     got = [deinterleave_rope(torch.from_numpy(np.load(recv.out / "kv-exact" / f"layer{i}.npy")))
            for i in range(N_MAIN + 1)]
-    want = reference_kv(model_dir, prompt, result.first_token_id)
+    want = reference_kv(tiny_model_dir, prompt, result.first_token_id)
     for i in range(N_MAIN + 1):
         assert got[i].shape == want[i].shape == (len(prompt), 576)
         err = (got[i] - want[i]).abs().amax(dim=1)  # per position
