@@ -73,8 +73,11 @@ class Plan:
 
     @property
     def steps(self) -> list[Step]:
+        """Every step in start order: conversion, decode servers, prefill, router, benchmarks."""
         head = [self.convert] if self.convert else []
-        return [*head, *self.workers, self.router, *self.benchmarks]
+        decodes = [s for s in self.workers if s.role == "decode"]
+        prefills = [s for s in self.workers if s.role == "prefill"]
+        return [*head, *decodes, *prefills, self.router, *self.benchmarks]
 
     @property
     def router_url(self) -> str:

@@ -74,6 +74,9 @@ def describe(plan: Plan, hosts: list[str] | None = None, job_dir: str = "<job-di
             lines.append(f"[{step.id}] role={step.role} kind={step.kind} image={step.image or '-'}")
             if step.ready_url:
                 lines.append(f"  gate: {_substitute(step.ready_url, names, job_dir)}")
+            if step.role == "convert":
+                lines.append(f"  into: {r.model.converted} (once, under {r.model.converted}.lock; "
+                             "skipped when already complete)")
             for key, value in sorted(step.env.items()):
                 shown = "***" if "TOKEN" in key else value
                 lines.append(f"  env {key}={_substitute(shown, names, job_dir)}")

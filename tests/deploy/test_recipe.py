@@ -135,6 +135,7 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
         slots=1, max_seq_len=16384, num_mtp=3, python="python3",
         extra_args=("--kv-host", "dc0", "--served-model-name", "GLM-5.1-FP8")))
     assert convert[-4:] == ["--model_dir", "/shared/models/GLM-5.1-FP8", "--save_dir", "{dst}"]
+    assert "into: /shared/models/GLM-5.1-FP8-tilert (once, under /shared/models/GLM-5.1-FP8-tilert.lock" in node1
     assert all("/shared/run1/bench/" in " ".join(b) for b in bench)
     assert "gate: http://pf0:8100/health" in node0 and "gate: http://pf0:8000/ready" in node0
     assert "gate: http://dc0:8200/ready" in node1
@@ -170,7 +171,7 @@ def test_render_writes_what_the_slurm_scripts_read(tmp_path: Path) -> None:
     plan = build_plan(parse_recipe(load_recipe_dict(GLM)))
     out = write_plan(plan, tmp_path)
     rows = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
-    assert [r[0] for r in rows] == ["convert", "prefill", "decode0", "router", "aiperf-c1", "aiperf-c2",
+    assert [r[0] for r in rows] == ["convert", "decode0", "prefill", "router", "aiperf-c1", "aiperf-c2",
                                     "aiperf-c4", "aiperf-c8", "gsm8k"]
     assert all(len(r) == 6 for r in rows)
     for step in plan.steps:
