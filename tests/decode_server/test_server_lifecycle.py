@@ -262,3 +262,18 @@ def test_duplicate_in_flight_request_id_409(make_server):
     _assert_openai_error(resp, 409, "conflict_error")
     t.join(30)
     srv.wait_idle()
+
+
+def test_cancel_while_the_engine_injects_kv(make_server):
+    srv = make_server(FakeEngineConfig(script=[], filler_token=5, start_delay=0.5), slots=1)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
+        srv.url + "/v1/completions", json=_body(stream=True), headers={"X-Request-Id": "inj"}, timeout=30)))
+    t.start()
+    _wait(lambda: srv.receiver.waits)
+    time.sleep(0.1)  # inside engine.start now
+    assert httpx.post(srv.url + CANCEL_PATH, json={"request_id": "inj"}).json()["cancelled"] is True
+    t.join(10)
+    assert result["r"].status_code == 499
+    srv.wait_idle(3.0)  # the slot comes back once start() returned and the session closed
+    assert srv.engine.steps == 0 and srv.engine.closed == 1

@@ -39,6 +39,7 @@ class FakeEngineConfig:
     fail_start: str | None = None  # EngineError message raised by start()
     fail_at_step: int | None = None  # EngineError raised by this step (1-based)
     filler_token: int = 0  # emitted once the script is exhausted
+    start_delay: float = 0.0  # seconds start() takes (KV injection)
 
 
 class FakeSession(DecodeSession):
@@ -121,6 +122,7 @@ class FakeEngine(Engine):
             raise EngineError(f"KV of {kv.handoff_id!r} given for handoff {handoff.handoff_id!r}")
         if self.config.fail_start:
             raise EngineError(self.config.fail_start)
+        time.sleep(self.config.start_delay)
         session = FakeSession(self, params, list(self.scripts.get(handoff.handoff_id, self.config.script)))
         with self._lock:
             self.live.add(session)
