@@ -243,8 +243,21 @@ def main() -> None:
             f"process's CPU time from /proc; clients' starts spread over one request). Added = through the "
             f"router minus direct to the fake decode, same run, {args.rounds} alternations pooled. Machine: "
             f"{os.cpu_count()} CPUs, load average {load:.1f} at the end.\n\n"
-            f"{table}\n\n{GOALS}.\n"
+            f"{table}\n\n{GOALS}.\n{_caveat(load)}"
         )
+
+
+def _caveat(load: float) -> str:
+    cpus = os.cpu_count() or 1
+    if load <= cpus:
+        return ""
+    return (
+        f"\nThe load average ({load:.1f}) exceeded the {cpus} CPUs: other processes competed with the fakes, "
+        "the router and the client, so the latency columns (added TTFT, ITL p99) and the C=64 throughput are "
+        "noise-dominated and vary several-fold between runs; router CPU per token (thread CPU time) is the "
+        "robust column. At C=1 each token is its own wake-up and the router's idle work (probes, ~2.5 ms/s) "
+        "is spread over only ~310 tokens/s, hence the higher per-token figure there.\n"
+    )
 
 
 if __name__ == "__main__":
