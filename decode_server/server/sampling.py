@@ -54,6 +54,15 @@ def _reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise InvalidRequest(f"{name}={got} is not supported by the decode engines (only {value})", name)
     if req.logit_bias:
         raise InvalidRequest("logit_bias is not supported by the decode engines", "logit_bias")
+    extra = req.model_extra or {}
+    fmt = extra.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+        raise InvalidRequest(f"response_format {fmt.get('type')!r}: constrained decoding is not supported by the "
+                             "decode engines", "response_format")
+    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "prompt_logprobs"):
+        if extra.get(name) is not None:
+            raise InvalidRequest(f"{name} is not supported by the decode server", name)
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise InvalidRequest("echo is not supported: the decode server never sees the prompt's logprobs", "echo")
