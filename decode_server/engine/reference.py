@@ -1,0 +1,226 @@
+"""The reference decode engine: PyTorch on CPU, the same safetensors vLLM loads, MLA decode
+over the received latent+rope KV of every layer (MTP layer included), MoE, and MTP
+speculative decoding (draft with the MTP layer, verify with the main model).
+
+One step of a session with ``k = num_mtp`` drafts ``d1..dk`` pending after token ``t``
+at position ``p``: the main model runs ``[t, d1..dk]`` at ``p..p+k``; drafts are accepted
+while the chosen token equals them; the first mismatch (or, all accepted, the token after
+``dk``) is emitted too. The MTP layer then runs over the positions the main model just
+made valid, each fed the *next* token and the main hidden there (the same shift vLLM's
+prefill applies, see :mod:`decode_server.reference.prefill`), and proposes the next
+drafts (chaining its own output for ``k > 1``). The first step has no drafts: the
+hidden state of the last prompt position does not travel with the KV.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from connector.layout import KVLayout, cpu_mla_layout
+from decode_server.engine.base import (
+    Cancelled,
+    DecodeSession,
+    Engine,
+    EngineCapabilities,
+    EngineError,
+    SamplingParams,
+    SpecStats,
+    TokenOut,
+)
+from decode_server.reference.model import DTYPES, MlaMoeModel, load_model
+from decode_server.reference.sampling import choose, token_out
+
+if TYPE_CHECKING:
+    from connector.protocol import HandoffResult
+    from connector.receiver import ReceivedKV
+
+
+class ReferenceSession(DecodeSession):
+    def __init__(self, model: MlaMoeModel, caches: list[torch.Tensor], num_prompt_tokens: int,
+                 first_token_id: int, params: SamplingParams, num_mtp: int, release: Callable[[], None]) -> None:
+        self._model = model
+        self._caches = caches  # per layer [1, capacity, 576]
+        self._capacity = caches[0].shape[1]
+        self._len = num_prompt_tokens  # positions whose main KV is valid
+        self._pending = first_token_id  # emitted, not yet run through the main model
+        self._drafts: list[int] = []
+        self._params = params
+        self._num_mtp = num_mtp
+        self._gen = torch.Generator()
+        if params.seed is None:
+            self._gen.seed()
+        else:
+            self._gen.manual_seed(params.seed)
+        self._stats = SpecStats()
+        self._cancel = threading.Event()
+        self._release = release
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def stats(self) -> SpecStats:
+        return self._stats
+
+    @property
+    def position(self) -> int:
+        """Position of the pending (last emitted) token."""
+        return self._len
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._caches = []
+        self._release()
+
+    def _check(self) -> None:
+        if self._cancel.is_set():
+            raise Cancelled("sequence cancelled")
+        if self._closed:
+            raise EngineError("session is closed")
+
+    def step(self) -> list[TokenOut]:
+        self._check()
+        model, n_main = self._model, self._model.num_main_layers
+        tokens = [self._pending, *self._drafts]
+        if self._len + len(tokens) + self._num_mtp > self._capacity:
+            raise EngineError(f"sequence too long: position {self._len + len(tokens)} "
+                              f"reaches the session's capacity of {self._capacity} tokens")
+        positions = torch.arange(self._len, self._len + len(tokens))
+        with torch.inference_mode():
+            hidden, logits = model.forward_main(torch.tensor([tokens]), positions, self._caches[:n_main])
+        self._check()
+        logits = logits[0]
+        out: list[TokenOut] = []
+        accepted = 0
+        for i, draft in enumerate(self._drafts):
+            tok = choose(logits[i], self._params, self._gen, draft)
+            out.append(token_out(logits[i], tok, self._params))
+            if tok != draft:
+                break
+            accepted += 1
+        else:
+            tok = choose(logits[-1], self._params, self._gen)
+            out.append(token_out(logits[-1], tok, self._params))
+        self._stats.steps += 1
+        self._stats.drafted += len(self._drafts)
+        self._stats.accepted += accepted
+        new_len = self._len + 1 + accepted
+        if self._num_mtp:
+            self._drafts = self._propose(tokens[1:1 + accepted] + [out[-1].token_id],
+                                         hidden[:, :1 + accepted], self._len)
+        self._len, self._pending = new_len, out[-1].token_id
+        return out
+
+    def _propose(self, next_ids: list[int], hidden: torch.Tensor, start: int) -> list[int]:
+        """Run the MTP layer at ``start..start+len(next_ids)-1`` and chain ``num_mtp`` drafts."""
+        cache = self._caches[self._model.num_main_layers]
+        drafts: list[int] = []
+        ids = torch.tensor([next_ids])
+        positions = torch.arange(start, start + len(next_ids))
+        with torch.inference_mode():
+            for _ in range(self._num_mtp):
+                mtp_hidden, mtp_logits = self._model.forward_mtp(ids, hidden, positions, cache)
+                drafts.append(int(mtp_logits[0, -1].argmax()))
+                ids = torch.tensor([[drafts[-1]]])
+                hidden = mtp_hidden[:, -1:]
+                positions = positions[-1:] + 1
+        return drafts
+
+
+class ReferenceEngine(Engine):
+    """``slots`` concurrent sessions, each with its own copy of the injected KV.
+
+    The engine computes in float32. ``kv_dtype`` is the dtype of the KV it receives, i.e.
+    the dtype vLLM runs the model in: by default the checkpoint's (``bfloat16`` for the
+    tiny model, vLLM's default); ``float32`` when vLLM runs with ``--dtype float32`` (the
+    closest agreement with vLLM)."""
+
+    def __init__(self, model_dir: Path | str, *, slots: int = 1, max_seq_len: int = 4096, num_mtp: int = 1,
+                 kv_dtype: str | None = None, model: MlaMoeModel | None = None) -> None:
+        self._model = model if model is not None else load_model(model_dir)
+        cfg = self._model.cfg
+        if slots < 1:
+            raise ValueError(f"slots={slots}: must be >= 1")
+        if num_mtp < 0 or (num_mtp and not cfg.num_nextn_predict_layers):
+            raise ValueError(f"num_mtp={num_mtp}: must be >= 0, and 0 for a model without an MTP layer")
+        if not 1 < max_seq_len <= cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len={max_seq_len}: must be in 2..{cfg.max_position_embeddings} "
+                             "(max_position_embeddings)")
+        self._kv_dtype = kv_dtype or cfg.dtype
+        if self._kv_dtype not in DTYPES:
+            raise ValueError(f"kv_dtype={self._kv_dtype!r}: must be one of {sorted(DTYPES)}")
+        self._name = Path(model_dir).name
+        self._slots, self._max_seq_len, self._num_mtp = slots, max_seq_len, num_mtp
+        self._busy = 0
+        self._lock = threading.Lock()
+        self._layout = cpu_mla_layout(cfg.num_hidden_layers, 1 if num_mtp else 0, self._kv_dtype)
+
+    @property
+    def model(self) -> MlaMoeModel:
+        return self._model
+
+    @property
+    def busy_slots(self) -> int:
+        return self._busy
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(model=self._name, engine="reference", slots=self._slots,
+                                  max_seq_len=self._max_seq_len, num_mtp=self._num_mtp, supports_logprobs=True)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self._layout
+
+    def _validate(self, kv: "ReceivedKV", handoff: "HandoffResult") -> None:
+        cfg, t = self._model.cfg, handoff.num_prompt_tokens
+        # Without MTP decoding, KV that still carries the MTP layer (prefill ran with MTP) is accepted.
+        if len(kv.layers) not in (self._layout.num_layers, self._model.num_layers):
+            raise EngineError(f"received {len(kv.layers)} KV layers, the layout has {self._layout.num_layers}")
+        if kv.num_tokens != t:
+            raise EngineError(f"received KV for {kv.num_tokens} tokens, the handoff says {t}")
+        if t + 1 >= self._max_seq_len:
+            raise EngineError(f"prompt of {t} tokens leaves no room under max_seq_len={self._max_seq_len}")
+        if not 0 <= handoff.first_token_id < cfg.vocab_size:
+            raise EngineError(f"first_token_id={handoff.first_token_id} is outside the vocabulary")
+        for i, layer in enumerate(kv.layers):
+            plane = layer.get("kv")
+            if plane is None or tuple(plane.shape) != (t, cfg.kv_width):
+                shape = None if plane is None else tuple(plane.shape)
+                raise EngineError(f"KV layer {i}: expected plane 'kv' of shape {(t, cfg.kv_width)}, got {shape}")
+
+    def _release(self) -> None:
+        with self._lock:
+            self._busy -= 1
+
+    def start(self, kv: "ReceivedKV", handoff: "HandoffResult", params: SamplingParams) -> ReferenceSession:
+        self._validate(kv, handoff)
+        with self._lock:
+            if self._busy >= self._slots:
+                raise EngineError(f"all {self._slots} decode slots are busy")
+            self._busy += 1
+        try:
+            t = handoff.num_prompt_tokens
+            capacity = min(self._max_seq_len, t + max(params.max_tokens, 1) + self._num_mtp + 1)
+            dtype = self._model.lm_head.weight.dtype
+            caches = []
+            for layer in kv.layers:
+                cache = torch.empty(1, capacity, self._model.cfg.kv_width, dtype=dtype)
+                cache[0, :t] = layer["kv"]
+                caches.append(cache)
+            if not self._num_mtp and len(caches) > self._model.num_main_layers:
+                caches = caches[:self._model.num_main_layers]
+            return ReferenceSession(self._model, caches, t, handoff.first_token_id, params, self._num_mtp,
+                                    self._release)
+        except BaseException:
+            self._release()
+            raise
