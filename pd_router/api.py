@@ -54,10 +54,12 @@ class CompletionRequest(_Common):
 
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
-_MODELS: dict[Endpoint, type[ChatCompletionRequest] | type[CompletionRequest]] = {
-    Endpoint.CHAT: ChatCompletionRequest,
-    Endpoint.COMPLETIONS: CompletionRequest,
-}
+_MODELS: Mapping[Endpoint, type[ChatCompletionRequest] | type[CompletionRequest]] = MappingProxyType(
+    {
+        Endpoint.CHAT: ChatCompletionRequest,
+        Endpoint.COMPLETIONS: CompletionRequest,
+    }
+)
 
 
 def parse_request(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], OpenAIRequest]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import MappingProxyType
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +25,7 @@ from pd_router.handler import CompletionHandler
 from pd_router.settings import RouterSettings
 from pd_router.state import RouterState
 
-_ROUTES = {e.value: e for e in Endpoint}
+_ROUTES = MappingProxyType({e.value: e for e in Endpoint})
 
 
 def _error_response(err: RouterError) -> JSONResponse:
