@@ -303,3 +303,37 @@ def test_wrong_cache_row_size_is_a_profile_mismatch():
     caches = {k: torch.zeros(8, 16, 576, dtype=torch.bfloat16) for k in _caches(N_MAIN + 1)}
     with pytest.raises(ProfileMismatch, match="2304-byte rows"):
         _worker(factory, endpoints=()).register_kv_caches(caches)
+
+
+def test_glm51_worker_gathers_fp8_ds_mla_rows_and_indexer_pages():
+    """The GPU layout path on CPU tensors: vLLM's fp8_ds_mla rows (656 B: 528 B latent+scales,
+    then 64 bf16 rope) and the DSA indexer cache (8448 B per 64-token block)."""
+    from connector.metadata import RequestWork, StepPlan
+    from connector.profiles import glm51_profile
+
+    senders, factory = make_factory()
+    worker = ConnectorWorker(settings=ConnectorSettings(), profile=glm51_profile(2), rank=0, world_size=1,
+                             agent_name="t", max_tokens=512, sender_factory=factory,
+                             reports=ReportOutbox(report_address(uuid.uuid4().hex)))
+    gen = torch.Generator().manual_seed(0)
+    mla = {f"model.layers.{i}.self_attn.attn": torch.randint(0, 256, (6, 64, 656), dtype=torch.uint8, generator=gen)
+           for i in range(3)}
+    idx = {f"model.layers.{i}.self_attn.indexer.k_cache": torch.randint(0, 256, (6, 64, 132), dtype=torch.uint8,
+                                                                        generator=gen) for i in range(3)}
+    worker.register_kv_caches({**mla, **idx})
+    n, blocks = 100, (4, 1)
+    worker.bind(StepPlan(work=(RequestWork(req_id="r", handoff_id="h", kv_endpoint=ENDPOINT, num_tokens=n,
+                                           block_ids=blocks, start=0, end=n),)))
+    for name, cache in mla.items():
+        worker.save_kv_layer(name, cache)
+    worker.wait_for_save()
+    handoff = senders[0].handoffs["h"]
+    assert handoff.status() == "sent" and handoff.posted == [0, 1, 2]
+    for i in range(3):
+        rows = torch.cat([mla[f"model.layers.{i}.self_attn.attn"][b] for b in blocks])[:n]
+        views = handoff.staging(i)
+        assert torch.equal(views["kv"], rows[:, :528])
+        assert torch.equal(views["rope"].view(torch.uint8), rows[:, 528:])
+        pages = torch.stack([idx[f"model.layers.{i}.self_attn.indexer.k_cache"][b].reshape(-1) for b in blocks])
+        assert torch.equal(views["indexer"], pages)
+    worker.shutdown()
