@@ -22,6 +22,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM extension: usage in every chunk
 
 
 class _Common(BaseModel):

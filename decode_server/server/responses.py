@@ -50,8 +50,11 @@ class _Renderer:
         self.completion_tokens = 0
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.id, "object": self.object_chunk, "created": self.created, "model": self.plan.model,
-                "choices": [choice]}
+        chunk = {"id": self.id, "object": self.object_chunk, "created": self.created, "model": self.plan.model,
+                 "choices": [choice]}
+        if self.plan.continuous_usage:
+            chunk["usage"] = self.usage()
+        return chunk
 
     def _note(self, delta: Delta) -> None:
         self.completion_tokens += len(delta.token_ids)

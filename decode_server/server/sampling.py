@@ -36,6 +36,7 @@ class Plan:
     stop: StopSpec
     stream: bool
     include_usage: bool
+    continuous_usage: bool
     model: str
     logprobs: int | None  # None: off; k: chosen token + top k
     tokens_as_ids: bool
@@ -154,6 +155,8 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
     return Plan(
         endpoint=endpoint, request_id=request_id, handoff=handoff, sampling=sampling, stop=stop,
         stream=bool(req.stream), include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        continuous_usage=bool(req.stream_options and req.stream_options.include_usage
+                              and req.stream_options.continuous_usage_stats),
         model=req.model or limits.model_name, logprobs=k, tokens_as_ids=bool(req.return_tokens_as_token_ids),
         reasoning=chat and limits.reasoning_parser and thinking, tools=tools,
         first_logprob=prefill_logprob(handoff.prefill_logprobs, k) if k is not None else None,

@@ -230,3 +230,16 @@ def test_capabilities_health_ready_models(make_server):
     assert httpx.get(srv.url + "/health").status_code == 200
     assert httpx.get(srv.url + "/ready").status_code == 200
     assert httpx.get(srv.url + "/v1/models").json()["data"][0]["id"] == "fake-model"
+
+
+def test_continuous_usage_stats(make_server, tokenizer):
+    first, rest = script_for(tokenizer, "hello world")
+    srv = make_server(FakeEngineConfig(script=rest))
+    with httpx.stream("POST", srv.url + "/v1/completions", json={
+            "prompt": "x", "stream": True, "kv_transfer_params": handoff(first, 5),
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        events = [e for e in sse_events(r) if isinstance(e, dict)]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == len(rest) + 1
+    assert all(e["usage"]["prompt_tokens"] == 5 for e in events)
+    srv.wait_idle()
