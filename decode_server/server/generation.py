@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from starlette.responses import Response
 
 from connector.errors import HandoffFailed as KVHandoffFailed
-from connector.errors import HandoffTimeout
+from connector.errors import HandoffTimeout, ReceiverError
 from connector.protocol import HandoffResult
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import Cancelled as EngineCancelled
@@ -157,7 +157,7 @@ class Job:
         except HandoffTimeout as exc:
             raise KVTimeout(f"the KV of handoff {handoff.handoff_id!r} did not arrive within "
                             f"{self.ctx.kv_timeout:g} s: {exc}") from exc
-        except KVHandoffFailed as exc:
+        except (KVHandoffFailed, ReceiverError) as exc:
             raise HandoffFailed(f"the KV handoff {handoff.handoff_id!r} failed: {exc}") from exc
         self.ctx.metrics.kv_wait.observe(time.monotonic() - self.arrived)
         return kv
@@ -239,7 +239,13 @@ class Job:
     async def run(self, send: Any, headers: list[tuple[bytes, bytes]]) -> None:
         renderer = renderer_for(self.plan)
         try:
-            await self._first_event()
+            try:
+                await self._first_event()
+            except (ApiError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - still an OpenAI-shaped answer
+                log.exception("request %s: failed before decoding", self.request_id)
+                raise EngineFailure(f"decode server error: {type(exc).__name__}: {exc}") from exc
         except ApiError as err:
             self._count(err.status, err)
             if self.abort_reason != "client_disconnected":

@@ -284,3 +284,15 @@ def test_cancel_while_the_engine_injects_kv(make_server):
     assert result["r"].status_code == 499
     srv.wait_idle(3.0)  # the slot comes back once start() returned and the session closed
     assert srv.engine.steps == 0 and srv.engine.closed == 1
+
+
+def test_unexpected_receiver_error_is_an_openai_error(make_server, monkeypatch):
+    srv = make_server()
+
+    async def broken(handoff_id: str, timeout: float):  # noqa: ARG001
+        raise RuntimeError("receive buffer exploded")
+
+    monkeypatch.setattr(srv.receiver, "wait_for", broken)
+    err = _assert_openai_error(httpx.post(srv.url + "/v1/completions", json=_body()), 500, "engine_error")
+    assert "receive buffer exploded" in err["message"]
+    srv.wait_idle()
