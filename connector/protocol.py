@@ -174,7 +174,7 @@ class Refused(BaseModel):
 
     type: Literal["refused"] = "refused"
     handoff_id: str
-    reason: Literal["busy", "too_long", "unknown_peer", "duplicate"]
+    reason: Literal["busy", "too_long", "unknown_peer", "duplicate", "cancelled"]
     message: str
 
 

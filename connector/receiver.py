@@ -20,10 +20,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import threading
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Coroutine
 
 from pydantic import BaseModel, ValidationError
 
@@ -45,7 +44,14 @@ from connector.protocol import (
     fingerprint_mismatch,
 )
 from connector.receiver_state import HandoffState, ReceivedKV, ReceiverSettings
-from connector.transport import Transport, TransportError, create_transport, encode_regions, host_tensor
+from connector.transport import (
+    NotificationPump,
+    Transport,
+    TransportError,
+    create_transport,
+    encode_regions,
+    host_tensor,
+)
 from pd_router.contract import PeerStatus
 
 if TYPE_CHECKING:
@@ -55,7 +61,7 @@ __all__ = ["HandoffFailed", "HandoffTimeout", "KVReceiver", "ReceivedKV", "Recei
 
 log = logging.getLogger(__name__)
 
-DISCONNECT_GRACE_S = 1.0  # notifications may trail a sender's closed control connection
+DISCONNECT_GRACE_S = 2.0  # notifications may trail a sender's closed control connection
 
 
 class KVReceiver:
@@ -75,11 +81,13 @@ class KVReceiver:
         self._revocable: set[str] = set()  # senders whose agent we added (they can be told Revoked)
         self._changed: asyncio.Condition | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._poll_stop = threading.Event()
-        self._poll_wake = threading.Event()
-        self._poller: threading.Thread | None = None
+        self._pump: NotificationPump | None = None
         self._reaper: asyncio.Task | None = None
         self._stopped = False
+        self._cancelled: dict[str, float] = {}  # released before admission -> when
+        self._live: dict[str, int] = {}  # open control connections per sender agent
+        self._tasks: set[asyncio.Future] = set()
+        self._timers: list[asyncio.TimerHandle] = []
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -90,9 +98,8 @@ class KVReceiver:
         region = self._transport.register(self._buffer)
         self._welcome_parts = (base64.b64encode(self._transport.metadata()).decode(), encode_regions([region]))
         await self._server.start()
-        self._poller = threading.Thread(target=self._poll_notifications, name=f"{self._agent_name}-notifs",
-                                        daemon=True)
-        self._poller.start()
+        self._pump = NotificationPump(self._transport, self._loop, self._deliver, self._expecting_kv)
+        self._pump.start()
         self._reaper = asyncio.create_task(self._reap_unclaimed())
 
     def _allocate(self) -> tuple[Transport, "torch.Tensor"]:
@@ -105,10 +112,12 @@ class KVReceiver:
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
-        self._poll_stop.set()
-        self._poll_wake.set()
-        if self._poller is not None:
-            await asyncio.to_thread(self._poller.join, 5.0)
+        for timer in self._timers:
+            timer.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._pump is not None:
+            await asyncio.to_thread(self._pump.stop)
         self._stopped = True
         if self._transport is not None:
             for h in list(self._handoffs.values()):
@@ -181,9 +190,22 @@ class KVReceiver:
                              f"within {timeout:.1f}s; slot freed")
 
     def release(self, handoff_id: str) -> None:
+        """Free the handoff's slot (idempotent). Releasing a handoff whose KV has not fully
+        arrived revokes it at the sender; releasing one not yet admitted makes the
+        receiver refuse it ("cancelled") when its Admit comes."""
         h = self._handoffs.pop(handoff_id, None)
-        if h is not None:
-            self._free_slot(h)
+        if h is None:
+            self._cancelled[handoff_id] = time.monotonic()
+            return
+        if h.state == "admitted":
+            h.state, h.error = "failed", "released by the decode server before all layers arrived"
+            self._background(self._revoke(h, h.error))
+        self._free_slot(h)
+
+    def _background(self, coro: "Coroutine[Any, Any, None]") -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _view(self, h: HandoffState) -> ReceivedKV:
         if self._buffer is None or h.slot is None:
@@ -214,7 +236,9 @@ class KVReceiver:
 
     async def _revoke(self, h: HandoffState, reason: str) -> None:
         """Tell the handoff's senders to stop writing into the slot just freed."""
-        transport = self._need_transport()
+        transport = self._transport
+        if transport is None:
+            return
         msg = Revoked(handoff_id=h.handoff_id, reason=reason).model_dump_json().encode()
         for peer in h.peers & self._revocable:
             try:
@@ -280,7 +304,9 @@ class KVReceiver:
                 self._revocable.add(added)
             except (TransportError, ValueError) as exc:
                 log.warning("KV receiver: cannot add sender %s's agent (no revocation): %s", hello.agent_name, exc)
-        conn.peer = hello.agent_name
+        if conn.peer != hello.agent_name:
+            conn.peer = hello.agent_name
+            self._live[conn.peer] = self._live.get(conn.peer, 0) + 1
         self._peers[hello.agent_name] = PeerStatus(peer=hello.agent_name, state="ok")
         md, descs = self._welcome_parts
         return Welcome(protocol_version=PROTOCOL_VERSION, agent_name=self._agent_name, fingerprint=mine,
@@ -289,6 +315,9 @@ class KVReceiver:
 
     async def _on_admit(self, peer: str, admit: Admit) -> BaseModel:
         hid, n = admit.handoff_id, admit.num_tokens
+        if hid in self._cancelled:
+            return Refused(handoff_id=hid, reason="cancelled",
+                           message=f"handoff {hid} was cancelled by the decode server (its request is gone)")
         h = self._handoffs.get(hid)
         if h is not None:
             if h.state == "admitted" and h.num_tokens == n and h.slot is not None:
@@ -310,7 +339,8 @@ class KVReceiver:
         base = slot * self._slot_bytes
         offsets = [[base + layer * layer_bytes + p for p in planes] for layer in range(self._layout.num_layers)]
         self._handoffs[hid] = HandoffState(hid, slot, n, offsets, peers={peer})
-        self._poll_wake.set()
+        if self._pump is not None:
+            self._pump.wake()
         await self._notify_all()
         return Admitted(handoff_id=hid, slot=slot, offsets=offsets)
 
@@ -318,10 +348,14 @@ class KVReceiver:
         if conn.peer is None or self._loop is None:
             return
         peer = conn.peer
-        self._loop.call_later(DISCONNECT_GRACE_S,
-                              lambda: asyncio.ensure_future(self._fail_orphans(peer)))
+        self._live[peer] -= 1
+        self._timers = [t for t in self._timers if not t.cancelled() and t.when() > self._loop.time()]
+        self._timers.append(
+            self._loop.call_later(DISCONNECT_GRACE_S, lambda: self._background(self._fail_orphans(peer))))
 
     async def _fail_orphans(self, peer: str) -> None:
+        if self._live.get(peer, 0) > 0:  # it reconnected (e.g. a retried Admit): its handoffs live on
+            return
         for h in list(self._handoffs.values()):
             if h.state == "admitted" and peer in h.peers:
                 await self._fail(h, f"the sender {peer} disconnected after {len(h.arrived)}/"
@@ -329,25 +363,11 @@ class KVReceiver:
 
     # ----------------------------------------------------------------- notifications
 
-    def _poll_notifications(self) -> None:
-        """Thread: drain transport notifications and hand them to the loop."""
-        transport, loop = self._need_transport(), self._loop
-        if loop is None:
-            return
-        while not self._poll_stop.is_set():
-            try:
-                notifs = transport.notifications()
-            except Exception as exc:  # the transport died; keep the thread alive for stop()
-                log.error("KV receiver: polling notifications failed: %s", exc)
-                notifs = []
-            if notifs:
-                loop.call_soon_threadsafe(lambda n=notifs: asyncio.ensure_future(self._on_notifs(n)))
-            active = any(h.state == "admitted" for h in list(self._handoffs.values()))
-            if active:
-                time.sleep(0.0005)
-            else:
-                self._poll_wake.wait(0.05)
-                self._poll_wake.clear()
+    def _expecting_kv(self) -> bool:  # called from the pump's thread
+        return any(h.state == "admitted" for h in list(self._handoffs.values()))
+
+    def _deliver(self, notifs: list[tuple[str, bytes]]) -> None:
+        self._background(self._on_notifs(notifs))
 
     async def _on_notifs(self, notifs: list[tuple[str, bytes]]) -> None:
         changed = False
@@ -372,6 +392,9 @@ class KVReceiver:
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
+            for hid, when in list(self._cancelled.items()):
+                if now - when > self._s.unclaimed_timeout_s:
+                    del self._cancelled[hid]
             for hid, h in list(self._handoffs.items()):
                 if h.state != "claimed" and h.waiters == 0 and now - h.since > self._s.unclaimed_timeout_s:
                     log.warning("KV receiver: freeing unclaimed handoff %s (%s)", hid, h.state)

@@ -200,8 +200,10 @@ class KVSender:
             self._staging_cv.notify()
 
     def _send_abort(self, peer: _Peer, handoff_id: str, reason: str) -> None:
+        with self._peers_lock:  # the connection may have been made again since begin()
+            current = self._peers.get(peer.endpoint, peer)
         try:
-            peer.client.request(Abort(handoff_id=handoff_id, reason=reason), ABORT_TIMEOUT_S)
+            current.client.request(Abort(handoff_id=handoff_id, reason=reason), ABORT_TIMEOUT_S)
         except ControlChannelError as exc:
             log.warning("KV sender: could not tell %s about aborting %s: %s", peer.endpoint, handoff_id, exc)
 

@@ -15,6 +15,7 @@ from connector.transport.base import (
 )
 from connector.transport.hostmem import HostBuffer, host_tensor
 from connector.transport.memory import MemoryFabric, MemoryTransport
+from connector.transport.pump import NotificationPump
 
 TRANSPORT_KINDS = ("nixl", "memory")
 
@@ -46,7 +47,7 @@ def create_transport(kind: str, name: str) -> Transport:
 
 
 __all__ = [
-    "HostBuffer", "host_tensor", "MemoryFabric", "MemoryTransport", "Piece", "Region", "TRANSPORT_KINDS", "Transport", "TransportError",
+    "HostBuffer", "host_tensor", "MemoryFabric", "MemoryTransport", "NotificationPump", "Piece", "Region", "TRANSPORT_KINDS", "Transport", "TransportError",
     "TransportFactory", "XferHandle", "XferState", "create_transport", "decode_regions", "encode_regions",
     "merge_pieces", "SHARED_FACTORY",
 ]

@@ -10,6 +10,7 @@ import torch
 
 from connector.errors import AdmissionRefused, HandoffFailed, HandoffTimeout
 from connector.layout import SenderPlan, glm5_fp8_ds_mla_layout
+from connector.receiver import DISCONNECT_GRACE_S
 from tests.connector.transport.helpers import SMALL, assert_no_leaks, eventually, make_sender, running_receiver
 from tests.connector.transport.synthetic import fill, layer_bytes, mismatches
 
@@ -222,5 +223,43 @@ async def test_one_sender_two_decode_servers():
             second.release("to-second")
             assert_no_leaks(first, sender)
             assert_no_leaks(second)
+        finally:
+            sender.close()
+
+
+async def test_release_before_completion_revokes_and_release_before_admission_cancels():
+    async with running_receiver() as receiver:
+        sender = make_sender()
+        try:
+            early = await asyncio.to_thread(_send, sender, receiver.endpoint, "early", 8, [0])
+            receiver.release("early")  # e.g. the client went away while prefill was still sending
+            assert receiver.busy_slots() == 0
+            await eventually(lambda: early.status() == "failed")
+            assert "released by the decode server" in early.error
+            receiver.release("not-yet")  # the decode request died before prefill admitted its KV
+            with pytest.raises(AdmissionRefused) as info:
+                await asyncio.to_thread(sender.begin, receiver.endpoint, "not-yet", 8, 5)
+            assert info.value.reason == "cancelled"
+            assert_no_leaks(receiver, sender)
+        finally:
+            sender.close()
+
+
+async def test_a_retried_connection_keeps_the_senders_handoffs():
+    async with running_receiver() as receiver:
+        sender = make_sender()
+        try:
+            handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "kept", 8, [0])
+            old = sender._peers[receiver.endpoint]
+            # a new connection of the same sender (as a retried Admit makes), then the old one breaks
+            sender._peers[receiver.endpoint] = await asyncio.to_thread(sender._handshake, receiver.endpoint, 5)
+            old.client.close()
+            await asyncio.sleep(DISCONNECT_GRACE_S + 0.5)
+            for layer in (1, 2):
+                handoff.post_layer(layer)
+            assert await asyncio.to_thread(handoff.wait, 5) == "sent"
+            await receiver.wait_for("kept", 5)
+            receiver.release("kept")
+            assert_no_leaks(receiver, sender)
         finally:
             sender.close()
