@@ -43,15 +43,20 @@ def baseline(cfg: FakeEngineConfig, tokens: int) -> float:
     return produced / dt
 
 
-async def through_server(url: str, tokens: int, concurrency: int) -> tuple[float, float]:
+async def through_server(url: str, tokens: int, concurrency: int) -> tuple[float, float, float]:
+    ttfts: list[float] = []
+
     async def one(client: httpx.AsyncClient, i: int) -> int:
         body = {"prompt": "x", "max_tokens": tokens, "ignore_eos": True, "stream": True,
                 "kv_transfer_params": {"handoff_id": f"b{i}-{time.monotonic_ns()}", "kv_endpoint": "x:1",
                                        "num_prompt_tokens": 4, "first_token_id": 5, "last_prompt_token_id": 1,
                                        "status": "sent"}}
         n = 0
+        t0 = time.perf_counter()
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
+                if not n and line.startswith("data: {"):
+                    ttfts.append(time.perf_counter() - t0)
                 n += line.startswith("data: {")
         return n
 
@@ -60,7 +65,10 @@ async def through_server(url: str, tokens: int, concurrency: int) -> tuple[float
         t0 = time.perf_counter()
         chunks = await asyncio.gather(*(one(client, i) for i in range(concurrency)))
         dt = time.perf_counter() - t0
-    return concurrency * tokens / dt, statistics.mean(chunks)
+        ttfts.clear()
+        for i in range(20):  # time to first chunk, sequential requests
+            await one(client, 1000 + i)
+    return concurrency * tokens / dt, statistics.mean(chunks), statistics.median(ttfts)
 
 
 def serve(args: argparse.Namespace, cfg: FakeEngineConfig) -> None:
@@ -93,9 +101,10 @@ def main() -> None:
         url = child.stdout.readline().strip()
         print(f"engine alone: {base:8.1f} tok/s (step {args.step_ms} ms, 1 sequence)")
         for c in args.concurrency:
-            rate, chunks = asyncio.run(through_server(url, args.tokens, c))
+            rate, chunks, ttft = asyncio.run(through_server(url, args.tokens, c))
             print(f"server C={c:<3} {rate:8.1f} tok/s total, {rate / c:8.1f} tok/s/user, "
-                  f"ratio per user vs engine alone {rate / c / base:.3f} ({chunks:.0f} chunks/response)")
+                  f"ratio per user vs engine alone {rate / c / base:.3f} ({chunks:.0f} chunks/response); "
+                  f"time to first chunk p50 {ttft * 1000:.2f} ms")
     finally:
         child.stdin.close()
         try:
