@@ -207,7 +207,8 @@ class ConnectorScheduler:
         if self._reports is None:
             return
         for report in self._reports.drain():
-            self._early_reports.setdefault(report.req_id, {})[report.rank] = report
+            if report.req_id in self._tracked:  # a straggler for a forgotten request is dropped
+                self._early_reports.setdefault(report.req_id, {})[report.rank] = report
 
     def _outcome(self, req_id: str, tracked: _Tracked) -> tuple[str, str | None]:
         deadline = time.monotonic() + self._report_grace_s

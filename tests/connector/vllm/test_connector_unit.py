@@ -252,6 +252,7 @@ def test_a_rank_that_never_reports_makes_the_handoff_fail_in_bounded_time(rig):
     r.engine.step()
     params = r.engine.results["a"][1]
     assert params["status"] == "failed" and "rank(s) [1]" in params["error"]
+    r.assert_no_leaks()
 
 
 def _caches(n_layers: int) -> dict[str, torch.Tensor]:
@@ -337,3 +338,24 @@ def test_glm51_worker_gathers_fp8_ds_mla_rows_and_indexer_pages():
         pages = torch.stack([idx[f"model.layers.{i}.self_attn.indexer.k_cache"][b].reshape(-1) for b in blocks])
         assert torch.equal(views["indexer"], pages)
     worker.shutdown()
+
+
+def test_preempted_request_is_gathered_again_from_its_new_blocks():
+    from types import SimpleNamespace as NS
+
+    sched = ConnectorScheduler(block_size=16, max_tokens=512, world_size=1, reports=None)
+    req = request("a", 100)
+
+    def output(new, cached_ids=(), resumed=(), new_blocks=(), computed=(), scheduled=None):
+        return NS(scheduled_new_reqs=new, num_scheduled_tokens=scheduled or {},
+                  scheduled_cached_reqs=NS(req_ids=list(cached_ids), resumed_req_ids=set(resumed),
+                                           new_block_ids=list(new_blocks), num_computed_tokens=list(computed)))
+
+    sched.update_state_after_alloc(req, [1, 2], 0)
+    plan = sched.build_step(output([NS(req_id="a", block_ids=([1, 2],), num_computed_tokens=0)], scheduled={"a": 32}))
+    assert [(w.start, w.end, w.block_ids) for w in plan.work] == [(0, 32, (1, 2))]
+    sched.update_state_after_alloc(req, [7, 8, 9, 10], 0)  # preempted, then resumed with other blocks
+    plan = sched.build_step(output([], ["a"], ["a"], [([7, 8, 9, 10],)], [0], {"a": 64}))
+    assert [(w.start, w.end, w.block_ids) for w in plan.work] == [(0, 64, (7, 8, 9, 10))]
+    plan = sched.build_step(output([], ["a"], [], [([11, 12, 13],)], [64], {"a": 36}))
+    assert [(w.start, w.end, w.block_ids, w.last) for w in plan.work] == [(64, 100, (7, 8, 9, 10, 11, 12, 13), True)]
