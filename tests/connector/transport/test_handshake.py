@@ -120,3 +120,17 @@ async def test_connect_is_cached_per_endpoint():
             assert receiver.peers()[0].state == "ok"
         finally:
             sender.close()
+
+
+def test_fingerprint_mismatch_order_and_fields():
+    from connector.protocol import fingerprint_mismatch
+
+    glm, tiny = layout_fingerprint(glm5_fp8_ds_mla_layout(2, 1)), layout_fingerprint(cpu_mla_layout(2, 1))
+    assert fingerprint_mismatch(glm, glm) is None
+    assert fingerprint_mismatch(glm, tiny) == ("profile", "glm5.1-fp8-ds-mla", "tiny-mla")
+    fewer = glm.model_copy(update={"planes": glm.planes[:2]})
+    assert fingerprint_mismatch(glm, fewer) == ("planes", "kv,rope,indexer", "kv,rope")
+    paged = glm.model_copy(update={"planes": [*glm.planes[:2], glm.planes[2].model_copy(update={"page_tokens": 128})]})
+    assert fingerprint_mismatch(glm, paged) == ("planes[2].page_tokens", "64", "128")
+    # the sender's world size is informational: TP8 and TP1 prefills both fit one decode layout
+    assert fingerprint_mismatch(glm, layout_fingerprint(glm5_fp8_ds_mla_layout(2, 1), 8)) is None
