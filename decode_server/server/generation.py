@@ -236,25 +236,19 @@ class Job:
         if isinstance(first, ApiError):
             raise first
 
+    def _api_error(self, exc: Exception) -> ApiError:
+        if isinstance(exc, ApiError):
+            return exc
+        log.exception("request %s: unexpected failure", self.request_id)
+        return EngineFailure(f"decode server error: {type(exc).__name__}: {exc}")
+
     async def run(self, send: Any, headers: list[tuple[bytes, bytes]]) -> None:
+        """Answer the request; every failure becomes an OpenAI-shaped error (a status before
+        the stream started, an error event after)."""
         renderer = renderer_for(self.plan)
-        try:
-            try:
-                await self._first_event()
-            except (ApiError, asyncio.CancelledError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - still an OpenAI-shaped answer
-                log.exception("request %s: failed before decoding", self.request_id)
-                raise EngineFailure(f"decode server error: {type(exc).__name__}: {exc}") from exc
-        except ApiError as err:
-            self._count(err.status, err)
-            if self.abort_reason != "client_disconnected":
-                start, body = error_response_parts(err, headers)
-                await send(start)
-                await send(body)
-            return
         status_sent = False
         try:
+            await self._first_event()
             if self.plan.stream:
                 await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers})
                 status_sent = True
@@ -262,12 +256,14 @@ class Job:
                 await self._stream(send, renderer)
             else:
                 await self._full(send, renderer, headers)
-        except ApiError as err:
+        except Exception as exc:  # noqa: BLE001 - CancelledError (a BaseException) passes through
+            err = self._api_error(exc)
             if not status_sent:
                 self._count(err.status, err)
-                start, body = error_response_parts(err, headers)
-                await send(start)
-                await send(body)
+                if self.abort_reason != "client_disconnected":
+                    start, body = error_response_parts(err, headers)
+                    await send(start)
+                    await send(body)
             elif self.abort_reason != "client_disconnected":
                 self.ctx.metrics.errors.labels(err.error_type).inc()
                 await send({"type": "http.response.body", "body": sse(err.body().model_dump()) + DONE})
