@@ -305,6 +305,10 @@ class KVSender:
         self._closed = True
         self._queue.put(None)
         self._thread.join(10.0)
+        with self._active_lock:
+            pending = list(self._active.values())
+        for handoff in pending:  # nothing will write them any more
+            handoff._fail("the KV sender closed")
         with self._staging_cv:
             self._staging_cv.notify_all()
         with self._peers_lock:

@@ -119,9 +119,11 @@ async def test_unclaimed_handoff_is_freed():
 async def test_sender_that_disappears_fails_its_incomplete_handoffs():
     async with running_receiver() as receiver:
         sender = make_sender()
-        await asyncio.to_thread(_send, sender, receiver.endpoint, "orphan", 8, [0])
+        handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "orphan", 8, [0])
         waiter = asyncio.create_task(receiver.wait_for("orphan", 10))
         await asyncio.to_thread(sender.close)
+        assert handoff.status() == "failed" and "closed" in handoff.error
+        assert await asyncio.to_thread(handoff.wait, 0.1) == "failed"  # returns at once
         with pytest.raises(HandoffFailed, match="disconnected after 1/3 layers"):
             await waiter
         assert_no_leaks(receiver)
