@@ -31,10 +31,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import httpx  # noqa: E402
+import httpx
 
-from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv  # noqa: E402
-from tests.procs import free_port, python_argv, server  # noqa: E402
+from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
+from tests.procs import free_port, python_argv, server
 
 RECEIVER = REPO / "tests" / "connector" / "vllm" / "kv_dump_receiver.py"
 LINE = re.compile(r"TileRT handoff (\S+): (\d+) tokens, (\d+) layers; step to last layer ([0-9.]+) ms, "

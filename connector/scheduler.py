@@ -92,7 +92,7 @@ class ConnectorScheduler:
         self._early_reports: dict[str, dict[int, SendReport]] = {}
 
     @classmethod
-    def with_inbox(cls, address: str, **kw: Any) -> "ConnectorScheduler":
+    def with_inbox(cls, address: str, **kw: Any) -> ConnectorScheduler:
         return cls(reports=ReportInbox(address), **kw)
 
     # -- vLLM hooks -------------------------------------------------------------------
@@ -126,7 +126,7 @@ class ConnectorScheduler:
                 tracked.block_ids = list(new.block_ids[0])
                 computed_before[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set())
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(req_id)
             if tracked is None:

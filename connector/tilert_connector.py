@@ -43,7 +43,7 @@ class TileRTConnectorMetadata(KVConnectorMetadata):
 
 
 class TileRTConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _route_logs_to_vllm()
         settings = load_settings(self._kv_transfer_config.kv_connector_extra_config)
@@ -74,23 +74,23 @@ class TileRTConnector(KVConnectorBase_V1):
 
     # -- scheduler side -------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return TileRTConnectorMetadata(self._scheduler.build_step(scheduler_output))
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         self._scheduler.update_connector_output(connector_output.finished_sending)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
@@ -99,7 +99,7 @@ class TileRTConnector(KVConnectorBase_V1):
 
     # -- worker side ----------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
@@ -108,13 +108,13 @@ class TileRTConnector(KVConnectorBase_V1):
         if self._worker is not None and isinstance(connector_metadata, TileRTConnectorMetadata):
             self._worker.bind(connector_metadata.plan)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return None  # producer only
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         if self._worker is not None:
             self._worker.save_kv_layer(layer_name, kv_layer)
 
@@ -144,7 +144,7 @@ def _route_logs_to_vllm() -> None:
         ours.propagate = False
 
 
-def _block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> int:
+def _block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if groups:
         return int(groups[0].kv_cache_spec.block_size)

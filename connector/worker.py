@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from connector.errors import ConnectorError, HandshakeRejected
 from connector.layout import KVLayout, SenderPlan, gather_fp8_ds_mla, gather_pages, gather_tokens
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 class Handoff(Protocol):
     error: str | None
 
-    def staging(self, layer: int) -> dict[str, "torch.Tensor"]: ...
+    def staging(self, layer: int) -> dict[str, torch.Tensor]: ...
 
     def post_layer(self, layer: int) -> None: ...
 
@@ -87,7 +88,7 @@ class _Send:
 
 
 class ConnectorWorker:
-    def __init__(self, *, settings: "ConnectorSettings", profile: ModelProfile, rank: int, world_size: int,
+    def __init__(self, *, settings: ConnectorSettings, profile: ModelProfile, rank: int, world_size: int,
                  agent_name: str, max_tokens: int, sender_factory: SenderFactory, reports: Reports) -> None:
         self.settings = settings
         self.profile = profile
@@ -98,14 +99,14 @@ class ConnectorWorker:
         self._reports = reports
         self._sender: Sender | None = None
         self._layer_of: dict[str, int] = {}
-        self._indexer: dict[int, "torch.Tensor"] = {}
+        self._indexer: dict[int, torch.Tensor] = {}
         self._my_layers: frozenset[int] = frozenset()
         self._sends: dict[str, _Send] = {}
         self._active: list[_Send] = []
 
     # -- start-up -----------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = scan_layers(list(kv_caches))
         mismatch: ProfileMismatch | None = None
         try:
@@ -127,7 +128,7 @@ class ConnectorWorker:
         log.info("TileRTConnector worker rank %d: profile %s, %d layers (sends %d), layout %s",
                  self.plan.rank, self.profile.name, layout.num_layers, len(self._my_layers), layout.fingerprint())
 
-    def _check_cache(self, name: str, cache: "torch.Tensor") -> None:
+    def _check_cache(self, name: str, cache: torch.Tensor) -> None:
         cache = _paged_rows(cache)
         row_bytes = cache.shape[-1] * cache.element_size() if cache.dim() == 3 else -1
         if row_bytes != self.profile.mla_row_bytes or not cache.is_contiguous():
@@ -169,7 +170,7 @@ class ConnectorWorker:
                 send.t_step = time.perf_counter()
                 self._active.append(send)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor") -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         if not self._active:
             return
         layer = self._layer_of.get(layer_name)
@@ -249,7 +250,7 @@ class ConnectorWorker:
         except Exception as exc:  # noqa: BLE001 - a refused or broken handoff must not stop vLLM
             self._fail(send, f"{type(exc).__name__}: {exc}")
 
-    def _gather(self, views: dict[str, "torch.Tensor"], layer: int, cache: "torch.Tensor", work: RequestWork) -> None:
+    def _gather(self, views: dict[str, torch.Tensor], layer: int, cache: torch.Tensor, work: RequestWork) -> None:
         n, blocks = work.num_tokens, work.block_ids
         if self.profile.cache_format == "cpu_mla":
             gather_tokens(cache, blocks, n, views["kv"])
@@ -298,7 +299,7 @@ def _abort_quietly(handoff: Handoff | None, reason: str) -> None:
         log.warning("aborting handoff failed (%s): %s", reason, exc)
 
 
-def _paged_rows(cache: "torch.Tensor") -> "torch.Tensor":
+def _paged_rows(cache: torch.Tensor) -> torch.Tensor:
     """vLLM's CPU MLA cache is ``[num_blocks, 1, block_size, row]`` (one latent "head"):
     view it as ``[num_blocks, block_size, row]``."""
     if cache.dim() == 4 and cache.shape[1] == 1:

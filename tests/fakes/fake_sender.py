@@ -23,7 +23,7 @@ from connector.layout import KVLayout, SenderPlan, layer_views
 
 @dataclass
 class FakeHandoff:
-    sender: "FakeKVSender"
+    sender: FakeKVSender
     endpoint: str
     handoff_id: str
     num_tokens: int

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import openai
@@ -22,7 +22,7 @@ from tests.procs import ServerProcess, free_port, python_argv, server
 HERE = Path(__file__).resolve().parent
 N_MAIN = 2  # main layers of the tiny model of tests/conftest.py (+1 MTP)
 RECEIVER_ENV = {k: v for k, v in VLLM_CPU_ENV.items() if k in ("NIXL_LOG_LEVEL", "UCX_NET_DEVICES")}
-_USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+_USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.eE+-]+)$", re.MULTILINE)
 
 
 @dataclass

@@ -35,7 +35,7 @@ def _mtp_tensors(model_dir: Path, layer: int) -> dict[str, torch.Tensor]:
     out = {}
     for name in files:
         with safe_open(str(model_dir / name), "pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 if key.startswith(prefix):
                     out[key[len(prefix):]] = f.get_tensor(key).float()
     return out

@@ -37,7 +37,7 @@ class Rig:
         self.engine = MiniEngine(self.scheduler, self.workers, num_layers=N_MAIN + 1, token_budget=token_budget,
                                  dtype=torch.float32)
 
-    def start(self) -> "Rig":
+    def start(self) -> Rig:
         self.engine.register()
         return self
 

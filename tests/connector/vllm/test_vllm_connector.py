@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from connector.profiles import MTP_FLAG
 from tests.connector.vllm.conftest import N_MAIN, Prefill, receiver
 from tests.connector.vllm.hf_reference import deinterleave_rope, reference_kv
 
