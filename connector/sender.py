@@ -210,6 +210,17 @@ class KVSender:
     # ----------------------------------------------------------------- sender thread
 
     def _run(self) -> None:
+        try:
+            self._send_loop()
+        except Exception as exc:  # a bug must not leave handoffs hanging until their timeouts
+            log.exception("KV sender thread of %s died", self.agent_name)
+            self._closed = True
+            with self._active_lock:
+                pending = list(self._active.values())
+            for handoff in pending:
+                handoff._fail(f"the KV sender thread died: {type(exc).__name__}: {exc}")
+
+    def _send_loop(self) -> None:
         inflight: list[tuple[Handoff, XferHandle, list[int]]] = []
         last_check = 0.0
         while True:

@@ -265,3 +265,20 @@ async def test_a_retried_connection_keeps_the_senders_handoffs():
             assert_no_leaks(receiver, sender)
         finally:
             sender.close()
+
+
+async def test_a_crashing_sender_thread_fails_its_handoffs_instead_of_hanging():
+    async with running_receiver() as receiver:
+        sender = make_sender()
+        try:
+            handoff = await asyncio.to_thread(sender.begin, receiver.endpoint, "crash", 8, 5)
+
+            def broken_write(*args, **kwargs):
+                raise RuntimeError("simulated bug")
+
+            sender._transport.write = broken_write
+            handoff.post_layer(0)
+            assert await asyncio.to_thread(handoff.wait, 5) == "failed"
+            assert "thread died: RuntimeError: simulated bug" in handoff.error
+        finally:
+            sender.close()
