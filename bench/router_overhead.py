@@ -249,14 +249,18 @@ def main() -> None:
 
 def _caveat(load: float) -> str:
     cpus = os.cpu_count() or 1
+    note = (
+        "\nRouter CPU per token depends on how many chunks one event-loop wake-up handles: at C=1 every "
+        "token is its own wake-up and the router's idle work (probes, uvicorn's tick: ~2.5 ms/s) is spread "
+        "over only ~310 tokens/s; on a contended machine the router runs less often and handles more "
+        "chunks per wake-up, so its CPU per token drops while latency rises.\n"
+    )
     if load <= cpus:
-        return ""
-    return (
+        return note
+    return note + (
         f"\nThe load average ({load:.1f}) exceeded the {cpus} CPUs: other processes competed with the fakes, "
-        "the router and the client, so the latency columns (added TTFT, ITL p99) and the C=64 throughput are "
-        "noise-dominated and vary several-fold between runs; router CPU per token (thread CPU time) is the "
-        "robust column. At C=1 each token is its own wake-up and the router's idle work (probes, ~2.5 ms/s) "
-        "is spread over only ~310 tokens/s, hence the higher per-token figure there.\n"
+        "the router and the client, so the latency columns (added TTFT, ITL p99) and the C=64 throughput "
+        "vary several-fold between runs.\n"
     )
 
 
