@@ -230,7 +230,8 @@ class KVSender:
                 self._check_revocations()
                 last_check = time.monotonic()
             try:
-                item = self._queue.get(timeout=_POLL_S if inflight else (_IDLE_POLL_S if waiting else _IDLE_TICK_S))
+                timeout = _POLL_S if inflight else (_IDLE_POLL_S if waiting else _IDLE_TICK_S)
+                item = self._queue.get(timeout=timeout)
                 if item is None:
                     break
                 batch.append(item)

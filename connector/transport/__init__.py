@@ -47,7 +47,7 @@ def create_transport(kind: str, name: str) -> Transport:
 
 
 __all__ = [
-    "HostBuffer", "host_tensor", "MemoryFabric", "MemoryTransport", "NotificationPump", "Piece", "Region", "TRANSPORT_KINDS", "Transport", "TransportError",
-    "TransportFactory", "XferHandle", "XferState", "create_transport", "decode_regions", "encode_regions",
-    "merge_pieces", "SHARED_FACTORY",
+    "HostBuffer", "MemoryFabric", "MemoryTransport", "NotificationPump", "Piece", "Region", "SHARED_FACTORY",
+    "TRANSPORT_KINDS", "Transport", "TransportError", "TransportFactory", "XferHandle", "XferState",
+    "create_transport", "decode_regions", "encode_regions", "host_tensor", "merge_pieces",
 ]

@@ -130,7 +130,8 @@ def test_fingerprint_mismatch_order_and_fields():
     assert fingerprint_mismatch(glm, tiny) == ("profile", "glm5.1-fp8-ds-mla", "tiny-mla")
     fewer = glm.model_copy(update={"planes": glm.planes[:2]})
     assert fingerprint_mismatch(glm, fewer) == ("planes", "kv,rope,indexer", "kv,rope")
-    paged = glm.model_copy(update={"planes": [*glm.planes[:2], glm.planes[2].model_copy(update={"page_tokens": 128})]})
+    pages128 = glm.planes[2].model_copy(update={"page_tokens": 128})
+    paged = glm.model_copy(update={"planes": [*glm.planes[:2], pages128]})
     assert fingerprint_mismatch(glm, paged) == ("planes[2].page_tokens", "64", "128")
     # the sender's world size is informational: TP8 and TP1 prefills both fit one decode layout
     assert fingerprint_mismatch(glm, layout_fingerprint(glm5_fp8_ds_mla_layout(2, 1), 8)) is None
