@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import itertools
 import json
+import uuid
 from typing import Any
 
 import httpx
 import openai
 from tokenizers import Tokenizer
 
-_ids = itertools.count()
-
 
 def handoff(first_token_id: int, num_prompt_tokens: int = 7, last_prompt_token_id: int = 3,
             **extra: Any) -> dict[str, Any]:
-    return {"handoff_id": f"h{next(_ids)}", "kv_endpoint": "127.0.0.1:1", "num_prompt_tokens": num_prompt_tokens,
+    return {"handoff_id": f"h-{uuid.uuid4().hex[:12]}", "kv_endpoint": "127.0.0.1:1",
+            "num_prompt_tokens": num_prompt_tokens,
             "first_token_id": first_token_id, "last_prompt_token_id": last_prompt_token_id, "status": "sent",
             **extra}
 
