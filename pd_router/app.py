@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pd_router.api import Endpoint
@@ -24,13 +24,17 @@ from pd_router.errors import InvalidRequest, MethodNotAllowed, NotFound, RouterE
 from pd_router.handler import CompletionHandler
 from pd_router.settings import RouterSettings
 from pd_router.state import RouterState
+from pd_router.wire import ModelCard, ModelList
 
 _ROUTES = MappingProxyType({e.value: e for e in Endpoint})
 
 
-def _error_response(err: RouterError) -> JSONResponse:
-    return JSONResponse(
-        err.payload(), status_code=err.status, headers={k.decode(): v.decode() for k, v in err.headers()}
+def _error_response(err: RouterError) -> Response:
+    return Response(
+        err.body(),
+        status_code=err.status,
+        media_type="application/json",
+        headers={k.decode(): v.decode() for k, v in err.headers()},
     )
 
 
@@ -47,17 +51,17 @@ def _control_app(state: RouterState) -> FastAPI:
     expected = f"Bearer {state.settings.api_key}" if state.settings.api_key else None
 
     @app.exception_handler(RouterError)
-    async def _router_error(_: Request, err: RouterError) -> JSONResponse:
+    async def _router_error(_: Request, err: RouterError) -> Response:
         return _error_response(err)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 405:
             return _error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
         return _error_response(NotFound(f"no route {request.method} {request.url.path}"))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
         return _error_response(InvalidRequest(str(exc.errors()[0].get("msg"))))
 
     @app.get("/health")
@@ -65,34 +69,30 @@ def _control_app(state: RouterState) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/ready")
-    async def ready() -> JSONResponse:
-        ok, body = state.backends.readiness()
-        return JSONResponse(body, status_code=200 if ok else 503)
+    async def ready() -> Response:
+        report = state.backends.readiness()
+        return Response(
+            report.model_dump_json(), status_code=200 if report.ready else 503, media_type="application/json"
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, object]:
+    async def models(request: Request) -> ModelList:
         if expected is not None and not hmac.compare_digest(
             request.headers.get("authorization", ""), expected
         ):
             raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
-        return {
-            "object": "list",
-            "data": [
-                {"id": m, "object": "model", "owned_by": "pd_router"}
-                for m in sorted(state.backends.prefill_models())
-            ],
-        }
+        return ModelList(data=[ModelCard(id=m) for m in sorted(state.backends.prefill_models())])
 
     for path in _ROUTES:  # so that GET on a completion route answers 405, not 404
         app.add_api_route(path, _method_not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"])
     return app
 
 
-async def _method_not_allowed(request: Request) -> JSONResponse:
+async def _method_not_allowed(request: Request) -> Response:
     return _error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from connector.protocol import PROTOCOL_VERSION
 from pd_router.contract import DecodeCapabilities
 from pd_router.upstream import Target
+from pd_router.wire import DecodeStatus, PrefillStatus, ReadinessReport
 
 
 @dataclass
@@ -28,14 +28,14 @@ class PrefillBackend:
     def __post_init__(self) -> None:
         self.target = Target.parse(self.url)
 
-    def report(self) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "healthy": self.healthy,
-            "reason": self.reason,
-            "models": sorted(self.models),
-            "in_flight": self.in_flight,
-        }
+    def report(self) -> PrefillStatus:
+        return PrefillStatus(
+            url=self.url,
+            healthy=self.healthy,
+            reason=self.reason,
+            models=sorted(self.models),
+            in_flight=self.in_flight,
+        )
 
 
 @dataclass
@@ -72,19 +72,19 @@ class DecodeBackend:
     def serves(self, model: str) -> bool:
         return model in self.models
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> DecodeStatus:
         caps = self.capabilities
-        return {
-            "url": self.url,
-            "healthy": self.healthy,
-            "compatible": self.compatible,
-            "reason": self.incompatible_reason if self.healthy and not self.compatible else self.reason,
-            "models": sorted(self.models),
-            "engine": caps.engine if caps else ("plain" if self.plain else None),
-            "slots": None if math.isinf(self.slots) else int(self.slots),
-            "in_use": self.in_use,
-            "peers": [p.model_dump() for p in caps.peers] if caps else [],
-        }
+        return DecodeStatus(
+            url=self.url,
+            healthy=self.healthy,
+            compatible=self.compatible,
+            reason=self.incompatible_reason if self.healthy and not self.compatible else self.reason,
+            models=sorted(self.models),
+            engine=caps.engine if caps else ("plain" if self.plain else None),
+            slots=None if math.isinf(self.slots) else int(self.slots),
+            in_use=self.in_use,
+            peers=list(caps.peers) if caps else [],
+        )
 
 
 @dataclass
@@ -165,16 +165,17 @@ class Backends:
     def decode_available(self, model: str) -> bool:
         return any(d.usable and d.serves(model) for d in self.decode)
 
-    def readiness(self) -> tuple[bool, dict[str, Any]]:
+    def readiness(self) -> ReadinessReport:
         prefill_ok = any(p.healthy for p in self.prefill)
         decode_ok = any(d.usable for d in self.decode)
-        ready = prefill_ok and decode_ok
+        decode = [d.report() for d in self.decode]
         problems = [f"prefill {p.url}: {p.reason}" for p in self.prefill if not p.healthy]
-        problems += [f"decode {d.url}: {d.report()['reason']}" for d in self.decode if not d.usable]
-        body = {
-            "ready": ready,
-            "problems": problems,
-            "prefill": [p.report() for p in self.prefill],
-            "decode": [d.report() for d in self.decode],
-        }
-        return ready, body
+        problems += [
+            f"decode {r.url}: {r.reason}" for d, r in zip(self.decode, decode, strict=True) if not d.usable
+        ]
+        return ReadinessReport(
+            ready=prefill_ok and decode_ok,
+            problems=problems,
+            prefill=[p.report() for p in self.prefill],
+            decode=decode,
+        )

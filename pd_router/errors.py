@@ -9,8 +9,9 @@ they happen (:mod:`pd_router.upstream`, :mod:`pd_router.api`).
 
 from __future__ import annotations
 
-import json
-from typing import Any, ClassVar
+from typing import ClassVar
+
+from pd_router.wire import ErrorBody, ErrorDetail
 
 
 class RouterError(Exception):
@@ -23,18 +24,12 @@ class RouterError(Exception):
         self.param = param
         self.code = code
 
-    def payload(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code if self.code is not None else self.status,
-            }
-        }
+    def payload(self) -> ErrorBody:
+        code = self.code if self.code is not None else self.status
+        return ErrorBody(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=code))
 
     def body(self) -> bytes:
-        return json.dumps(self.payload()).encode()
+        return self.payload().model_dump_json().encode()
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return []

@@ -7,6 +7,7 @@ import json
 import httpx
 import pytest
 
+from pd_router.wire import ErrorBody
 from tests.router.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(60)
@@ -18,7 +19,7 @@ def _error(resp: httpx.Response, status: int, type_: str, completion: bool = Tru
     assert resp.status_code == status, resp.text
     body = resp.json()
     assert set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["type"] == type_, body
+    assert ErrorBody.model_validate(body).error.type == type_, body
     if completion:
         assert resp.headers.get("x-request-id")
     return body["error"]

@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from pd_router.wire import ReadinessReport
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
 from tests.router.conftest import MODEL
 
@@ -30,10 +31,11 @@ def test_backend_down_and_back(make_rig, role):
     servers.pop().stop()
     took = _wait_status(rig, 503)
     assert took <= PROBE + 1.0, took  # the probe interval, plus scheduling slack on a loaded machine
-    body = httpx.get(rig.url + "/ready").json()
-    assert body["ready"] is False
-    down = [b for b in body[role] if not b["healthy"]]
-    assert down and "unreachable" in down[0]["reason"] and down[0]["url"].endswith(f":{port}")
+    report = ReadinessReport.model_validate(httpx.get(rig.url + "/ready").json())
+    assert report.ready is False
+    down = [b for b in getattr(report, role) if not b.healthy]
+    assert down and "unreachable" in (down[0].reason or "") and down[0].url.endswith(f":{port}")
+    assert any(down[0].url in p for p in report.problems)
     t0 = time.monotonic()
     resp = httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=5)
     assert resp.status_code == 503 and time.monotonic() - t0 < 1.0
