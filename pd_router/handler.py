@@ -113,6 +113,9 @@ class CompletionHandler:
             await ctx.fail(err)
         except ConnectionResetError:
             ctx.disconnected = True
+        except Exception:  # a bug: answer in OpenAI shape, details only in the log
+            log.exception("request_id=%s failed", rid)
+            await ctx.fail(RouterError(f"internal router error (request_id={rid}); see the router log"))
         except asyncio.CancelledError:
             if not ctx.disconnected or me is None:
                 raise

@@ -214,3 +214,15 @@ def test_504_prefill_and_decode_timeouts(make_rig):
     assert resp.status_code == 200 and events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["type"] == "upstream_timeout"
     rig.assert_no_leaks()
+
+
+def test_unexpected_failure_is_openai_shaped_and_frees_the_slot(make_rig, monkeypatch):
+    rig = make_rig()
+
+    def broken(*args, **kwargs):
+        raise KeyError("simulated bug")
+
+    monkeypatch.setattr(rig.router.completions, "_handoff", broken)
+    err = _error(httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=10), 500, "internal_error")
+    assert "simulated bug" not in err["message"] and "request_id=" in err["message"]
+    rig.assert_no_leaks()
