@@ -77,7 +77,8 @@ subst_hosts() {
     printf '%s' "$text"
 }
 
-set_state() { echo "$1" > "$job_dir/state"; log "state: $1"; }
+# set_state PHASE: JOB_DIR/state, replaced atomically (readers never see it half-written).
+set_state() { echo "$1" > "$job_dir/state.tmp" && mv -f "$job_dir/state.tmp" "$job_dir/state"; log "state: $1"; }
 
 # srun_step STEP_ID NODE IMAGE: srun arguments running STEP_ID on NODE (its container if any).
 srun_step() {

@@ -133,7 +133,8 @@ def test_scancel_stops_every_server(slurm_cluster: SlurmCluster, tmp_path: Path,
     slurm_cluster.run(["scancel", job_id])
     assert slurm_cluster.wait_job_end(job_id, timeout=90) == "CANCELLED"
     deadline = time.monotonic() + 30  # the batch script may still be stopping the steps
-    while (job_dir / "state").read_text().strip() == "stopping" and time.monotonic() < deadline:
+    while (job_dir / "state").read_text().strip() not in ("done", "failed", "cancelled") \
+            and time.monotonic() < deadline:
         time.sleep(0.5)
     assert (job_dir / "state").read_text().strip() == "cancelled"
     for role, pid in pids.items():
