@@ -7,7 +7,8 @@ drafter) and the tail (last layer posted -> every WRITE landed at the receiver).
 measured in the same request, so the ratio tail / prefill needs no separate baseline. The
 client-side latency of the whole prefill request is printed too.
 
-The tiny model allows 4096 positions, and vLLM skips the MTP drafter (so the MTP layer's KV,
+vLLM runs with VLLM_CPU_EXACT_ARGS (float32, PyTorch rope), as the tests do. The tiny model
+allows 4096 positions, and vLLM skips the MTP drafter (so the MTP layer's KV,
 and the handoff fails) for longer prompts: the benchmark serves a view of the model whose
 config.json allows the longest prompt (same weights; the tail does not depend on them).
 
@@ -33,12 +34,15 @@ sys.path.insert(0, str(REPO))
 
 import httpx
 
+from decode_server.tiny_model import VLLM_CPU_EXACT_ARGS
 from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
 from tests.procs import free_port, python_argv, server
 
 RECEIVER = REPO / "tests" / "connector" / "vllm" / "kv_dump_receiver.py"
-LINE = re.compile(r"TileRT handoff (\S+): (\d+) tokens, (\d+) layers; step to last layer ([0-9.]+) ms, "
-                  r"tail ([0-9.]+) ms")
+LINE = re.compile(
+    r"TileRT handoff (\S+): (\d+) tokens, (\d+) layers; step to last layer ([0-9.]+) ms, "
+    r"tail ([0-9.]+) ms"
+)
 
 
 def wait_line(log: Path, handoff_id: str, timeout: float) -> tuple[float, float]:
@@ -72,7 +76,9 @@ def main() -> None:
     if args.model is None:
         from decode_server.tiny_model import ensure_tiny_model
 
-        args.model = ensure_tiny_model(Path(os.environ.get("PD_TINY_MODEL_ROOT") or REPO / ".cache" / "tiny-model"))
+        args.model = ensure_tiny_model(
+            Path(os.environ.get("PD_TINY_MODEL_ROOT") or REPO / ".cache" / "tiny-model")
+        )
     max_len = max(args.tokens) + 64
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -80,26 +86,54 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="prefill-tail-") as tmp_s:
         tmp = Path(tmp_s)
         model = long_context_view(args.model, max_len, tmp / args.model.name)
-        spec = PrefillSpec(model=model, port=port, profile="tiny", max_model_len=max_len, extra_args=(
-            "--max-num-batched-tokens", str(max_len),
-            "--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})))
-        recv_argv = python_argv(str(RECEIVER), "--layers", "2", "--max-tokens", str(max_len), "--no-dump",
-                                "--unclaimed-timeout", "600", "--timeout", "600",  # slow prefills on a loaded box
-                                "--endpoint-file", str(tmp / "endpoint"), "--out", str(tmp / "recv"))
+        spec = PrefillSpec(
+            model=model,
+            port=port,
+            profile="tiny",
+            max_model_len=max_len,
+            extra_args=("--max-num-batched-tokens", str(max_len), *VLLM_CPU_EXACT_ARGS),
+        )
+        recv_argv = python_argv(
+            str(RECEIVER),
+            "--layers",
+            "2",
+            "--dtype",
+            "float32",  # VLLM_CPU_EXACT_ARGS
+            "--max-tokens",
+            str(max_len),
+            "--no-dump",
+            "--unclaimed-timeout",
+            "600",
+            "--timeout",
+            "600",  # slow prefills on a loaded box
+            "--endpoint-file",
+            str(tmp / "endpoint"),
+            "--out",
+            str(tmp / "recv"),
+        )
         for _, hid in handoffs:
             recv_argv += ["--handoff", hid]
         recv_env = {k: VLLM_CPU_ENV[k] for k in ("NIXL_LOG_LEVEL", "UCX_NET_DEVICES")}
-        with server(recv_argv, tmp / "receiver.log", env=recv_env), \
-                server(vllm_prefill_argv(spec), tmp / "vllm.log", f"{url}/health", 600, VLLM_CPU_ENV):
+        with (
+            server(recv_argv, tmp / "receiver.log", env=recv_env),
+            server(vllm_prefill_argv(spec), tmp / "vllm.log", f"{url}/health", 600, VLLM_CPU_ENV),
+        ):
             endpoint = (tmp / "endpoint").read_text()
             rows: dict[int, list[tuple[float, float, float]]] = {}
             rng = random.Random(0)
             for i, (n, hid) in enumerate(handoffs):
                 prompt = [rng.randrange(100, 4000) for _ in range(n)]
                 t0 = time.perf_counter()
-                resp = httpx.post(f"{url}/v1/completions", timeout=600, json={
-                    "model": model.name, "prompt": prompt, "max_tokens": 1,
-                    "kv_transfer_params": {"handoff_id": hid, "kv_endpoint": endpoint}})
+                resp = httpx.post(
+                    f"{url}/v1/completions",
+                    timeout=600,
+                    json={
+                        "model": model.name,
+                        "prompt": prompt,
+                        "max_tokens": 1,
+                        "kv_transfer_params": {"handoff_id": hid, "kv_endpoint": endpoint},
+                    },
+                )
                 client_ms = (time.perf_counter() - t0) * 1e3
                 status = resp.json()["kv_transfer_params"]["status"]
                 if status != "sent":
@@ -107,9 +141,13 @@ def main() -> None:
                 step_ms, tail_ms = wait_line(tmp / "vllm.log", hid, 60)
                 if i % (args.reps + 1):  # skip each size's warm-up
                     rows.setdefault(n, []).append((step_ms, tail_ms, client_ms))
-    print(f"prefill tail, tiny MLA+MTP model (2+1 layers, bf16 KV 1152 B/token/layer), vllm-cpu, "
-          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; medians of {args.reps}")
-    print("| prompt tokens | prefill step to last layer (ms) | tail (ms) | tail / prefill | client prefill (ms) |")
+    print(
+        f"prefill tail, tiny MLA+MTP model (2+1 layers, float32 KV 2304 B/token/layer), vllm-cpu, "
+        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; medians of {args.reps}"
+    )
+    print(
+        "| prompt tokens | prefill step to last layer (ms) | tail (ms) | tail / prefill | client prefill (ms) |"
+    )
     print("|---|---|---|---|---|")
     for n, r in rows.items():
         step, tail, client = (statistics.median(x[k] for x in r) for k in range(3))

@@ -42,19 +42,27 @@ class ConnectorSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     profile: ProfileName = Field(
-        default="auto", description="model profile: 'glm5.1', 'tiny' (N+1 MLA layers) or 'auto' (from the HF config)")
+        default="auto",
+        description="model profile: 'glm5.1', 'tiny' (N+1 MLA layers) or 'auto' (from the HF config)",
+    )
     decode_endpoints: tuple[str, ...] = Field(
-        default=(), description="host:port KV endpoints of decode servers, handshaken eagerly at start-up")
+        default=(), description="host:port KV endpoints of decode servers, handshaken eagerly at start-up"
+    )
     handshake_timeout_s: float = Field(default=10.0, gt=0, le=600)
     admission_timeout_s: float = Field(default=5.0, gt=0, le=600)
     transfer_timeout_s: float = Field(
-        default=30.0, gt=0, le=3600,
-        description="bound on the wait, after the last layer, for the KV to be complete at decode")
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="bound on the wait, after the last layer, for the KV to be complete at decode",
+    )
     max_tokens: int | None = Field(
-        default=None, ge=1, description="longest prompt handed off (default: vLLM's max_model_len)")
+        default=None, ge=1, description="longest prompt handed off (default: vLLM's max_model_len)"
+    )
     transport: Literal["nixl"] = "nixl"
     require_mtp: bool = Field(
-        default=True, description="refuse to start unless the model runs with one MTP layer")
+        default=True, description="refuse to start unless the model runs with one MTP layer"
+    )
 
     @field_validator("decode_endpoints", mode="before")
     @classmethod

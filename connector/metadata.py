@@ -119,7 +119,9 @@ class ReportOutbox:
             self._sock.sendto(report.model_dump_json().encode(), self.address)
             return True
         except OSError as exc:
-            log.error("cannot report %s of request %s to the scheduler: %s", report.status, report.req_id, exc)
+            log.error(
+                "cannot report %s of request %s to the scheduler: %s", report.status, report.req_id, exc
+            )
             return False
 
     def close(self) -> None:

@@ -63,7 +63,9 @@ def _itemsize(dtype: str) -> int:
 
 def tiny_profile(num_main_layers: int, dtype: str) -> ModelProfile:
     itemsize = _itemsize(dtype)
-    return ModelProfile("tiny", cpu_mla_layout(num_main_layers, 1, dtype), "cpu_mla", mla_row_bytes=576 * itemsize)
+    return ModelProfile(
+        "tiny", cpu_mla_layout(num_main_layers, 1, dtype), "cpu_mla", mla_row_bytes=576 * itemsize
+    )
 
 
 def glm51_profile(num_main_layers: int = GLM5_MAIN_LAYERS) -> ModelProfile:
@@ -84,7 +86,9 @@ def resolve_profile(name: str, hf_config: Any, dtype: Any) -> ModelProfile:
     if name == "tiny":
         layers = getattr(hf_config, "num_hidden_layers", None)
         if not isinstance(layers, int) or layers < 1:
-            raise ProfileMismatch(f"profile 'tiny': the HF config has no usable num_hidden_layers ({layers!r})")
+            raise ProfileMismatch(
+                f"profile 'tiny': the HF config has no usable num_hidden_layers ({layers!r})"
+            )
         return tiny_profile(layers, _dtype_name(dtype))
     raise ProfileMismatch(f"unknown profile {name!r} (known: auto, tiny, glm5.1)")
 
@@ -110,7 +114,9 @@ def scan_layers(names: list[str]) -> LayerMap:
     if found != list(range(len(found))):
         raise ProfileMismatch(f"MLA layer indices are not 0..{len(found) - 1}: {found}")
     if sorted(indexer) and not set(indexer) <= set(found):
-        raise ProfileMismatch(f"indexer caches for layers without an MLA cache: {sorted(set(indexer) - set(found))}")
+        raise ProfileMismatch(
+            f"indexer caches for layers without an MLA cache: {sorted(set(indexer) - set(found))}"
+        )
     return LayerMap(tuple(mla[i] for i in found), tuple(indexer.get(i) for i in found))
 
 
@@ -122,19 +128,24 @@ def check_layers(layers: LayerMap, profile: ModelProfile) -> None:
     if found == layout.num_main_layers and layout.num_mtp_layers:
         raise ProfileMismatch(
             f"profile {profile.name!r} needs {layout.num_main_layers} main + {layout.num_mtp_layers} MTP MLA "
-            f"layers ({expected}), but vLLM registered {found} (no MTP layer): start vLLM with {MTP_FLAG}")
+            f"layers ({expected}), but vLLM registered {found} (no MTP layer): start vLLM with {MTP_FLAG}"
+        )
     if found != expected:
         raise ProfileMismatch(
             f"profile {profile.name!r} needs {expected} MLA layers ({layout.num_main_layers} main + "
-            f"{layout.num_mtp_layers} MTP), but vLLM registered {found}")
+            f"{layout.num_mtp_layers} MTP), but vLLM registered {found}"
+        )
     with_indexer = [i for i, name in enumerate(layers.indexer) if name is not None]
     if profile.needs_indexer and len(with_indexer) != found:
         raise ProfileMismatch(
             f"profile {profile.name!r} needs a DSA indexer cache for each of the {expected} layers; "
-            f"vLLM registered indexer caches for layers {with_indexer}")
+            f"vLLM registered indexer caches for layers {with_indexer}"
+        )
     if not profile.needs_indexer and with_indexer:
-        raise ProfileMismatch(f"profile {profile.name!r} has no indexer plane, but vLLM registered "
-                              f"indexer caches for layers {with_indexer}")
+        raise ProfileMismatch(
+            f"profile {profile.name!r} has no indexer plane, but vLLM registered "
+            f"indexer caches for layers {with_indexer}"
+        )
 
 
 def observed_layout(layers: LayerMap, profile: ModelProfile) -> KVLayout:

@@ -79,8 +79,15 @@ class _Tracked:
 
 
 class ConnectorScheduler:
-    def __init__(self, *, block_size: int, max_tokens: int, world_size: int,
-                 reports: ReportSource | None, report_grace_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        max_tokens: int,
+        world_size: int,
+        reports: ReportSource | None,
+        report_grace_s: float = 2.0,
+    ) -> None:
         self.block_size = block_size
         self.max_tokens = max_tokens
         self.world_size = world_size
@@ -110,7 +117,9 @@ class ConnectorScheduler:
             num_tokens = int(request.num_prompt_tokens)
             tracked = _Tracked(target, num_tokens)
             if num_tokens > self.max_tokens:
-                tracked.error = f"prompt of {num_tokens} tokens exceeds the connector's max_tokens {self.max_tokens}"
+                tracked.error = (
+                    f"prompt of {num_tokens} tokens exceeds the connector's max_tokens {self.max_tokens}"
+                )
             self._tracked[req_id] = tracked
         elif not tracked.completed:
             tracked.sent_upto = 0  # resumed after preemption: gather everything again
@@ -137,8 +146,11 @@ class ConnectorScheduler:
             elif new_blocks is not None:
                 tracked.block_ids.extend(new_blocks[0])
             computed_before[req_id] = cached.num_computed_tokens[i]
-        work = [w for req_id, before in computed_before.items()
-                if (w := self._work_for(req_id, before, scheduled.get(req_id, 0))) is not None]
+        work = [
+            w
+            for req_id, before in computed_before.items()
+            if (w := self._work_for(req_id, before, scheduled.get(req_id, 0))) is not None
+        ]
         aborted, self._aborts = tuple(self._aborts), []
         return StepPlan(work=tuple(work), aborted=aborted)
 
@@ -149,12 +161,15 @@ class ConnectorScheduler:
             return False, None
         if not tracked.announced:
             del self._tracked[req_id]
-            return False, self._result(request, tracked, "failed",
-                                       tracked.error or "request finished before its prompt was computed")
+            return False, self._result(
+                request, tracked, "failed", tracked.error or "request finished before its prompt was computed"
+            )
         self._held.add(req_id)
         if not tracked.completed:
             self._aborts.append(req_id)
-            return True, self._result(request, tracked, "failed", "request finished before its prompt was computed")
+            return True, self._result(
+                request, tracked, "failed", "request finished before its prompt was computed"
+            )
         status, error = self._outcome(req_id, tracked)
         return True, self._result(request, tracked, status, error)
 
@@ -190,8 +205,10 @@ class ConnectorScheduler:
             return None
         needed_blocks = -(-end // self.block_size)
         if needed_blocks > len(tracked.block_ids):
-            tracked.error = (f"internal: {end} tokens need {needed_blocks} blocks of {self.block_size}, "
-                             f"vLLM gave {len(tracked.block_ids)}")
+            tracked.error = (
+                f"internal: {end} tokens need {needed_blocks} blocks of {self.block_size}, "
+                f"vLLM gave {len(tracked.block_ids)}"
+            )
             log.error("request %s: %s", req_id, tracked.error)
             if tracked.announced:
                 self._aborts.append(req_id)
@@ -199,9 +216,15 @@ class ConnectorScheduler:
         tracked.sent_upto = end
         tracked.announced = True
         tracked.completed = end >= tracked.num_tokens
-        return RequestWork(req_id=req_id, handoff_id=tracked.target.handoff_id,
-                           kv_endpoint=tracked.target.kv_endpoint, num_tokens=tracked.num_tokens,
-                           block_ids=tuple(tracked.block_ids[:needed_blocks]), start=start, end=end)
+        return RequestWork(
+            req_id=req_id,
+            handoff_id=tracked.target.handoff_id,
+            kv_endpoint=tracked.target.kv_endpoint,
+            num_tokens=tracked.num_tokens,
+            block_ids=tuple(tracked.block_ids[:needed_blocks]),
+            start=start,
+            end=end,
+        )
 
     def _collect_reports(self) -> None:
         if self._reports is None:
@@ -223,7 +246,10 @@ class ConnectorScheduler:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._reports is None or not self._reports.wait_readable(remaining):
                 missing = sorted(set(range(self.world_size)) - set(reports))
-                return "failed", f"no transfer report from worker rank(s) {missing} within {self._report_grace_s}s"
+                return (
+                    "failed",
+                    f"no transfer report from worker rank(s) {missing} within {self._report_grace_s}s",
+                )
 
     @staticmethod
     def _result(request: Any, tracked: _Tracked, status: str, error: str | None) -> dict[str, Any] | None:
@@ -233,10 +259,14 @@ class ConnectorScheduler:
         if error is None and tracked.error is not None:
             status, error = "failed", tracked.error
         result = HandoffResult(
-            handoff_id=tracked.target.handoff_id, kv_endpoint=tracked.target.kv_endpoint,
-            num_prompt_tokens=tracked.num_tokens, first_token_id=outputs[0],
+            handoff_id=tracked.target.handoff_id,
+            kv_endpoint=tracked.target.kv_endpoint,
+            num_prompt_tokens=tracked.num_tokens,
+            first_token_id=outputs[0],
             last_prompt_token_id=request.prompt_token_ids[tracked.num_tokens - 1],
-            status=status, error=error)  # type: ignore[arg-type]
+            status=status,
+            error=error,
+        )  # type: ignore[arg-type]
         return result.model_dump(exclude_none=True)
 
 
@@ -247,6 +277,7 @@ def _handoff_target(request: Any) -> HandoffTarget | None:
     try:
         return HandoffTarget.model_validate(params)
     except ValidationError as exc:
-        log.warning("request %s: kv_transfer_params is not a handoff target, ignored: %s",
-                    request.request_id, exc)
+        log.warning(
+            "request %s: kv_transfer_params is not a handoff target, ignored: %s", request.request_id, exc
+        )
         return None

@@ -43,14 +43,18 @@ class TileRTConnectorMetadata(KVConnectorMetadata):
 
 
 class TileRTConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _route_logs_to_vllm()
         settings = load_settings(self._kv_transfer_config.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
-            raise ValueError("TileRTConnector: pipeline parallelism is not supported "
-                             f"(pipeline_parallel_size={parallel.pipeline_parallel_size})")
+            raise ValueError(
+                "TileRTConnector: pipeline parallelism is not supported "
+                f"(pipeline_parallel_size={parallel.pipeline_parallel_size})"
+            )
         model = vllm_config.model_config
         max_tokens = settings.max_tokens or model.max_model_len
         engine_id = str(self._kv_transfer_config.engine_id)
@@ -60,25 +64,38 @@ class TileRTConnector(KVConnectorBase_V1):
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler.with_inbox(
-                address, block_size=_block_size(vllm_config, kv_cache_config), max_tokens=max_tokens,
-                world_size=world)
+                address,
+                block_size=_block_size(vllm_config, kv_cache_config),
+                max_tokens=max_tokens,
+                world_size=world,
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank() if world > 1 else 0
             profile = resolve_profile(settings.profile, model.hf_config, model.dtype)
             self._worker = ConnectorWorker(
-                settings=settings, profile=profile, rank=rank, world_size=world,
-                agent_name=default_agent_name(engine_id, rank), max_tokens=max_tokens,
-                sender_factory=nixl_sender_factory, reports=ReportOutbox(address))
+                settings=settings,
+                profile=profile,
+                rank=rank,
+                world_size=world,
+                agent_name=default_agent_name(engine_id, rank),
+                max_tokens=max_tokens,
+                sender_factory=nixl_sender_factory,
+                reports=ReportOutbox(address),
+            )
 
     # -- scheduler side -------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
@@ -114,7 +131,9 @@ class TileRTConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         if self._worker is not None:
             self._worker.save_kv_layer(layer_name, kv_layer)
 

@@ -88,8 +88,18 @@ class _Send:
 
 
 class ConnectorWorker:
-    def __init__(self, *, settings: ConnectorSettings, profile: ModelProfile, rank: int, world_size: int,
-                 agent_name: str, max_tokens: int, sender_factory: SenderFactory, reports: Reports) -> None:
+    def __init__(
+        self,
+        *,
+        settings: ConnectorSettings,
+        profile: ModelProfile,
+        rank: int,
+        world_size: int,
+        agent_name: str,
+        max_tokens: int,
+        sender_factory: SenderFactory,
+        reports: Reports,
+    ) -> None:
         self.settings = settings
         self.profile = profile
         self.plan = SenderPlan(world_size=world_size, rank=rank)
@@ -125,8 +135,14 @@ class ConnectorWorker:
         self._layer_of = {name: i for i, name in enumerate(layers.mla)}
         self._indexer = {i: kv_caches[name] for i, name in enumerate(layers.indexer) if name is not None}
         self._my_layers = frozenset(self.plan.layers(layout.num_layers))
-        log.info("TileRTConnector worker rank %d: profile %s, %d layers (sends %d), layout %s",
-                 self.plan.rank, self.profile.name, layout.num_layers, len(self._my_layers), layout.fingerprint())
+        log.info(
+            "TileRTConnector worker rank %d: profile %s, %d layers (sends %d), layout %s",
+            self.plan.rank,
+            self.profile.name,
+            layout.num_layers,
+            len(self._my_layers),
+            layout.fingerprint(),
+        )
 
     def _check_cache(self, name: str, cache: torch.Tensor) -> None:
         cache = _paged_rows(cache)
@@ -135,7 +151,8 @@ class ConnectorWorker:
             raise ProfileMismatch(
                 f"KV cache {name!r} is {tuple(cache.shape)} {cache.dtype} (contiguous={cache.is_contiguous()}); "
                 f"profile {self.profile.name!r} expects contiguous [num_blocks, block_size, row] with "
-                f"{self.profile.mla_row_bytes}-byte rows")
+                f"{self.profile.mla_row_bytes}-byte rows"
+            )
 
     def _handshake_all(self) -> ProfileMismatch | None:
         assert self._sender is not None
@@ -146,7 +163,9 @@ class ConnectorWorker:
                 log.info("KV handshake with %s: ok", endpoint)
             except HandshakeRejected as exc:
                 log.error("KV handshake with %s rejected: %s", endpoint, exc)
-                first = first or ProfileMismatch(f"decode KV endpoint {endpoint} rejected the handshake: {exc}")
+                first = first or ProfileMismatch(
+                    f"decode KV endpoint {endpoint} rejected the handshake: {exc}"
+                )
             except (ConnectorError, OSError) as exc:
                 log.warning("KV handshake with %s failed (will retry per request): %s", endpoint, exc)
         return first
@@ -234,8 +253,10 @@ class ConnectorWorker:
 
     def pending(self) -> dict[str, str]:
         """Requests this worker still holds state for (req id -> status); for leak checks."""
-        return {req_id: (s.handoff.status() if s.handoff else (s.error and "failed") or "idle")
-                for req_id, s in self._sends.items()}
+        return {
+            req_id: (s.handoff.status() if s.handoff else (s.error and "failed") or "idle")
+            for req_id, s in self._sends.items()
+        }
 
     # -- internals ----------------------------------------------------------------------
 
@@ -245,12 +266,15 @@ class ConnectorWorker:
         work = send.work
         try:
             self._sender.connect(work.kv_endpoint, self.settings.handshake_timeout_s)
-            send.handoff = self._sender.begin(work.kv_endpoint, work.handoff_id, work.num_tokens,
-                                              self.settings.admission_timeout_s)
+            send.handoff = self._sender.begin(
+                work.kv_endpoint, work.handoff_id, work.num_tokens, self.settings.admission_timeout_s
+            )
         except Exception as exc:  # noqa: BLE001 - a refused or broken handoff must not stop vLLM
             self._fail(send, f"{type(exc).__name__}: {exc}")
 
-    def _gather(self, views: dict[str, torch.Tensor], layer: int, cache: torch.Tensor, work: RequestWork) -> None:
+    def _gather(
+        self, views: dict[str, torch.Tensor], layer: int, cache: torch.Tensor, work: RequestWork
+    ) -> None:
         n, blocks = work.num_tokens, work.block_ids
         if self.profile.cache_format == "cpu_mla":
             gather_tokens(cache, blocks, n, views["kv"])
@@ -275,8 +299,14 @@ class ConnectorWorker:
         if send.reported:
             return
         send.reported = True
-        self._reports.send(SendReport(req_id=send.work.req_id, rank=self.plan.rank, status=status,  # type: ignore[arg-type]
-                                      error=error))
+        self._reports.send(
+            SendReport(
+                req_id=send.work.req_id,
+                rank=self.plan.rank,
+                status=status,  # type: ignore[arg-type]
+                error=error,
+            )
+        )
 
 
 def _log_tail(send: _Send, t_done: float) -> None:
@@ -284,9 +314,15 @@ def _log_tail(send: _Send, t_done: float) -> None:
     posted -> every WRITE of this rank landed). Parsed by bench/prefill_tail.py."""
     step_ms = (send.t_last_post - send.t_step) * 1e3
     tail_ms = (t_done - send.t_last_post) * 1e3
-    log.info("TileRT handoff %s: %d tokens, %d layers; step to last layer %.2f ms, tail %.3f ms (%.2f%%)",
-             send.work.handoff_id, send.work.num_tokens, len(send.posted), step_ms, tail_ms,
-             100.0 * tail_ms / step_ms if step_ms > 0 else 0.0)
+    log.info(
+        "TileRT handoff %s: %d tokens, %d layers; step to last layer %.2f ms, tail %.3f ms (%.2f%%)",
+        send.work.handoff_id,
+        send.work.num_tokens,
+        len(send.posted),
+        step_ms,
+        tail_ms,
+        100.0 * tail_ms / step_ms if step_ms > 0 else 0.0,
+    )
 
 
 def _abort_quietly(handoff: Handoff | None, reason: str) -> None:

@@ -61,7 +61,10 @@ class FakeHandoff:
             if self.handoff_id in self.sender.fail_wait:
                 self._status, self.error = "failed", "nixlRemoteDisconnectError: receiver gone"
             elif sorted(set(self.posted)) != sorted(self.layers):
-                self._status, self.error = "failed", f"timed out: layers {sorted(self.posted)} of {self.layers}"
+                self._status, self.error = (
+                    "failed",
+                    f"timed out: layers {sorted(self.posted)} of {self.layers}",
+                )
             else:
                 self._status = "sent"
         self.sender.settle(self)
@@ -76,8 +79,14 @@ class FakeHandoff:
 
 
 class FakeKVSender:
-    def __init__(self, agent_name: str, layout: KVLayout, max_tokens: int,
-                 sender_plan: SenderPlan | None = None, transport: str = "nixl") -> None:
+    def __init__(
+        self,
+        agent_name: str,
+        layout: KVLayout,
+        max_tokens: int,
+        sender_plan: SenderPlan | None = None,
+        transport: str = "nixl",
+    ) -> None:
         self.agent_name = agent_name
         self.layout = layout
         self.max_tokens = max_tokens
@@ -102,11 +111,14 @@ class FakeKVSender:
 
     def begin(self, endpoint: str, handoff_id: str, num_tokens: int, timeout: float) -> FakeHandoff:
         if endpoint in self.refuse:
-            raise AdmissionRefused(handoff_id, self.refuse[endpoint], f"{endpoint} refused {handoff_id}: "
-                                   f"{self.refuse[endpoint]}")
+            raise AdmissionRefused(
+                handoff_id, self.refuse[endpoint], f"{endpoint} refused {handoff_id}: {self.refuse[endpoint]}"
+            )
         if num_tokens > self.max_tokens:
             raise AdmissionRefused(handoff_id, "too_long", f"{num_tokens} > {self.max_tokens}")
-        handoff = FakeHandoff(self, endpoint, handoff_id, num_tokens, self.plan.layers(self.layout.num_layers))
+        handoff = FakeHandoff(
+            self, endpoint, handoff_id, num_tokens, self.plan.layers(self.layout.num_layers)
+        )
         self.handoffs[handoff_id] = handoff
         self.open_handoffs.add(handoff_id)
         return handoff

@@ -51,8 +51,17 @@ class FakeRequest:
 
 
 class MiniEngine:
-    def __init__(self, scheduler: Any, workers: list[Any], *, num_layers: int, num_blocks: int = 64,
-                 token_budget: int = 64, dtype: torch.dtype = torch.bfloat16, width: int = 576) -> None:
+    def __init__(
+        self,
+        scheduler: Any,
+        workers: list[Any],
+        *,
+        num_layers: int,
+        num_blocks: int = 64,
+        token_budget: int = 64,
+        dtype: torch.dtype = torch.bfloat16,
+        width: int = 576,
+    ) -> None:
         self.scheduler = scheduler
         self.workers = workers
         self.token_budget = token_budget
@@ -60,8 +69,10 @@ class MiniEngine:
         self.num_blocks = num_blocks
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
         # one cache per worker rank (TP ranks hold the same MLA KV); vLLM's CPU MLA shape
-        self.caches = [{n: torch.zeros(num_blocks, 1, BLOCK, width, dtype=dtype) for n in self.layer_names}
-                       for _ in workers]
+        self.caches = [
+            {n: torch.zeros(num_blocks, 1, BLOCK, width, dtype=dtype) for n in self.layer_names}
+            for _ in workers
+        ]
         self.waiting: list[FakeRequest] = []
         self.running: list[FakeRequest] = []
         self.held: dict[str, FakeRequest] = {}
@@ -106,17 +117,25 @@ class MiniEngine:
             self._alloc(req, n)
             self.scheduler.get_num_new_matched_tokens(req, 0)
             self.scheduler.update_state_after_alloc(req, list(req.block_ids), 0)
-            new_reqs.append(SimpleNamespace(req_id=req.request_id, block_ids=(list(req.block_ids),),
-                                            num_computed_tokens=0))
+            new_reqs.append(
+                SimpleNamespace(
+                    req_id=req.request_id, block_ids=(list(req.block_ids),), num_computed_tokens=0
+                )
+            )
             scheduled[req.request_id] = n
             self.running.append(req)
             budget -= n
         out = SimpleNamespace(
-            scheduled_new_reqs=new_reqs, num_scheduled_tokens=scheduled,
-            scheduled_cached_reqs=SimpleNamespace(req_ids=cached_ids, resumed_req_ids=set(),
-                                                  new_block_ids=cached_new_blocks,
-                                                  num_computed_tokens=cached_computed),
-            finished_req_ids=self.finished_req_ids)
+            scheduled_new_reqs=new_reqs,
+            num_scheduled_tokens=scheduled,
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=cached_ids,
+                resumed_req_ids=set(),
+                new_block_ids=cached_new_blocks,
+                num_computed_tokens=cached_computed,
+            ),
+            finished_req_ids=self.finished_req_ids,
+        )
         self.finished_req_ids = set()
         plan = self.scheduler.build_step(out)
         finished_sending = self._execute(plan, out)

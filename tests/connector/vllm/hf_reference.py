@@ -30,14 +30,17 @@ def deinterleave_rope(kv: torch.Tensor, latent: int = 512) -> torch.Tensor:
 def _mtp_tensors(model_dir: Path, layer: int) -> dict[str, torch.Tensor]:
     prefix = f"model.layers.{layer}."
     index = model_dir / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file()
         else ["model.safetensors"]
+    )
     out = {}
     for name in files:
         with safe_open(str(model_dir / name), "pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 if key.startswith(prefix):
-                    out[key[len(prefix):]] = f.get_tensor(key).float()
+                    out[key[len(prefix) :]] = f.get_tensor(key).float()
     return out
 
 
@@ -47,7 +50,9 @@ def reference_kv(model_dir: Path, prompt: list[int], first_token_id: int) -> lis
     from transformers import AutoModelForCausalLM, DynamicCache
     from transformers.models.glm4_moe_lite import modeling_glm4_moe_lite as hf
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation="eager"
+    )
     model.eval()
     cfg = model.config
     n = cfg.num_hidden_layers
@@ -76,12 +81,17 @@ def reference_kv(model_dir: Path, prompt: list[int], first_token_id: int) -> lis
     next_ids = torch.tensor([prompt[1:] + [first_token_id]])
     emb = model.model.embed_tokens(next_ids)
     emb[:, 0] = 0.0  # vLLM masks the MTP input embedding at position 0
-    x = torch.nn.functional.linear(torch.cat([enorm(emb), hnorm(base.last_hidden_state)], dim=-1),
-                                   weights["eh_proj.weight"])
+    x = torch.nn.functional.linear(
+        torch.cat([enorm(emb), hnorm(base.last_hidden_state)], dim=-1), weights["eh_proj.weight"]
+    )
     x = input_norm(x)
     positions = torch.arange(len(prompt)).unsqueeze(0)
     mtp_cache = DynamicCache(config=mtp_cfg)
-    attn(x, position_embeddings=model.model.rotary_emb(x, positions), attention_mask=None,
-         past_key_values=mtp_cache)
+    attn(
+        x,
+        position_embeddings=model.model.rotary_emb(x, positions),
+        attention_mask=None,
+        past_key_values=mtp_cache,
+    )
     layers.append(torch.cat([mtp_cache.layers[n].keys[0, 0], mtp_cache.layers[n].values[0, 0]], dim=1))
     return layers

@@ -50,8 +50,11 @@ async def watch(receiver: KVReceiver, out: Path, die_on_admit: bool) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     layout = cpu_mla_layout(args.layers, args.mtp, args.dtype)
-    receiver = KVReceiver(ReceiverSettings(layout=layout, max_tokens=args.max_tokens, slots=1,
-                                           unclaimed_timeout_s=args.unclaimed_timeout))
+    receiver = KVReceiver(
+        ReceiverSettings(
+            layout=layout, max_tokens=args.max_tokens, slots=1, unclaimed_timeout_s=args.unclaimed_timeout
+        )
+    )
     await receiver.start()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

@@ -20,20 +20,24 @@ from connector.profiles import (
 
 
 def test_settings_defaults_and_values():
-    s = load_settings({"profile": "tiny", "decode_endpoints": "127.0.0.1:9100,127.0.0.1:9101",
-                       "transfer_timeout_s": 3})
+    s = load_settings(
+        {"profile": "tiny", "decode_endpoints": "127.0.0.1:9100,127.0.0.1:9101", "transfer_timeout_s": 3}
+    )
     assert s.profile == "tiny" and s.decode_endpoints == ("127.0.0.1:9100", "127.0.0.1:9101")
     assert s.transfer_timeout_s == 3.0 and s.max_tokens is None
     assert load_settings(None).profile == "auto"
 
 
-@pytest.mark.parametrize("extra, option, words", [
-    ({"profil": "tiny"}, "profil", "unknown option"),
-    ({"profile": "glm6"}, "profile", "'glm6'"),
-    ({"decode_endpoints": ["localhost"]}, "decode_endpoints", "host:port"),
-    ({"transfer_timeout_s": 0}, "transfer_timeout_s", "greater than 0"),
-    ({"max_tokens": -5}, "max_tokens", "-5"),
-])
+@pytest.mark.parametrize(
+    "extra, option, words",
+    [
+        ({"profil": "tiny"}, "profil", "unknown option"),
+        ({"profile": "glm6"}, "profile", "'glm6'"),
+        ({"decode_endpoints": ["localhost"]}, "decode_endpoints", "host:port"),
+        ({"transfer_timeout_s": 0}, "transfer_timeout_s", "greater than 0"),
+        ({"max_tokens": -5}, "max_tokens", "-5"),
+    ],
+)
 def test_bad_settings_name_option_value_and_reason(extra, option, words):
     with pytest.raises(ConnectorConfigError) as info:
         load_settings(extra)

@@ -22,20 +22,42 @@ ENDPOINT = "127.0.0.1:9"
 
 
 class Rig:
-    def __init__(self, world: int = 1, configure=None, max_tokens: int = 512, token_budget: int = 64,
-                 endpoints: tuple[str, ...] = (), report_grace_s: float = 2.0, workers: int | None = None) -> None:
+    def __init__(
+        self,
+        world: int = 1,
+        configure=None,
+        max_tokens: int = 512,
+        token_budget: int = 64,
+        endpoints: tuple[str, ...] = (),
+        report_grace_s: float = 2.0,
+        workers: int | None = None,
+    ) -> None:
         address = report_address(uuid.uuid4().hex)
-        self.scheduler = ConnectorScheduler.with_inbox(address, block_size=16, max_tokens=max_tokens,
-                                                       world_size=world, report_grace_s=report_grace_s)
+        self.scheduler = ConnectorScheduler.with_inbox(
+            address, block_size=16, max_tokens=max_tokens, world_size=world, report_grace_s=report_grace_s
+        )
         self.senders, factory = make_factory(configure)
         settings = ConnectorSettings(decode_endpoints=endpoints, transfer_timeout_s=1.0)
         self.workers = [
-            ConnectorWorker(settings=settings, profile=tiny_profile(N_MAIN, "float32"), rank=r, world_size=world,
-                            agent_name=f"test-r{r}", max_tokens=max_tokens, sender_factory=factory,
-                            reports=ReportOutbox(address))
-            for r in range(world if workers is None else workers)]
-        self.engine = MiniEngine(self.scheduler, self.workers, num_layers=N_MAIN + 1, token_budget=token_budget,
-                                 dtype=torch.float32)
+            ConnectorWorker(
+                settings=settings,
+                profile=tiny_profile(N_MAIN, "float32"),
+                rank=r,
+                world_size=world,
+                agent_name=f"test-r{r}",
+                max_tokens=max_tokens,
+                sender_factory=factory,
+                reports=ReportOutbox(address),
+            )
+            for r in range(world if workers is None else workers)
+        ]
+        self.engine = MiniEngine(
+            self.scheduler,
+            self.workers,
+            num_layers=N_MAIN + 1,
+            token_budget=token_budget,
+            dtype=torch.float32,
+        )
 
     def start(self) -> Rig:
         self.engine.register()
@@ -256,14 +278,23 @@ def test_a_rank_that_never_reports_makes_the_handoff_fail_in_bounded_time(rig):
 
 
 def _caches(n_layers: int) -> dict[str, torch.Tensor]:
-    return {f"model.layers.{i}.self_attn.attn": torch.zeros(8, 16, 576, dtype=torch.float32)
-            for i in range(n_layers)}
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(8, 16, 576, dtype=torch.float32)
+        for i in range(n_layers)
+    }
 
 
 def _worker(factory, endpoints=(ENDPOINT,)) -> ConnectorWorker:
-    return ConnectorWorker(settings=ConnectorSettings(decode_endpoints=endpoints), profile=tiny_profile(N_MAIN, "float32"),
-                           rank=0, world_size=1, agent_name="t", max_tokens=64, sender_factory=factory,
-                           reports=ReportOutbox(report_address(uuid.uuid4().hex)))
+    return ConnectorWorker(
+        settings=ConnectorSettings(decode_endpoints=endpoints),
+        profile=tiny_profile(N_MAIN, "float32"),
+        rank=0,
+        world_size=1,
+        agent_name="t",
+        max_tokens=64,
+        sender_factory=factory,
+        reports=ReportOutbox(report_address(uuid.uuid4().hex)),
+    )
 
 
 def test_without_mtp_startup_fails_naming_the_flag_after_handshaking():
@@ -313,18 +344,46 @@ def test_glm51_worker_gathers_fp8_ds_mla_rows_and_indexer_pages():
     from connector.profiles import glm51_profile
 
     senders, factory = make_factory()
-    worker = ConnectorWorker(settings=ConnectorSettings(), profile=glm51_profile(2), rank=0, world_size=1,
-                             agent_name="t", max_tokens=512, sender_factory=factory,
-                             reports=ReportOutbox(report_address(uuid.uuid4().hex)))
+    worker = ConnectorWorker(
+        settings=ConnectorSettings(),
+        profile=glm51_profile(2),
+        rank=0,
+        world_size=1,
+        agent_name="t",
+        max_tokens=512,
+        sender_factory=factory,
+        reports=ReportOutbox(report_address(uuid.uuid4().hex)),
+    )
     gen = torch.Generator().manual_seed(0)
-    mla = {f"model.layers.{i}.self_attn.attn": torch.randint(0, 256, (6, 64, 656), dtype=torch.uint8, generator=gen)
-           for i in range(3)}
-    idx = {f"model.layers.{i}.self_attn.indexer.k_cache": torch.randint(0, 256, (6, 64, 132), dtype=torch.uint8,
-                                                                        generator=gen) for i in range(3)}
+    mla = {
+        f"model.layers.{i}.self_attn.attn": torch.randint(
+            0, 256, (6, 64, 656), dtype=torch.uint8, generator=gen
+        )
+        for i in range(3)
+    }
+    idx = {
+        f"model.layers.{i}.self_attn.indexer.k_cache": torch.randint(
+            0, 256, (6, 64, 132), dtype=torch.uint8, generator=gen
+        )
+        for i in range(3)
+    }
     worker.register_kv_caches({**mla, **idx})
     n, blocks = 100, (4, 1)
-    worker.bind(StepPlan(work=(RequestWork(req_id="r", handoff_id="h", kv_endpoint=ENDPOINT, num_tokens=n,
-                                           block_ids=blocks, start=0, end=n),)))
+    worker.bind(
+        StepPlan(
+            work=(
+                RequestWork(
+                    req_id="r",
+                    handoff_id="h",
+                    kv_endpoint=ENDPOINT,
+                    num_tokens=n,
+                    block_ids=blocks,
+                    start=0,
+                    end=n,
+                ),
+            )
+        )
+    )
     for name, cache in mla.items():
         worker.save_kv_layer(name, cache)
     worker.wait_for_save()
@@ -335,7 +394,9 @@ def test_glm51_worker_gathers_fp8_ds_mla_rows_and_indexer_pages():
         views = handoff.staging(i)
         assert torch.equal(views["kv"], rows[:, :528])
         assert torch.equal(views["rope"].view(torch.uint8), rows[:, 528:])
-        pages = torch.stack([idx[f"model.layers.{i}.self_attn.indexer.k_cache"][b].reshape(-1) for b in blocks])
+        pages = torch.stack(
+            [idx[f"model.layers.{i}.self_attn.indexer.k_cache"][b].reshape(-1) for b in blocks]
+        )
         assert torch.equal(views["indexer"], pages)
     worker.shutdown()
 
@@ -347,15 +408,26 @@ def test_preempted_request_is_gathered_again_from_its_new_blocks():
     req = request("a", 100)
 
     def output(new, cached_ids=(), resumed=(), new_blocks=(), computed=(), scheduled=None):
-        return NS(scheduled_new_reqs=new, num_scheduled_tokens=scheduled or {},
-                  scheduled_cached_reqs=NS(req_ids=list(cached_ids), resumed_req_ids=set(resumed),
-                                           new_block_ids=list(new_blocks), num_computed_tokens=list(computed)))
+        return NS(
+            scheduled_new_reqs=new,
+            num_scheduled_tokens=scheduled or {},
+            scheduled_cached_reqs=NS(
+                req_ids=list(cached_ids),
+                resumed_req_ids=set(resumed),
+                new_block_ids=list(new_blocks),
+                num_computed_tokens=list(computed),
+            ),
+        )
 
     sched.update_state_after_alloc(req, [1, 2], 0)
-    plan = sched.build_step(output([NS(req_id="a", block_ids=([1, 2],), num_computed_tokens=0)], scheduled={"a": 32}))
+    plan = sched.build_step(
+        output([NS(req_id="a", block_ids=([1, 2],), num_computed_tokens=0)], scheduled={"a": 32})
+    )
     assert [(w.start, w.end, w.block_ids) for w in plan.work] == [(0, 32, (1, 2))]
     sched.update_state_after_alloc(req, [7, 8, 9, 10], 0)  # preempted, then resumed with other blocks
     plan = sched.build_step(output([], ["a"], ["a"], [([7, 8, 9, 10],)], [0], {"a": 64}))
     assert [(w.start, w.end, w.block_ids) for w in plan.work] == [(0, 64, (7, 8, 9, 10))]
     plan = sched.build_step(output([], ["a"], [], [([11, 12, 13],)], [64], {"a": 36}))
-    assert [(w.start, w.end, w.block_ids, w.last) for w in plan.work] == [(64, 100, (7, 8, 9, 10, 11, 12, 13), True)]
+    assert [(w.start, w.end, w.block_ids, w.last) for w in plan.work] == [
+        (64, 100, (7, 8, 9, 10, 11, 12, 13), True)
+    ]

@@ -15,7 +15,9 @@ from tests.procs import ServerProcess, free_port
 pytestmark = pytest.mark.slow
 
 
-def test_vllm_without_mtp_fails_at_startup_and_the_receiver_records_the_rejection(tiny_model_dir: Path, tmp_path):
+def test_vllm_without_mtp_fails_at_startup_and_the_receiver_records_the_rejection(
+    tiny_model_dir: Path, tmp_path
+):
     with receiver(tmp_path / "recv") as recv:
         spec = prefill_spec(tiny_model_dir, free_port(), mtp=False, decode_endpoints=(recv.endpoint,))
         vllm = ServerProcess(vllm_prefill_argv(spec), tmp_path / "vllm.log", VLLM_CPU_ENV)
