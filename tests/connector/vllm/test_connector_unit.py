@@ -284,14 +284,14 @@ def _caches(n_layers: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _worker(factory, endpoints=(ENDPOINT,)) -> ConnectorWorker:
+def _worker(factory, endpoints=(ENDPOINT,), profile=None) -> ConnectorWorker:
     return ConnectorWorker(
         settings=ConnectorSettings(decode_endpoints=endpoints),
-        profile=tiny_profile(N_MAIN, "float32"),
+        profile=profile or tiny_profile(N_MAIN, "float32"),
         rank=0,
         world_size=1,
         agent_name="t",
-        max_tokens=64,
+        max_tokens=512,
         sender_factory=factory,
         reports=ReportOutbox(report_address(uuid.uuid4().hex)),
     )
@@ -344,16 +344,7 @@ def test_glm51_worker_gathers_fp8_ds_mla_rows_and_indexer_pages():
     from connector.profiles import glm51_profile
 
     senders, factory = make_factory()
-    worker = ConnectorWorker(
-        settings=ConnectorSettings(),
-        profile=glm51_profile(2),
-        rank=0,
-        world_size=1,
-        agent_name="t",
-        max_tokens=512,
-        sender_factory=factory,
-        reports=ReportOutbox(report_address(uuid.uuid4().hex)),
-    )
+    worker = _worker(factory, endpoints=(), profile=glm51_profile(2))
     gen = torch.Generator().manual_seed(0)
     mla = {
         f"model.layers.{i}.self_attn.attn": torch.randint(
