@@ -59,6 +59,7 @@ submit() {
                 --output "$job_dir/logs/job-%j.out" --time "$SLURM_TIME")
     [[ -z $SLURM_PARTITION ]] || args+=(--partition "$SLURM_PARTITION")
     [[ -z $SLURM_ACCOUNT ]] || args+=(--account "$SLURM_ACCOUNT")
+    # shellcheck disable=SC2153  # GPUS_PER_NODE comes from job.env
     [[ $GPUS_PER_NODE -eq 0 ]] || args+=(--gpus-per-node "$GPUS_PER_NODE" --exclusive)
     [[ -z $CPUS_PER_NODE ]] || args+=(--cpus-per-task "$CPUS_PER_NODE")
     local job_id
@@ -155,7 +156,7 @@ on_exit() {
     local rc=$?
     trap - EXIT TERM INT
     stop_services
-    if [[ $rc -eq 0 ]]; then set_state done; elif [[ $cancelled -eq 1 ]]; then set_state cancelled
+    if [[ $rc -eq 0 ]]; then set_state "done"; elif [[ $cancelled -eq 1 ]]; then set_state cancelled
     else set_state failed; fi
     exit "$rc"
 }
@@ -187,11 +188,11 @@ in_job() {
     trap on_exit EXIT
     trap 'log "signalled: stopping"; cancelled=1; exit 143' TERM INT
 
-    local rows=() row id role kind node image url
+    local rows=() row id role node image url
     mapfile -t rows < "$job_dir/plan/steps.tsv"
     set_state converting
     for row in "${rows[@]}"; do
-        IFS=$'\t' read -r id role kind node image url <<< "$row"
+        IFS=$'\t' read -r id role _ node image url <<< "$row"
         if [[ $role == convert ]]; then
             run_task "$id" "$node" "$image" bash "$job_dir/bin/setup_deps.sh" convert "$job_dir"
         fi
@@ -202,16 +203,16 @@ in_job() {
     # handshake). Every decode server starts at once; prefill once they are all ready.
     for phase in decode prefill; do
         for row in "${rows[@]}"; do
-            IFS=$'\t' read -r id role kind node image url <<< "$row"
+            IFS=$'\t' read -r id role _ node image url <<< "$row"
             if [[ $role == "$phase" ]]; then start_step "$id" "$node" "$image"; fi
         done
         for row in "${rows[@]}"; do
-            IFS=$'\t' read -r id role kind node image url <<< "$row"
+            IFS=$'\t' read -r id role _ node image url <<< "$row"
             if [[ $role == "$phase" ]]; then gate "$id" "$(subst_hosts "$url")"; fi
         done
     done
     for row in "${rows[@]}"; do
-        IFS=$'\t' read -r id role kind node image url <<< "$row"
+        IFS=$'\t' read -r id role _ node image url <<< "$row"
         if [[ $role == router ]]; then
             start_step "$id" "$node" "$image"
             gate "$id" "$(subst_hosts "$url")"
@@ -220,7 +221,7 @@ in_job() {
     if [[ $SMOKE_TEST -eq 1 ]]; then smoke_test; fi
     set_state ready
     for row in "${rows[@]}"; do
-        IFS=$'\t' read -r id role kind node image url <<< "$row"
+        IFS=$'\t' read -r id role _ node image url <<< "$row"
         if [[ $role == benchmark ]]; then
             set_state "benchmark $id"
             run_task "$id" "$node" "$image" bash "$job_dir/bin/run_node.sh" "$job_dir" "$id"
