@@ -59,10 +59,6 @@ class ConnectorSettings(BaseModel):
     max_tokens: int | None = Field(
         default=None, ge=1, description="longest prompt handed off (default: vLLM's max_model_len)"
     )
-    transport: Literal["nixl"] = "nixl"
-    require_mtp: bool = Field(
-        default=True, description="refuse to start unless the model runs with one MTP layer"
-    )
 
     @field_validator("decode_endpoints", mode="before")
     @classmethod

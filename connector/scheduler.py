@@ -256,8 +256,6 @@ class ConnectorScheduler:
         outputs = list(request.output_token_ids)
         if not outputs:
             return None  # nothing was generated: there is no response to carry a handoff
-        if error is None and tracked.error is not None:
-            status, error = "failed", tracked.error
         result = HandoffResult(
             handoff_id=tracked.target.handoff_id,
             kv_endpoint=tracked.target.kv_endpoint,
