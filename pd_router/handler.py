@@ -41,6 +41,7 @@ from pd_router.errors import (
     NoHealthyBackend,
     RouterError,
     Unauthorized,
+    UpstreamRejected,
 )
 from pd_router.rawhttp import Response, UpstreamError
 from pd_router.slots import Lease
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pd_router.requests")
 _DONE = b"data: [DONE]"
+BUSY_RETRY_S = 2.0  # how long a decode server may answer 429 for a slot this router counts as free
 
 
 @dataclass(eq=False)
@@ -260,18 +262,33 @@ class CompletionHandler:
         """Relay the decode answer; True when it ended cleanly."""
         state = self.state
         backend = lease.backend
-        try:
-            resp = await upstream.open_decode(
-                state.upstream,
-                backend.target,
-                ctx.endpoint.value,
-                decode_body(ctx.raw, body, kv_params),
-                ctx.request_id,
-                state.settings.decode_timeout,
-            )
-        except RouterError as err:
-            state.upstream_failed("decode", backend, err, mark_down=isinstance(err, upstream.Unreachable))
-            raise
+        data = decode_body(ctx.raw, body, kv_params)
+        give_up = perf_counter() + BUSY_RETRY_S
+        pause = 0.005
+        while True:
+            try:
+                resp = await upstream.open_decode(
+                    state.upstream,
+                    backend.target,
+                    ctx.endpoint.value,
+                    data,
+                    ctx.request_id,
+                    state.settings.decode_timeout,
+                )
+                break
+            except UpstreamRejected as err:
+                # 429: the server has not yet taken back the slot this router counts as free
+                # (its engine thread frees it just after the last byte or a cancel): retry
+                if err.status != 429 or perf_counter() + pause > give_up:
+                    raise
+                log.debug(
+                    "request_id=%s decode %s busy, retrying in %.3fs", ctx.request_id, backend.url, pause
+                )
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 0.1)
+            except RouterError as err:
+                state.upstream_failed("decode", backend, err, mark_down=isinstance(err, upstream.Unreachable))
+                raise
         try:
             if request.stream:
                 return await self._relay_stream(ctx, resp, backend)

@@ -38,6 +38,7 @@ class Records:
     errors: list[str] = field(default_factory=list)  # contract violations seen
     active: set[str] = field(default_factory=set)
     max_active: int = 0
+    busy: list[str] = field(default_factory=list)  # requests answered 429: every slot taken
 
     def dump(self) -> dict[str, Any]:
         return {
@@ -47,6 +48,7 @@ class Records:
             "errors": self.errors,
             "active": sorted(self.active),
             "max_active": self.max_active,
+            "busy": self.busy,
         }
 
 

@@ -39,6 +39,7 @@ class DecodeKnobs(BaseModel):
     fail: str | None = None  # "status" | "mid_stream" | "no_done"
     fail_status: int = 500
     fail_after: int = 2
+    release_lag: float = 0.0  # seconds between the end of a sequence and its slot being free again
 
 
 class FakeDecode(FakeBase[DecodeKnobs]):
@@ -100,8 +101,8 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             rec.errors.append(problem)
             return await respond(send, 400, error_body(problem))
         if len(rec.active) >= (k.slots if not k.plain else 1 << 30):
-            rec.errors.append(f"slot limit {k.slots} exceeded by {rid}")
-            return await respond(send, 503, error_body("all slots busy", 503))
+            rec.busy.append(rid)  # as the real decode server: 429 until a slot is back
+            return await respond(send, 429, error_body("all decode slots are busy; retry later", 429))
         if k.fail == "status":
             return await respond(send, k.fail_status, error_body("fake decode failure", k.fail_status))
         cancel = self._cancel[rid] = asyncio.Event()
@@ -114,8 +115,11 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             await self._emit(send, path, body, rid, cancel, watch)
         finally:
             watch.cancel()
-            rec.active.discard(rid)
             self._cancel.pop(rid, None)
+            if k.release_lag:  # like an engine thread that hands the slot back a little later
+                asyncio.get_running_loop().call_later(k.release_lag, rec.active.discard, rid)
+            else:
+                rec.active.discard(rid)
 
     def _release(self, what: dict[str, Any]) -> None:
         """``{"request_id": id}`` releases that held request, ``{"n": n}`` the n oldest."""

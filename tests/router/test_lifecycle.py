@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 
@@ -95,3 +96,23 @@ def test_slot_released_after_every_outcome(make_rig):
             httpx.post(rig.url + "/v1/completions", json={**body, "stream": stream}, timeout=5)
             rig.assert_no_leaks()
     assert rig.records(rig.decodes[0])["max_active"] == 1
+
+
+async def test_decode_slot_freed_late_is_retried_not_failed(make_rig):
+    """A decode server frees a slot a little after the last byte (its engine thread hands it
+    back): the router, which already counts the slot free, retries the 429 instead of failing."""
+    rig = make_rig(decode={"slots": 1, "release_lag": 0.05})
+    async with httpx.AsyncClient(timeout=20) as client:
+        answers = await asyncio.gather(
+            *(
+                client.post(
+                    rig.url + "/v1/completions",
+                    json={"model": MODEL, "prompt": "a", "max_tokens": 3, "stream": i % 2 == 0},
+                )
+                for i in range(6)
+            )
+        )
+    assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+    assert rig.decodes[0].app.records.busy  # the race really happened
+    assert rig.decodes[0].app.records.max_active == 1
+    await asyncio.to_thread(rig.assert_no_leaks)

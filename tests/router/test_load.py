@@ -72,5 +72,54 @@ async def test_200_streaming_clients_fifo(make_rig):
     assert texts == ["".join(f"t{k} " for k in range(TOKENS))] * N_CLIENTS  # none lost, all complete
     assert [r["request_id"] for r in arrived()] == [f"c{i:03d}" for i in range(N_CLIENTS)]  # FIFO
     assert all(f.records.max_active == 1 for f in fakes) and all(not f.records.errors for f in fakes)
+    assert all(not f.records.busy for f in fakes)  # never sent more than a server's slots
     assert sum(len(f.records.requests) for f in fakes) == N_CLIENTS
     await asyncio.to_thread(rig.assert_no_leaks)
+
+
+async def _stream_then_maybe_leave(port: int, rid: str, leave_after: int | None) -> int:
+    """A raw streaming client; leaves after ``leave_after`` data events (None: reads to the end).
+    Returns the number of data events seen."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = b'{"model": "%s", "prompt": "x", "max_tokens": 20, "stream": true}' % MODEL.encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"X-Request-Id: "
+        + rid.encode()
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+    events = 0
+    try:
+        if leave_after == 0:
+            return 0
+        while True:
+            line = await reader.readline()
+            if not line or line.startswith(b"data: [DONE]"):
+                return events
+            if line.startswith(b"data: "):
+                events += 1
+                if leave_after is not None and events >= leave_after:
+                    return events
+    finally:
+        writer.close()
+
+
+@pytest.mark.timeout(120)
+async def test_mass_disconnects_leak_nothing(make_rig):
+    rig = make_rig(n_decode=2, decode={"slots": 3, "token_delay": 0.01}, max_queue=100, log_level="error")
+    plan = {f"m{i:02d}": (None if i % 3 == 0 else (0 if i % 3 == 1 else 1 + i % 5)) for i in range(60)}
+    seen = await asyncio.gather(
+        *(_stream_then_maybe_leave(rig.server.port, rid, leave) for rid, leave in plan.items())
+    )
+    finished = [rid for (rid, leave), n in zip(plan.items(), seen, strict=True) if leave is None]
+    assert all(n == 20 for (rid, leave), n in zip(plan.items(), seen, strict=True) if leave is None)
+    await asyncio.to_thread(rig.assert_no_leaks, 15)
+    decoded = {r["request_id"] for d in rig.decodes for r in d.app.records.requests}
+    cancelled = {c for d in rig.decodes for c in d.app.records.cancels}
+    assert set(finished) <= decoded and not cancelled & set(finished)
+    left_in_decode = {rid for rid, leave in plan.items() if leave} & decoded
+    assert left_in_decode <= cancelled  # every client that left mid-stream was cancelled upstream
+    assert all(d.app.records.max_active <= 3 for d in rig.decodes)
