@@ -78,7 +78,14 @@ class ReportInbox:
     def __init__(self, address: str) -> None:
         self.address = address
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.bind(address)
+        try:
+            self._sock.bind(address)
+        except OSError as exc:
+            self._sock.close()
+            raise RuntimeError(
+                f"TileRTConnector: cannot bind its report socket {address.lstrip(chr(0))!r} ({exc}); "
+                "another vLLM on this host uses the same kv_transfer_config.engine_id"
+            ) from exc
         self._sock.setblocking(False)
 
     def drain(self) -> list[SendReport]:

@@ -422,3 +422,13 @@ def test_preempted_request_is_gathered_again_from_its_new_blocks():
     assert [(w.start, w.end, w.block_ids, w.last) for w in plan.work] == [
         (64, 100, (7, 8, 9, 10, 11, 12, 13), True)
     ]
+
+
+def test_two_schedulers_with_one_engine_id_fail_clearly():
+    address = report_address(uuid.uuid4().hex)
+    first = ConnectorScheduler.with_inbox(address, block_size=16, max_tokens=64, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="same kv_transfer_config.engine_id"):
+            ConnectorScheduler.with_inbox(address, block_size=16, max_tokens=64, world_size=1)
+    finally:
+        first.close()
