@@ -200,14 +200,8 @@ class CompletionHandler:
                 raise NoHealthyBackend(f"no healthy prefill server for model {request.model!r}")
             backend.in_flight += 1
             try:
-                answer = await upstream.prefill(
-                    state.upstream,
-                    backend.target,
-                    ctx.endpoint.value,
-                    data,
-                    ctx.request_id,
-                    state.settings.prefill_timeout,
-                )
+                answer = await upstream.prefill(state.upstream, backend.target, ctx.endpoint.value, data,
+                                                ctx.request_id, state.settings.prefill_timeout)
                 break
             except upstream.Unreachable as err:
                 state.upstream_failed("prefill", backend, err, mark_down=True)
@@ -267,14 +261,8 @@ class CompletionHandler:
         pause = 0.005
         while True:
             try:
-                resp = await upstream.open_decode(
-                    state.upstream,
-                    backend.target,
-                    ctx.endpoint.value,
-                    data,
-                    ctx.request_id,
-                    state.settings.decode_timeout,
-                )
+                resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.value, data,
+                                                  ctx.request_id, state.settings.decode_timeout)
                 break
             except UpstreamRejected as err:
                 # 429: the server has not yet taken back the slot this router counts as free

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -16,6 +17,14 @@ from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
 from tests.procs import free_port
 
 MODEL = "tiny"
+
+
+def raw_completion(rid: str, stream: bool = True, max_tokens: int = 50) -> bytes:
+    """A streaming (or not) /v1/completions request as raw HTTP/1.1 bytes, as curl sends it."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": max_tokens, "stream": stream}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"X-Request-Id: {rid}\r\nContent-Length: {len(body)}\r\n\r\n")
+    return head.encode() + body
 
 
 @dataclass

@@ -3,29 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 
 import httpx
 import pytest
 
-from tests.router.conftest import MODEL
+from tests.router.conftest import MODEL, raw_completion
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _open_request(port: int, rid: str, stream: bool = True) -> socket.socket:
-    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 50, "stream": stream}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"X-Request-Id: "
-        + rid.encode()
-        + b"\r\nContent-Length: "
-        + str(len(body)).encode()
-        + b"\r\n\r\n"
-        + body
-    )
+    sock.sendall(raw_completion(rid, stream))
     return sock
 
 

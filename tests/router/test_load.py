@@ -8,7 +8,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from tests.router.conftest import MODEL
+from tests.router.conftest import MODEL, raw_completion
 
 N_CLIENTS = 200
 TOKENS = 4
@@ -81,16 +81,7 @@ async def _stream_then_maybe_leave(port: int, rid: str, leave_after: int | None)
     """A raw streaming client; leaves after ``leave_after`` data events (None: reads to the end).
     Returns the number of data events seen."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    body = b'{"model": "%s", "prompt": "x", "max_tokens": 20, "stream": true}' % MODEL.encode()
-    writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"X-Request-Id: "
-        + rid.encode()
-        + b"\r\nContent-Length: "
-        + str(len(body)).encode()
-        + b"\r\n\r\n"
-        + body
-    )
+    writer.write(raw_completion(rid, max_tokens=20))
     events = 0
     try:
         if leave_after == 0:
