@@ -128,7 +128,7 @@ class ReferenceSession(DecodeSession):
         positions = torch.arange(start, start + len(next_ids))
         with torch.inference_mode():
             for _ in range(self._num_mtp):
-                mtp_hidden, mtp_logits = self._model.forward_mtp(ids, hidden, positions, cache)
+                mtp_hidden, mtp_logits = self._model.forward_mtp(ids, hidden, positions, cache, last_only=True)
                 drafts.append(int(mtp_logits[0, -1].argmax()))
                 ids = torch.tensor([[drafts[-1]]])
                 hidden = mtp_hidden[:, -1:]

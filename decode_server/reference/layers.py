@@ -160,11 +160,10 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
         routed = torch.zeros_like(flat)
-        for e, expert in enumerate(self.experts):
+        for e in torch.unique(ids).tolist():  # only the experts some token chose
             rows, slot = (ids == e).nonzero(as_tuple=True)
-            if rows.numel():
-                contrib = expert(flat[rows]) * weights[rows, slot].unsqueeze(-1).to(flat.dtype)
-                routed = routed.index_add(0, rows, contrib)
+            contrib = self.experts[e](flat[rows]) * weights[rows, slot].unsqueeze(-1).to(flat.dtype)
+            routed = routed.index_add(0, rows, contrib)
         out = routed * self.cfg.routed_scaling_factor
         if self.cfg.n_shared_experts:
             out = out + self.shared_experts(flat)

