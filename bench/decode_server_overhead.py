@@ -22,11 +22,11 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from connector.protocol import HandoffResult  # noqa: E402
-from connector.receiver import ReceivedKV  # noqa: E402
-from decode_server.engine.base import SamplingParams  # noqa: E402
-from tests.decode_server.conftest import build_model_dir, start_server  # noqa: E402
-from tests.fakes.fake_engine import FakeEngine, FakeEngineConfig  # noqa: E402
+from connector.protocol import HandoffResult
+from connector.receiver import ReceivedKV
+from decode_server.engine.base import SamplingParams
+from tests.decode_server.conftest import build_model_dir, start_server
+from tests.fakes.fake_engine import FakeEngine, FakeEngineConfig
 
 
 def baseline(cfg: FakeEngineConfig, tokens: int) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from connector.layout import KVLayout
 from decode_server.engine.base import Engine
@@ -12,7 +12,7 @@ from decode_server.server import AppConfig, create_app
 from decode_server.settings import DecodeServerSettings, SettingsError, load_settings
 
 
-def engine_factory(settings: DecodeServerSettings):  # noqa: ANN201 - returns a zero-argument factory
+def engine_factory(settings: DecodeServerSettings):
     def build() -> Engine:
         if settings.engine == "tilert":
             from decode_server.engine.tilert import TileRTEngine
@@ -25,8 +25,8 @@ def engine_factory(settings: DecodeServerSettings):  # noqa: ANN201 - returns a 
     return build
 
 
-def receiver_factory(settings: DecodeServerSettings):  # noqa: ANN201 - returns a factory
-    def build(layout: KVLayout, slots: int, max_tokens: int):  # noqa: ANN202
+def receiver_factory(settings: DecodeServerSettings):
+    def build(layout: KVLayout, slots: int, max_tokens: int):
         from connector.receiver import KVReceiver, ReceiverSettings
 
         return KVReceiver(ReceiverSettings(layout=layout, max_tokens=max_tokens, slots=slots, host=settings.kv_host,

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -59,7 +60,7 @@ class DecodeServerSettings(BaseModel):
         return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _engine_rules(self) -> "DecodeServerSettings":
+    def _engine_rules(self) -> DecodeServerSettings:
         if self.engine == "reference" and self.kv_device != "cpu":
             raise ValueError(f"kv_device={self.kv_device!r}: the reference engine runs on the CPU; use cpu")
         if self.engine == "tilert" and self.num_mtp not in TILERT_NUM_MTP:

@@ -83,7 +83,7 @@ def _flat(tensor: Any) -> list[int]:
 
 
 class TileRTSession(DecodeSession):
-    def __init__(self, engine: "TileRTEngine", handoff: "HandoffResult", params: SamplingParams) -> None:
+    def __init__(self, engine: TileRTEngine, handoff: HandoffResult, params: SamplingParams) -> None:
         self._engine = engine
         self._dl = engine.generator.decode_layer
         self._last_prompt = handoff.last_prompt_token_id
@@ -214,7 +214,7 @@ class TileRTEngine(Engine):
         if params.seed is not None:
             gen.decode_layer.set_sampling_seed(params.seed, with_mtp=bool(self.num_mtp))
 
-    def start(self, kv: "ReceivedKV", handoff: "HandoffResult", params: SamplingParams) -> TileRTSession:
+    def start(self, kv: ReceivedKV, handoff: HandoffResult, params: SamplingParams) -> TileRTSession:
         n = handoff.num_prompt_tokens
         if kv.num_tokens != n:
             raise EngineError(f"received {kv.num_tokens} tokens of KV, the handoff says {n}")

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, Protocol
 
 from fastapi import FastAPI
 
@@ -137,7 +138,7 @@ def create_app(config: AppConfig, engine_factory: EngineFactory, receiver_factor
     async def load() -> None:
         try:
             await state.load(engine_factory, receiver_factory)
-        except Exception as exc:  # noqa: BLE001 - reported through /ready and on_fatal
+        except Exception as exc:  # reported through /ready and on_fatal
             state.load_error = f"{type(exc).__name__}: {exc}"
             log.exception("decode server failed to start")
             if on_fatal is not None:

@@ -185,14 +185,14 @@ class Job:
             self._post(exc)
         except EngineError as exc:
             self._post(EngineFailure(f"decode engine error: {exc}"))
-        except Exception as exc:  # noqa: BLE001 - report, never kill the worker silently
+        except Exception as exc:  # report it; never let the worker die silently
             log.exception("request %s: engine failure", self.request_id)
             self._post(EngineFailure(f"decode engine failure: {type(exc).__name__}: {exc}"))
         finally:
             if session is not None:
                 try:
                     session.close()
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.exception("request %s: session.close failed", self.request_id)
             if self.slot is not None:
                 self._from_worker(self.ctx.slots.release, self.slot)
@@ -256,7 +256,7 @@ class Job:
                 await self._stream(send, renderer)
             else:
                 await self._full(send, renderer, headers)
-        except Exception as exc:  # noqa: BLE001 - CancelledError (a BaseException) passes through
+        except Exception as exc:  # noqa: BLE001 - mapped (and logged) by _api_error; CancelledError passes
             err = self._api_error(exc)
             if not status_sent:
                 self._count(err.status, err)
@@ -316,7 +316,7 @@ class GenerationResponse(Response):
     (A Starlette ``Response`` only so that FastAPI passes it through; the status and
     body are decided while it runs.)"""
 
-    def __init__(self, job: Job, headers: list[tuple[bytes, bytes]]) -> None:  # noqa: D107
+    def __init__(self, job: Job, headers: list[tuple[bytes, bytes]]) -> None:
         self.job = job
         self._extra_headers = headers
         self.status_code = 200

@@ -26,7 +26,7 @@ from pd_router.contract import (
 
 router = APIRouter()
 
-_MODELS: dict[Endpoint, type[CompletionRequest] | type[ChatCompletionRequest]] = {
+_MODELS: dict[Endpoint, type[CompletionRequest | ChatCompletionRequest]] = {
     "completions": CompletionRequest,
     "chat": ChatCompletionRequest,
 }

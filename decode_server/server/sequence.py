@@ -11,7 +11,6 @@ from decode_server.engine.base import TokenOut
 from decode_server.server.stops import StopStringMatcher
 from decode_server.server.text import IncrementalDetokenizer, TextTokenizer
 
-
 MIN_LOGPROB = -9999.0  # what OpenAI (and vLLM) send for -inf; JSON has no infinities
 
 

@@ -43,7 +43,7 @@ class GenerationDefaults:
     top_k: int | None = None
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path, tokenizer: "TextTokenizer | None" = None) -> "GenerationDefaults":
+    def from_model_dir(cls, model_dir: Path, tokenizer: TextTokenizer | None = None) -> GenerationDefaults:
         gen = _read_json(model_dir / "generation_config.json")
         cfg = _read_json(model_dir / "config.json")
         eos = _id_list(gen.get("eos_token_id")) or _id_list(cfg.get("eos_token_id"))
@@ -68,7 +68,7 @@ class TextTokenizer:
     _token_cache: dict[tuple[int, bool], str] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path) -> "TextTokenizer":
+    def from_model_dir(cls, model_dir: Path) -> TextTokenizer:
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no tokenizer.json in the model directory")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
@@ -69,10 +69,10 @@ class RunningServer:
     app: object
 
     @property
-    def state(self):  # noqa: ANN201
+    def state(self):
         return self.app.state.decode
 
-    def wait_idle(self, timeout: float = 5.0) -> None:
+    def wait_idle(self, timeout: float = 10.0) -> None:
         """Wait until no slot, session or handoff is held (the leak check)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -90,7 +90,7 @@ def start_server(model_dir: Path, engine_cfg: FakeEngineConfig, slots: int = 2, 
     engine = engine or FakeEngine(engine_cfg)
     receivers: list[FakeReceiver] = []
 
-    def make_receiver(layout, n, max_tokens):  # noqa: ANN001, ANN202
+    def make_receiver(layout, n, max_tokens):
         receivers.append(FakeReceiver(layout, n, max_tokens, auto_complete=auto_complete, num_tokens=kv_tokens))
         return receivers[-1]
 
@@ -122,7 +122,7 @@ def start_server(model_dir: Path, engine_cfg: FakeEngineConfig, slots: int = 2, 
 def make_server(model_dir: Path) -> Iterator:
     running: list[tuple[uvicorn.Server, threading.Thread]] = []
 
-    def make(engine_cfg: FakeEngineConfig | None = None, **kw) -> RunningServer:  # noqa: ANN003
+    def make(engine_cfg: FakeEngineConfig | None = None, **kw) -> RunningServer:
         srv, server, thread = start_server(model_dir, engine_cfg or FakeEngineConfig(), **kw)
         running.append((server, thread))
         return srv

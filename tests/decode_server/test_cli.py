@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 def _run(argv: list[str], timeout: float = 90, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(argv, check=False, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
 
 

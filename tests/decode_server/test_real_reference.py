@@ -33,7 +33,7 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     port, kv_port = free_port(), free_port()
     spec = DecodeSpec(model=tiny_model_dir, port=port, kv_port=kv_port, slots=2, max_seq_len=256, num_mtp=1,
                       extra_args=("--kv-timeout", "3"))

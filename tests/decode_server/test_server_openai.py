@@ -77,8 +77,8 @@ def test_stop_string_across_token_boundaries(make_server, tokenizer, stream):
     assert not any(stop in tokenizer.decode([i]) for i in ids)
     srv = make_server(FakeEngineConfig(script=rest))
     c = client(srv.url)
-    kw = dict(model="fake-model", prompt="x", max_tokens=100, stop=[stop, "never"],
-              extra_body={"kv_transfer_params": handoff(first)})
+    kw = {"model": "fake-model", "prompt": "x", "max_tokens": 100, "stop": [stop, "never"],
+              "extra_body": {"kv_transfer_params": handoff(first)}}
     if stream:
         chunks = list(c.completions.create(stream=True, **kw))
         text = "".join(ch.choices[0].text for ch in chunks)

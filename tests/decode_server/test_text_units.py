@@ -25,7 +25,7 @@ from tests.decode_server.helpers import handoff
 
 
 @pytest.fixture(scope="module")
-def text_tok(model_dir):  # noqa: ANN001, ANN201
+def text_tok(model_dir):
     return TextTokenizer.from_model_dir(model_dir)
 
 
@@ -67,7 +67,7 @@ def test_stop_matcher_include_and_no_text_after_stop():
     assert m.feed("more") == "" and m.flush() == ""
 
 
-def _proc(text_tok, **kw):  # noqa: ANN001, ANN003, ANN202
+def _proc(text_tok, **kw):
     spec = StopSpec(**{"max_tokens": 100, "eos_token_ids": frozenset({text_tok.token_id("<|endoftext|>")}), **kw})
     return SequenceProcessor(text_tok, spec, [])
 
@@ -116,7 +116,7 @@ def test_glm_parser_unclosed_or_invalid_tool_call_stays_text():
 LIMITS = ServerLimits(max_seq_len=100, supports_logprobs=True, engine="fake", model_name="m")
 
 
-def _plan(kind, **body):  # noqa: ANN001, ANN003, ANN202
+def _plan(kind, **body):
     model = ChatCompletionRequest if kind == "chat" else CompletionRequest
     req = model.model_validate({"kv_transfer_params": handoff(5, num_prompt_tokens=10), **body})
     return build_plan(kind, req, "r", LIMITS, GenerationDefaults(eos_token_ids=frozenset({9}), temperature=0.7))

@@ -33,7 +33,7 @@ def _quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _sylvester_reference(d: int) -> torch.Tensor:
     i = torch.arange(d)
-    parity = torch.tensor([[bin(a & b).count("1") % 2 for b in range(d)] for a in range(d)])
+    parity = torch.tensor([[(a & b).bit_count() % 2 for b in range(d)] for a in range(d)])
     assert parity.shape == (len(i), len(i))
     return (1 - 2 * parity).float() / d ** 0.5
 
@@ -104,7 +104,7 @@ def _handoff(n: int, first: int = 11, last: int = 5) -> HandoffResult:
                          last_prompt_token_id=last, status="sent")
 
 
-def _engine(tmp_path, num_mtp: int = 3, ar_steps: int = 1, layers: int = 3):  # noqa: ANN001, ANN202
+def _engine(tmp_path, num_mtp: int = 3, ar_steps: int = 1, layers: int = 3):
     (tmp_path / "config.json").write_text(f'{{"num_hidden_layers": {layers}}}')
     gen = FakeGLM5Generator(with_mtp=bool(num_mtp), last_prompt_token=5)
     return TileRTEngine(tmp_path, max_seq_len=256, num_mtp=num_mtp, ar_steps=ar_steps, device="cpu",

@@ -43,7 +43,7 @@ class FakeEngineConfig:
 
 
 class FakeSession(DecodeSession):
-    def __init__(self, engine: "FakeEngine", params: SamplingParams, script: list[int]) -> None:
+    def __init__(self, engine: FakeEngine, params: SamplingParams, script: list[int]) -> None:
         self._engine = engine
         self._params = params
         self._script = script
@@ -117,7 +117,7 @@ class FakeEngine(Engine):
     def kv_layout(self) -> KVLayout:
         return self._layout
 
-    def start(self, kv, handoff, params: SamplingParams) -> FakeSession:  # noqa: ANN001
+    def start(self, kv, handoff, params: SamplingParams) -> FakeSession:
         if kv.handoff_id != handoff.handoff_id:
             raise EngineError(f"KV of {kv.handoff_id!r} given for handoff {handoff.handoff_id!r}")
         if self.config.fail_start:

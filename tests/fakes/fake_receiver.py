@@ -78,7 +78,7 @@ class FakeReceiver:
             return ReceivedKV(handoff_id=handoff_id, num_tokens=self.num_tokens,
                               layers=[{} for _ in range(self.layout.num_layers)])
 
-        def rows(plane) -> int:  # noqa: ANN001
+        def rows(plane) -> int:
             return -(-self.num_tokens // plane.page_tokens) if plane.page_tokens else self.num_tokens
 
         layers = [{p.name: torch.zeros(rows(p), p.width, dtype=getattr(torch, p.dtype))

@@ -36,7 +36,7 @@ def chain(start: int, n: int) -> list[int]:
 
 
 class FakeDecodeLayer:
-    def __init__(self, gen: "FakeGLM5Generator") -> None:
+    def __init__(self, gen: FakeGLM5Generator) -> None:
         self._gen = gen
         self.calls = gen.calls
         self._accepted = torch.zeros(1, dtype=torch.int64)
