@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from safetensors.torch import load_file
 
 from decode_server.reference import ModelConfig, load_model
 from decode_server.tiny_model import TrainSettings, ensure_tiny_model, generate
+from tests.procs import REPO
 
 QUICK = TrainSettings(steps=3, batch=2, seq_len=32)
 SPECIALS = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
@@ -90,3 +93,20 @@ def test_ensure_reuses_a_complete_model(tiny_model_dir: Path) -> None:
     assert again == tiny_model_dir
     assert time.monotonic() - t0 < 5
     assert (tiny_model_dir / "model.safetensors").stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize(("args", "message"), [(["--layers", "0"], "--layers=0"),
+                                               (["--seed", "x"], "--seed")])
+def test_cli_refuses_bad_options(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "decode_server.tiny_model", "--out", str(tmp_path / "m"), *args],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_cli_refuses_a_non_empty_out_dir(tmp_path: Path) -> None:
+    (tmp_path / "keep.txt").write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "decode_server.tiny_model", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and "not empty" in proc.stderr, proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
