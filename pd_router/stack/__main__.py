@@ -17,6 +17,7 @@ from types import FrameType
 from pd_router.stack.launcher import Stack, StackConfig, usage_text
 
 REPO = Path(__file__).resolve().parents[2]
+TINY_MODEL_NAME = "tiny-glm"  # the served name of the generated default model
 
 
 def _env_default(name: str, default: str) -> str:
@@ -73,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     validate(args, parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pd-stack %(message)s", datefmt="%H:%M:%S")
     log = logging.getLogger("pd_stack")
-    model_dir = args.model_dir
+    model_dir, served = args.model_dir, args.served_model_name
     if model_dir is None:
+        served = served or TINY_MODEL_NAME
         from decode_server.tiny_model import ensure_tiny_model
 
         log.info("tiny model: generating or reusing under %s", args.cache_dir)
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     try:
         stack.start()
-        print(usage_text(cfg, model_dir.name), flush=True)
+        print(usage_text(cfg), flush=True)
         while True:
             dead = stack.dead()
             if dead:

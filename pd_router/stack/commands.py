@@ -26,8 +26,13 @@ class PrefillSpec:
     enforce_eager: bool = True
     tensor_parallel: int = 1
     max_model_len: int | None = None
+    served_model_name: str | None = None  # default: the model directory's name
     extra_args: tuple[str, ...] = ()
     python: str = sys.executable
+
+
+def served_name(model: Path | str, served_model_name: str | None) -> str:
+    return served_model_name or Path(str(model)).name
 
 
 def kv_transfer_config(spec: PrefillSpec) -> dict:
@@ -44,7 +49,8 @@ def kv_transfer_config(spec: PrefillSpec) -> dict:
 
 def vllm_prefill_argv(spec: PrefillSpec) -> list[str]:
     argv = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(spec.model),
-            "--host", spec.host, "--port", str(spec.port), "--served-model-name", Path(str(spec.model)).name]
+            "--host", spec.host, "--port", str(spec.port), "--served-model-name",
+            served_name(spec.model, spec.served_model_name)]
     if spec.enforce_eager:
         argv.append("--enforce-eager")
     if spec.tensor_parallel > 1:
@@ -78,6 +84,7 @@ class DecodeSpec:
     slots: int = 1
     max_seq_len: int = 4096
     num_mtp: int = 1
+    served_model_name: str | None = None  # default: the model directory's name
     extra_args: tuple[str, ...] = field(default=())
     python: str = sys.executable
 
@@ -86,7 +93,8 @@ def decode_server_argv(spec: DecodeSpec) -> list[str]:
     return [spec.python, "-m", "decode_server", "--engine", spec.engine, "--model", str(spec.model),
             "--host", spec.host, "--port", str(spec.port), "--kv-port", str(spec.kv_port),
             "--slots", str(spec.slots), "--max-seq-len", str(spec.max_seq_len),
-            "--num-mtp", str(spec.num_mtp), *spec.extra_args]
+            "--num-mtp", str(spec.num_mtp),
+            "--served-model-name", served_name(spec.model, spec.served_model_name), *spec.extra_args]
 
 
 @dataclass(frozen=True)

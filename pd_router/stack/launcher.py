@@ -31,6 +31,7 @@ from pd_router.stack.commands import (
     RouterSpec,
     decode_server_argv,
     router_argv,
+    served_name,
     vllm_prefill_argv,
 )
 from pd_router.stack.process import ManagedProcess
@@ -54,17 +55,23 @@ class StackConfig:
     prefill_mtp: bool = True
     profile: str = "tiny"
     start_timeout_s: float = 300.0
+    served_model_name: str | None = None  # default: the model directory's name
     router_args: tuple[str, ...] = ()
+
+    @property
+    def model_name(self) -> str:
+        return served_name(self.model_dir, self.served_model_name)
 
     def decode_specs(self) -> list[DecodeSpec]:
         return [DecodeSpec(model=self.model_dir, host=self.host, port=self.decode_port + i,
                            kv_port=self.kv_port + i, engine=self.engine, slots=self.decode_slots,
-                           max_seq_len=self.max_seq_len) for i in range(self.num_decode)]
+                           max_seq_len=self.max_seq_len, served_model_name=self.served_model_name) for i in range(self.num_decode)]
 
     def prefill_spec(self) -> PrefillSpec:
         endpoints = tuple(f"{d.host}:{d.kv_port}" for d in self.decode_specs())
         return PrefillSpec(model=self.model_dir, host=self.host, port=self.prefill_port, mtp=self.prefill_mtp,
-                           profile=self.profile, decode_endpoints=endpoints, max_model_len=self.max_seq_len)
+                           profile=self.profile, decode_endpoints=endpoints, max_model_len=self.max_seq_len,
+                           served_model_name=self.served_model_name)
 
     def router_spec(self) -> RouterSpec:
         return RouterSpec(prefill_urls=(self.prefill_url,), decode_urls=tuple(self.decode_urls),
@@ -135,8 +142,8 @@ class Stack:
         self.processes.clear()
 
 
-def usage_text(cfg: StackConfig, model_name: str) -> str:
-    url = cfg.router_url
+def usage_text(cfg: StackConfig) -> str:
+    url, model_name = cfg.router_url, cfg.model_name
     return f"""
 The PD stack is up: router {url} -> prefill {cfg.prefill_url} (vLLM + TileRTConnector) -> decode {', '.join(cfg.decode_urls)}
 Logs: {cfg.log_dir}

@@ -21,10 +21,13 @@ def _ports(n: int) -> list[int]:
     return sorted(ports)
 
 
+MODEL_NAME = "tiny-glm"  # as `make run` serves it, so the README's commands work as written
+
+
 def make_stack_config(model_dir: Path, log_dir: Path, **overrides) -> StackConfig:
     router, prefill, decode, kv = _ports(4)
     return StackConfig(model_dir=model_dir, log_dir=log_dir, router_port=router, prefill_port=prefill,
-                       decode_port=decode, kv_port=kv, **overrides)
+                       decode_port=decode, kv_port=kv, served_model_name=MODEL_NAME, **overrides)
 
 
 @pytest.fixture(scope="session")
@@ -42,15 +45,15 @@ def pd_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def vllm_alone(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     argv = vllm_prefill_argv(PrefillSpec(model=tiny_model_dir, port=port, mtp=False, connector=False,
-                                         max_model_len=4096))
+                                         max_model_len=4096, served_model_name=MODEL_NAME))
     url = f"http://127.0.0.1:{port}"
     with server(argv, tmp_path_factory.mktemp("vllm-alone") / "vllm.log", f"{url}/health", 300, VLLM_CPU_ENV):
         yield url
 
 
 @pytest.fixture(scope="session")
-def model_name(tiny_model_dir: Path) -> str:
-    return tiny_model_dir.name
+def model_name() -> str:
+    return MODEL_NAME
 
 
 @pytest.fixture(scope="session")
