@@ -151,15 +151,13 @@ def build_argv(role: str, environ: Mapping[str, str], extra: list[str]) -> tuple
                 enforce_eager=s.enforce_eager,
                 tensor_parallel=s.tensor_parallel,
                 max_model_len=s.max_model_len,
+                served_model_name=s.served_model_name,
                 python=s.python,
                 extra_args=tuple(spec_extra),
             )
         )
-        if s.served_model_name:
-            argv[argv.index("--served-model-name") + 1] = s.served_model_name
         return argv, {**PREFILL_ENV, **environ}
     if isinstance(s, DecodeEnv):
-        names = ("--served-model-name", s.served_model_name) if s.served_model_name else ()
         argv = decode_server_argv(
             DecodeSpec(
                 model=s.model,
@@ -170,8 +168,9 @@ def build_argv(role: str, environ: Mapping[str, str], extra: list[str]) -> tuple
                 slots=s.slots,
                 max_seq_len=s.max_seq_len,
                 num_mtp=s.num_mtp,
+                served_model_name=s.served_model_name,
                 python=s.python,
-                extra_args=("--kv-host", s.kv_host, *names, *extra),
+                extra_args=("--kv-host", s.kv_host, *extra),
             )
         )
         return argv, {**DECODE_ENV, **environ}

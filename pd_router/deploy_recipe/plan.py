@@ -128,15 +128,9 @@ def _workers(r: Recipe) -> list[Step]:
             slots=r.decode.slots,
             max_seq_len=r.decode.max_seq_len,
             num_mtp=r.decode.num_mtp,
+            served_model_name=r.model.name,
             python=r.decode.python,
-            extra_args=(
-                "--kv-host",
-                host,
-                "--served-model-name",
-                r.model.name,
-                *kv_dtype,
-                *r.decode.extra_args,
-            ),
+            extra_args=("--kv-host", host, *kv_dtype, *r.decode.extra_args),
         )
         steps.append(
             Step(
@@ -169,11 +163,11 @@ def _workers(r: Recipe) -> list[Step]:
         enforce_eager=r.prefill.enforce_eager,
         tensor_parallel=r.prefill.tensor_parallel,
         max_model_len=r.prefill.max_model_len,
+        served_model_name=r.model.name,
         extra_args=tuple(extra),
         python=r.prefill.python,
     )
     argv = vllm_prefill_argv(pspec)
-    _replace_arg(argv, "--served-model-name", r.model.name)
     prefill = Step(
         id="prefill",
         role="prefill",
@@ -185,14 +179,6 @@ def _workers(r: Recipe) -> list[Step]:
         ready_url=f"http://{_host(r, prefill_node)}:{r.prefill.port}/health",
     )
     return [prefill, *steps]
-
-
-def _replace_arg(argv: list[str], flag: str, value: str) -> None:
-    """Set ``flag``'s value in ``argv`` (the builders name the model after its directory)."""
-    if flag in argv:
-        argv[argv.index(flag) + 1] = value
-    else:
-        argv += [flag, value]
 
 
 def _router(r: Recipe, workers: list[Step]) -> Step:

@@ -127,10 +127,26 @@ class SlurmCluster:
     def stop(self) -> None:
         if self.conf.exists():
             self.run(["scancel", "--user=root"], check=False)
+            deadline = time.monotonic() + 30  # let the jobs' steps end before the daemons go
+            while self.run(["squeue", "-h"], check=False).stdout.strip() and time.monotonic() < deadline:
+                time.sleep(0.5)
         for pid_file in (self.root / "run" / "slurmd.pid", self.root / "run" / "slurmctld.pid",
                          self.munge_dir / "munged.pid"):
             _terminate(pid_file)
         shutil.rmtree(self.munge_dir, ignore_errors=True)
+        self._kill_leftovers()
+
+    def _kill_leftovers(self) -> None:
+        """SIGKILL any process still carrying this cluster's SLURM_CONF (started by its jobs)."""
+        marker = f"SLURM_CONF={self.conf}".encode()
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                if marker in (proc / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(proc.name), signal.SIGKILL)
+            except (OSError, ValueError):
+                continue
 
 
 def _terminate(pid_file: Path, timeout: float = 15.0) -> None:

@@ -103,6 +103,7 @@ def test_prefill_entrypoint_starts_vllm_with_connector_and_mtp(tmp_path: Path) -
     assert out.returncode == 0, out.stderr
     stub = str(tmp_path / "server-python")
     want = vllm_prefill_argv(PrefillSpec(model="/models/GLM-5.1-FP8", port=8100, host="0.0.0.0", profile="glm5.1",
+                                         served_model_name="GLM-5.1-FP8",
                                          decode_endpoints=("decode-0.decode:8300", "decode-1.decode:8300"),
                                          enforce_eager=False, tensor_parallel=8, max_model_len=16384, python=stub,
                                          extra_args=("--gpu-memory-utilization", "0.9")))

@@ -132,8 +132,8 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
                       "--prefill", "http://pf0:8100", "--decode", "http://dc0:8200"]
     assert decode == decode_server_argv(DecodeSpec(
         model="/shared/models/GLM-5.1-FP8-tilert", port=8200, kv_port=8300, host="0.0.0.0", engine="tilert",
-        slots=1, max_seq_len=16384, num_mtp=3, python="python3",
-        extra_args=("--kv-host", "dc0", "--served-model-name", "GLM-5.1-FP8")))
+        slots=1, max_seq_len=16384, num_mtp=3, python="python3", served_model_name="GLM-5.1-FP8",
+        extra_args=("--kv-host", "dc0")))
     assert convert[-4:] == ["--model_dir", "/shared/models/GLM-5.1-FP8", "--save_dir", "{dst}"]
     assert "into: /shared/models/GLM-5.1-FP8-tilert (once, under /shared/models/GLM-5.1-FP8-tilert.lock" in node1
     assert all("/shared/run1/bench/" in " ".join(b) for b in bench)
@@ -203,3 +203,11 @@ def test_model_dtype_pins_prefill_and_the_kv_decode_receives() -> None:
     assert "--dtype" not in prefill.argv and "--kv-dtype" not in decode.argv
     glm_decode = build_plan(parse_recipe(load_recipe_dict(GLM))).workers[1]
     assert "--kv-dtype" not in glm_decode.argv  # TileRT receives fp8_ds_mla, not a model dtype
+
+
+@pytest.mark.parametrize("name", ["cpu-tiny.yaml", GLM])
+def test_prefill_and_decode_serve_the_recipes_model_name(name: str) -> None:
+    data = load_recipe_dict(name)
+    for step in build_plan(parse_recipe(data)).workers:
+        assert step.argv.count("--served-model-name") == 1, step.id
+        assert step.argv[step.argv.index("--served-model-name") + 1] == data["model"]["name"], step.id
