@@ -27,7 +27,8 @@ PROMPTS = [
     "This module provides",
 ]
 
-pytestmark = pytest.mark.slow
+# bounded, generously: the first use of tiny_model_dir on a host trains the model (~2 min idle)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

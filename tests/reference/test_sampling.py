@@ -3,10 +3,13 @@ target distribution (statistically, with a seeded generator)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from decode_server.engine.base import SamplingParams
 from decode_server.reference.sampling import choose, target_probs, token_out
+
+pytestmark = pytest.mark.timeout(120)
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
 

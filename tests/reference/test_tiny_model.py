@@ -17,6 +17,7 @@ from decode_server.reference import ModelConfig, load_model
 from decode_server.tiny_model import TrainSettings, ensure_tiny_model, generate
 from tests.procs import REPO
 
+pytestmark = pytest.mark.timeout(900)  # the tiny_model_dir fixture may train the model first
 QUICK = TrainSettings(steps=3, batch=2, seq_len=32)
 SPECIALS = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
             "</think>", "<tool_call>", "</tool_call>", "<|endoftext|>"]

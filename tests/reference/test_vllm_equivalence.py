@@ -18,15 +18,16 @@ import openai
 import pytest
 import torch
 
+from decode_server.engine.base import SamplingParams
 from decode_server.engine.reference import ReferenceEngine
 from decode_server.reference import MlaMoeModel, load_model, prefill
 from decode_server.tiny_model import VLLM_CPU_EXACT_ARGS
 from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
 from tests.equivalence import Verdict, judge, steps_from_chat_logprobs, steps_from_completion_logprobs
 from tests.procs import free_port, server
-from tests.reference.helpers import as_steps, generate_greedy
+from tests.reference.helpers import as_steps, generate_greedy, handoff_for, received
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 N_TOKENS = 32
 COMPLETION_PROMPTS = [
@@ -143,7 +144,8 @@ def _check(verdicts: list[tuple[str, Verdict]]) -> tuple[bool, str]:
 def test_reference_prefill_kv_is_what_vllm_caches(vllm_url: str, kv_dump_dir: Path, tiny_model_dir: Path,
                                                   model: MlaMoeModel) -> None:
     """Every layer's cache rows, including the MTP layer's (shifted tokens, zeroed embedding
-    at position 0, the first sampled token at the last position)."""
+    at position 0, the first sampled token at the last position); and the engine decodes
+    from vLLM's rows to vLLM's next token."""
     client = openai.OpenAI(base_url=f"{vllm_url}/v1", api_key="unused", timeout=120, max_retries=0)
     worst = 0.0
     for prompt in COMPLETION_PROMPTS[:3]:
@@ -162,6 +164,14 @@ def test_reference_prefill_kv_is_what_vllm_caches(vllm_url: str, kv_dump_dir: Pa
             scale = float(mine.abs().max())
             assert diff <= 1e-3 * max(scale, 1.0), f"layer {i}: max |diff| {diff:.2e} (scale {scale:.2f})"
             worst = max(worst, diff)
+        # decoding from vLLM's own cache rows continues exactly as vLLM did
+        engine = ReferenceEngine(tiny_model_dir, model=model, num_mtp=1, kv_dtype="float32")
+        ids = captured["prompt_token_ids"]
+        session = engine.start(received("vllm", vllm_layers), handoff_for(ids, first),
+                               SamplingParams(max_tokens=2, temperature=0.0))
+        second = session.step()[0].token_id
+        session.close()
+        assert f"token_id:{second}" == r.choices[0].logprobs.tokens[1]
         # the MTP rows really depend on the first token: a different one changes the last row
         other = prefill(model, captured["prompt_token_ids"], first_token_id=(first + 1) % 100).kv[-1]
         assert not torch.allclose(other[-1], vllm_layers[-1][-1].float(), atol=1e-3)
