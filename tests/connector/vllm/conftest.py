@@ -139,6 +139,7 @@ def receiver(
     die_on_admit: bool = False,
     layers: int = N_MAIN,
     unclaimed_timeout: float = 30.0,
+    slots: int = 1,
 ) -> Iterator[Receiver]:
     out, endpoint_file = tmp_path / "received", tmp_path / "endpoint"
     argv = python_argv(
@@ -155,6 +156,8 @@ def receiver(
         str(timeout),
         "--unclaimed-timeout",
         str(unclaimed_timeout),
+        "--slots",
+        str(slots),
     )
     for hid in handoffs:
         argv += ["--handoff", hid]

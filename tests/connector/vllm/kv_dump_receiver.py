@@ -52,7 +52,10 @@ async def main(args: argparse.Namespace) -> None:
     layout = cpu_mla_layout(args.layers, args.mtp, args.dtype)
     receiver = KVReceiver(
         ReceiverSettings(
-            layout=layout, max_tokens=args.max_tokens, slots=1, unclaimed_timeout_s=args.unclaimed_timeout
+            layout=layout,
+            max_tokens=args.max_tokens,
+            slots=args.slots,
+            unclaimed_timeout_s=args.unclaimed_timeout,
         )
     )
     await receiver.start()
@@ -88,6 +91,7 @@ if __name__ == "__main__":
     ap.add_argument("--mtp", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16", help="vLLM's cache dtype (the model dtype)")
     ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--slots", type=int, default=1)
     ap.add_argument("--endpoint-file", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--handoff", action="append", default=[])
