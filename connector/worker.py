@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from connector.errors import ConnectorError, HandshakeRejected
+from connector.errors import HandshakeRejected
 from connector.layout import KVLayout, SenderPlan, gather_fp8_ds_mla, gather_pages, gather_tokens
 from connector.metadata import RequestWork, SendReport, StepPlan
 from connector.profiles import ModelProfile, ProfileMismatch, check_layers, observed_layout, scan_layers
@@ -166,7 +166,7 @@ class ConnectorWorker:
                 first = first or ProfileMismatch(
                     f"decode KV endpoint {endpoint} rejected the handshake: {exc}"
                 )
-            except (ConnectorError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - unreachable now is not fatal: retried per request
                 log.warning("KV handshake with %s failed (will retry per request): %s", endpoint, exc)
         return first
 
@@ -222,10 +222,11 @@ class ConnectorWorker:
                     continue
                 try:
                     status = send.handoff.wait(self.settings.transfer_timeout_s)
-                except Exception as exc:  # noqa: BLE001
-                    status, send.handoff.error = "failed", f"{type(exc).__name__}: {exc}"
+                    error = send.handoff.error
+                except Exception as exc:  # noqa: BLE001 - fails this handoff, not vLLM
+                    status, error = "failed", f"{type(exc).__name__}: {exc}"
                 if status != "sent":
-                    self._fail(send, send.handoff.error or f"transfer ended {status!r}")
+                    self._fail(send, error or f"transfer ended {status!r}")
                     continue
                 _log_tail(send, time.perf_counter())
             self._report(send, "sent", None)
