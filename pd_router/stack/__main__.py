@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_env = _env_default("model_dir", "")
     p.add_argument("--model-dir", type=Path, default=Path(model_env) if model_env else None,
                    help="HF checkpoint to serve (default: the generated tiny model). Env PD_STACK_MODEL_DIR")
+    p.add_argument("--served-model-name", default=_env_default("served_model_name", "") or None,
+                   help=f"model name clients use (default: {TINY_MODEL_NAME!r} for the tiny model, else the directory name)")
     p.add_argument("--cache-dir", type=Path, default=Path(_env_default("cache_dir", str(REPO / ".cache" / "tiny-model"))),
                    help="where the tiny model is generated and cached")
     p.add_argument("--seed", type=int, default=0, help="tiny model seed")

@@ -126,10 +126,12 @@ class Stack:
         t0 = time.monotonic()
         decoders = [self._spawn(f"decode-{i}", decode_server_argv(spec), env=VLLM_CPU_ENV)
                     for i, spec in enumerate(cfg.decode_specs())]
-        prefill = self._spawn("prefill", vllm_prefill_argv(cfg.prefill_spec()), env=VLLM_CPU_ENV)
+        # the connector handshakes with every decode KV endpoint while vLLM starts, so the
+        # receivers must listen first
         for proc, url in zip(decoders, cfg.decode_urls):
             proc.wait_http(f"{url}/ready", cfg.start_timeout_s)
             log.info("%s ready (%.0fs)", proc.name, time.monotonic() - t0)
+        prefill = self._spawn("prefill", vllm_prefill_argv(cfg.prefill_spec()), env=VLLM_CPU_ENV)
         prefill.wait_http(f"{cfg.prefill_url}/health", cfg.start_timeout_s)
         log.info("prefill ready (%.0fs)", time.monotonic() - t0)
         for proc, url in zip(decoders, cfg.decode_urls):
