@@ -146,6 +146,8 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
+    FEW_TOKENS = 4
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -159,11 +161,16 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
-        routed = torch.zeros_like(flat)
-        for e in torch.unique(ids).tolist():  # only the experts some token chose
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            contrib = self.experts[e](flat[rows]) * weights[rows, slot].unsqueeze(-1).to(flat.dtype)
-            routed = routed.index_add(0, rows, contrib)
+        if flat.shape[0] <= self.FEW_TOKENS:  # decode: per token, fewer (dispatch-bound) ops
+            routed = torch.cat([
+                sum(self.experts[e](flat[t:t + 1]) * w for e, w in zip(chosen, ws))
+                for t, (chosen, ws) in enumerate(zip(ids.tolist(), weights.tolist()))])
+        else:
+            routed = torch.zeros_like(flat)
+            for e in torch.unique(ids).tolist():  # only the experts some token chose
+                rows, slot = (ids == e).nonzero(as_tuple=True)
+                contrib = self.experts[e](flat[rows]) * weights[rows, slot].unsqueeze(-1).to(flat.dtype)
+                routed = routed.index_add(0, rows, contrib)
         out = routed * self.cfg.routed_scaling_factor
         if self.cfg.n_shared_experts:
             out = out + self.shared_experts(flat)
