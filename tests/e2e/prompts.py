@@ -3,14 +3,13 @@ built from text that ships with Python so every machine has the same prompts."""
 
 from __future__ import annotations
 
+import argparse
 import codecs
+import difflib
 import json
 import textwrap
 
-import this  # noqa: F401  (the Zen of Python, rot13-encoded in this.s)
-
-ZEN = codecs.decode(this.s, "rot13")
-LONG_TEXT = "\n\n".join(textwrap.dedent(doc) for doc in (json.__doc__, textwrap.__doc__, codecs.__doc__, ZEN) if doc)
+LONG_TEXT = "\n\n".join(textwrap.dedent(mod.__doc__ or "") for mod in (json, textwrap, codecs, difflib, argparse))
 
 
 def long_prompt(min_chars: int = 6000) -> str:
