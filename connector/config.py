@@ -49,6 +49,13 @@ class ConnectorSettings(BaseModel):
         default=(), description="host:port KV endpoints of decode servers, handshaken eagerly at start-up"
     )
     handshake_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    handshake_interval_s: float = Field(
+        default=2.0,
+        ge=0,
+        le=3600,
+        description="how often a background thread re-checks the handshake with every decode_endpoint "
+        "(a decode server started after vLLM, or restarted, is handshaken again); 0: only at start-up",
+    )
     admission_timeout_s: float = Field(default=5.0, gt=0, le=600)
     transfer_timeout_s: float = Field(
         default=30.0,

@@ -10,6 +10,7 @@ request/reply at a time. Every read and connect has a timeout.
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import struct
 import threading
@@ -146,6 +147,18 @@ class ControlClient:
 
     @property
     def broken(self) -> bool:
+        """True once the connection failed, or the endpoint closed it (e.g. a restarted
+        decode server): then the sender handshakes again before its next use."""
+        if not self._broken and self._lock.acquire(blocking=False):
+            try:
+                readable, _, _ = select.select([self._sock], [], [], 0)
+                # idle and open: nothing to read; readable while idle: EOF (or a reset)
+                if readable and self._sock.recv(1, socket.MSG_PEEK) == b"":
+                    self._broken = True
+            except OSError:
+                self._broken = True
+            finally:
+                self._lock.release()
         return self._broken
 
     def request(self, msg: BaseModel, timeout: float) -> BaseModel:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from connector.errors import HandshakeRejected
+from connector.keeper import HandshakeKeeper
 from connector.layout import KVLayout, SenderPlan, gather_fp8_ds_mla, gather_pages, gather_tokens
 from connector.metadata import RequestWork, SendReport, StepPlan
 from connector.profiles import ModelProfile, ProfileMismatch, check_layers, observed_layout, scan_layers
@@ -113,6 +114,7 @@ class ConnectorWorker:
         self._my_layers: frozenset[int] = frozenset()
         self._sends: dict[str, _Send] = {}
         self._active: list[_Send] = []
+        self._keeper: HandshakeKeeper | None = None
 
     # -- start-up -----------------------------------------------------------------------
 
@@ -135,6 +137,9 @@ class ConnectorWorker:
         self._layer_of = {name: i for i, name in enumerate(layers.mla)}
         self._indexer = {i: kv_caches[name] for i, name in enumerate(layers.indexer) if name is not None}
         self._my_layers = frozenset(self.plan.layers(layout.num_layers))
+        self._keeper = HandshakeKeeper(self._sender, self.settings.decode_endpoints,
+                                       self.settings.handshake_interval_s, self.settings.handshake_timeout_s)
+        self._keeper.start()
         log.info(
             "TileRTConnector worker rank %d: profile %s, %d layers (sends %d), layout %s",
             self.plan.rank,
@@ -242,6 +247,9 @@ class ConnectorWorker:
         return (done or None), None
 
     def shutdown(self) -> None:
+        if self._keeper is not None:
+            self._keeper.stop()
+            self._keeper = None
         for send in list(self._sends.values()):
             self._abort(send, "the prefill connector is shutting down")
         self._sends.clear()

@@ -28,7 +28,7 @@ def _wait_ready_status(url: str, status: int, timeout: float) -> httpx.Response:
         time.sleep(0.25)
 
 
-def test_router_not_ready_until_workers_and_handshake(tiny_model_dir, tmp_path):
+def test_router_not_ready_until_workers_and_handshake_and_after_a_decode_restart(tiny_model_dir, tmp_path):
     cfg = make_stack_config(tiny_model_dir, tmp_path, prefill_mtp=False)
     procs: list[ManagedProcess] = []
     try:
@@ -68,6 +68,20 @@ def test_router_not_ready_until_workers_and_handshake(tiny_model_dir, tmp_path):
         good.wait_http(f"{cfg.prefill_url}/health", 300)
         r = _wait_ready_status(cfg.router_url, 200, 30)
         assert r.status_code == 200, r.text
+
+        # the decode server restarts: not ready meanwhile; once it is back, the connector's
+        # handshake keeper handshakes again on its own and requests flow, no manual step
+        decode.stop()
+        assert _wait_ready_status(cfg.router_url, 503, 10).status_code == 503
+        decode = ManagedProcess("decode-restarted", decode_server_argv(decode_spec), tmp_path / "decode2.log",
+                                env=VLLM_CPU_ENV)
+        procs.append(decode)
+        decode.wait_http(f"{cfg.decode_urls[0]}/ready", 180)
+        r = _wait_ready_status(cfg.router_url, 200, 30)
+        assert r.status_code == 200, r.text
+        body = {"model": cfg.model_name, "prompt": "Flat is better than nested.", "max_tokens": 4}
+        out = httpx.post(f"{cfg.router_url}/v1/completions", json=body, timeout=120)
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 4, out.text
     finally:
         for p in reversed(procs):
             p.stop()
