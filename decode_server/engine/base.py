@@ -23,6 +23,7 @@ the server maps it to an OpenAI error.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -86,18 +87,26 @@ class SpecStats:
 
 
 class DecodeSession(ABC):
+    """Subclasses call ``super().__init__()``; ``step`` checks ``self._cancel`` and
+    updates ``self._stats``."""
+
+    def __init__(self) -> None:
+        self._cancel = threading.Event()
+        self._stats = SpecStats()
+
     @abstractmethod
     def step(self) -> list[TokenOut]: ...
 
-    @abstractmethod
-    def cancel(self) -> None: ...
+    def cancel(self) -> None:
+        """Thread-safe: the current or next ``step`` raises :class:`Cancelled`."""
+        self._cancel.set()
 
     @abstractmethod
     def close(self) -> None: ...
 
     @property
-    @abstractmethod
-    def stats(self) -> SpecStats: ...
+    def stats(self) -> SpecStats:
+        return self._stats
 
 
 class Engine(ABC):

@@ -28,7 +28,6 @@ from decode_server.engine.base import (
     EngineCapabilities,
     EngineError,
     SamplingParams,
-    SpecStats,
     TokenOut,
 )
 from decode_server.reference.model import DTYPES, MlaMoeModel, load_model
@@ -55,23 +54,15 @@ class ReferenceSession(DecodeSession):
             self._gen.seed()
         else:
             self._gen.manual_seed(params.seed)
-        self._stats = SpecStats()
-        self._cancel = threading.Event()
+        super().__init__()
         self._release = release
         self._closed = False
         self._lock = threading.Lock()
 
     @property
-    def stats(self) -> SpecStats:
-        return self._stats
-
-    @property
     def position(self) -> int:
         """Position of the pending (last emitted) token."""
         return self._len
-
-    def cancel(self) -> None:
-        self._cancel.set()
 
     def close(self) -> None:
         with self._lock:

@@ -38,7 +38,6 @@ from decode_server.engine.base import (
     EngineCapabilities,
     EngineError,
     SamplingParams,
-    SpecStats,
     TokenOut,
 )
 from decode_server.engine.tilert_kv import INDEX_HEAD_DIM, convert_layers, hadamard_matrix
@@ -91,16 +90,8 @@ class TileRTSession(DecodeSession):
         self._budget = params.max_tokens - 1  # tokens left after the first one
         self._calls = 0
         self._prev_token = handoff.first_token_id
-        self._cancel = threading.Event()
-        self._stats = SpecStats()
+        super().__init__()
         self._closed = False
-
-    @property
-    def stats(self) -> SpecStats:
-        return self._stats
-
-    def cancel(self) -> None:
-        self._cancel.set()
 
     def close(self) -> None:
         if not self._closed:

@@ -20,7 +20,6 @@ from decode_server.engine.base import (
     EngineCapabilities,
     EngineError,
     SamplingParams,
-    SpecStats,
     TokenOut,
 )
 
@@ -49,16 +48,8 @@ class FakeSession(DecodeSession):
         self._script = script
         self._pos = 0
         self._steps = 0
-        self._cancel = threading.Event()
-        self._stats = SpecStats()
+        super().__init__()
         self.closed = False
-
-    @property
-    def stats(self) -> SpecStats:
-        return self._stats
-
-    def cancel(self) -> None:
-        self._cancel.set()
 
     def close(self) -> None:
         if not self.closed:
