@@ -39,6 +39,7 @@ from decode_server.server.slots import Slot, SlotManager
 from decode_server.server.text import TextTokenizer
 
 log = logging.getLogger(__name__)
+SLOT_RETURN_WAIT_S = 5.0
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
@@ -94,6 +95,7 @@ class Job:
         self._stop = threading.Event()
         self._session: DecodeSession | None = None
         self._worker_started = False
+        self._worker_done = asyncio.Event()  # set on the loop once the worker gave the slot back
         self._kv_released = False
         self._closed = False
 
@@ -194,8 +196,22 @@ class Job:
                     session.close()
                 except Exception:
                     log.exception("request %s: session.close failed", self.request_id)
-            if self.slot is not None:
-                self._from_worker(self.ctx.slots.release, self.slot)
+            self._from_worker(self._worker_finished)
+
+    def _worker_finished(self) -> None:
+        if self.slot is not None:
+            self.ctx.slots.release(self.slot)
+        self._worker_done.set()
+
+    async def _slot_returned(self) -> None:
+        """Before the last byte: the slot is free once the client (the router) sees the end,
+        so the next request the router sends here is not refused as busy. Bounded: after
+        the final token the worker only closes the engine session."""
+        try:
+            await asyncio.wait_for(self._worker_done.wait(), SLOT_RETURN_WAIT_S)
+        except asyncio.TimeoutError:
+            log.warning("request %s: engine session still closing after %.1fs", self.request_id,
+                        SLOT_RETURN_WAIT_S)
 
     def _decode(self, session: DecodeSession, handoff: HandoffResult) -> None:
         plan, metrics = self.plan, self.ctx.metrics
@@ -288,12 +304,14 @@ class Job:
                 out = []
         out.extend(sse(c) for c in renderer.end())
         out.append(DONE)
+        await self._slot_returned()
         await send({"type": "http.response.body", "body": b"".join(out)})
 
     async def _full(self, send: Any, renderer: Any, headers: list[tuple[bytes, bytes]]) -> None:
         while not (await self._next_delta_into(renderer)).finish_reason:
             pass
         body = dumps(renderer.full())
+        await self._slot_returned()
         self._count(200)
         await send({"type": "http.response.start", "status": 200,
                     "headers": JSON_HEADERS + [(b"content-length", str(len(body)).encode())] + headers})

@@ -296,3 +296,19 @@ def test_unexpected_receiver_error_is_an_openai_error(make_server, monkeypatch):
     err = _assert_openai_error(httpx.post(srv.url + "/v1/completions", json=_body()), 500, "engine_error")
     assert "receive buffer exploded" in err["message"]
     srv.wait_idle()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_slot_is_free_when_the_client_sees_the_last_byte(make_server, stream):
+    """The router counts the slot free as soon as the response ends and may send the next
+    request at once: it must not be refused as busy while the engine session closes."""
+    srv = make_server(FakeEngineConfig(script=[6, 7, 8], close_delay=0.3), slots=1)
+    for i in range(3):
+        body = {"prompt": "x", "max_tokens": 4, "stream": stream, "ignore_eos": True,
+                "kv_transfer_params": handoff(5, handoff_id=f"h{i}")}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30,
+                          headers={"X-Request-Id": f"r{i}"}) as resp:
+            assert resp.status_code == 200, resp.read()
+            resp.read()
+        assert srv.state.slots.busy == 0, f"request {i}: slot still busy after the last byte"
+    srv.wait_idle()

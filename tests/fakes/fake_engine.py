@@ -39,6 +39,7 @@ class FakeEngineConfig:
     fail_at_step: int | None = None  # EngineError raised by this step (1-based)
     filler_token: int = 0  # emitted once the script is exhausted
     start_delay: float = 0.0  # seconds start() takes (KV injection)
+    close_delay: float = 0.0  # seconds close() takes (engine state reset)
 
 
 class FakeSession(DecodeSession):
@@ -54,6 +55,7 @@ class FakeSession(DecodeSession):
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            time.sleep(self._engine.config.close_delay)
             self._engine._session_closed(self)
 
     def _sleep(self, seconds: float) -> None:
