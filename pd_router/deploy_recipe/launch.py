@@ -23,7 +23,6 @@ all        PD_PYTHON (python3): the interpreter that runs the server
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -134,18 +133,13 @@ def build_argv(role: str, environ: Mapping[str, str], extra: list[str]) -> tuple
     """The command and environment of ``role`` from ``environ``'s PD_* settings."""
     s = parse_env(role, environ)
     if isinstance(s, PrefillEnv):
-        spec_extra = [*extra]
-        if s.num_speculative_tokens != 1:
-            spec_extra += [
-                "--speculative-config",
-                json.dumps({"method": "mtp", "num_speculative_tokens": s.num_speculative_tokens}),
-            ]
         argv = vllm_prefill_argv(
             PrefillSpec(
                 model=s.model,
                 port=s.port,
                 host=s.host,
                 mtp=s.mtp,
+                num_speculative_tokens=s.num_speculative_tokens,
                 profile=s.profile,
                 decode_endpoints=tuple(s.decode_kv_endpoints),
                 enforce_eager=s.enforce_eager,
@@ -153,7 +147,7 @@ def build_argv(role: str, environ: Mapping[str, str], extra: list[str]) -> tuple
                 max_model_len=s.max_model_len,
                 served_model_name=s.served_model_name,
                 python=s.python,
-                extra_args=tuple(spec_extra),
+                extra_args=tuple(extra),
             )
         )
         return argv, {**PREFILL_ENV, **environ}

@@ -148,16 +148,12 @@ def _workers(r: Recipe) -> list[Step]:
         kv_endpoints.append(f"{host}:{kv_port}")
     extra = ["--dtype", r.model.dtype] if r.model.dtype != "auto" else []
     extra += r.prefill.extra_args
-    if r.mtp.num_speculative_tokens != 1:
-        extra += [
-            "--speculative-config",
-            f'{{"method": "mtp", "num_speculative_tokens": {r.mtp.num_speculative_tokens}}}',
-        ]
     pspec = PrefillSpec(
         model=r.model.source,
         port=r.prefill.port,
         host=_bind(r),
         mtp=r.mtp.enabled,
+        num_speculative_tokens=r.mtp.num_speculative_tokens,
         profile=r.model.profile,
         decode_endpoints=tuple(kv_endpoints),
         enforce_eager=r.prefill.enforce_eager,

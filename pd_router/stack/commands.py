@@ -11,7 +11,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MTP_SPEC_CONFIG = {"method": "mtp", "num_speculative_tokens": 1}
+
+def mtp_spec_config(num_speculative_tokens: int = 1) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,7 @@ class PrefillSpec:
     port: int
     host: str = "127.0.0.1"
     mtp: bool = True
+    num_speculative_tokens: int = 1  # MTP drafts per step in prefill's own vLLM (decode drafts separately)
     connector: bool = True
     profile: str = "auto"  # connector model profile: "auto", "tiny", "glm5.1"
     decode_endpoints: tuple[str, ...] = ()  # KV endpoints to handshake with at start-up
@@ -58,7 +61,7 @@ def vllm_prefill_argv(spec: PrefillSpec) -> list[str]:
     if spec.max_model_len:
         argv += ["--max-model-len", str(spec.max_model_len)]
     if spec.mtp:
-        argv += ["--speculative-config", json.dumps(MTP_SPEC_CONFIG)]
+        argv += ["--speculative-config", json.dumps(mtp_spec_config(spec.num_speculative_tokens))]
     if spec.connector:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec))]
     return argv + list(spec.extra_args)
