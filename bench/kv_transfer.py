@@ -4,19 +4,23 @@ A receiver (tests/connector/transport/receiver_proc.py, a second process, real N
 UCX on loopback) takes 79-layer GLM-5.1 fp8_ds_mla handoffs; this process is the sender.
 For each size:
 
-* ``push``: all 79 layers posted back to back (staging already filled); time from the
-  first ``post_layer`` to ``Handoff.wait() == "sent"`` on the sender, and to the
-  receiver's ``wait_for`` returning (complete at decode);
+* ``push``: all 79 layers posted at once (``post_layers``, staging already filled), which
+  the sender's idle lanes split into one WRITE each; time from the post to
+  ``Handoff.wait() == "sent"`` on the sender, and to the receiver's ``wait_for``
+  returning (complete at decode);
 * ``memcpy``: ``memcpy`` (libc, one thread) of the same number of bytes between two
   huge-page host buffers in this process, one right after each push, so both see the
-  same machine load (the machine may be shared);
+  same machine load (the machine may be shared); ``memcpy2``: the same bytes split over
+  two threads, for comparison with a push by two lanes (on a small machine both are
+  bounded by the memory bandwidth, not by the copying cores);
 * ``tail``: layers posted every ``--layer-ms`` ms (a simulated prefill of 79 x that);
   time from the last post to KV complete at decode, and that as a share of the
   simulated prefill time.
 
 ``done/memcpy`` is the median over reps of (memcpy time / push-to-complete time) of
 each push and the memcpy right after it; bandwidths are medians of ``--reps``. Usage:
-``.venv/bin/python bench/kv_transfer.py [--tokens 1024 8192] [--reps 5] [--layer-ms 5]``
+``.venv/bin/python bench/kv_transfer.py [--tokens 1024 8192] [--reps 5] [--layer-ms 5] [--lanes 2]``
+(``--lanes 1``: one posting thread, as before the sender had lanes).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,27 +51,42 @@ DEADLINE_S = 300.0
 
 
 class Memcpy:
+    """libc memcpy between two huge-page buffers, by one thread or split over two
+    (ctypes releases the GIL during the call)."""
+
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         self._src, self._dst = HostBuffer(nbytes), HostBuffer(nbytes)
         self._src.tensor.random_(0, 256)
 
-    def seconds(self) -> float:
+    def _copy(self, offset: int, size: int) -> None:
+        ctypes.memmove(self._dst.tensor.data_ptr() + offset, self._src.tensor.data_ptr() + offset, size)
+
+    def seconds(self, threads: int = 1) -> float:
+        part = -(-self.nbytes // threads)
+        spans = [(i * part, min(part, self.nbytes - i * part)) for i in range(threads)]
         start = time.perf_counter()
-        ctypes.memmove(self._dst.tensor.data_ptr(), self._src.tensor.data_ptr(), self.nbytes)
+        if threads == 1:
+            self._copy(0, self.nbytes)
+        else:
+            workers = [threading.Thread(target=self._copy, args=span) for span in spans]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
         return time.perf_counter() - start
 
 
-def run_size(tokens: int, reps: int, layer_ms: float, tmp: Path) -> dict[str, float]:
+def run_size(tokens: int, reps: int, layer_ms: float, tmp: Path, lanes: int = 2) -> dict[str, float]:
     nbytes = LAYOUT.num_layers * LAYOUT.bytes_per_layer(tokens)
     ids = [f"push-{i}" for i in range(reps)] + [f"paced-{i}" for i in range(reps)]
     args = ["--max-tokens", str(tokens), "--slots", "2", "--no-check", "--timeout", "60"]
     for hid in ids:
         args += ["--handoff", hid]
-    sent, complete, tails, copies = [], [], [], []
+    sent, complete, tails, copies, copies2 = [], [], [], [], []
     memcpy = Memcpy(nbytes)
     with remote_receiver(tmp, *args) as rr:
-        sender = KVSender(f"bench-{tokens}", LAYOUT, tokens, transport="nixl", staging_slots=1)
+        sender = KVSender(f"bench-{tokens}", LAYOUT, tokens, transport="nixl", staging_slots=1, lanes=lanes)
         try:
             sender.connect(rr.endpoint, timeout=10)
             sender.staging_buffer.random_(0, 256)
@@ -74,10 +94,12 @@ def run_size(tokens: int, reps: int, layer_ms: float, tmp: Path) -> dict[str, fl
                 paced = hid.startswith("paced")
                 handoff = sender.begin(rr.endpoint, hid, tokens, timeout=10)
                 start_wall, start = time.time(), time.perf_counter()
-                for layer in range(LAYOUT.num_layers):
-                    if paced:
+                if paced:
+                    for layer in range(LAYOUT.num_layers):
                         time.sleep(layer_ms / 1000)
-                    handoff.post_layer(layer)
+                        handoff.post_layer(layer)
+                else:
+                    handoff.post_layers(list(range(LAYOUT.num_layers)))
                 last_post_wall = time.time()
                 if handoff.wait(timeout=60) != "sent":
                     raise RuntimeError(f"{hid}: {handoff.error}")
@@ -91,17 +113,20 @@ def run_size(tokens: int, reps: int, layer_ms: float, tmp: Path) -> dict[str, fl
                     sent.append(elapsed)
                     complete.append(arrived["arrived"] - start_wall)
                     copies.append(memcpy.seconds())
+                    copies2.append(memcpy.seconds(threads=2))
         finally:
             sender.close()
     mem = nbytes / statistics.median(copies) / 1e9
     # ratio of each push to the memcpy right after it (same load), then the median
     ratio = statistics.median(c / d for c, d in zip(copies, complete))
+    ratio2 = statistics.median(c / d for c, d in zip(copies2, complete))
     push_sent = nbytes / statistics.median(sent) / 1e9
     push_done = nbytes / statistics.median(complete) / 1e9
     tail = statistics.median(tails)
     prefill = LAYOUT.num_layers * layer_ms / 1000
     return {"tokens": tokens, "MiB": nbytes / 2**20, "memcpy": mem, "sent": push_sent, "done": push_done,
-            "ratio": ratio, "tail_ms": tail * 1000, "tail_share": tail / prefill}
+            "ratio": ratio, "memcpy2": nbytes / statistics.median(copies2) / 1e9, "ratio2": ratio2,
+            "tail_ms": tail * 1000, "tail_share": tail / prefill}
 
 
 def main() -> None:
@@ -109,20 +134,24 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layer-ms", type=float, default=5.0, help="simulated compute per layer for the tail")
+    ap.add_argument("--lanes", type=int, nargs="+", default=[2],
+                    help="sender lanes (posting threads) to compare")
     args = ap.parse_args()
     began = time.monotonic()
     print(f"GLM-5.1 fp8_ds_mla, {LAYOUT.num_layers} layers, NIXL/UCX loopback, 2 processes; "
           f"medians of {args.reps}; GB/s = 1e9 B/s")
-    print(f"{'tokens':>6} {'MiB':>7} {'memcpy':>7} {'sent':>7} {'done':>7} {'done/memcpy':>11} "
-          f"{'tail ms':>8} {'tail/prefill':>12}")
+    print(f"{'tokens':>6} {'MiB':>7} {'lanes':>5} {'memcpy':>7} {'sent':>7} {'done':>7} {'done/memcpy':>11} "
+          f"{'memcpy2':>7} {'done/memcpy2':>12} {'tail ms':>8} {'tail/prefill':>12}")
     for tokens in args.tokens:
-        if time.monotonic() - began > DEADLINE_S:
-            print(f"stopping: over {DEADLINE_S:.0f}s")
-            break
-        with tempfile.TemporaryDirectory() as tmp:
-            r = run_size(tokens, args.reps, args.layer_ms, Path(tmp))
-        print(f"{r['tokens']:>6} {r['MiB']:>7.1f} {r['memcpy']:>7.2f} {r['sent']:>7.2f} {r['done']:>7.2f} "
-              f"{r['ratio']:>11.2f} {r['tail_ms']:>8.2f} {r['tail_share']:>12.3f}")
+        for lanes in args.lanes:
+            if time.monotonic() - began > DEADLINE_S:
+                print(f"stopping: over {DEADLINE_S:.0f}s")
+                break
+            with tempfile.TemporaryDirectory() as tmp:
+                r = run_size(tokens, args.reps, args.layer_ms, Path(tmp), lanes)
+            print(f"{r['tokens']:>6} {r['MiB']:>7.1f} {lanes:>5} {r['memcpy']:>7.2f} {r['sent']:>7.2f} "
+                  f"{r['done']:>7.2f} {r['ratio']:>11.2f} {r['memcpy2']:>7.2f} {r['ratio2']:>12.2f} "
+                  f"{r['tail_ms']:>8.2f} {r['tail_share']:>12.3f}")
     prefill_ms = LAYOUT.num_layers * args.layer_ms
     print(f"tail: layers posted every {args.layer_ms} ms (simulated prefill {prefill_ms:.0f} ms)")
 

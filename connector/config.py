@@ -63,6 +63,17 @@ class ConnectorSettings(BaseModel):
         le=3600,
         description="bound on the wait, after the last layer, for the KV to be complete at decode",
     )
+    send_lanes: int = Field(
+        default=2,
+        ge=1,
+        le=8,
+        description="threads (each with its own NIXL/UCX worker) that post a rank's KV WRITEs; a burst of "
+        "layers is split between them (intra-node, one WRITE is a copy by the posting thread)",
+    )
+    pin_send_lanes: bool = Field(
+        default=True,
+        description="pin each send lane to a CPU of its own (when the process may use at least as many)",
+    )
     max_tokens: int | None = Field(
         default=None, ge=1, description="longest prompt handed off (default: vLLM's max_model_len)"
     )

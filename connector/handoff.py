@@ -54,15 +54,22 @@ class Handoff:
         return layer_views(self._sender.staging_buffer[start:start + size], self._sender.layout, self.num_tokens)
 
     def post_layer(self, layer: int) -> None:
+        self.post_layers([layer])
+
+    def post_layers(self, layers: list[int]) -> None:
+        """Queue these filled layers at once: idle sender lanes split them between them."""
         with self._lock:
-            if layer not in self._index:
-                raise ValueError(f"layer {layer} is not sent by this rank (plan: {self._layers})")
-            if layer in self._posted:
-                raise ValueError(f"handoff {self.handoff_id}: layer {layer} posted twice")
-            self._posted.add(layer)
+            seen: set[int] = set()
+            for layer in layers:
+                if layer not in self._index:
+                    raise ValueError(f"layer {layer} is not sent by this rank (plan: {self._layers})")
+                if layer in self._posted or layer in seen:
+                    raise ValueError(f"handoff {self.handoff_id}: layer {layer} posted twice")
+                seen.add(layer)
+            self._posted.update(seen)
             if self._status != "pending":
                 return
-        self._sender._queue.put((self, layer))
+        self._sender._queue.put_many([(self, layer) for layer in layers])
 
     def status(self) -> Literal["pending", "sent", "failed"]:
         return self._status

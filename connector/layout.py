@@ -165,6 +165,22 @@ def layer_views(block: "torch.Tensor", layout: KVLayout, num_tokens: int,
     return views
 
 
+def packed_layers_views(block: "torch.Tensor", layout: KVLayout, num_tokens: int,
+                        num_layers: int) -> list[dict[str, "torch.Tensor"]]:
+    """:func:`layer_views` of ``num_layers`` packed layer blocks one after the other in
+    ``block`` (layer-major, planes packed as :func:`plane_offsets`), made with a few view
+    operations per plane instead of a few per layer and plane (79 layers: ~0.1 ms
+    instead of ~1 ms of Python, on the path from "KV complete" to the decode engine)."""
+    size = layout.bytes_per_layer(num_tokens)
+    grid = block[:num_layers * size].view(num_layers, size)
+    per_plane = []
+    for plane, off in zip(layout.planes, plane_offsets(layout, num_tokens)):
+        typed = grid[:, off:off + plane.nbytes(num_tokens)].view(torch_dtype(plane.dtype))
+        per_plane.append(typed.view(num_layers, plane_rows(plane, num_tokens), plane.width).unbind(0))
+    names = [plane.name for plane in layout.planes]
+    return [dict(zip(names, views)) for views in zip(*per_plane)]
+
+
 def gather_tokens(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int,
                   out: "torch.Tensor") -> "torch.Tensor":
     """Copy the first ``num_tokens`` token rows of a request out of a paged cache.

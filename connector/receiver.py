@@ -28,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from connector.control import ControlConnection, ControlServer
 from connector.errors import HandoffFailed, HandoffTimeout, ReceiverError
-from connector.layout import layer_views, layout_fingerprint, plane_offsets
+from connector.layout import layout_fingerprint, packed_layers_views, plane_offsets
 from connector.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -210,12 +210,8 @@ class KVReceiver:
     def _view(self, h: HandoffState) -> ReceivedKV:
         if self._buffer is None or h.slot is None:
             raise ReceiverError(f"handoff {h.handoff_id}: its receive slot is gone (receiver stopped?)")
-        layers = []
-        for offs in h.offsets:
-            base = offs[0]
-            rel = [o - base for o in offs]
-            size = self._layout.bytes_per_layer(h.num_tokens)
-            layers.append(layer_views(self._buffer[base:base + size], self._layout, h.num_tokens, rel))
+        base = h.offsets[0][0]  # layer-major, planes packed: how _admit lays a handoff out
+        layers = packed_layers_views(self._buffer[base:], self._layout, h.num_tokens, self._layout.num_layers)
         return ReceivedKV(h.handoff_id, h.num_tokens, layers)
 
     def _free_slot(self, h: HandoffState) -> None:

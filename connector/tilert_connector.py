@@ -9,6 +9,7 @@ Reading order: config -> profiles -> metadata -> scheduler -> worker.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +82,8 @@ class TileRTConnector(KVConnectorBase_V1):
                 world_size=world,
                 agent_name=default_agent_name(engine_id, rank),
                 max_tokens=max_tokens,
-                sender_factory=nixl_sender_factory,
+                sender_factory=functools.partial(nixl_sender_factory, lanes=settings.send_lanes,
+                                                 pin_lanes=settings.pin_send_lanes),
                 reports=ReportOutbox(address),
             )
 

@@ -359,7 +359,9 @@ def default_agent_name(engine_id: str, rank: int) -> str:
     return f"tilert-prefill-{socket.gethostname()}-{os.getpid()}-{engine_id[:8]}-r{rank}"
 
 
-def nixl_sender_factory(agent_name: str, layout: KVLayout, max_tokens: int, plan: SenderPlan) -> Any:
+def nixl_sender_factory(agent_name: str, layout: KVLayout, max_tokens: int, plan: SenderPlan,
+                        lanes: int = 2, pin_lanes: bool = True) -> Any:
     from connector.sender import KVSender
 
-    return KVSender(agent_name, layout, max_tokens, sender_plan=plan, transport="nixl")
+    return KVSender(agent_name, layout, max_tokens, sender_plan=plan, transport="nixl", lanes=lanes,
+                    pin_lanes=pin_lanes)

@@ -27,11 +27,13 @@ class TransportFactory:
     def __init__(self, fabric: MemoryFabric | None = None) -> None:
         self.fabric = fabric or MemoryFabric()
 
-    def create(self, kind: str, name: str) -> Transport:
+    def create(self, kind: str, name: str, workers: int = 1) -> Transport:
+        """``workers``: independent progress contexts, so that as many threads can move
+        bytes at once (NIXL: UCX workers; the in-memory fake has no use for it)."""
         if kind == "nixl":
             from connector.transport.nixl import NixlTransport
 
-            return NixlTransport(name)
+            return NixlTransport(name, workers)
         if kind == "memory":
             return MemoryTransport(name, self.fabric)
         raise ValueError(f"transport={kind!r}: must be one of {', '.join(TRANSPORT_KINDS)}")
@@ -42,8 +44,8 @@ class TransportFactory:
 SHARED_FACTORY = TransportFactory()
 
 
-def create_transport(kind: str, name: str) -> Transport:
-    return SHARED_FACTORY.create(kind, name)
+def create_transport(kind: str, name: str, workers: int = 1) -> Transport:
+    return SHARED_FACTORY.create(kind, name, workers)
 
 
 __all__ = [

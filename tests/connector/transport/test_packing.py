@@ -14,6 +14,7 @@ from connector.layout import (
     gather_tokens,
     glm5_fp8_ds_mla_layout,
     layer_views,
+    packed_layers_views,
     plane_offsets,
     quantize_fp8_ds_mla,
     split_cpu_mla,
@@ -107,3 +108,25 @@ def test_indexer_pages_gather_and_dequantize_against_reference():
     ref = torch.stack([q[BLOCKS[t // page] * page + t % page].float() * scales[BLOCKS[t // page] * page + t % page]
                        for t in range(num_tokens)])
     assert got.shape == (num_tokens, 128) and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("layout", [glm5_fp8_ds_mla_layout(3, 1), cpu_mla_layout(2, 1, "bfloat16"),
+                                    cpu_mla_layout(2, 1, "float32")], ids=["glm5", "cpu-bf16", "cpu-fp32"])
+@pytest.mark.parametrize("num_tokens", [1, 37, 64, 129])
+def test_packed_layers_views_equal_per_layer_views(layout, num_tokens):
+    size = layout.bytes_per_layer(num_tokens)
+    buffer = torch.randint(0, 256, (8 + layout.num_layers * size + 8,), dtype=torch.uint8)
+    block = buffer[8:]  # not at the start of its storage, as a receive slot
+    got = packed_layers_views(block, layout, num_tokens, layout.num_layers)
+    assert len(got) == layout.num_layers
+    for i, views in enumerate(got):
+        ref = layer_views(block[i * size:(i + 1) * size], layout, num_tokens)
+        assert list(views) == list(ref)
+        for name, tensor in views.items():
+            assert tensor.dtype == ref[name].dtype and tensor.shape == ref[name].shape
+            assert tensor.is_contiguous() and tensor.data_ptr() == ref[name].data_ptr()
+            assert torch.equal(tensor.view(torch.uint8), ref[name].view(torch.uint8))
+    # views, not copies: a write through one shows in the buffer
+    got[-1][layout.planes[0].name].view(torch.uint8).fill_(7)
+    first = plane_offsets(layout, num_tokens)[0]
+    assert int(block[(layout.num_layers - 1) * size + first]) == 7

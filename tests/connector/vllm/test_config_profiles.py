@@ -36,6 +36,9 @@ def test_settings_defaults_and_values():
         ({"decode_endpoints": ["localhost"]}, "decode_endpoints", "host:port"),
         ({"transfer_timeout_s": 0}, "transfer_timeout_s", "greater than 0"),
         ({"max_tokens": -5}, "max_tokens", "-5"),
+        ({"send_lanes": 0}, "send_lanes", "greater than or equal to 1"),
+        ({"send_lanes": 9}, "send_lanes", "less than or equal to 8"),
+        ({"pin_send_lanes": "sometimes"}, "pin_send_lanes", "valid boolean"),
     ],
 )
 def test_bad_settings_name_option_value_and_reason(extra, option, words):
