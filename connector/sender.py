@@ -6,16 +6,15 @@ layers this rank sends) and ``lanes`` sender threads that post WRITEs and poll t
 ``post_layer`` returns at once and transfers overlap the model's forward pass.
 
 Per handoff: ``begin`` admits it at the decode server (control channel) and reserves a
-staging buffer; the caller fills ``staging(layer)`` and calls ``post_layer(layer)``;
-a sender thread merges the layers queued since its last pass into one WRITE of as
-few descriptors as possible (a layer is contiguous on both sides, consecutive layers
-too), tagged with a :class:`LayersDone` notification. With ``lanes`` > 1, each thread
-(lane) has a transport worker of its own and takes at most its share of what is queued,
-so a burst of layers is written by all lanes at once: an intra-node NIXL/UCX WRITE is a
-kernel copy (CMA) in the posting thread, and one such copy reaches about 0.6 of a
-``memcpy``'s bandwidth; two in parallel reach more than one ``memcpy``. ``wait`` returns "sent" once every
-layer of this rank's plan is written, "failed" otherwise. A staging buffer is reused
-only after every WRITE reading it has finished.
+staging buffer; the caller fills ``staging(layer)`` and calls ``post_layer(layer)`` (or
+``post_layers`` for several ready at once). Each lane has a transport worker of its own;
+a lane takes its run of the queued layers (:mod:`connector.lanes`) and writes it as one
+WRITE of as few descriptors as possible (a layer is contiguous on both sides,
+consecutive layers too), tagged with a :class:`LayersDone` notification. An intra-node
+NIXL/UCX WRITE is a kernel copy (CMA) inside the posting call, about 0.6 of a
+``memcpy``'s bandwidth; two lanes copy on two cores at once. ``wait`` returns "sent"
+once every layer of this rank's plan is written, "failed" otherwise. A staging buffer
+is reused only after every WRITE reading it has finished.
 """
 
 from __future__ import annotations
@@ -235,7 +234,7 @@ class KVSender:
         except ControlChannelError as exc:
             log.warning("KV sender: could not tell %s about aborting %s: %s", peer.endpoint, handoff_id, exc)
 
-    # ----------------------------------------------------------------- sender thread
+    # ----------------------------------------------------------------- sender lanes
 
     def _run(self, lane: int) -> None:
         if self._lane_cpus:

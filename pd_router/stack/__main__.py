@@ -88,13 +88,16 @@ def main(argv: list[str] | None = None) -> int:
                       router_port=args.router_port, prefill_port=args.prefill_port, decode_port=args.decode_port,
                       kv_port=args.kv_port, num_decode=args.num_decode, engine=args.engine,
                       decode_slots=args.decode_slots, max_seq_len=args.max_seq_len, prefill_mtp=args.prefill_mtp,
-                      start_timeout_s=args.start_timeout)
+                      start_timeout_s=args.start_timeout, served_model_name=served)
     stack = Stack(cfg)
 
     def _terminate(signum: int, _frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
+    # Ctrl-C stops the stack even when started from a shell that ignores SIGINT for
+    # background jobs (the children inherit an ignored SIGINT; Python then installs no handler)
+    signal.signal(signal.SIGINT, _terminate)
     try:
         stack.start()
         print(usage_text(cfg), flush=True)

@@ -61,6 +61,7 @@ def test_launcher_prints_calls_that_work_and_ctrl_c_stops_everything(tiny_model_
         printed = out_path.read_text()
         assert f"http://127.0.0.1:{router}/v1/chat/completions" in printed
         assert "from openai import OpenAI" in printed
+        assert f'"model": "{MODEL_NAME}"' in printed and f'model="{MODEL_NAME}"' in printed  # as the README says
         # the printed curl command, run as printed
         curl = printed.split("curl:\n", 1)[1].split("\n\n", 1)[0].replace("\\\n", " ")
         result = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
