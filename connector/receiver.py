@@ -208,11 +208,9 @@ class KVReceiver:
         task.add_done_callback(self._tasks.discard)
 
     def _view(self, h: HandoffState) -> ReceivedKV:
-        if self._buffer is None or h.slot is None:
+        if self._buffer is None or h.slot is None or not h.views:
             raise ReceiverError(f"handoff {h.handoff_id}: its receive slot is gone (receiver stopped?)")
-        base = h.offsets[0][0]  # layer-major, planes packed: how _admit lays a handoff out
-        layers = packed_layers_views(self._buffer[base:], self._layout, h.num_tokens, self._layout.num_layers)
-        return ReceivedKV(h.handoff_id, h.num_tokens, layers)
+        return ReceivedKV(h.handoff_id, h.num_tokens, h.views)
 
     def _free_slot(self, h: HandoffState) -> None:
         if h.slot is not None:
@@ -326,15 +324,17 @@ class KVReceiver:
                        f"max_tokens {self._s.max_tokens}")
             log.warning(message)
             return Refused(handoff_id=hid, reason="too_long", message=message)
-        if not self._free:
+        if not self._free or self._buffer is None:
             return Refused(handoff_id=hid, reason="busy",
-                           message=f"all {self._s.slots} KV receive slots of the decode server are busy")
+                           message=f"all {self._s.slots} KV receive slots of the decode server are busy"
+                           if self._buffer is not None else "the KV receiver is stopping")
         slot = self._free.pop(0)
         layer_bytes = self._layout.bytes_per_layer(n)
         planes = plane_offsets(self._layout, n)
         base = slot * self._slot_bytes
         offsets = [[base + layer * layer_bytes + p for p in planes] for layer in range(self._layout.num_layers)]
-        self._handoffs[hid] = HandoffState(hid, slot, n, offsets, peers={peer})
+        views = packed_layers_views(self._buffer[base:], self._layout, n, self._layout.num_layers)
+        self._handoffs[hid] = HandoffState(hid, slot, n, offsets, peers={peer}, views=views)
         if self._pump is not None:
             self._pump.wake()
         await self._notify_all()

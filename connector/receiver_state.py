@@ -59,3 +59,6 @@ class HandoffState:
     error: str | None = None
     waiters: int = 0
     since: float = field(default_factory=time.monotonic)
+    # the per-layer views handed to the engine, made at admission (off the path from the
+    # last notification to wait_for returning)
+    views: list[dict[str, "torch.Tensor"]] = field(default_factory=list)
