@@ -56,11 +56,15 @@ _IDLE_TICK_S = 1.0  # otherwise progress the agent now and then (it has no progr
 MAX_LANES = 8
 
 
-def _lane_cpus(lanes: int) -> list[int]:
-    """CPUs to pin the lanes to, one each, or none (fewer CPUs than lanes, or no
-    affinity API). Left to itself, the scheduler now and then runs two lanes' copies on
-    one CPU for a whole push (measured: half the pushes at single-lane speed)."""
-    if lanes < 2 or not hasattr(os, "sched_getaffinity"):
+def lane_cpus(lanes: int, device: str) -> list[int]:
+    """CPUs to pin the lanes to, one each, or none. Only host staging is pinned: there a
+    lane's WRITE is a copy on its CPU, and left to itself the scheduler now and then ran
+    two lanes' copies on one CPU for a whole push (measured: half the pushes at one-lane
+    speed). GPU staging is moved by the NIC / NVLink, and every TP rank's process would
+    pin its lanes to the same CPUs. None either with fewer CPUs than lanes."""
+    import torch
+
+    if lanes < 2 or torch.device(device).type != "cpu" or not hasattr(os, "sched_getaffinity"):
         return []
     cpus = sorted(os.sched_getaffinity(0))
     return cpus if len(cpus) >= lanes else []
@@ -110,7 +114,7 @@ class KVSender:
         self._posting = 0  # lanes inside transport.write()
         self._last_revocation_check = 0.0
         self.lanes = lanes
-        self._lane_cpus = _lane_cpus(lanes) if pin_lanes else []
+        self._lane_cpus = lane_cpus(lanes, device) if pin_lanes else []
         self._threads = [
             threading.Thread(target=self._run, args=(lane,), name=f"{agent_name}-kv-sender-{lane}", daemon=True)
             for lane in range(lanes)

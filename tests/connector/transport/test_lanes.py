@@ -10,6 +10,7 @@ import pytest
 
 from connector.lanes import LaneQueue
 from connector.layout import glm5_fp8_ds_mla_layout
+from connector.sender import lane_cpus
 from tests.connector.transport.helpers import assert_no_leaks, eventually, make_sender, running_receiver
 from tests.connector.transport.synthetic import fill, layer_bytes, mismatches
 
@@ -154,3 +155,6 @@ def test_lanes_pin_to_distinct_cpus_when_there_are_enough():
         assert all(os.sched_getaffinity(t.native_id) == set(cpus) for t in unpinned._threads)
     finally:
         unpinned.close()
+    # GPU staging is not pinned (every TP rank would pick the same CPUs), nor one lane
+    assert lane_cpus(2, "cuda:0") == [] and lane_cpus(1, "cpu") == []
+    assert lane_cpus(2, "cpu") == (cpus if len(cpus) >= 2 else [])
