@@ -261,12 +261,12 @@ class KVSender:
         inflight: list[tuple[Handoff, XferHandle, list[int]]] = []
         while True:
             waiting = bool(self._active)
+            # due every 10 ms while handoffs are pending, also while layers keep coming
+            self._maybe_check_revocations(_IDLE_POLL_S / 2 if waiting else _IDLE_TICK_S)
             timeout = _POLL_S if inflight else (_IDLE_POLL_S if waiting else _IDLE_TICK_S)
             batch, stop = self._queue.take(timeout)
             if batch:
                 inflight.extend(self._post(batch))
-            else:
-                self._maybe_check_revocations(_IDLE_POLL_S / 2 if waiting else _IDLE_TICK_S)
             still = []
             for handoff, xfer, layers in inflight:
                 state = self._transport.poll(xfer)

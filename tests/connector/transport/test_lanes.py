@@ -158,3 +158,36 @@ def test_lanes_pin_to_distinct_cpus_when_there_are_enough():
     # GPU staging is not pinned (every TP rank would pick the same CPUs), nor one lane
     assert lane_cpus(2, "cuda:0") == [] and lane_cpus(1, "cpu") == []
     assert lane_cpus(2, "cpu") == (cpus if len(cpus) >= 2 else [])
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+async def test_a_revocation_is_seen_while_layers_keep_coming(lanes):
+    """A decode server that gives up on a handoff mid-prefill stops its WRITEs at once, not
+    after the model's last layer: lanes read Revoked even while every take() finds work."""
+    layout, tokens = glm5_fp8_ds_mla_layout(78, 1), 16
+    sender = make_sender(layout, max_tokens=tokens, lanes=lanes)
+    try:
+        async with running_receiver(layout, max_tokens=tokens) as receiver:
+            handoff = await asyncio.to_thread(sender.begin, receiver.endpoint, "revoked", tokens, 5)
+            posted: list[float] = []
+
+            def model() -> None:  # a layer every 5 ms, ~0.4 s in all
+                for layer in range(layout.num_layers):
+                    handoff.post_layer(layer)
+                    posted.append(time.monotonic())
+                    time.sleep(0.005)
+
+            running = asyncio.create_task(asyncio.to_thread(model))
+            await eventually(lambda: len(posted) >= 5)
+            receiver.release("revoked")  # incomplete: the receiver revokes it
+            released = time.monotonic()
+            await eventually(lambda: handoff.status() == "failed", timeout=5)
+            seen = time.monotonic()
+            assert "revoked by the decode server" in handoff.error
+            assert not running.done(), "the revocation was only seen after the last layer"
+            assert seen - released < 0.2
+            await running
+            await eventually(lambda: not sender._active)
+            assert_no_leaks(receiver, sender)
+    finally:
+        sender.close()
