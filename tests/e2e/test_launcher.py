@@ -82,10 +82,11 @@ def test_launcher_prints_calls_that_work_and_ctrl_c_stops_everything(tiny_model_
             time.sleep(0.2)
         assert not [p for p in started if _alive(p)], "processes left behind after Ctrl-C"
     finally:
+        leftover = _descendants(proc.pid)  # before the kill: orphans are no longer its descendants
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-        for pid in _descendants(proc.pid):
+        for pid in leftover:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
