@@ -72,7 +72,8 @@ class ConnectorSettings(BaseModel):
     )
     pin_send_lanes: bool = Field(
         default=True,
-        description="pin each send lane to a CPU of its own (when the process may use at least as many)",
+        description="with host (CPU) staging, pin each send lane to a CPU of its own (when the process may "
+        "use at least as many); GPU staging is never pinned",
     )
     max_tokens: int | None = Field(
         default=None, ge=1, description="longest prompt handed off (default: vLLM's max_model_len)"
