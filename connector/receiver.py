@@ -324,10 +324,11 @@ class KVReceiver:
                        f"max_tokens {self._s.max_tokens}")
             log.warning(message)
             return Refused(handoff_id=hid, reason="too_long", message=message)
-        if not self._free or self._buffer is None:
+        if self._buffer is None:
+            return Refused(handoff_id=hid, reason="busy", message="the KV receiver is stopping")
+        if not self._free:
             return Refused(handoff_id=hid, reason="busy",
-                           message=f"all {self._s.slots} KV receive slots of the decode server are busy"
-                           if self._buffer is not None else "the KV receiver is stopping")
+                           message=f"all {self._s.slots} KV receive slots of the decode server are busy")
         slot = self._free.pop(0)
         layer_bytes = self._layout.bytes_per_layer(n)
         planes = plane_offsets(self._layout, n)
