@@ -21,7 +21,7 @@ import socket
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from connector.protocol import HandoffStatus
+from connector.protocol import FailureReason, HandoffStatus
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class SendReport(BaseModel):
     rank: int = Field(ge=0)
     status: HandoffStatus
     error: str | None = None
+    reason: FailureReason | None = None
 
 
 def report_address(engine_id: str, dp_rank: int = 0) -> str:

@@ -25,6 +25,12 @@ from pydantic import BaseModel, ConfigDict, Field
 PROTOCOL_VERSION = 1
 
 HandoffStatus = Literal["sent", "failed"]
+# Why a handoff failed, for the router to act on: "busy" (the decode server had no free
+# KV receive slot: wait for a slot and try again), "too_long", "cancelled", "duplicate",
+# "unknown_peer" (refusals at admission, :class:`Refused`), "unreachable" (no handshake
+# or control channel), "transfer" (a WRITE failed or timed out), "internal".
+FailureReason = Literal["busy", "too_long", "cancelled", "duplicate", "unknown_peer", "unreachable", "transfer",
+                        "internal"]
 
 
 class HandoffTarget(BaseModel):
@@ -55,6 +61,7 @@ class HandoffResult(BaseModel):
     last_prompt_token_id: int = Field(ge=0)
     status: HandoffStatus
     error: str | None = None
+    reason: FailureReason | None = Field(default=None, description="why, when status is 'failed'")
     # choices[0].logprobs of the prefill response, verbatim (chat or completions
     # shape), for the first generated token; set by the router, None otherwise.
     prefill_logprobs: dict[str, Any] | None = None

@@ -53,7 +53,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from connector.metadata import ReportInbox, RequestWork, SendReport, StepPlan
-from connector.protocol import HandoffResult, HandoffTarget
+from connector.protocol import FailureReason, HandoffResult, HandoffTarget
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class _Tracked:
     announced: bool = False  # some plan named it: the workers hold state for it
     completed: bool = False  # the plan with its last range was issued
     error: str | None = None  # refused before any KV work
+    reason: FailureReason = "internal"  # why, when error is set
     reports: dict[int, SendReport] = field(default_factory=dict)
 
 
@@ -120,6 +121,7 @@ class ConnectorScheduler:
                 tracked.error = (
                     f"prompt of {num_tokens} tokens exceeds the connector's max_tokens {self.max_tokens}"
                 )
+                tracked.reason = "too_long"
             self._tracked[req_id] = tracked
         elif not tracked.completed:
             tracked.sent_upto = 0  # resumed after preemption: gather everything again
@@ -162,16 +164,17 @@ class ConnectorScheduler:
         if not tracked.announced:
             del self._tracked[req_id]
             return False, self._result(
-                request, tracked, "failed", tracked.error or "request finished before its prompt was computed"
+                request, tracked, "failed", tracked.error or "request finished before its prompt was computed",
+                tracked.reason,
             )
         self._held.add(req_id)
         if not tracked.completed:
             self._aborts.append(req_id)
             return True, self._result(
-                request, tracked, "failed", "request finished before its prompt was computed"
+                request, tracked, "failed", "request finished before its prompt was computed", "cancelled"
             )
-        status, error = self._outcome(req_id, tracked)
-        return True, self._result(request, tracked, status, error)
+        status, error, reason = self._outcome(req_id, tracked)
+        return True, self._result(request, tracked, status, error, reason)
 
     def update_connector_output(self, finished_sending: set[str] | None) -> None:
         for req_id in finished_sending or ():
@@ -233,26 +236,29 @@ class ConnectorScheduler:
             if report.req_id in self._tracked:  # a straggler for a forgotten request is dropped
                 self._early_reports.setdefault(report.req_id, {})[report.rank] = report
 
-    def _outcome(self, req_id: str, tracked: _Tracked) -> tuple[str, str | None]:
+    def _outcome(self, req_id: str, tracked: _Tracked) -> tuple[str, str | None, FailureReason | None]:
         deadline = time.monotonic() + self._report_grace_s
         while True:
             self._collect_reports()
             reports = self._early_reports.get(req_id, {})
             failed = [r for r in reports.values() if r.status == "failed"]
             if failed:
-                return "failed", "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
+                return ("failed", "; ".join(f"rank {r.rank}: {r.error}" for r in failed),
+                        failed[0].reason or "internal")
             if len(reports) >= self.world_size:
-                return "sent", None
+                return "sent", None, None
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._reports is None or not self._reports.wait_readable(remaining):
                 missing = sorted(set(range(self.world_size)) - set(reports))
                 return (
                     "failed",
                     f"no transfer report from worker rank(s) {missing} within {self._report_grace_s}s",
+                    "internal",
                 )
 
     @staticmethod
-    def _result(request: Any, tracked: _Tracked, status: str, error: str | None) -> dict[str, Any] | None:
+    def _result(request: Any, tracked: _Tracked, status: str, error: str | None,
+                reason: FailureReason | None = None) -> dict[str, Any] | None:
         outputs = list(request.output_token_ids)
         if not outputs:
             return None  # nothing was generated: there is no response to carry a handoff
@@ -264,6 +270,7 @@ class ConnectorScheduler:
             last_prompt_token_id=request.prompt_token_ids[tracked.num_tokens - 1],
             status=status,
             error=error,
+            reason=reason if status == "failed" else None,
         )  # type: ignore[arg-type]
         return result.model_dump(exclude_none=True)
 

@@ -32,10 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from connector.errors import HandshakeRejected
+from connector.errors import AdmissionRefused, HandshakeRejected
 from connector.keeper import HandshakeKeeper
 from connector.layout import KVLayout, SenderPlan, gather_fp8_ds_mla, gather_pages, gather_tokens
 from connector.metadata import RequestWork, SendReport, StepPlan
+from connector.protocol import FailureReason
 from connector.profiles import ModelProfile, ProfileMismatch, check_layers, observed_layout, scan_layers
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from connector.config import ConnectorSettings
 
 log = logging.getLogger(__name__)
+_REFUSALS = ("busy", "too_long", "cancelled", "duplicate", "unknown_peer")
 
 
 class Handoff(Protocol):
@@ -213,7 +215,7 @@ class ConnectorWorker:
                 send.posted.add(layer)
                 send.t_last_post = time.perf_counter()
             except Exception as exc:  # noqa: BLE001 - any failure fails this handoff, not vLLM
-                self._fail(send, f"layer {layer}: {type(exc).__name__}: {exc}")
+                self._fail(send, f"layer {layer}: {type(exc).__name__}: {exc}", "internal")
 
     def wait_for_save(self) -> None:
         active, self._active = self._active, []
@@ -223,7 +225,7 @@ class ConnectorWorker:
             if send.error is None and send.handoff is not None:
                 missing = sorted(self._my_layers - send.posted)
                 if missing:
-                    self._fail(send, f"layers {missing} were not saved in the prompt's last step")
+                    self._fail(send, f"layers {missing} were not saved in the prompt's last step", "internal")
                     continue
                 try:
                     status = send.handoff.wait(self.settings.transfer_timeout_s)
@@ -231,7 +233,7 @@ class ConnectorWorker:
                 except Exception as exc:  # noqa: BLE001 - fails this handoff, not vLLM
                     status, error = "failed", f"{type(exc).__name__}: {exc}"
                 if status != "sent":
-                    self._fail(send, error or f"transfer ended {status!r}")
+                    self._fail(send, error or f"transfer ended {status!r}", "transfer")
                     continue
                 _log_tail(send, time.perf_counter())
             self._report(send, "sent", None)
@@ -278,8 +280,10 @@ class ConnectorWorker:
             send.handoff = self._sender.begin(
                 work.kv_endpoint, work.handoff_id, work.num_tokens, self.settings.admission_timeout_s
             )
+        except AdmissionRefused as exc:
+            self._fail(send, f"{type(exc).__name__}: {exc}", exc.reason if exc.reason in _REFUSALS else "internal")
         except Exception as exc:  # noqa: BLE001 - a refused or broken handoff must not stop vLLM
-            self._fail(send, f"{type(exc).__name__}: {exc}")
+            self._fail(send, f"{type(exc).__name__}: {exc}", "unreachable")
 
     def _gather(
         self, views: dict[str, torch.Tensor], layer: int, cache: torch.Tensor, work: RequestWork
@@ -292,11 +296,11 @@ class ConnectorWorker:
         pages = views["indexer"].shape[0]
         gather_pages(self._indexer[layer], blocks, pages, views["indexer"])
 
-    def _fail(self, send: _Send, error: str) -> None:
+    def _fail(self, send: _Send, error: str, reason: FailureReason) -> None:
         log.warning("handoff %s (request %s) failed: %s", send.work.handoff_id, send.work.req_id, error)
         _abort_quietly(send.handoff, error)
         send.error = error
-        self._report(send, "failed", error)
+        self._report(send, "failed", error, reason)
 
     def _abort(self, send: _Send, reason: str) -> None:
         _abort_quietly(send.handoff, reason)
@@ -304,7 +308,7 @@ class ConnectorWorker:
         if send in self._active:
             self._active.remove(send)
 
-    def _report(self, send: _Send, status: str, error: str | None) -> None:
+    def _report(self, send: _Send, status: str, error: str | None, reason: FailureReason | None = None) -> None:
         if send.reported:
             return
         send.reported = True
@@ -314,6 +318,7 @@ class ConnectorWorker:
                 rank=self.plan.rank,
                 status=status,  # type: ignore[arg-type]
                 error=error,
+                reason=reason,
             )
         )
 

@@ -216,6 +216,7 @@ def test_admission_refused_is_reported_failed(rig, reason):
     r.engine.run_until_idle()
     params = r.engine.results["a"][1]
     assert params["status"] == "failed" and reason in params["error"]
+    assert params["reason"] == reason  # the router acts on it (busy: wait for a slot, try again)
     r.assert_no_leaks()
 
 
@@ -226,6 +227,7 @@ def test_prompt_longer_than_max_tokens_is_failed_without_kv_work(rig):
     delay, params = r.engine.results["a"]
     assert delay is False
     assert params["status"] == "failed" and "exceeds" in params["error"]
+    assert params["reason"] == "too_long"
     assert r.senders[0].handoffs == {}
     r.assert_no_leaks()
 
