@@ -11,7 +11,8 @@ phases of ``--phase-s`` seconds each, in one run:
 3. **recovered**: SIGCONT; everything is served again.
 
 Reported per phase: TTFT p50/p99 of the successful requests, failures (status, type,
-seconds to fail), and, at the end, the leak checks (router in-flight and leased slots,
+seconds to fail); requests in flight when decode-1 stops or resumes are reported apart
+("transition": those bound to decode-1 wait for it or fail); at the end, the leak checks (router in-flight and leased slots,
 decode servers' busy slots, vLLM's KV usage). Goal (issue 18): stopped-phase TTFT p99 of
 the healthy server's requests within +100 ms of the baseline p99 of the same run.
 
@@ -63,7 +64,7 @@ def stream_once(url: str, prompt: str) -> tuple[bool, float, str]:
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
         if r.status_code != 200:
             err = json.loads(r.read()).get("error", {})
-            return False, time.perf_counter() - t0, f"{r.status_code} {err.get('type')}: {err.get('message', '')[:120]}"
+            return False, time.perf_counter() - t0, f"{r.status_code} {err.get('type')}: {err.get('message', '')[:300]}"
         first = 0.0
         for line in r.iter_lines():
             if line.startswith("data: {") and not first:
@@ -77,9 +78,10 @@ def stream_once(url: str, prompt: str) -> tuple[bool, float, str]:
 def client(url: str, phase: list[str], stop: threading.Event, out: list[Result], k: int) -> None:
     i = k
     while not stop.is_set():
-        current = phase[0]
+        started = phase[0]
         ok, ttft, error = stream_once(url, COMPLETION_PROMPTS[i % len(COMPLETION_PROMPTS)][:200])
-        out.append(Result(current, ok, ttft, error))
+        # a request that saw the stop or the resume begin belongs to no phase
+        out.append(Result(started if phase[0] == started else "transition", ok, ttft, error))
         i += CLIENTS
 
 
@@ -140,7 +142,7 @@ def main() -> None:
     print("| phase | ok | TTFT p50 (ms) | TTFT p99 (ms) | failed | seconds to fail (max) | errors |")
     print("|---|---|---|---|---|---|---|")
     base_p99 = 0.0
-    for name in ("baseline", "stopped", "recovered"):
+    for name in ("baseline", "stopped", "recovered", "transition"):
         ok = [r.ttft for r in results if r.phase == name and r.ok]
         bad = [r for r in results if r.phase == name and not r.ok]
         if name == "baseline":
@@ -152,6 +154,8 @@ def main() -> None:
     print(f"healthy-server TTFT p99 while the other is stopped: {stopped_p99 * 1e3:.1f} ms vs baseline "
           f"{base_p99 * 1e3:.1f} ms (+{(stopped_p99 - base_p99) * 1e3:.1f} ms; goal <= +100 ms)")
     print(f"after the run: {state}")
+    for message in sorted({f"{r.phase}: {r.error}" for r in results if not r.ok}):
+        print(f"  error seen: {message}")
     print(f"median TTFT over all ok: {statistics.median(r.ttft for r in results if r.ok) * 1e3:.1f} ms")
 
 

@@ -22,8 +22,9 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from connector.control import ABORT_TIMEOUT_S, ControlClient
 from connector.errors import ControlChannelError
@@ -89,13 +90,16 @@ class AdmissionClient:
         self._connect = connect
         self._lock = threading.Lock()
         self._results: dict[str, Admission | None] = {}  # None: under way
+        self._attempts: dict[str, str] = {}
         self._channels: dict[str, _Channel] = {}
         self._closed = False
 
     def start(self, handoff_id: str, endpoint: str, num_tokens: int) -> None:
+        attempt = uuid.uuid4().hex  # names this try in its Admit and Abort
         with self._lock:
             self._results[handoff_id] = None
-        self._channel(endpoint).put(("admit", handoff_id, num_tokens, time.monotonic() + self.timeout_s))
+            self._attempts[handoff_id] = attempt
+        self._channel(endpoint).put(("admit", handoff_id, (num_tokens, attempt), time.monotonic() + self.timeout_s))
 
     def result(self, handoff_id: str) -> Admission | None:
         with self._lock:
@@ -103,11 +107,14 @@ class AdmissionClient:
 
     def abort(self, handoff_id: str, endpoint: str, reason: str) -> None:
         """Tell the decode server to free the slot (after a pending Admit on the same channel)."""
-        self._channel(endpoint).put(("abort", handoff_id, reason, time.monotonic() + ABORT_TIMEOUT_S))
+        with self._lock:
+            attempt = self._attempts.get(handoff_id, "")
+        self._channel(endpoint).put(("abort", handoff_id, (reason, attempt), time.monotonic() + ABORT_TIMEOUT_S))
 
     def forget(self, handoff_id: str) -> None:
         with self._lock:
             self._results.pop(handoff_id, None)
+            self._attempts.pop(handoff_id, None)
 
     def pending(self) -> int:
         with self._lock:
@@ -147,14 +154,18 @@ class _Channel:
     def __init__(self, owner: AdmissionClient, endpoint: str) -> None:
         self.owner = owner
         self.endpoint = endpoint
-        self._queue: queue.Queue[tuple[str, str, object, float] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, str, tuple[Any, str], float] | None] = queue.Queue()
         self._client: ControlClient | None = None
+        # Admits sent without an answer (timed out, connection broke): the decode server may
+        # still read them (a stopped process resumes). An Abort naming the try goes out on
+        # every new connection until one is answered.
+        self._unsettled: dict[str, tuple[str, str]] = {}  # handoff id -> (reason, attempt)
         self._thread = threading.Thread(target=self._run, name=f"tilert-kv-admit-{endpoint}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def put(self, item: tuple[str, str, object, float]) -> None:
+    def put(self, item: tuple[str, str, tuple[Any, str], float]) -> None:
         self._queue.put(item)
 
     def stop(self) -> None:
@@ -166,36 +177,39 @@ class _Channel:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            kind, handoff_id, arg, deadline = item
+            kind, handoff_id, (arg, attempt), deadline = item
             try:
                 if kind == "admit":
-                    assert isinstance(arg, int)
-                    self.owner._settle(self._admit(handoff_id, arg, deadline))
+                    self.owner._settle(self._admit(handoff_id, int(arg), attempt, deadline))
                 else:
-                    self._abort(handoff_id, str(arg), deadline)
+                    self._abort(handoff_id, str(arg), attempt, deadline)
             except Exception as exc:  # noqa: BLE001 - a bug must not leave admissions hanging
                 log.exception("KV admission %s at %s failed", handoff_id, self.endpoint)
                 if kind == "admit":
                     self.owner._settle(Admission(handoff_id, reason="internal",
                                                  error=f"{type(exc).__name__}: {exc}"))
 
-    def _admit(self, handoff_id: str, num_tokens: int, deadline: float) -> Admission:
-        admit = Admit(handoff_id=handoff_id, num_tokens=num_tokens)
-        for attempt in (0, 1):
+    def _admit(self, handoff_id: str, num_tokens: int, attempt: str, deadline: float) -> Admission:
+        admit = Admit(handoff_id=handoff_id, num_tokens=num_tokens, attempt=attempt)
+        for retry in (False, True):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return Admission(handoff_id, reason="unreachable", error=(
                     f"decode server {self.endpoint} did not admit handoff {handoff_id} within "
                     f"{self.owner.timeout_s:g}s (admission_timeout_s)"))
+            sent = False
             try:
                 fresh = self._client is None or self._client.broken
                 client = self._connected(remaining)
+                sent = True
                 reply = client.request(admit, max(0.01, deadline - time.monotonic()))
             except _Rejected as exc:
                 return Admission(handoff_id, reason="rejected", error=str(exc))
             except (ControlChannelError, ValueError) as exc:
+                if sent:
+                    self._unsettled[handoff_id] = ("the prefill gave up waiting for the answer to its Admit", attempt)
                 self._drop()
-                if attempt == 0 and not fresh:  # a cached connection went stale: handshake again once
+                if not retry and not fresh:  # a cached connection went stale: handshake again once
                     continue
                 return Admission(handoff_id, reason="unreachable", error=f"decode server {self.endpoint}: {exc}")
             if isinstance(reply, Refused):
@@ -208,14 +222,24 @@ class _Channel:
             return Admission(handoff_id, slot=reply.slot, offsets=tuple(tuple(o) for o in reply.offsets))
         raise AssertionError("unreachable")
 
-    def _abort(self, handoff_id: str, reason: str, deadline: float) -> None:
+    def _abort(self, handoff_id: str, reason: str, attempt: str, deadline: float) -> None:
+        self._unsettled.pop(handoff_id, None)
         if self._client is None or self._client.broken:
-            return  # no connection: the receiver frees what this group held when it went away
+            # no connection: the receiver frees what this group held when it went away, and
+            # an Admit it may still read is cancelled by the Abort the next connection sends
+            self._unsettled[handoff_id] = (reason, attempt)
+            return
         try:
-            self._client.request(Abort(handoff_id=handoff_id, reason=reason), max(0.01, deadline - time.monotonic()))
+            self._send_abort(self._client, handoff_id, reason, attempt, deadline)
         except ControlChannelError as exc:
+            self._unsettled[handoff_id] = (reason, attempt)
             self._drop()
             log.warning("KV admission: could not abort %s at %s: %s", handoff_id, self.endpoint, exc)
+
+    @staticmethod
+    def _send_abort(client: ControlClient, handoff_id: str, reason: str, attempt: str, deadline: float) -> None:
+        abort = Abort(handoff_id=handoff_id, reason=reason, attempt=attempt)
+        client.request(abort, max(0.01, deadline - time.monotonic()))
 
     def _connected(self, timeout: float) -> ControlClient:
         if self._client is not None and not self._client.broken:
@@ -232,6 +256,9 @@ class _Channel:
             if bad is not None:
                 raise _Rejected(f"decode server {self.endpoint}: {bad[0]} mismatch: decode expects {bad[1]}, "
                                 f"this prefill has {bad[2]}")
+            for handoff_id, (reason, attempt) in list(self._unsettled.items()):  # tries given up on, first
+                self._send_abort(client, handoff_id, reason, attempt, time.monotonic() + timeout)
+                del self._unsettled[handoff_id]
         except BaseException:
             client.close()
             raise

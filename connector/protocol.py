@@ -174,6 +174,9 @@ class Admit(BaseModel):
     handoff_id: str = Field(min_length=1, max_length=256)
     num_tokens: int = Field(ge=1)
     rank: int = Field(default=0, ge=0)
+    # The sender's name for this try: an Abort naming it also cancels an Admit of that try
+    # still unread (the sender gave up waiting for the answer, e.g. a stopped decode server).
+    attempt: str = Field(default="", max_length=64)
 
 
 class Admitted(BaseModel):
@@ -202,6 +205,7 @@ class Abort(BaseModel):
     type: Literal["abort"] = "abort"
     handoff_id: str
     reason: str
+    attempt: str = Field(default="", max_length=64, description="only that try of the handoff (see Admit)")
 
 
 class Aborted(BaseModel):

@@ -89,6 +89,7 @@ class KVReceiver:
         self._reaper: asyncio.Task | None = None
         self._stopped = False
         self._cancelled: dict[str, float] = {}  # released before admission -> when
+        self._aborted_tries: dict[tuple[str, str, str], float] = {}  # (group, handoff, attempt) -> when
         self._live: dict[str, int] = {}  # open control connections per sender agent
         self._tasks: set[asyncio.Future] = set()
         self._timers: list[asyncio.TimerHandle] = []
@@ -272,8 +273,12 @@ class KVReceiver:
         if isinstance(msg, Admit):
             return await self._on_admit(conn.peer, msg)
         if isinstance(msg, Abort):
+            group = self._group_of.get(conn.peer, conn.peer)
             h = self._handoffs.get(msg.handoff_id)
-            if h is None or h.group != self._group_of.get(conn.peer):
+            if msg.attempt and (h is None or h.attempt != msg.attempt):
+                # a try whose Admit may still be unread (on a connection the sender gave up on)
+                self._aborted_tries[(group, msg.handoff_id, msg.attempt)] = time.monotonic()
+            if h is None or h.group != group or (msg.attempt and h.attempt != msg.attempt):
                 return Aborted(handoff_id=msg.handoff_id, known=False)
             if h.state == "admitted":
                 await self._fail(h, f"aborted by the sender {conn.peer}: {msg.reason}", revoke=False)
@@ -323,6 +328,9 @@ class KVReceiver:
             return Refused(handoff_id=hid, reason="cancelled",
                            message=f"handoff {hid} was cancelled by the decode server (its request is gone)")
         group = self._group_of.get(peer, peer)
+        if admit.attempt and (group, hid, admit.attempt) in self._aborted_tries:
+            return Refused(handoff_id=hid, reason="cancelled",
+                           message=f"handoff {hid}: the sender gave this try up before it was read")
         h = self._handoffs.get(hid)
         if h is not None:
             if h.state == "admitted" and h.num_tokens == n and h.slot is not None and h.group == group:
@@ -345,7 +353,7 @@ class KVReceiver:
         base = slot * self._slot_bytes
         offsets = [[base + layer * layer_bytes + p for p in planes] for layer in range(self._layout.num_layers)]
         views = packed_layers_views(self._buffer[base:], self._layout, n, self._layout.num_layers)
-        self._handoffs[hid] = HandoffState(hid, slot, n, offsets, group=group, views=views)
+        self._handoffs[hid] = HandoffState(hid, slot, n, offsets, group=group, attempt=admit.attempt, views=views)
         if self._pump is not None:
             self._pump.wake()
         await self._notify_all()
@@ -403,6 +411,9 @@ class KVReceiver:
             for hid, when in list(self._cancelled.items()):
                 if now - when > self._s.unclaimed_timeout_s:
                     del self._cancelled[hid]
+            for key, when in list(self._aborted_tries.items()):
+                if now - when > self._s.unclaimed_timeout_s:
+                    del self._aborted_tries[key]
             for hid, h in list(self._handoffs.items()):
                 if h.state != "claimed" and h.waiters == 0 and now - h.since > self._s.unclaimed_timeout_s:
                     log.warning("KV receiver: freeing unclaimed handoff %s (%s)", hid, h.state)

@@ -54,6 +54,7 @@ class HandoffState:
     num_tokens: int
     offsets: list[list[int]]
     group: str = ""  # the sender group that admitted it: its agents write and may abort it
+    attempt: str = ""  # the sender's name for the try that admitted it
     arrived: set[int] = field(default_factory=set)
     state: str = "admitted"  # "admitted" | "complete" | "claimed" | "failed"
     error: str | None = None

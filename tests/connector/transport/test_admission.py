@@ -120,3 +120,66 @@ async def test_a_hung_decode_server_delays_only_its_own_requests():
             hung.close()
             for conn in accepted:
                 conn.close()
+
+
+class _ThreadedReceiver:
+    """A KVReceiver on an event loop of its own, which the test can freeze: a stopped decode
+    server as the network sees it (connections accepted, frames queued, nothing answered)."""
+
+    def __init__(self, slots: int) -> None:
+        from connector.receiver import KVReceiver, ReceiverSettings
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.receiver = KVReceiver(ReceiverSettings(layout=SMALL, max_tokens=64, slots=slots, transport="memory"))
+        self._call(self.receiver.start())
+        self._gate = threading.Event()
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    async def _busy(self) -> int:
+        return self.receiver.busy_slots()
+
+    def busy(self) -> int:
+        return self._call(self._busy())
+
+    def freeze(self) -> None:
+        self._gate.clear()
+        self.loop.call_soon_threadsafe(self._gate.wait)
+
+    def thaw(self) -> None:
+        self._gate.set()
+
+    def close(self) -> None:
+        self._gate.set()
+        self._call(self.receiver.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+async def test_an_admit_given_up_on_is_cancelled_when_the_decode_server_resumes():
+    """The Admit sits unread while the decode server is stopped; the client times out. On
+    resume the server would admit it and hold a slot nobody uses: the Abort naming that try,
+    sent first on the next connection, frees it (or cancels the Admit if read later)."""
+    server = _ThreadedReceiver(slots=2)
+    client = _client(timeout_s=1.0)
+    try:
+        client.start("warm", server.receiver.endpoint, 8)
+        assert (await _result(client, "warm")).ok
+        client.abort("warm", server.receiver.endpoint, "done")
+        await eventually(lambda: server.busy() == 0)
+        server.freeze()
+        client.start("ghost", server.receiver.endpoint, 8)
+        ghost = await _result(client, "ghost")
+        assert not ghost.ok and ghost.reason == "unreachable"
+        server.thaw()
+        client.start("next", server.receiver.endpoint, 8)
+        assert (await _result(client, "next")).ok
+        await eventually(lambda: server.busy() == 1)  # "next" only: the ghost's slot is free
+        client.abort("next", server.receiver.endpoint, "done")
+        await eventually(lambda: server.busy() == 0)
+    finally:
+        client.close()
+        server.close()
