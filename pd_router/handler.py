@@ -4,7 +4,7 @@ Per request: validate -> lease a decode slot (FIFO) -> prefill (least-loaded hea
 server, one retry on connection failure) -> decode (relay bytes unchanged) -> release.
 When the leased decode server turns out busy (prefill's KV refused as ``busy``, or decode
 429 past a short retry), the lease goes back for a back-off and the request waits for a
-slot again and runs prefill again, within its ``--queue-timeout`` (:class:`SlotBusy`).
+slot again and runs prefill again, within its ``--queue-timeout`` (:class:`Requeue`).
 
 One abort path: a watcher task waits for the client's ``http.disconnect`` and cancels
 the request's task wherever it is (queued, in prefill, in decode). Whatever the way
@@ -50,7 +50,7 @@ from pd_router.errors import (
     UpstreamRejected,
 )
 from pd_router.rawhttp import Response, UpstreamError
-from pd_router.slots import Lease, SlotBusy
+from pd_router.slots import Lease, Requeue
 
 if TYPE_CHECKING:
     from pd_router.state import RouterState
@@ -194,17 +194,20 @@ class CompletionHandler:
             try:
                 await self._attempt(ctx, lease, body, request, attempt_handoff_id(ctx.request_id, attempt))
                 return
-            except SlotBusy as busy:
-                state.metrics.child(state.metrics.busy_requeues, lease.backend.url, busy.reason).inc()
+            except Requeue as again:
+                if again.busy:
+                    state.metrics.child(state.metrics.busy_requeues, lease.backend.url, again.reason).inc()
                 log.info("request_id=%s attempt %d: %s; waiting for a slot again", ctx.request_id, attempt,
-                         busy.message)
+                         again.message)
                 attempt += 1
 
     async def _attempt(
         self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest, handoff_id: str
     ) -> None:
-        """Prefill and decode on one lease; always gives the lease back (clean end: release;
-        busy server: hold; anything else: cancel on the decode server, then release)."""
+        """Prefill and decode on one lease; always gives the lease back: at once after a clean
+        end or a 4xx answer (prefill refused before computing anything; decode refused after
+        giving its slot and the KV back), held back when the decode server was busy, else
+        after a cancel on the decode server (it may still hold the KV or the generation)."""
         state = self.state
         outcome = "aborted"
         try:
@@ -213,11 +216,14 @@ class CompletionHandler:
             ctx.stage = "decode"
             if await self._decode(ctx, lease, body, request, kv_params):
                 outcome = "clean"
-        except SlotBusy:
-            outcome = "busy"
+        except Requeue as again:
+            outcome = "busy" if again.busy else "aborted"
+            raise
+        except UpstreamRejected:  # never a decode 429: that one became a Requeue
+            outcome = "answered"
             raise
         finally:
-            if outcome == "clean":
+            if outcome in ("clean", "answered"):
                 state.pool.release(lease)
             else:
                 state.abort(lease, ctx.request_id, handoff_id, busy=outcome == "busy")
@@ -279,7 +285,10 @@ class CompletionHandler:
             ) from None
         if result.status == "failed":
             if result.reason == "busy":  # no free KV receive slot: wait for one, not a client error
-                raise SlotBusy("kv_receive_slot", f"KV handoff to {result.kv_endpoint} refused: {result.error}")
+                raise Requeue("kv_receive_slot", f"KV handoff to {result.kv_endpoint} refused: {result.error}")
+            if result.reason in ("cancelled", "duplicate"):  # the id is still known there: take a new one
+                raise Requeue("stale_handoff_id", f"KV handoff id {handoff_id!r} refused by "
+                                                  f"{result.kv_endpoint}: {result.error}", busy=False)
             if result.reason == "too_long":
                 raise PromptTooLong(
                     f"the prompt ({result.num_prompt_tokens} tokens) does not fit the decode server: "
@@ -322,7 +331,7 @@ class CompletionHandler:
                 if err.status != 429:
                     raise
                 if perf_counter() + pause > give_up:
-                    raise SlotBusy("engine_slot", f"decode server {backend.url} still busy (429) after "
+                    raise Requeue("engine_slot", f"decode server {backend.url} still busy (429) after "
                                                   f"{BUSY_RETRY_S:g}s: {err.message}") from None
                 log.debug(
                     "request_id=%s decode %s busy, retrying in %.3fs", ctx.request_id, backend.url, pause

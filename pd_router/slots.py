@@ -30,14 +30,19 @@ BUSY_HOLD_MIN_S = 0.05  # first back-off after a server refused for lack of a sl
 BUSY_HOLD_MAX_S = 1.0  # it doubles with each refusal in a row, up to this
 
 
-class SlotBusy(Exception):
-    """The leased slot turned out busy on the decode server (not a client error: the
-    request waits for a slot again). ``reason`` is the metric label."""
+class Requeue(Exception):
+    """The attempt on this lease cannot go on, but it is not a client error: the request
+    waits for a slot again and runs prefill again. ``busy``: the decode server had no free
+    slot although this pool counted one (the lease is held back, :meth:`SlotPool.hold`);
+    otherwise the handoff id was stale on the decode server (a client reusing an
+    ``X-Request-Id``) and the next attempt's new id is enough. ``reason`` is the label of
+    ``pd_router_busy_requeues_total``."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, busy: bool = True) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+        self.busy = busy
 
 
 @dataclass(eq=False)

@@ -114,3 +114,29 @@ def test_prompt_too_long_for_the_decode_server_is_413(make_rig):
     assert rig.records(rig.decodes[0])["requests"] == []
     assert _requeues(rig, "kv_receive_slot") == 0
     rig.assert_no_leaks()
+
+
+def test_a_stale_handoff_id_is_retried_under_a_new_one_at_once(make_rig):
+    """A client reusing an X-Request-Id whose earlier request was abandoned mid-prefill: the
+    decode server still refuses that handoff id ("cancelled", or "duplicate" while its KV
+    waits); the router takes the next attempt's id instead of failing."""
+    rig = make_rig(prefill={"fail": "handoff_failed", "handoff_reason": "cancelled", "fail_times": 1})
+    resp = httpx.post(rig.url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "again"}, timeout=20)
+    assert resp.status_code == 200, resp.text
+    assert _handoff_ids(rig, rig.prefills[0]) == ["again", "again#1"]
+    assert _requeues(rig, "kv_receive_slot") == 0 and _requeues(rig, "stale_handoff_id") == 0  # not busy
+    rig.wait(lambda: rig.records(rig.decodes[0])["cancel_handoffs"] == ["again"], what="the stale id released")
+    rig.assert_no_leaks()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_refusal_frees_the_lease_before_the_client_sees_it(make_rig, stream):
+    """The decode server gave its slot and the KV back before its 4xx (decode_server
+    contract): the router frees the lease at once, with no cancel round trip, so the
+    client's next request finds the slot free."""
+    rig = make_rig(decode={"fail": "status", "fail_status": 400})
+    resp = httpx.post(rig.url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=20)
+    assert resp.status_code == 400, resp.text
+    assert rig.state.pool.leased() == 0, "lease still held when the client got the refusal"
+    assert rig.records(rig.decodes[0])["cancels"] == []
+    rig.assert_no_leaks()
