@@ -67,6 +67,7 @@ class StackConfig:
     # decode_server.tiny_model.VLLM_CPU_EXACT_ARGS); off for a real checkpoint on GPUs
     cpu_exact: bool = True
     router_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()  # appended to every decode server's command line (the last wins)
 
     def prefill_extra_args(self) -> tuple[str, ...]:
         # CPU MLA runs without chunked prefill: a batch must hold the longest prompt
@@ -88,7 +89,7 @@ class StackConfig:
         return [DecodeSpec(model=self.model_dir, host=self.host, port=self.decode_port + i,
                            kv_port=self.kv_port + i, engine=self.engine, slots=self.decode_slots,
                            max_seq_len=self.max_seq_len, served_model_name=self.served_model_name,
-                           extra_args=self.decode_extra_args()) for i in range(self.num_decode)]
+                           extra_args=self.decode_extra_args() + self.decode_args) for i in range(self.num_decode)]
 
     def prefill_spec(self) -> PrefillSpec:
         endpoints = tuple(f"{d.host}:{d.kv_port}" for d in self.decode_specs())

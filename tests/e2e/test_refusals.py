@@ -34,9 +34,13 @@ BAD = {
 }
 
 
+DECODE_CONTEXT_TWO = 1024  # the 2-decode stack's decode servers take shorter prompts than its prefill (4096)
+
+
 @pytest.fixture(scope="module")
 def pd_stack_two(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    stack = Stack(make_stack_config(tiny_model_dir, tmp_path_factory.mktemp("pd-stack-two"), num_decode=2))
+    stack = Stack(make_stack_config(tiny_model_dir, tmp_path_factory.mktemp("pd-stack-two"), num_decode=2,
+                                    decode_args=("--max-seq-len", str(DECODE_CONTEXT_TWO))))
     try:
         stack.start()
         yield stack
@@ -71,10 +75,27 @@ def test_the_request_after_a_refused_one_is_served_at_once(stack, kind):
     _assert_idle(stack, within_s=5)
 
 
+def test_a_prompt_too_long_for_the_decode_server_is_413_and_the_next_is_served_at_once(pd_stack_two):
+    """vLLM prefills it (its context is 4096) but the decode servers' KV receive slots hold
+    1024 tokens: the KV is refused at admission, "too_long"."""
+    url = f"{pd_stack_two.config.router_url}/v1/completions"
+    with httpx.Client(timeout=120) as http:
+        long = http.post(url, json={"model": MODEL_NAME, "prompt": "the sea and the sky " * 200, "max_tokens": 8})
+        assert long.status_code == 413, long.text
+        err = long.json()["error"]
+        assert err["type"] == "request_too_large" and err["param"] == "prompt", err
+        t0 = time.monotonic()
+        good = http.post(f"{pd_stack_two.config.router_url}/v1/chat/completions", json=GOOD)
+        took = time.monotonic() - t0
+    print(f"2 decode: too long for decode 413 ({err['message'][:120]}), then 200 in {took:.2f}s")
+    assert good.status_code == 200, good.text
+    _assert_idle(pd_stack_two, within_s=5)
+
+
 def test_the_request_after_a_client_left_mid_stream_is_served_at_once(stack):
     url = f"{stack.config.router_url}/v1/chat/completions"
     with httpx.Client(timeout=120) as http:
-        with http.stream("POST", url, json={**GOOD, "max_tokens": 2000, "stream": True,
+        with http.stream("POST", url, json={**GOOD, "max_tokens": 900, "stream": True,
                                             "ignore_eos": True}) as r:
             assert r.status_code == 200
             seen = 0
