@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 GRACE_S = 2.0  # between SIGTERM and SIGKILL
 POLL_S = 0.05
@@ -36,12 +37,31 @@ def _signal_groups(groups: set[int], sig: int) -> set[int]:
     return alive
 
 
+def _live_groups(groups: set[int]) -> set[int]:
+    """The groups with a process that is not a zombie (an exited child the new parent has
+    not reaped yet still makes its group exist for ``killpg``)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return _signal_groups(groups, 0)
+    live = set()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) in groups:
+            live.add(int(fields[2]))
+    return live
+
+
 def stop_groups(groups: set[int], grace_s: float = GRACE_S) -> None:
     alive = _signal_groups(groups, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while alive and time.monotonic() < deadline:
         time.sleep(POLL_S)
-        alive = _signal_groups(alive, 0)
+        alive = _live_groups(alive)
     _signal_groups(alive, signal.SIGKILL)
 
 
