@@ -119,7 +119,8 @@ class ManagedProcess:
             if not tree_listens(self.pid, port):
                 raise NotOurServer(
                     f"{url} answered {status}, but port {port} is held by {owner_text(port)}, not by "
-                    f"{self.name} (pid {self.pid}): a stale server from an earlier run? Stop it and start again")
+                    f"{self.name} (pid {self.pid}) or a process it started: a stale server from an earlier "
+                    f"run, or another program that took the port? Stop it and start again")
             return True
 
         self.wait_until(answered, timeout, f"{url} -> {status}")
