@@ -175,7 +175,7 @@ class CompletionHandler:
                 code="model_not_found",
             )
         t_start = perf_counter()
-        attempt = 0
+        attempt = busy = 0
         while True:
             ctx.stage = "queued"
             t_queue = perf_counter()
@@ -183,10 +183,10 @@ class CompletionHandler:
             try:
                 lease = await state.pool.lease(request.model, timeout=remaining, requeue=attempt > 0)
             except Overloaded as err:
-                if attempt == 0:
+                if not busy:
                     raise
                 raise Overloaded(
-                    f"{err.message}; the decode servers were busy for {attempt} earlier attempt(s) "
+                    f"{err.message}; the decode servers were busy for {busy} earlier attempt(s) "
                     "(their slots taken outside this router's count)",
                     retry_after=err.retry_after,
                 ) from None
@@ -196,6 +196,7 @@ class CompletionHandler:
                 return
             except Requeue as again:
                 if again.busy:
+                    busy += 1
                     state.metrics.child(state.metrics.busy_requeues, lease.backend.url, again.reason).inc()
                 log.info("request_id=%s attempt %d: %s; waiting for a slot again", ctx.request_id, attempt,
                          again.message)

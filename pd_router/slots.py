@@ -35,8 +35,8 @@ class Requeue(Exception):
     waits for a slot again and runs prefill again. ``busy``: the decode server had no free
     slot although this pool counted one (the lease is held back, :meth:`SlotPool.hold`);
     otherwise the handoff id was stale on the decode server (a client reusing an
-    ``X-Request-Id``) and the next attempt's new id is enough. ``reason`` is the label of
-    ``pd_router_busy_requeues_total``."""
+    ``X-Request-Id``) and the next attempt's new id is enough. ``reason``: the label of
+    ``pd_router_busy_requeues_total`` (which counts the busy ones)."""
 
     def __init__(self, reason: str, message: str, busy: bool = True) -> None:
         super().__init__(message)
@@ -130,7 +130,7 @@ class SlotPool:
         row (:meth:`served` resets it), then release it. Returns the back-off."""
         backend = lease.backend
         backend.busy_refusals += 1
-        delay = min(BUSY_HOLD_MAX_S, BUSY_HOLD_MIN_S * 2 ** (backend.busy_refusals - 1))
+        delay = min(BUSY_HOLD_MAX_S, BUSY_HOLD_MIN_S * 2 ** min(backend.busy_refusals - 1, 16))
         asyncio.get_running_loop().call_later(delay, self.release, lease)
         return delay
 
