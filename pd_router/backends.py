@@ -48,6 +48,7 @@ class DecodeBackend:
     plain: bool = False  # no capabilities endpoint (e.g. vLLM): no cancel, no kv_endpoint
     models: frozenset[str] = frozenset()
     in_use: int = 0
+    busy_refusals: int = 0  # "busy" answers in a row for slots counted free here (slots.SlotPool.hold)
     compatible: bool = False
     incompatible_reason: str | None = None
     target: Target = field(init=False, repr=False)

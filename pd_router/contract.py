@@ -10,8 +10,10 @@ A decode server speaks the OpenAI API itself:
 * ``GET  {CAPABILITIES_PATH}`` -> :class:`DecodeCapabilities` (ours only; a server
   answering 404 here, e.g. plain vLLM, is treated as having ``--decode-slots`` slots).
 * ``POST {CANCEL_PATH}`` with :class:`CancelRequest` -> :class:`CancelResponse`:
-  stop the generation of that request id and free its slot (idempotent; unknown
-  ids answer ``cancelled: false``).
+  stop the generation of that request id and answer once its slot and KV are free;
+  with no generation under that id, free the handoff (``handoff_id``, default the
+  request id) in the KV receiver (idempotent; ``cancelled`` says whether a generation
+  was stopped).
 * ``GET /health`` (liveness) and ``GET /ready`` (engine loaded, KV receiver listening).
 """
 
@@ -44,6 +46,8 @@ class DecodeCapabilities(BaseModel):
     engine: str = Field(description="'reference' or 'tilert'")
     slots: int = Field(ge=1, description="concurrent sequences; 1 for TileRT")
     busy_slots: int = Field(ge=0)
+    kv_busy_slots: int = Field(default=0, ge=0, description="KV receive slots holding a handoff (admitted, "
+                               "complete or being injected)")
     max_seq_len: int = Field(ge=1)
     num_mtp: int = Field(ge=0)
     kv_endpoint: str = Field(description="host:port of the KV control endpoint (HandoffTarget.kv_endpoint)")
@@ -55,6 +59,8 @@ class CancelRequest(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     request_id: str = Field(min_length=1)
+    handoff_id: str | None = Field(default=None, min_length=1, description="the attempt's handoff; "
+                                   "default: the request id")
 
 
 class CancelResponse(BaseModel):

@@ -69,6 +69,13 @@ class BodyTooLarge(RouterError):
     type = "request_too_large"
 
 
+class PromptTooLong(RouterError):
+    """The prompt's KV does not fit the decode server (prefill's handoff ``too_long``)."""
+
+    status = 413
+    type = "request_too_large"
+
+
 class Overloaded(RouterError):
     status = 429
     type = "overloaded_error"

@@ -2,6 +2,9 @@
 
 Per request: validate -> lease a decode slot (FIFO) -> prefill (least-loaded healthy
 server, one retry on connection failure) -> decode (relay bytes unchanged) -> release.
+When the leased decode server turns out busy (prefill's KV refused as ``busy``, or decode
+429 past a short retry), the lease goes back for a back-off and the request waits for a
+slot again and runs prefill again, within its ``--queue-timeout`` (:class:`Requeue`).
 
 One abort path: a watcher task waits for the client's ``http.disconnect`` and cancels
 the request's task wherever it is (queued, in prefill, in decode). Whatever the way
@@ -26,6 +29,7 @@ from connector.protocol import HandoffResult, HandoffTarget
 from pd_router import upstream
 from pd_router.api import (
     VLLM_REMOTE_DECODE_PARAMS,
+    ChatCompletionRequest,
     Endpoint,
     OpenAIRequest,
     decode_body,
@@ -39,12 +43,14 @@ from pd_router.errors import (
     InvalidRequest,
     ModelNotFound,
     NoHealthyBackend,
+    Overloaded,
+    PromptTooLong,
     RouterError,
     Unauthorized,
     UpstreamRejected,
 )
 from pd_router.rawhttp import Response, UpstreamError
-from pd_router.slots import Lease
+from pd_router.slots import Lease, Requeue
 
 if TYPE_CHECKING:
     from pd_router.state import RouterState
@@ -52,6 +58,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("pd_router.requests")
 _DONE = b"data: [DONE]"
 BUSY_RETRY_S = 2.0  # how long a decode server may answer 429 for a slot this router counts as free
+
+
+def attempt_handoff_id(request_id: str, attempt: int) -> str:
+    """The KV handoff id of a request's ``attempt``-th prefill: the request id, then a new
+    id per retry, so that a retry's handoff is never confused with (or cancelled as) an
+    earlier one's on the decode server."""
+    return request_id if attempt == 0 else f"{request_id[:240]}#{attempt}"
 
 
 @dataclass(eq=False)
@@ -161,33 +174,70 @@ class CompletionHandler:
                 param="model",
                 code="model_not_found",
             )
-        ctx.stage = "queued"
-        t_queue = perf_counter()
-        lease = await state.pool.lease(request.model)
-        state.metrics.queue_wait.observe(perf_counter() - t_queue)
-        clean = False
+        t_start = perf_counter()
+        attempt = busy = 0
+        while True:
+            ctx.stage = "queued"
+            t_queue = perf_counter()
+            remaining = state.settings.queue_timeout - (t_queue - t_start)
+            try:
+                lease = await state.pool.lease(request.model, timeout=remaining, requeue=attempt > 0)
+            except Overloaded as err:
+                if not busy:
+                    raise
+                raise Overloaded(
+                    f"{err.message}; the decode servers were busy for {busy} earlier attempt(s) "
+                    "(their slots taken outside this router's count)",
+                    retry_after=err.retry_after,
+                ) from None
+            state.metrics.queue_wait.observe(perf_counter() - t_queue)
+            try:
+                await self._attempt(ctx, lease, body, request, attempt_handoff_id(ctx.request_id, attempt))
+                return
+            except Requeue as again:
+                if again.busy:
+                    busy += 1
+                    state.metrics.child(state.metrics.busy_requeues, lease.backend.url, again.reason).inc()
+                log.info("request_id=%s attempt %d: %s; waiting for a slot again", ctx.request_id, attempt,
+                         again.message)
+                attempt += 1
+
+    async def _attempt(
+        self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest, handoff_id: str
+    ) -> None:
+        """Prefill and decode on one lease; always gives the lease back: at once after a clean
+        end or a 4xx answer (prefill refused before computing anything; decode refused after
+        giving its slot and the KV back), held back when the decode server was busy, else
+        after a cancel on the decode server (it may still hold the KV or the generation)."""
+        state = self.state
+        outcome = "aborted"
         try:
             ctx.stage = "prefill"
-            kv_params = await self._prefill(ctx, lease, body, request)
+            kv_params = await self._prefill(ctx, lease, body, request, handoff_id)
             ctx.stage = "decode"
-            clean = await self._decode(ctx, lease, body, request, kv_params)
+            if await self._decode(ctx, lease, body, request, kv_params):
+                outcome = "clean"
+        except Requeue as again:
+            outcome = "busy" if again.busy else "aborted"
+            raise
+        except UpstreamRejected:  # never a decode 429: that one became a Requeue
+            outcome = "answered"
+            raise
         finally:
-            if clean:
+            if outcome in ("clean", "answered"):
                 state.pool.release(lease)
             else:
-                state.abort(lease, ctx.request_id)
+                state.abort(lease, ctx.request_id, handoff_id, busy=outcome == "busy")
 
     async def _prefill(
-        self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest
+        self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest, handoff_id: str
     ) -> dict[str, Any]:
         state = self.state
         decode = lease.backend
         if decode.capabilities is None:
             target: Mapping[str, Any] = VLLM_REMOTE_DECODE_PARAMS
         else:
-            target = HandoffTarget(
-                handoff_id=ctx.request_id, kv_endpoint=decode.capabilities.kv_endpoint
-            ).model_dump()
+            target = HandoffTarget(handoff_id=handoff_id, kv_endpoint=decode.capabilities.kv_endpoint).model_dump()
         data = prefill_body(ctx.endpoint, body, target)
         t0 = perf_counter()
         failed: upstream.Unreachable | None = None
@@ -214,10 +264,11 @@ class CompletionHandler:
             finally:
                 backend.in_flight -= 1
         state.metrics.prefill_latency.observe(perf_counter() - t0)
-        return self._handoff(ctx, lease, answer, request)
+        return self._handoff(lease, answer, request, handoff_id)
 
-    @staticmethod
-    def _handoff(ctx: _Ctx, lease: Lease, answer: dict[str, Any], request: OpenAIRequest) -> dict[str, Any]:
+    def _handoff(
+        self, lease: Lease, answer: dict[str, Any], request: OpenAIRequest, handoff_id: str
+    ) -> dict[str, Any]:
         """The ``kv_transfer_params`` for decode, from the prefill answer."""
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict):
@@ -234,11 +285,21 @@ class CompletionHandler:
                 f"at {'.'.join(map(str, exc.errors()[0]['loc']))}"
             ) from None
         if result.status == "failed":
+            if result.reason == "busy":  # no free KV receive slot: wait for one, not a client error
+                raise Requeue("kv_receive_slot", f"KV handoff to {result.kv_endpoint} refused: {result.error}")
+            if result.reason in ("cancelled", "duplicate"):  # the id is still known there: take a new one
+                raise Requeue("stale_handoff_id", f"KV handoff id {handoff_id!r} refused by "
+                                                  f"{result.kv_endpoint}: {result.error}", busy=False)
+            if result.reason == "too_long":
+                raise PromptTooLong(
+                    f"the prompt ({result.num_prompt_tokens} tokens) does not fit the decode server: "
+                    f"{result.error}",
+                    param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+                )
             raise BadUpstream(f"KV handoff to {result.kv_endpoint} failed: {result.error}")
-        if result.handoff_id != ctx.request_id:
-            raise BadUpstream(
-                f"prefill returned handoff {result.handoff_id!r} for request {ctx.request_id!r}"
-            )
+        if result.handoff_id != handoff_id:
+            raise BadUpstream(f"prefill returned handoff {result.handoff_id!r}, expected {handoff_id!r}")
+        self.state.pool.served(lease.backend)
         if request.wants_logprobs():
             choices = answer.get("choices")
             logprobs = (
@@ -266,9 +327,13 @@ class CompletionHandler:
                 break
             except UpstreamRejected as err:
                 # 429: the server has not yet taken back the slot this router counts as free
-                # (its engine thread frees it just after the last byte or a cancel): retry
-                if err.status != 429 or perf_counter() + pause > give_up:
+                # (its engine thread frees it just after the last byte or a cancel): retry,
+                # with the same KV; past BUSY_RETRY_S wait for a slot again like any busy slot
+                if err.status != 429:
                     raise
+                if perf_counter() + pause > give_up:
+                    raise Requeue("engine_slot", f"decode server {backend.url} still busy (429) after "
+                                                  f"{BUSY_RETRY_S:g}s: {err.message}") from None
                 log.debug(
                     "request_id=%s decode %s busy, retrying in %.3fs", ctx.request_id, backend.url, pause
                 )

@@ -81,6 +81,12 @@ class RouterMetrics:
         self.upstream_errors = self._counter(
             "upstream_errors", "Failed upstream calls", ("role", "backend", "error_type")
         )
+        self.busy_requeues = self._counter(
+            "busy_requeues",
+            "Requests that waited for a decode slot again because the leased server was busy "
+            "(reason kv_receive_slot: prefill's KV refused at admission; engine_slot: decode 429)",
+            ("backend", "reason"),
+        )
 
     def _counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
         return Counter(PREFIX + name, doc, labels, registry=self.registry)

@@ -84,17 +84,23 @@ class RouterState:
     def background_tasks(self) -> int:
         return len(self._tasks)
 
-    def abort(self, lease: Lease, request_id: str) -> None:
-        """Cancel the request on its decode server, then free its slot (in the background)."""
-        self.spawn(self._cancel_then_release(lease, request_id))
+    def abort(self, lease: Lease, request_id: str, handoff_id: str | None = None, busy: bool = False) -> None:
+        """Cancel the request (its handoff ``handoff_id``, default the request id) on its
+        decode server, then free its slot (in the background). ``busy``: the server had
+        no free slot although this router counted one: the slot is held for a back-off
+        instead (:meth:`SlotPool.hold`)."""
+        self.spawn(self._cancel_then_release(lease, request_id, handoff_id, busy))
 
-    async def _cancel_then_release(self, lease: Lease, request_id: str) -> None:
+    async def _cancel_then_release(
+        self, lease: Lease, request_id: str, handoff_id: str | None, busy: bool
+    ) -> None:
         try:
             if lease.backend.capabilities is not None:
+                cancel = CancelRequest(request_id=request_id, handoff_id=handoff_id)
                 resp = await self.client.post(
                     lease.backend.url + CANCEL_PATH,
                     timeout=CANCEL_TIMEOUT_S,
-                    json=CancelRequest(request_id=request_id).model_dump(),
+                    json=cancel.model_dump(exclude_none=True),
                     headers={"X-Request-Id": request_id},
                 )
                 log.info(
@@ -107,7 +113,10 @@ class RouterState:
         except httpx.HTTPError as exc:
             log.warning("request_id=%s cancel on %s failed: %s", request_id, lease.backend.url, exc)
         finally:
-            self.pool.release(lease)
+            if busy:
+                self.pool.hold(lease)
+            else:
+                self.pool.release(lease)
 
     def upstream_failed(
         self, role: str, backend: PrefillBackend | DecodeBackend, err: RouterError, mark_down: bool = False

@@ -49,6 +49,8 @@ class ManagedReceiver(Receiver, Protocol):
 
     def peers(self) -> list[Any]: ...
 
+    def busy_slots(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class AppConfig:

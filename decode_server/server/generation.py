@@ -96,6 +96,7 @@ class Job:
         self._session: DecodeSession | None = None
         self._worker_started = False
         self._worker_done = asyncio.Event()  # set on the loop once the worker gave the slot back
+        self._given_back = asyncio.Event()  # slot and KV handoff are free again
         self._kv_released = False
         self._closed = False
 
@@ -120,15 +121,40 @@ class Job:
         if self._closed:
             return
         self._closed = True
+        self._stop_worker()
+        if not self._worker_started:
+            self._release_now()
+
+    def _stop_worker(self) -> None:
         self._stop.set()
         with self._lock:
             session = self._session
         if session is not None:
             session.cancel()
-        if not self._worker_started:
-            self._release_kv()
-            if self.slot is not None:
-                self.ctx.slots.release(self.slot)
+
+    def _release_now(self) -> None:
+        """Give back the KV handoff and the slot (no worker holds them)."""
+        self._release_kv()
+        if self.slot is not None:
+            self.ctx.slots.release(self.slot)
+        self._given_back.set()
+
+    async def _give_back(self) -> None:
+        """Before an error answer: stop the worker and give back the slot and the KV handoff,
+        so that whoever sees the answer (the router) finds both free."""
+        self._stop_worker()
+        if self._worker_started:
+            await self._slot_returned()  # the worker releases the KV, then the slot
+        else:
+            self._release_now()
+
+    async def given_back(self, timeout: float) -> bool:
+        """Wait (bounded) until the slot and the KV handoff are free; False on timeout."""
+        try:
+            await asyncio.wait_for(self._given_back.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def _release_kv(self) -> None:
         if not self._kv_released:
@@ -199,9 +225,11 @@ class Job:
             self._from_worker(self._worker_finished)
 
     def _worker_finished(self) -> None:
+        self._release_kv()  # already done after engine.start; kept for a worker that never got there
         if self.slot is not None:
             self.ctx.slots.release(self.slot)
         self._worker_done.set()
+        self._given_back.set()
 
     async def _slot_returned(self) -> None:
         """Before the last byte: the slot is free once the client (the router) sees the end,
@@ -274,6 +302,7 @@ class Job:
                 await self._full(send, renderer, headers)
         except Exception as exc:  # noqa: BLE001 - mapped (and logged) by _api_error; CancelledError passes
             err = self._api_error(exc)
+            await self._give_back()  # before the answer: the next request finds the slot and KV free
             if not status_sent:
                 self._count(err.status, err)
                 if self.abort_reason != "client_disconnected":

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from connector.protocol import PROTOCOL_VERSION
 from decode_server.server.app import DecodeState
-from decode_server.server.errors import ApiError, InvalidRequest, NotReady, validation_message
+from decode_server.server.errors import ApiError, Busy, InvalidRequest, NotReady, validation_message
 from decode_server.server.generation import GenerationResponse, Job
 from decode_server.server.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
 from decode_server.server.sampling import build_plan
@@ -25,6 +25,8 @@ from pd_router.contract import (
 )
 
 router = APIRouter()
+MAX_HANDOFF_ID = 256  # as connector.protocol.HandoffResult allows
+CANCEL_WAIT_S = 5.0  # the cancel endpoint answers once the generation gave its slot back, or after this
 
 _MODELS: dict[Endpoint, type[CompletionRequest | ChatCompletionRequest]] = {
     "completions": CompletionRequest,
@@ -40,11 +42,14 @@ def error_response(err: ApiError, headers: dict[str, str] | None = None) -> Resp
     return Response(err.json_bytes(), status_code=err.status, media_type="application/json", headers=headers)
 
 
-async def _parse(request: Request, model: type[Any]) -> Any:
+async def _read_json(request: Request) -> Any:
     try:
-        body = json.loads(await request.body())
+        return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+
+
+def _validate(body: Any, model: type[Any]) -> Any:
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     if "kv_transfer_params" not in body or body["kv_transfer_params"] is None:
@@ -57,19 +62,44 @@ async def _parse(request: Request, model: type[Any]) -> Any:
         raise InvalidRequest(message, param) from exc
 
 
+def handoff_id_of(body: Any) -> str | None:
+    """``kv_transfer_params.handoff_id`` of a request body, read leniently: also from a body
+    that fails validation, so that a refused request's KV can be given back."""
+    params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+    handoff_id = params.get("handoff_id") if isinstance(params, dict) else None
+    return handoff_id if isinstance(handoff_id, str) and 0 < len(handoff_id) <= MAX_HANDOFF_ID else None
+
+
+def _release_refused(state: DecodeState, handoff_id: str | None) -> None:
+    """Give back the KV receive slot of a request refused before it became a :class:`Job`
+    (the KV was pushed by prefill before this server saw the request). Not when a running
+    request owns that handoff (a duplicate request id)."""
+    if handoff_id is None or state.receiver is None:
+        return
+    if any(job.plan.handoff.handoff_id == handoff_id for job in state.slots.jobs()):
+        return
+    state.receiver.release(handoff_id)
+
+
 async def _generate(request: Request, endpoint: Endpoint) -> Response:
     state = _state(request)
     request_id = request.headers.get(REQUEST_ID_HEADER) or f"decode-{uuid.uuid4().hex}"
     headers = {REQUEST_ID_HEADER: request_id}
     label = "chat" if endpoint == "chat" else "completions"
+    body: Any = None
     try:
-        req = await _parse(request, _MODELS[endpoint])
+        body = await _read_json(request)
+        req = _validate(body, _MODELS[endpoint])
         if not state.ready or state.context is None or state.limits is None:
             raise NotReady(f"decode server not ready: {state.not_ready_reason()}")
         plan = build_plan(endpoint, req, request_id, state.limits, state.defaults)
         job = Job(state.context, plan, label)
         job.slot = state.slots.acquire(request_id, job)
     except ApiError as err:
+        # every refusal gives the KV back before answering, except "busy": the router
+        # retries a 429 with the same KV for a moment (and cancels it if it gives up)
+        if not isinstance(err, Busy):
+            _release_refused(state, handoff_id_of(body))
         state.metrics.requests.labels(label, str(err.status)).inc()
         state.metrics.errors.labels(err.error_type).inc()
         return error_response(err, headers)
@@ -94,7 +124,7 @@ async def capabilities(request: Request) -> Response:
     cfg, receiver = state.config, state.receiver
     caps = DecodeCapabilities(
         protocol_version=PROTOCOL_VERSION, model=cfg.served_model_name, engine=cfg.engine, slots=cfg.slots,
-        busy_slots=state.slots.busy, max_seq_len=cfg.max_seq_len, num_mtp=cfg.num_mtp,
+        busy_slots=state.slots.busy, kv_busy_slots=receiver.busy_slots(), max_seq_len=cfg.max_seq_len, num_mtp=cfg.num_mtp,
         kv_endpoint=receiver.endpoint, layout_fingerprint=receiver.fingerprint, peers=receiver.peers(),
     )
     return Response(caps.model_dump_json(), media_type="application/json")
@@ -102,13 +132,24 @@ async def capabilities(request: Request) -> Response:
 
 @router.post(CANCEL_PATH)
 async def cancel(request: Request) -> Response:
+    """Stop the request's generation and answer once its slot and KV are given back; with no
+    generation under that id, free the handoff in the receiver (an unclaimed KV, or a
+    tombstone that refuses the KV if it comes later)."""
     try:
         body = CancelRequest.model_validate_json(await request.body())
     except ValidationError as exc:
         message, param = validation_message(exc.errors(include_url=False))
         return error_response(InvalidRequest(message, param))
-    job = _state(request).slots.job(body.request_id)
-    cancelled = bool(job is not None and job.abort("cancelled"))
+    state = _state(request)
+    job = state.slots.job(body.request_id)
+    if job is not None and body.handoff_id not in (None, job.plan.handoff.handoff_id):
+        job = None  # the same request id, another attempt's handoff: leave that generation alone
+    cancelled = False
+    if job is not None:
+        cancelled = job.abort("cancelled")
+        await job.given_back(CANCEL_WAIT_S)
+    elif state.receiver is not None:
+        state.receiver.release(body.handoff_id or body.request_id)
     return Response(CancelResponse(request_id=body.request_id, cancelled=cancelled).model_dump_json(),
                     media_type="application/json")
 

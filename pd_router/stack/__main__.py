@@ -15,6 +15,7 @@ from pathlib import Path
 from types import FrameType
 
 from pd_router.stack.launcher import Stack, StackConfig, usage_text
+from pd_router.stack.ports import PortInUse, check_free
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL_NAME = "tiny-glm"  # the served name of the generated default model
@@ -70,6 +71,14 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--model-dir={args.model_dir}: no config.json there")
 
 
+def _config(args: argparse.Namespace, model_dir: Path, served: str | None) -> StackConfig:
+    return StackConfig(model_dir=model_dir.resolve(), log_dir=args.log_dir.resolve(), host=args.host,
+                       router_port=args.router_port, prefill_port=args.prefill_port, decode_port=args.decode_port,
+                       kv_port=args.kv_port, num_decode=args.num_decode, engine=args.engine,
+                       decode_slots=args.decode_slots, max_seq_len=args.max_seq_len, prefill_mtp=args.prefill_mtp,
+                       start_timeout_s=args.start_timeout, served_model_name=served)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -77,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pd-stack %(message)s", datefmt="%H:%M:%S")
     log = logging.getLogger("pd_stack")
     model_dir, served = args.model_dir, args.served_model_name
+    try:  # before the model is generated: a busy port fails at once
+        check_free(_config(args, model_dir or args.cache_dir, served).port_needs())
+    except PortInUse as exc:
+        log.error("start-up failed: %s", exc)
+        return 1
     if model_dir is None:
         served = served or TINY_MODEL_NAME
         from decode_server.tiny_model import ensure_tiny_model
@@ -84,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("tiny model: generating or reusing under %s", args.cache_dir)
         model_dir = ensure_tiny_model(args.cache_dir, seed=args.seed, layers=args.layers)
         log.info("tiny model: %s", model_dir)
-    cfg = StackConfig(model_dir=model_dir.resolve(), log_dir=args.log_dir.resolve(), host=args.host,
-                      router_port=args.router_port, prefill_port=args.prefill_port, decode_port=args.decode_port,
-                      kv_port=args.kv_port, num_decode=args.num_decode, engine=args.engine,
-                      decode_slots=args.decode_slots, max_seq_len=args.max_seq_len, prefill_mtp=args.prefill_mtp,
-                      start_timeout_s=args.start_timeout, served_model_name=served)
+    cfg = _config(args, model_dir, served)
     stack = Stack(cfg)
 
     def _terminate(signum: int, _frame: FrameType | None) -> None:

@@ -10,8 +10,13 @@ Start order and readiness gates:
    (a rejection stops the launch with the receiver's reason);
 4. the router -> ``GET /ready``.
 
+Before anything starts, every port the stack needs is checked free (:class:`PortInUse`
+names the port and, where the OS tells, the process holding it); each readiness gate
+counts only an answer from the process it started (:class:`NotOurServer` otherwise).
+
 Every process runs in its own process group with its log under ``--log-dir``; stopping
-the stack (Ctrl-C, SIGTERM, or an error at any step) stops all of them.
+the stack (Ctrl-C, SIGTERM, or an error at any step) stops all of them, and none outlives
+the launcher, even one killed by SIGKILL (:mod:`pd_router.stack.process`).
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ from pd_router.stack.commands import (
     served_name,
     vllm_prefill_argv,
 )
-from pd_router.stack.process import ManagedProcess
+from pd_router.stack.ports import PortNeed, check_free
+from pd_router.stack.process import ManagedProcess, Reaper
 
 log = logging.getLogger("pd_stack")
+KV_HOST = "127.0.0.1"  # where the decode servers' KV control endpoints listen (their default)
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,7 @@ class StackConfig:
     cpu_exact: bool = True
     router_args: tuple[str, ...] = ()
     prefill_connector: tuple[str, str] = ("connector", "TileRTConnector")  # module path, class (tests)
+    decode_args: tuple[str, ...] = ()  # appended to every decode server's command line (the last wins)
 
     def prefill_extra_args(self) -> tuple[str, ...]:
         # CPU MLA runs without chunked prefill: a batch must hold the longest prompt
@@ -82,7 +90,7 @@ class StackConfig:
         return [DecodeSpec(model=self.model_dir, host=self.host, port=self.decode_port + i,
                            kv_port=self.kv_port + i, engine=self.engine, slots=self.decode_slots,
                            max_seq_len=self.max_seq_len, served_model_name=self.served_model_name,
-                           extra_args=self.decode_extra_args()) for i in range(self.num_decode)]
+                           extra_args=self.decode_extra_args() + self.decode_args) for i in range(self.num_decode)]
 
     def prefill_spec(self) -> PrefillSpec:
         endpoints = tuple(f"{d.host}:{d.kv_port}" for d in self.decode_specs())
@@ -91,6 +99,17 @@ class StackConfig:
                            profile=self.profile, decode_endpoints=endpoints, max_model_len=self.max_seq_len,
                            served_model_name=self.served_model_name, extra_args=self.prefill_extra_args(),
                            connector_module=module, connector_class=cls)
+
+    def port_needs(self) -> list[PortNeed]:
+        """Every TCP port the stack's servers bind, with the option that sets it."""
+        needs = [PortNeed(self.host, self.router_port, "router (--router-port)"),
+                 PortNeed(self.host, self.prefill_port, "vLLM prefill (--prefill-port)")]
+        for i, d in enumerate(self.decode_specs()):
+            plus = f" + {i}" if i else ""
+            needs.append(PortNeed(d.host, d.port, f"decode-{i} HTTP (--decode-port{plus})"))
+            # decode_server_argv leaves --kv-host at its default, 127.0.0.1
+            needs.append(PortNeed(KV_HOST, d.kv_port, f"decode-{i} KV control (--kv-port{plus})"))
+        return needs
 
     def router_spec(self) -> RouterSpec:
         return RouterSpec(prefill_urls=(self.prefill_url,), decode_urls=tuple(self.decode_urls),
@@ -117,16 +136,21 @@ class HandshakeFailed(RuntimeError):
 class Stack:
     config: StackConfig
     processes: list[ManagedProcess] = field(default_factory=list)
+    reaper: Reaper | None = None
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
         log.info("starting %s: %s", name, " ".join(argv))
         proc = ManagedProcess(name, argv, self.config.log_dir / f"{name}.log", env=env)
         self.processes.append(proc)
+        if self.reaper is not None:
+            self.reaper.watch(proc)
         return proc
 
     def start(self) -> None:
         cfg = self.config
         t0 = time.monotonic()
+        check_free(cfg.port_needs())  # before anything starts: fail fast, naming the port
+        self.reaper = Reaper()
         decoders = [self._spawn(f"decode-{i}", decode_server_argv(spec), env=VLLM_CPU_ENV)
                     for i, spec in enumerate(cfg.decode_specs())]
         # the connector handshakes with every decode KV endpoint while vLLM starts, so the
@@ -161,6 +185,9 @@ class Stack:
         for proc in reversed(self.processes):
             proc.stop()
         self.processes.clear()
+        if self.reaper is not None:
+            self.reaper.close()
+            self.reaper = None
 
 
 def usage_text(cfg: StackConfig) -> str:

@@ -38,6 +38,8 @@ class PrefillKnobs(BaseModel):
     delay: float = 0.0
     healthy: bool = True
     fail: str | None = None  # "status" | "handoff_failed" | "bad_json" | "no_params"
+    fail_times: int | None = None  # fail only the next N requests (None: all)
+    handoff_reason: str | None = None  # HandoffResult.reason of "handoff_failed" (e.g. "busy")
     fail_status: int = 400
     fail_body: str = (
         '{"error": {"message": "prompt too long", "type": "BadRequestError", "param": null, "code": 400}}'
@@ -71,11 +73,17 @@ class FakePrefill(FakeBase[PrefillKnobs]):
             if k.delay and not await wait_or_disconnect(receive, k.delay):
                 self.records.disconnects.append(rid)
                 return
-            if k.fail == "status":
+            fail = k.fail
+            if fail is not None and k.fail_times is not None:
+                if k.fail_times <= 0:
+                    fail = None
+                else:
+                    self.knobs = k.model_copy(update={"fail_times": k.fail_times - 1})
+            if fail == "status":
                 return await respond(send, k.fail_status, k.fail_body.encode())
-            if k.fail == "bad_json":
+            if fail == "bad_json":
                 return await respond(send, 200, b"{not json")
-            await respond(send, 200, json.dumps(self._answer(path, body, rid)).encode())
+            await respond(send, 200, json.dumps(self._answer(path, body, rid, fail)).encode())
         finally:
             self.records.active.discard(rid)
 
@@ -94,7 +102,7 @@ class FakePrefill(FakeBase[PrefillKnobs]):
             return "prefill body: no kv_transfer_params"
         return None
 
-    def _answer(self, path: str, body: dict[str, Any], rid: str) -> dict[str, Any]:
+    def _answer(self, path: str, body: dict[str, Any], rid: str, fail: str | None) -> dict[str, Any]:
         params = body["kv_transfer_params"]
         if params.get("do_remote_decode"):  # vLLM NIXL convention (plain decode)
             kv: dict[str, Any] = {
@@ -112,8 +120,9 @@ class FakePrefill(FakeBase[PrefillKnobs]):
                 num_prompt_tokens=5,
                 first_token_id=7,
                 last_prompt_token_id=3,
-                status="failed" if self.knobs.fail == "handoff_failed" else "sent",
-                error="fake handoff failure" if self.knobs.fail == "handoff_failed" else None,
+                status="failed" if fail == "handoff_failed" else "sent",
+                error="fake handoff failure" if fail == "handoff_failed" else None,
+                reason=self.knobs.handoff_reason if fail == "handoff_failed" else None,
             ).model_dump()
             kv["remote_prefill_cached_tokens"] = 0  # vLLM adds keys of its own
         wants = body.get("logprobs")
@@ -134,7 +143,7 @@ class FakePrefill(FakeBase[PrefillKnobs]):
             "choices": [choice],
             "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
         }
-        if self.knobs.fail != "no_params":
+        if fail != "no_params":
             answer["kv_transfer_params"] = kv
         return answer
 

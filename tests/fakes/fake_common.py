@@ -34,6 +34,7 @@ async def wait_or_disconnect(receive: Receive, delay: float) -> bool:
 class Records:
     requests: list[dict[str, Any]] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    cancel_handoffs: list[str] = field(default_factory=list)  # the handoff each cancel named
     disconnects: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # contract violations seen
     active: set[str] = field(default_factory=set)
@@ -44,6 +45,7 @@ class Records:
         return {
             "requests": self.requests,
             "cancels": self.cancels,
+            "cancel_handoffs": self.cancel_handoffs,
             "disconnects": self.disconnects,
             "errors": self.errors,
             "active": sorted(self.active),

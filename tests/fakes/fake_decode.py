@@ -40,6 +40,7 @@ class DecodeKnobs(BaseModel):
     fail_status: int = 500
     fail_after: int = 2
     release_lag: float = 0.0  # seconds between the end of a sequence and its slot being free again
+    busy: bool = False  # answer 429 to every request (slots taken outside the router's count)
 
 
 class FakeDecode(FakeBase[DecodeKnobs]):
@@ -82,6 +83,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         if path == CANCEL_PATH and not k.plain:
             req = CancelRequest.model_validate_json(await read_body(scope, receive, 1 << 20))
             self.records.cancels.append(req.request_id)
+            self.records.cancel_handoffs.append(req.handoff_id or req.request_id)
             event = self._cancel.get(req.request_id)
             if event is not None:
                 event.set()
@@ -100,7 +102,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         if problem:
             rec.errors.append(problem)
             return await respond(send, 400, error_body(problem))
-        if len(rec.active) >= (k.slots if not k.plain else 1 << 30):
+        if k.busy or len(rec.active) >= (k.slots if not k.plain else 1 << 30):
             rec.busy.append(rid)  # as the real decode server: 429 until a slot is back
             return await respond(send, 429, error_body("all decode slots are busy; retry later", 429))
         if k.fail == "status":
@@ -159,8 +161,8 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             result = HandoffResult.model_validate(params)
         except ValidationError as exc:
             return f"decode body: bad kv_transfer_params: {exc}"
-        if result.handoff_id != rid:
-            return f"decode body: handoff_id {result.handoff_id} != X-Request-Id {rid}"
+        if result.handoff_id != rid and not result.handoff_id.startswith(rid + "#"):
+            return f"decode body: handoff_id {result.handoff_id} is not X-Request-Id {rid} or a retry's ({rid}#N)"
         if body.get("logprobs") and result.prefill_logprobs is None:
             return "decode body: logprobs asked, no prefill_logprobs"
         return None

@@ -29,6 +29,7 @@ class FakeReceiver:
         self._done: dict[str, str | None] = {}  # handoff id -> None (complete) or failure reason
         self._held: set[str] = set()
         self.released: list[str] = []
+        self.release_calls: list[str] = []  # every release(), also of handoffs it does not hold
         self.waits: list[str] = []
         self._listening = False
 
@@ -70,6 +71,13 @@ class FakeReceiver:
         with self._lock:
             self._done[handoff_id] = reason
 
+    def arrive(self, handoff_id: str) -> None:
+        """The handoff's KV landed (prefill pushed it): it holds a receive slot until the
+        decode server claims and releases it, as in the real receiver."""
+        with self._lock:
+            self._done[handoff_id] = None
+            self._held.add(handoff_id)
+
     # receiver API ---------------------------------------------------------------
     def _kv(self, handoff_id: str) -> ReceivedKV:
         try:
@@ -105,6 +113,7 @@ class FakeReceiver:
 
     def release(self, handoff_id: str) -> None:
         with self._lock:
+            self.release_calls.append(handoff_id)
             if handoff_id in self._held:
                 self._held.discard(handoff_id)
                 self.released.append(handoff_id)
