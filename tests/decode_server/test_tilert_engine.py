@@ -179,6 +179,12 @@ def test_start_rejects_bad_kv_and_logprobs(tmp_path):
     engine.start(_received(8, 4), _handoff(8), SamplingParams(max_tokens=5)).close()  # not left busy
 
 
+def test_tiny_temperatures_are_greedy_in_tilert(tmp_path):
+    engine, gen = _engine(tmp_path)
+    engine.start(_received(8, 4), _handoff(8), SamplingParams(max_tokens=5, temperature=5e-6, top_k=40)).close()
+    assert ("update_sampling_params", 1.0, 1.0, 1, False) in gen.calls  # top-1, as temperature 0
+
+
 def test_top_k_mapping():
     assert [tilert_top_k(k) for k in (0, -1, 1, 40, 255, 256, 1000)] == [256, 256, 1, 40, 255, 256, 256]
 
