@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 GLM5_MAIN_LAYERS = 78
 TILERT_NUM_MTP = 3
 TOP_K_POOL = 256  # TileRT's sampling kernel: top-k over at most 256 candidates; 256 means off
-MISSING_TILERT = ("the tilert engine needs the `tilert` package (PyPI tilert==0.1.6.post3: Python 3.12, CUDA 13, "
+TILERT_VERSION = "0.1.6.post3"  # the TileRT release this adapter was written and oracle-tested against
+MISSING_TILERT = (f"the tilert engine needs the `tilert` package (PyPI tilert=={TILERT_VERSION}: Python 3.12, CUDA 13, "
                   "NVIDIA B200/B300), i.e. the TileRT decode image or `pip install 'tilert-pd[tilert]'`; "
                   "on other machines use --engine reference")
 
