@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from decode_server.model_dir import missing_files
+
 ENV_PREFIX = "DECODE_SERVER_"
 TILERT_NUM_MTP = (0, 3)  # TileRT's GLM-5 MTP verifies 3 drafts per step (or runs without MTP)
 
@@ -65,6 +67,12 @@ class DecodeServerSettings(BaseModel):
             raise ValueError(f"kv_device={self.kv_device!r}: the reference engine runs on the CPU; use cpu")
         if self.engine == "tilert" and self.num_mtp not in TILERT_NUM_MTP:
             raise ValueError(f"num_mtp={self.num_mtp}: TileRT's GLM-5 MTP drafts 3 tokens per step; use 3 or 0")
+        missing = missing_files(self.model, self.engine)
+        if missing:
+            raise ValueError(
+                f"model={str(self.model)!r} lacks {', '.join(missing)}, which the {self.engine} decode server reads "
+                "from its model directory: convert with deploy/slurm/setup_deps.sh (it copies them from the "
+                "checkpoint), or run `python -m decode_server.model_dir complete --source CHECKPOINT DIR`")
         return self
 
     @property
