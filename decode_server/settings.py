@@ -16,6 +16,9 @@ from decode_server.model_dir import missing_files
 
 ENV_PREFIX = "DECODE_SERVER_"
 TILERT_NUM_MTP = (0, 3)  # TileRT's GLM-5 MTP verifies 3 drafts per step (or runs without MTP)
+# Where each engine receives KV by default: TileRT (GPU hosts) into VRAM, where its conversion
+# (dequantization + Hadamard) then runs; the reference engine computes on the CPU.
+DEFAULT_KV_DEVICE = {"tilert": "cuda:0", "reference": "cpu"}
 
 
 class SettingsError(ValueError):
@@ -42,7 +45,8 @@ class DecodeServerSettings(BaseModel):
         "none", description="glm45: parse <tool_call>..</tool_call> into tool_calls (chat, when tools are given)")
     kv_transport: Literal["nixl", "memory"] = Field("nixl", description="KV transport (memory: single-process tests)")
     kv_device: str = Field("cpu", pattern=r"^(cpu|cuda:\d+)$",
-                           description="where the KV receive buffer lives: cpu, or cuda:N (tilert) to receive into VRAM")
+                           description="where the KV receive buffer lives: cpu, or cuda:N (tilert) to receive into "
+                                       "VRAM (default: cuda:0 for tilert, cpu for reference)")
     kv_dtype: Literal["bfloat16", "float32", "float16"] | None = Field(
         None, description="reference engine: dtype of the received KV (default: the model's torch_dtype)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
@@ -60,6 +64,13 @@ class DecodeServerSettings(BaseModel):
     @classmethod
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_kv_device(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("kv_device") is None and data.get("engine") in DEFAULT_KV_DEVICE:
+            data = {**data, "kv_device": DEFAULT_KV_DEVICE[data["engine"]]}
+        return data
 
     @model_validator(mode="after")
     def _engine_rules(self) -> DecodeServerSettings:

@@ -67,6 +67,12 @@ class DecodeRole(RoleSpec):
     slots: int = Field(default=1, ge=1)
     max_seq_len: int = Field(default=16384, ge=1)
     num_mtp: int = Field(default=3, ge=0, description="decode-side MTP drafts per step")
+    kv_device: str | None = Field(
+        default=None,
+        pattern=r"^(cpu|cuda:\d+)$",
+        description="where decode receives KV: cuda:N (VRAM; TileRT converts it there) or cpu "
+        "(default: the engine's, cuda:0 for tilert, cpu for reference)",
+    )
 
 
 class RouterRole(RoleSpec):

@@ -90,6 +90,8 @@ def _role_checks(r: Recipe) -> list[RecipeProblem]:
                     "converted directory",
                 )
             )
+    if r.decode.engine == "reference" and r.decode.kv_device not in (None, "cpu"):
+        out.append(RecipeProblem("decode.kv_device", r.decode.kv_device, "the reference engine runs on the CPU"))
     if r.model.profile == "glm5.1" and r.decode.engine != "tilert":
         out.append(
             RecipeProblem(

@@ -98,15 +98,17 @@ class DecodeSpec:
     max_seq_len: int = 4096
     num_mtp: int = 1
     served_model_name: str | None = None  # default: the model directory's name
+    kv_device: str | None = None  # where KV is received (default: the engine's, see decode_server.settings)
     extra_args: tuple[str, ...] = field(default=())
     python: str = sys.executable
 
 
 def decode_server_argv(spec: DecodeSpec) -> list[str]:
+    device = ("--kv-device", spec.kv_device) if spec.kv_device else ()
     return [spec.python, "-m", "decode_server", "--engine", spec.engine, "--model", str(spec.model),
             "--host", spec.host, "--port", str(spec.port), "--kv-port", str(spec.kv_port),
             "--slots", str(spec.slots), "--max-seq-len", str(spec.max_seq_len),
-            "--num-mtp", str(spec.num_mtp),
+            "--num-mtp", str(spec.num_mtp), *device,
             "--served-model-name", served_name(spec.model, spec.served_model_name), *spec.extra_args]
 
 

@@ -97,6 +97,7 @@ def test_exactly_one_prefill_and_wiring_between_roles() -> None:
     assert router_env["PD_PREFILL_URLS"] == f"http://prefill:{prefill_env['PD_PORT']}"
     assert prefill_env["PD_SERVED_MODEL_NAME"] == decode_env["PD_SERVED_MODEL_NAME"]
     assert "$(POD_NAME).decode" in decode_env["PD_KV_HOST"]
+    assert decode_env["PD_KV_DEVICE"] == "cuda:0"  # TileRT receives KV into VRAM
     # prefill starts only once every decode server is ready (its KV endpoint listens)
     (wait,) = _get("Deployment", "prefill")["spec"]["template"]["spec"]["initContainers"]
     assert wait["command"][:2] == ["/usr/local/bin/pd-entrypoint", "wait-ready"]

@@ -139,7 +139,8 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
     assert decode == decode_server_argv(DecodeSpec(
         model="/shared/models/GLM-5.1-FP8-tilert", port=8200, kv_port=8300, host="0.0.0.0", engine="tilert",
         slots=1, max_seq_len=16384, num_mtp=3, python="python3", served_model_name="GLM-5.1-FP8",
-        extra_args=("--kv-host", "dc0")))
+        kv_device="cuda:0", extra_args=("--kv-host", "dc0")))
+    assert decode[decode.index("--kv-device") + 1] == "cuda:0"  # KV lands in VRAM, converted there
     assert convert[-4:] == ["--model_dir", "/shared/models/GLM-5.1-FP8", "--save_dir", "{dst}"]
     assert "into: /shared/models/GLM-5.1-FP8-tilert (once, under /shared/models/GLM-5.1-FP8-tilert.lock" in node1
     # the converted directory is a complete model directory for the decode server
