@@ -81,12 +81,25 @@ def cpu_mla_layout(num_main_layers: int, num_mtp_layers: int, dtype: str = "bflo
     return KVLayout("tiny-mla", num_main_layers, num_mtp_layers, (plane,))
 
 
+# GLM-5.1 (DeepSeek-V3.2 attention) fp8_ds_mla geometry, as vLLM 0.32 caches it (docs/gpu_path.md;
+# checked against vLLM's classes in tests/connector/vllm/test_vllm_cache_layouts.py).
+KV_LORA_RANK = 512  # latent values per token
+KV_QUANT_BLOCK = 128  # latent values per fp32 scale
+KV_ROW_BYTES = KV_LORA_RANK + 4 * (KV_LORA_RANK // KV_QUANT_BLOCK)  # 528: fp8 latent, then the scales
+ROPE_DIM = 64  # bf16 rope values per token
+INDEX_HEAD_DIM = 128  # fp8 indexer key values per token, one fp32 scale each token
+INDEX_PAGE_TOKENS = 64  # tokens per indexer page = vLLM block
+INDEX_PAGE_BYTES = INDEX_PAGE_TOKENS * (INDEX_HEAD_DIM + 4)  # 8448: all keys, then all scales
+
+
 def glm5_fp8_ds_mla_layout(num_main_layers: int = 78, num_mtp_layers: int = 1) -> KVLayout:
-    """GLM-5.1 decode-side layout (FACTS.md §3)."""
+    """GLM-5.1 decode-side layout: vLLM's 656-byte fp8_ds_mla row split into ``kv`` and
+    ``rope``, and the indexer cache's pages."""
     planes = (
-        Plane(name="kv", dtype="uint8", width=528, bytes_per_token=528),  # 512 fp8 e4m3 + 4 fp32 scales
-        Plane(name="rope", dtype="bfloat16", width=64, bytes_per_token=128),
-        Plane(name="indexer", dtype="uint8", width=8448, bytes_per_page=8448, page_tokens=64),
+        Plane(name="kv", dtype="uint8", width=KV_ROW_BYTES, bytes_per_token=KV_ROW_BYTES),
+        Plane(name="rope", dtype="bfloat16", width=ROPE_DIM, bytes_per_token=2 * ROPE_DIM),
+        Plane(name="indexer", dtype="uint8", width=INDEX_PAGE_BYTES, bytes_per_page=INDEX_PAGE_BYTES,
+              page_tokens=INDEX_PAGE_TOKENS),
     )
     return KVLayout("glm5.1-fp8-ds-mla", num_main_layers, num_mtp_layers, planes)
 
@@ -321,8 +334,8 @@ def split_cpu_mla(kv: "torch.Tensor", kv_lora_rank: int = 512) -> tuple["torch.T
 
 
 FP8_MAX = 448.0
-_TILE = 128  # fp8_ds_mla: one fp32 scale per 128 latent values
-_LATENT = 512
+_TILE = KV_QUANT_BLOCK
+_LATENT = KV_LORA_RANK
 
 
 def gather_fp8_ds_mla(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int,

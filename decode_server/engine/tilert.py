@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from connector.layout import KVLayout, glm5_fp8_ds_mla_layout
+from connector.profiles import GLM5_MAIN_LAYERS
 from decode_server.engine.base import (
     Cancelled,
     DecodeSession,
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
     from connector.protocol import HandoffResult
     from connector.receiver import ReceivedKV
 
-GLM5_MAIN_LAYERS = 78
 TILERT_NUM_MTP = 3
 TOP_K_POOL = 256  # TileRT's sampling kernel: top-k over at most 256 candidates; 256 means off
 TILERT_VERSION = "0.1.6.post3"  # the TileRT release this adapter was written and oracle-tested against

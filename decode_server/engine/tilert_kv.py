@@ -23,13 +23,18 @@ import math
 
 import torch
 
-KV_LORA_RANK = 512
-KV_QUANT_BLOCK = 128
-KV_ROW_BYTES = KV_LORA_RANK + (KV_LORA_RANK // KV_QUANT_BLOCK) * 4  # 528
-ROPE_DIM = 64
-INDEX_HEAD_DIM = 128
-INDEX_PAGE_TOKENS = 64
-INDEX_PAGE_BYTES = INDEX_PAGE_TOKENS * INDEX_HEAD_DIM + INDEX_PAGE_TOKENS * 4  # 8448
+from connector.layout import (  # the layout's geometry, defined once
+    INDEX_HEAD_DIM,
+    INDEX_PAGE_BYTES,
+    INDEX_PAGE_TOKENS,
+    KV_LORA_RANK,
+    KV_QUANT_BLOCK,
+    KV_ROW_BYTES,
+    ROPE_DIM,
+)
+
+__all__ = ["INDEX_HEAD_DIM", "INDEX_PAGE_BYTES", "INDEX_PAGE_TOKENS", "KV_LORA_RANK", "KV_QUANT_BLOCK", "KV_ROW_BYTES",
+           "ROPE_DIM", "convert_layer", "convert_layers", "dequant_indexer", "dequant_latent", "hadamard_matrix"]
 
 
 def hadamard_matrix(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
