@@ -22,6 +22,7 @@ from connector.errors import ControlChannelError
 from connector.protocol import ControlMessage
 
 MAX_FRAME = 1 << 20
+ABORT_TIMEOUT_S = 5.0  # bound on telling a decode server that a handoff was given up
 _LEN = struct.Struct(">I")
 _ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
 

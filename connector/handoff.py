@@ -1,37 +1,44 @@
 """The sender side's view of one handoff (see :mod:`connector.sender`).
 
 The caller fills ``staging(layer)`` and calls ``post_layer(layer)``; the KVSender's
-thread writes it and calls back ``_on_written``; ``wait`` / ``status`` / ``abort``
-report and end it. Thread-safe; the staging buffer goes back to the KVSender's pool
-only once no WRITE reads it any more.
+thread writes it and calls back ``_on_written``; ``status`` / ``wait`` / ``abort``
+report and end it (``abort`` never waits: the decode server is told in the background).
+Thread-safe; the staging buffer goes back to the KVSender's pool only once no WRITE
+reads it any more.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Literal
 
 from connector.layout import layer_views
-from connector.protocol import Admitted
 
 if TYPE_CHECKING:
     import torch
 
     from connector.sender import KVSender, _Peer
 
-ABORT_TIMEOUT_S = 5.0
+
+
+log = logging.getLogger(__name__)
 
 
 class Handoff:
-    """One prompt's KV on its way to one decode server. Create with :meth:`KVSender.begin`."""
+    """One prompt's KV on its way to one decode server. Create with :meth:`KVSender.open`
+    (or :meth:`KVSender.begin`)."""
 
-    def __init__(self, sender: "KVSender", peer: _Peer, admitted: Admitted, num_tokens: int, staging: int) -> None:
+    def __init__(self, sender: "KVSender", peer: _Peer, handoff_id: str, offsets: list[list[int]],
+                 num_tokens: int, staging: int, deadline: float) -> None:
         self._sender = sender
         self._peer = peer
-        self.handoff_id = admitted.handoff_id
+        self.handoff_id = handoff_id
         self.num_tokens = num_tokens
-        self.offsets = admitted.offsets
+        self.offsets = offsets
+        self.deadline = deadline  # time.monotonic(): not fully written by then -> aborted
+        self._t_last_post = 0.0
         self._staging_slot = staging
         self._layers = sender.plan_layers
         self._index = {layer: i for i, layer in enumerate(self._layers)}
@@ -67,6 +74,7 @@ class Handoff:
                     raise ValueError(f"handoff {self.handoff_id}: layer {layer} posted twice")
                 seen.add(layer)
             self._posted.update(seen)
+            self._t_last_post = time.perf_counter()
             if self._status != "pending":
                 return
         self._sender._queue.put_many([(self, layer) for layer in layers])
@@ -76,18 +84,17 @@ class Handoff:
 
     def wait(self, timeout: float) -> Literal["sent", "failed"]:
         if not self._done.wait(timeout):
-            self.abort(f"not all layers were written within {timeout:.1f}s "
-                       f"({len(self._sent)}/{len(self._layers)} sent, {len(self._posted)} posted)")
+            self.abort(f"not all layers were written within {timeout:.1f}s ({self.progress()})")
         return "sent" if self._status == "sent" else "failed"
 
     def abort(self, reason: str) -> None:
-        """Stop sending, tell the receiver, free the staging buffer once no WRITE reads it."""
-        if not self._fail(f"aborted: {reason}"):
-            return
-        deadline = time.monotonic() + ABORT_TIMEOUT_S
-        while self._inflight and time.monotonic() < deadline:  # in-flight WRITEs land before Abort
-            time.sleep(0.001)
-        self._sender._send_abort(self._peer, self.handoff_id, reason)
+        """Stop sending; the receiver is told in the background (after in-flight WRITEs
+        landed); the staging buffer is freed once no WRITE reads it."""
+        if self._fail(f"aborted: {reason}"):
+            self._sender._abort_soon(self, reason)
+
+    def progress(self) -> str:
+        return f"{len(self._sent)}/{len(self._layers)} layers sent, {len(self._posted)} posted"
 
     # -- sender-thread side -----------------------------------------------------------
 
@@ -122,9 +129,13 @@ class Handoff:
         with self._lock:
             self._inflight -= 1
             self._sent.update(layers)
-            if self._status == "pending" and len(self._sent) == len(self._layers):
+            landed = self._status == "pending" and len(self._sent) == len(self._layers)
+            if landed:
                 self._status = "sent"
                 self._done.set()
+        if landed:  # parsed by bench/prefill_tail.py
+            log.info("TileRT handoff %s: all %d layers landed, tail %.3f ms after the last post", self.handoff_id,
+                     len(self._layers), (time.perf_counter() - self._t_last_post) * 1e3)
         self._maybe_free()
 
     def _maybe_free(self) -> None:

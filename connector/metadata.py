@@ -4,14 +4,16 @@
   ``SchedulerOutput.kv_connector_metadata``): for each handled request scheduled in this
   step, its blocks and the token range whose KV this step computes; plus the requests
   whose handoff must be aborted.
-* :class:`SendReport` (worker rank -> scheduler, once per finished handoff): "sent" or
-  "failed". vLLM's own worker->scheduler channel cannot carry it in time (see
-  :mod:`connector.scheduler`), so it travels as one datagram on a Unix socket that the
-  scheduler side binds (:class:`ReportInbox`) and every worker rank writes to
-  (:class:`ReportOutbox`), named after vLLM's ``engine_id`` so both sides agree without
-  configuration. Datagrams on a local socket are reliable and ordered, and a worker sends
-  its report before its step returns, so the scheduler has it when the step's output is
-  processed.
+* :class:`SendReport` (worker rank -> scheduler, once per handoff, at the end of the
+  step that computed the prompt's last token): "pending" (every layer posted or about to
+  be), "sent" (already landed) or "failed", and how many layers were gathered early
+  (``save_kv_layer``) and late (``wait_for_save`` or after). vLLM's own worker->scheduler
+  channel cannot carry it in time (see :mod:`connector.scheduler`), so it travels as one
+  datagram on a Unix socket that the scheduler side binds (:class:`ReportInbox`) and every
+  worker rank writes to (:class:`ReportOutbox`), named after vLLM's ``engine_id`` so both
+  sides agree without configuration. Datagrams on a local socket are reliable and ordered,
+  and a worker sends its report before its step returns, so the scheduler has it when the
+  step's output is processed.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class RequestWork(BaseModel):
     block_ids: tuple[int, ...] = Field(description="the request's blocks, in token order (all so far)")
     start: int = Field(ge=0)
     end: int = Field(ge=0)
+    # offsets[layer][plane] in the decode server's receive buffer (its Admitted answer),
+    # sent with the last step only
+    offsets: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def last(self) -> bool:
@@ -66,6 +71,8 @@ class SendReport(BaseModel):
     status: HandoffStatus
     error: str | None = None
     reason: FailureReason | None = None
+    layers_early: int = Field(default=0, ge=0)
+    layers_late: int = Field(default=0, ge=0)
 
 
 def report_address(engine_id: str, dp_rank: int = 0) -> str:
@@ -102,12 +109,6 @@ class ReportInbox:
                 reports.append(SendReport.model_validate_json(data))
             except ValidationError as exc:
                 log.error("dropping a malformed send report (%d bytes): %s", len(data), exc)
-
-    def wait_readable(self, timeout: float) -> bool:
-        import select
-
-        readable, _, _ = select.select([self._sock], [], [], max(timeout, 0.0))
-        return bool(readable)
 
     def close(self) -> None:
         self._sock.close()

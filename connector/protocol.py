@@ -22,15 +22,18 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
-HandoffStatus = Literal["sent", "failed"]
+# "pending": admitted, the KV is on its way (the decode server waits for its last layer);
+# "sent": every layer had landed when vLLM answered; "failed": see ``reason`` and ``error``.
+HandoffStatus = Literal["sent", "pending", "failed"]
 # Why a handoff failed, for the router to act on: "busy" (the decode server had no free
 # KV receive slot: wait for a slot and try again), "too_long", "cancelled", "duplicate",
-# "unknown_peer" (refusals at admission, :class:`Refused`), "unreachable" (no handshake
-# or control channel), "transfer" (a WRITE failed or timed out), "internal".
-FailureReason = Literal["busy", "too_long", "cancelled", "duplicate", "unknown_peer", "unreachable", "transfer",
-                        "internal"]
+# "unknown_peer" (refusals at admission, :class:`Refused`), "unreachable" (no handshake,
+# control channel or answer in time), "rejected" (the handshake found a mismatch),
+# "transfer" (a WRITE failed or timed out), "internal".
+FailureReason = Literal["busy", "too_long", "cancelled", "duplicate", "unknown_peer", "unreachable", "rejected",
+                        "transfer", "internal"]
 
 
 class HandoffTarget(BaseModel):
@@ -62,6 +65,11 @@ class HandoffResult(BaseModel):
     status: HandoffStatus
     error: str | None = None
     reason: FailureReason | None = Field(default=None, description="why, when status is 'failed'")
+    # How the prefill's layers left: gathered as vLLM computed each one (save_kv_layer,
+    # the CPU path) or all at the end of the step (wait_for_save, vLLM's CUDA path for
+    # GLM-5.1); summed over tensor-parallel ranks. None when a rank has not reported.
+    layers_early: int | None = Field(default=None, ge=0)
+    layers_late: int | None = Field(default=None, ge=0)
     # choices[0].logprobs of the prefill response, verbatim (chat or completions
     # shape), for the first generated token; set by the router, None otherwise.
     prefill_logprobs: dict[str, Any] | None = None
@@ -130,6 +138,9 @@ class Hello(BaseModel):
     fingerprint: LayoutFingerprint
     transport: str = Field(default="nixl", description="the sender's data transport kind")
     agent_metadata: str = Field(default="", description="base64 of the sender's agent metadata (for Revoked)")
+    # Agents of one prefill instance share a group: its scheduler admits handoffs (control
+    # only, no metadata), its workers' agents write them. Empty: a group of its own.
+    group: str = Field(default="", max_length=256)
 
 
 class Welcome(BaseModel):

@@ -5,7 +5,10 @@ receive buffer of ``slots`` regions (each sized for ``max_tokens`` tokens of eve
 layer and plane), registers it with the transport once, and listens on the control
 endpoint. A sender handshakes (Hello -> Welcome/Reject), then admits each handoff
 (Admit -> Admitted/Refused) and WRITEs its layers into the slot; every WRITE carries a
-:class:`connector.protocol.LayersDone` notification. A notification thread polls the
+:class:`connector.protocol.LayersDone` notification. Senders come in groups (one per
+prefill instance, named in their Hello): vLLM's scheduler side admits (a control-only
+Hello) and its workers' agents write; a handoff accepts notifications and Aborts from
+the agents of the group that admitted it only. A notification thread polls the
 transport (NIXL calls never run on the loop) and hands them to the loop.
 
 ``ReceivedKV.layers[i][plane]`` is a typed torch view of layer ``i`` (main layers
@@ -79,6 +82,7 @@ class KVReceiver:
         self._handoffs: dict[str, HandoffState] = {}
         self._peers: dict[str, PeerStatus] = {}
         self._revocable: set[str] = set()  # senders whose agent we added (they can be told Revoked)
+        self._group_of: dict[str, str] = {}  # sender agent -> its group (from its Hello)
         self._changed: asyncio.Condition | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pump: NotificationPump | None = None
@@ -234,7 +238,7 @@ class KVReceiver:
         if transport is None:
             return
         msg = Revoked(handoff_id=h.handoff_id, reason=reason).model_dump_json().encode()
-        for peer in h.peers & self._revocable:
+        for peer in [p for p in self._revocable if self._group_of.get(p) == h.group]:
             try:
                 await asyncio.to_thread(transport.notify, peer, msg)
             except TransportError as exc:
@@ -269,9 +273,14 @@ class KVReceiver:
             return await self._on_admit(conn.peer, msg)
         if isinstance(msg, Abort):
             h = self._handoffs.get(msg.handoff_id)
-            if h is not None and h.state == "admitted":
+            if h is None or h.group != self._group_of.get(conn.peer):
+                return Aborted(handoff_id=msg.handoff_id, known=False)
+            if h.state == "admitted":
                 await self._fail(h, f"aborted by the sender {conn.peer}: {msg.reason}", revoke=False)
-            return Aborted(handoff_id=msg.handoff_id, known=h is not None)
+            elif h.state == "complete":  # nobody claimed it yet: the request is gone
+                self._handoffs.pop(h.handoff_id, None)
+                await self._fail(h, f"aborted by the sender {conn.peer}: {msg.reason}", revoke=False)
+            return Aborted(handoff_id=msg.handoff_id, known=True)
         return None
 
     async def _on_hello(self, conn: ControlConnection, hello: Hello) -> BaseModel:
@@ -301,6 +310,7 @@ class KVReceiver:
         if conn.peer != hello.agent_name:
             conn.peer = hello.agent_name
             self._live[conn.peer] = self._live.get(conn.peer, 0) + 1
+        self._group_of[hello.agent_name] = hello.group or hello.agent_name
         self._peers[hello.agent_name] = PeerStatus(peer=hello.agent_name, state="ok")
         md, descs = self._welcome_parts
         return Welcome(protocol_version=PROTOCOL_VERSION, agent_name=self._agent_name, fingerprint=mine,
@@ -312,11 +322,11 @@ class KVReceiver:
         if hid in self._cancelled:
             return Refused(handoff_id=hid, reason="cancelled",
                            message=f"handoff {hid} was cancelled by the decode server (its request is gone)")
+        group = self._group_of.get(peer, peer)
         h = self._handoffs.get(hid)
         if h is not None:
-            if h.state == "admitted" and h.num_tokens == n and h.slot is not None:
-                h.peers.add(peer)  # another TP rank of the same handoff
-                return Admitted(handoff_id=hid, slot=h.slot, offsets=h.offsets)
+            if h.state == "admitted" and h.num_tokens == n and h.slot is not None and h.group == group:
+                return Admitted(handoff_id=hid, slot=h.slot, offsets=h.offsets)  # asked again: same answer
             return Refused(handoff_id=hid, reason="duplicate",
                            message=f"handoff {hid} is already {h.state} with {h.num_tokens} tokens")
         if n > self._s.max_tokens:
@@ -335,7 +345,7 @@ class KVReceiver:
         base = slot * self._slot_bytes
         offsets = [[base + layer * layer_bytes + p for p in planes] for layer in range(self._layout.num_layers)]
         views = packed_layers_views(self._buffer[base:], self._layout, n, self._layout.num_layers)
-        self._handoffs[hid] = HandoffState(hid, slot, n, offsets, peers={peer}, views=views)
+        self._handoffs[hid] = HandoffState(hid, slot, n, offsets, group=group, views=views)
         if self._pump is not None:
             self._pump.wake()
         await self._notify_all()
@@ -353,8 +363,9 @@ class KVReceiver:
     async def _fail_orphans(self, peer: str) -> None:
         if self._live.get(peer, 0) > 0:  # it reconnected (e.g. a retried Admit): its handoffs live on
             return
+        group = self._group_of.get(peer, peer)
         for h in list(self._handoffs.values()):
-            if h.state == "admitted" and peer in h.peers:
+            if h.state == "admitted" and h.group == group:
                 await self._fail(h, f"the sender {peer} disconnected after {len(h.arrived)}/"
                                     f"{self._layout.num_layers} layers", revoke=False)
 
@@ -375,7 +386,7 @@ class KVReceiver:
                 log.warning("KV receiver: ignoring a malformed notification from %s", peer)
                 continue
             h = self._handoffs.get(done.handoff_id)
-            if h is None or h.state != "admitted" or peer not in h.peers:
+            if h is None or h.state != "admitted" or self._group_of.get(peer) != h.group:
                 continue
             h.arrived.update(layer for layer in done.layers if 0 <= layer < self._layout.num_layers)
             if len(h.arrived) == self._layout.num_layers:

@@ -53,7 +53,7 @@ class HandoffState:
     slot: int | None
     num_tokens: int
     offsets: list[list[int]]
-    peers: set[str] = field(default_factory=set)
+    group: str = ""  # the sender group that admitted it: its agents write and may abort it
     arrived: set[int] = field(default_factory=set)
     state: str = "admitted"  # "admitted" | "complete" | "claimed" | "failed"
     error: str | None = None

@@ -7,51 +7,44 @@ Which requests: those whose ``kv_transfer_params`` validate as
 :class:`connector.protocol.HandoffTarget`; every other request is left alone (no KV work,
 ``request_finished`` returns ``(False, None)``).
 
-Blocks and chunked prefill: ``update_state_after_alloc`` starts tracking a request (and
-restarts it after a preemption); ``build_connector_meta`` follows its blocks (new, added,
-or replaced on resumption) and the tokens each step computes, and tells the workers to
-gather ``[start, end)`` of every layer. The first range starts at 0, so prefix-cached
-tokens are gathered too. The step whose range reaches the prompt's end is the *last*
-step: the workers post every layer as soon as it is computed.
+Nothing here waits on the network (vLLM runs these hooks on its engine loop, between the
+forward passes of every user):
 
-How ``request_finished`` knows the transfer's outcome (the decision): with
-``max_tokens=1`` (what the router sends), vLLM finishes the request in the
-``update_from_output`` of the very step that computed its last layer, and calls
-``request_finished`` *before* it hands that step's ``kv_connector_output`` to
-``update_connector_output``. Worse, with MTP (speculative decoding) the model runner
-builds ``kv_connector_output`` (``get_finished``, ``build_connector_worker_meta``)
-before the drafter's forward and before ``wait_for_save``, so vLLM's own
-worker->scheduler channel is always at least one step too late to say "sent" or
-"failed" in the HTTP response. Therefore:
-
-1. each worker finishes that step's sends inside ``wait_for_save`` (``Handoff.wait``,
-   bounded by ``transfer_timeout_s``); ``wait_for_save`` runs before the step's output
-   is returned to the scheduler;
-2. before returning, it sends a :class:`connector.metadata.SendReport` per handoff on a
-   local datagram socket that this side binds (named after vLLM's ``engine_id``);
-3. ``request_finished`` drains that socket (waiting at most ``report_grace_s`` for a
-   rank that has not reported, which does not happen unless a worker died) and answers
-   ``status: "sent"`` only when every rank reported "sent"; otherwise ``"failed"`` with
-   the error.
-
-Blocks: ``request_finished`` returns ``True`` for every request the workers were told
-about, so vLLM holds its blocks until each worker lists it in ``get_finished``'s first
-set; workers do so as soon as the request id appears in ``finished_req_ids`` (one step
-later) and their handoff is settled (sent, failed, or aborted now). Requests aborted
-mid-prefill are listed in the next plan's ``aborted`` so the workers abort their handoff
-(the receiver is told and frees its slot). Requests the workers never saw (aborted while
-waiting, too long) are freed at once. Nothing is held on a worker's say-so alone.
+1. **Admission before scheduling.** ``on_new_request`` starts the request's admission
+   at its decode server in the background (:class:`connector.admission.AdmissionClient`).
+   Until the answer is there, ``get_num_new_matched_tokens`` answers ``None`` ("not yet"):
+   vLLM keeps the request waiting and schedules the others. A refusal or a timeout is
+   final: the request is then prefilled without KV work and answered ``failed`` with the
+   refusal's ``reason`` ("busy": the router waits for a slot and tries again).
+2. **Blocks and chunked prefill.** ``update_state_after_alloc`` tracks the request's blocks
+   (and restarts it after a preemption); ``build_connector_meta`` follows its blocks and
+   the tokens each step computes. The step whose range reaches the prompt's end is the
+   *last* step: its :class:`connector.metadata.RequestWork` carries the admitted slot's
+   offsets, and the workers gather every layer (as vLLM computes it, or at the end of the
+   step) and post its WRITE.
+3. **The answer.** With ``max_tokens=1`` vLLM finishes the request in the same step and
+   calls ``request_finished`` right after the workers' ``wait_for_save``, which sent one
+   :class:`connector.metadata.SendReport` per rank on a local datagram socket (vLLM's own
+   worker->scheduler channel is a step late, see ``docs/connector_vllm.md``).
+   ``request_finished`` reads what is there without waiting: ``failed`` if a rank failed,
+   else ``pending`` (the KV is on its way; the decode server waits for its last layer and
+   learns of a later failure from the sender's Abort) or ``sent`` (already landed), with
+   the counts of layers gathered early and late.
+4. **Blocks are held** (``request_finished`` returns True) for every request the workers
+   were told about, until each worker lists it in ``get_finished``: once all its layers
+   are copied into staging, or its handoff failed. A request that ends before its last
+   step is aborted at the workers (next plan's ``aborted``) and at the decode server.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from connector.admission import Admission, Admissions
 from connector.metadata import ReportInbox, RequestWork, SendReport, StepPlan
 from connector.protocol import FailureReason, HandoffResult, HandoffTarget
 
@@ -61,8 +54,6 @@ log = logging.getLogger(__name__)
 class ReportSource(Protocol):
     def drain(self) -> list[SendReport]: ...
 
-    def wait_readable(self, timeout: float) -> bool: ...
-
     def close(self) -> None: ...
 
 
@@ -70,13 +61,15 @@ class ReportSource(Protocol):
 class _Tracked:
     target: HandoffTarget
     num_tokens: int
+    admission: Admission | None = None  # None while under way
+    allocated: bool = False  # vLLM gave it blocks once (a later alloc is a resumption)
     block_ids: list[int] = field(default_factory=list)
     sent_upto: int = 0  # tokens covered by plans so far
     announced: bool = False  # some plan named it: the workers hold state for it
     completed: bool = False  # the plan with its last range was issued
     error: str | None = None  # refused before any KV work
     reason: FailureReason = "internal"  # why, when error is set
-    reports: dict[int, SendReport] = field(default_factory=dict)
+    released: bool = False  # the decode server was told to free the slot
 
 
 class ConnectorScheduler:
@@ -87,13 +80,13 @@ class ConnectorScheduler:
         max_tokens: int,
         world_size: int,
         reports: ReportSource | None,
-        report_grace_s: float = 2.0,
+        admissions: Admissions,
     ) -> None:
         self.block_size = block_size
         self.max_tokens = max_tokens
         self.world_size = world_size
         self._reports = reports
-        self._report_grace_s = report_grace_s
+        self._admissions = admissions
         self._tracked: dict[str, _Tracked] = {}
         self._held: set[str] = set()  # request_finished said True; waiting for finished_sending
         self._aborts: list[str] = []
@@ -105,26 +98,45 @@ class ConnectorScheduler:
 
     # -- vLLM hooks -------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        return 0, False  # producer only: nothing is ever loaded
+    def on_new_request(self, request: Any) -> None:
+        if request.request_id in self._tracked:
+            return
+        target = _handoff_target(request)
+        if target is None:
+            return
+        tracked = self._tracked[request.request_id] = _Tracked(target, int(request.num_prompt_tokens))
+        if tracked.num_tokens > self.max_tokens:
+            tracked.error = (
+                f"prompt of {tracked.num_tokens} tokens exceeds the connector's max_tokens {self.max_tokens}"
+            )
+            tracked.reason = "too_long"
+            return
+        self._admissions.start(target.handoff_id, target.kv_endpoint, tracked.num_tokens)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Producer only: nothing is ever loaded. ``None`` (schedule it later) while the
+        request's admission is under way."""
+        self.on_new_request(request)  # vLLM calls it on arrival; a no-op then
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None or tracked.error is not None or tracked.admission is not None:
+            return 0, False
+        admission = self._admissions.result(tracked.target.handoff_id)
+        if admission is None:
+            return None, False
+        tracked.admission = admission
+        if not admission.ok:
+            tracked.error, tracked.reason = admission.error, admission.reason or "internal"
+            log.warning("request %s: handoff %s not admitted: %s", request.request_id,
+                        tracked.target.handoff_id, admission.error)
+        return 0, False
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        req_id = request.request_id
-        tracked = self._tracked.get(req_id)
+        tracked = self._tracked.get(request.request_id)
         if tracked is None:
-            target = _handoff_target(request)
-            if target is None:
-                return
-            num_tokens = int(request.num_prompt_tokens)
-            tracked = _Tracked(target, num_tokens)
-            if num_tokens > self.max_tokens:
-                tracked.error = (
-                    f"prompt of {num_tokens} tokens exceeds the connector's max_tokens {self.max_tokens}"
-                )
-                tracked.reason = "too_long"
-            self._tracked[req_id] = tracked
-        elif not tracked.completed:
+            return
+        if tracked.allocated and not tracked.completed:
             tracked.sent_upto = 0  # resumed after preemption: gather everything again
+        tracked.allocated = True
         tracked.block_ids = list(block_ids)
 
     def build_step(self, scheduler_output: Any) -> StepPlan:
@@ -163,30 +175,39 @@ class ConnectorScheduler:
             return False, None
         if not tracked.announced:
             del self._tracked[req_id]
+            self._release_admission(tracked, "the request finished before its prompt was computed")
+            reason: FailureReason = tracked.reason if tracked.error else "cancelled"
             return False, self._result(
                 request, tracked, "failed", tracked.error or "request finished before its prompt was computed",
-                tracked.reason,
+                reason,
             )
         self._held.add(req_id)
         if not tracked.completed:
             self._aborts.append(req_id)
+            self._release_admission(tracked, "the request finished before its prompt was computed")
             return True, self._result(
                 request, tracked, "failed", "request finished before its prompt was computed", "cancelled"
             )
-        status, error, reason = self._outcome(req_id, tracked)
-        return True, self._result(request, tracked, status, error, reason)
+        outcome = self._outcome(req_id)
+        if outcome[0] == "failed":  # a rank may not have been able to tell the decode server itself
+            self._release_admission(tracked, outcome[1] or "the KV transfer failed")
+        return True, self._result(request, tracked, *outcome)
 
     def update_connector_output(self, finished_sending: set[str] | None) -> None:
+        self._collect_reports()  # a failure reported with the request's release is acted on first
         for req_id in finished_sending or ():
             if req_id in self._held:
                 self._held.discard(req_id)
-                self._tracked.pop(req_id, None)
+                tracked = self._tracked.pop(req_id, None)
+                if tracked is not None:
+                    self._admissions.forget(tracked.target.handoff_id)
                 self._early_reports.pop(req_id, None)
 
     def has_pending_block_frees(self) -> bool:
         return bool(self._held)
 
     def close(self) -> None:
+        self._admissions.close()
         if self._reports is not None:
             self._reports.close()
 
@@ -198,9 +219,25 @@ class ConnectorScheduler:
 
     # -- internals ----------------------------------------------------------------------
 
+    def _release_admission(self, tracked: _Tracked, reason: str) -> None:
+        """The request ends without its KV: free the decode server's slot if it has (or may
+        get) one. The Abort follows a pending Admit on the same channel."""
+        handoff_id = tracked.target.handoff_id
+        admission = tracked.admission or self._admissions.result(handoff_id)
+        if tracked.error is None and (admission is None or admission.ok) and not tracked.released:
+            tracked.released = True
+            self._admissions.abort(handoff_id, tracked.target.kv_endpoint, reason)
+        if not tracked.announced:
+            self._admissions.forget(handoff_id)
+
     def _work_for(self, req_id: str, computed_before: int, num_scheduled: int) -> RequestWork | None:
         tracked = self._tracked[req_id]
         if tracked.completed or tracked.error is not None or num_scheduled <= 0:
+            return None
+        if tracked.admission is None:  # scheduled without asking us first: never by vLLM
+            tracked.error, tracked.reason = "internal: scheduled before its admission was known", "internal"
+            log.error("request %s: %s", req_id, tracked.error)
+            self._release_admission(tracked, tracked.error)
             return None
         end = min(computed_before + num_scheduled, tracked.num_tokens)
         start = min(tracked.sent_upto, computed_before)
@@ -213,6 +250,7 @@ class ConnectorScheduler:
                 f"vLLM gave {len(tracked.block_ids)}"
             )
             log.error("request %s: %s", req_id, tracked.error)
+            self._release_admission(tracked, tracked.error)
             if tracked.announced:
                 self._aborts.append(req_id)
             return None
@@ -227,38 +265,38 @@ class ConnectorScheduler:
             block_ids=tuple(tracked.block_ids[:needed_blocks]),
             start=start,
             end=end,
+            offsets=tracked.admission.offsets if tracked.completed else None,
         )
 
     def _collect_reports(self) -> None:
         if self._reports is None:
             return
         for report in self._reports.drain():
-            if report.req_id in self._tracked:  # a straggler for a forgotten request is dropped
-                self._early_reports.setdefault(report.req_id, {})[report.rank] = report
+            tracked = self._tracked.get(report.req_id)
+            if tracked is None:  # a straggler for a forgotten request is dropped
+                continue
+            self._early_reports.setdefault(report.req_id, {})[report.rank] = report
+            if report.status == "failed" and report.req_id in self._held:  # failed after the answer
+                self._release_admission(tracked, report.error or "the KV transfer failed")
 
-    def _outcome(self, req_id: str, tracked: _Tracked) -> tuple[str, str | None, FailureReason | None]:
-        deadline = time.monotonic() + self._report_grace_s
-        while True:
-            self._collect_reports()
-            reports = self._early_reports.get(req_id, {})
-            failed = [r for r in reports.values() if r.status == "failed"]
-            if failed:
-                return ("failed", "; ".join(f"rank {r.rank}: {r.error}" for r in failed),
-                        failed[0].reason or "internal")
-            if len(reports) >= self.world_size:
-                return "sent", None, None
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._reports is None or not self._reports.wait_readable(remaining):
-                missing = sorted(set(range(self.world_size)) - set(reports))
-                return (
-                    "failed",
-                    f"no transfer report from worker rank(s) {missing} within {self._report_grace_s}s",
-                    "internal",
-                )
+    def _outcome(self, req_id: str) -> tuple[str, str | None, FailureReason | None, int | None, int | None]:
+        """(status, error, reason, layers early, layers late) from the reports already there."""
+        self._collect_reports()
+        reports = self._early_reports.get(req_id, {})
+        failed = [r for r in reports.values() if r.status == "failed"]
+        if failed:
+            error = "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
+            return "failed", error, failed[0].reason or "internal", None, None
+        if len(reports) < self.world_size:  # a rank's report is late: say nothing we don't know
+            return "pending", None, None, None, None
+        status = "sent" if all(r.status == "sent" for r in reports.values()) else "pending"
+        return (status, None, None, sum(r.layers_early for r in reports.values()),
+                sum(r.layers_late for r in reports.values()))
 
     @staticmethod
     def _result(request: Any, tracked: _Tracked, status: str, error: str | None,
-                reason: FailureReason | None = None) -> dict[str, Any] | None:
+                reason: FailureReason | None = None, layers_early: int | None = None,
+                layers_late: int | None = None) -> dict[str, Any] | None:
         outputs = list(request.output_token_ids)
         if not outputs:
             return None  # nothing was generated: there is no response to carry a handoff
@@ -271,6 +309,8 @@ class ConnectorScheduler:
             status=status,
             error=error,
             reason=reason if status == "failed" else None,
+            layers_early=layers_early,
+            layers_late=layers_late,
         )  # type: ignore[arg-type]
         return result.model_dump(exclude_none=True)
 

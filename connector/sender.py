@@ -1,20 +1,25 @@
 """The sending half of the KV handoff, used by the vLLM connector's worker side.
 
-Synchronous and thread-safe. :class:`KVSender` owns one transport agent, a registered
-staging pool (``staging_slots`` buffers, each sized for ``max_tokens`` tokens of the
-layers this rank sends) and ``lanes`` sender threads that post WRITEs and poll them, so
-``post_layer`` returns at once and transfers overlap the model's forward pass.
+Thread-safe, and nothing on the caller's path waits on the network. :class:`KVSender`
+owns one transport agent, a registered staging pool (``staging_slots`` buffers, each
+sized for ``max_tokens`` tokens of the layers this rank sends), ``lanes`` sender threads
+that post WRITEs and poll them, and a small pool of control threads (handshakes made in
+the background, Aborts).
 
-Per handoff: ``begin`` admits it at the decode server (control channel) and reserves a
-staging buffer; the caller fills ``staging(layer)`` and calls ``post_layer(layer)`` (or
-``post_layers`` for several ready at once). Each lane has a transport worker of its own;
-a lane takes its run of the queued layers (:mod:`connector.lanes`) and writes it as one
-WRITE of as few descriptors as possible (a layer is contiguous on both sides,
-consecutive layers too), tagged with a :class:`LayersDone` notification. An intra-node
-NIXL/UCX WRITE is a kernel copy (CMA) inside the posting call, about 0.6 of a
-``memcpy``'s bandwidth; two lanes copy on two cores at once. ``wait`` returns "sent"
-once every layer of this rank's plan is written, "failed" otherwise. A staging buffer
-is reused only after every WRITE reading it has finished.
+Per handoff: the slot was admitted by the connector's scheduler side
+(:mod:`connector.admission`); ``open`` (non-blocking) takes a staging buffer for it, or
+answers None (no staging buffer free, or the decode server not handshaken yet: a
+handshake starts in the background) and the caller tries again later. The caller fills
+``staging(layer)`` and calls ``post_layer(layer)`` (or ``post_layers`` for several
+ready at once). Each lane has a transport worker of its own; a lane takes its run of the
+queued layers (:mod:`connector.lanes`) and writes it as one WRITE of as few descriptors
+as possible (a layer is contiguous on both sides, consecutive layers too), tagged with a
+:class:`LayersDone` notification. An intra-node NIXL/UCX WRITE is a kernel copy (CMA)
+inside the posting call, about 0.6 of a ``memcpy``'s bandwidth; two lanes copy on two
+cores at once. A handoff not fully written by its deadline is aborted (the decode server
+is told in the background). A staging buffer is reused only after every WRITE reading it
+has finished. ``begin`` (admission over this sender's own control connection, blocking)
+serves callers outside vLLM: benchmarks and tests.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from connector.control import ControlClient
+from connector.control import ABORT_TIMEOUT_S, ControlClient
 from connector.errors import AdmissionRefused, ControlChannelError, HandshakeRejected, TransportError
-from connector.handoff import ABORT_TIMEOUT_S, Handoff
+from connector.handoff import Handoff
 from connector.lanes import LaneQueue
 from connector.layout import KVLayout, SenderPlan, layout_fingerprint
 from connector.protocol import (
@@ -54,6 +60,7 @@ _POLL_S = 0.0002
 _IDLE_POLL_S = 0.02  # while handoffs are pending but nothing is queued: look for Revoked
 _IDLE_TICK_S = 1.0  # otherwise progress the agent now and then (it has no progress thread)
 MAX_LANES = 8
+CONTROL_THREADS = 4  # background handshakes and Aborts; a hung decode server holds one for its timeout
 
 
 def lane_cpus(lanes: int, device: str) -> list[int]:
@@ -83,7 +90,8 @@ class _Peer:
 class KVSender:
     def __init__(self, agent_name: str, layout: KVLayout, max_tokens: int,
                  sender_plan: SenderPlan | None = None, transport: str = "nixl", staging_slots: int = 2,
-                 device: str = "cpu", lanes: int = 2, pin_lanes: bool = True) -> None:
+                 device: str = "cpu", lanes: int = 2, pin_lanes: bool = True, group: str = "",
+                 control_timeout_s: float = 10.0) -> None:
         if max_tokens < 1:
             raise ValueError(f"KVSender max_tokens={max_tokens}: must be >= 1")
         if staging_slots < 1:
@@ -91,6 +99,8 @@ class KVSender:
         if not 1 <= lanes <= MAX_LANES:
             raise ValueError(f"KVSender lanes={lanes}: must be in 1..{MAX_LANES}")
         self.agent_name = agent_name
+        self.group = group
+        self.control_timeout_s = control_timeout_s
         self.layout = layout
         self.max_tokens = max_tokens
         self.plan = sender_plan or SenderPlan()
@@ -104,7 +114,11 @@ class KVSender:
         self._free_staging = list(range(staging_slots))
         self._staging_cv = threading.Condition()
         self._peers: dict[str, _Peer] = {}
-        self._peers_lock = threading.Lock()
+        self._peers_lock = threading.Lock()  # the dicts only: never held across network I/O
+        self._handshake_locks: dict[str, threading.Lock] = {}
+        self._connecting: set[str] = set()
+        self._connect_errors: dict[str, str] = {}  # endpoint -> why its last background handshake failed
+        self._control = ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix=f"{agent_name}-kv-control")
         self._queue: LaneQueue[tuple[Handoff, int]] = LaneQueue()
         self._active: dict[str, Handoff] = {}  # pending handoffs by id, for Revoked
         self._active_lock = threading.Lock()
@@ -125,27 +139,60 @@ class KVSender:
     # ----------------------------------------------------------------- handshake
 
     def connect(self, endpoint: str, timeout: float) -> None:
+        """Handshake with ``endpoint`` unless a live connection exists (blocking; start-up
+        and the handshake keeper)."""
         self._peer(endpoint, timeout)
+
+    def _ready_peer(self, endpoint: str) -> _Peer | None:
+        with self._peers_lock:
+            peer = self._peers.get(endpoint)
+        if peer is None or peer.stale or peer.client.broken:
+            return None
+        return peer
 
     def _peer(self, endpoint: str, timeout: float) -> _Peer:
         with self._peers_lock:
-            peer = self._peers.get(endpoint)
-            if peer is not None and not peer.stale and not peer.client.broken:
-                return peer
+            lock = self._handshake_locks.setdefault(endpoint, threading.Lock())
+        with lock:  # one handshake per endpoint at a time; other endpoints are not held up
+            peer = self._ready_peer(endpoint)
             if peer is not None:
-                peer.client.close()
-                self._transport.remove_peer(peer.agent)
-                del self._peers[endpoint]
+                return peer
+            with self._peers_lock:
+                old = self._peers.pop(endpoint, None)
+            if old is not None:
+                old.client.close()
+                self._transport.remove_peer(old.agent)
             peer = self._handshake(endpoint, timeout)
-            self._peers[endpoint] = peer
+            with self._peers_lock:
+                self._peers[endpoint] = peer
             return peer
+
+    def _connect_soon(self, endpoint: str) -> None:
+        with self._peers_lock:
+            if endpoint in self._connecting or self._closed:
+                return
+            self._connecting.add(endpoint)
+        self._control.submit(self._connect_in_background, endpoint)
+
+    def _connect_in_background(self, endpoint: str) -> None:
+        error = None
+        try:
+            self._peer(endpoint, self.control_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - reported to the handoffs waiting for it
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("KV sender: background handshake with %s failed: %s", endpoint, error)
+        finally:
+            with self._peers_lock:
+                self._connecting.discard(endpoint)
+                if error is not None:
+                    self._connect_errors[endpoint] = error
 
     def _handshake(self, endpoint: str, timeout: float) -> _Peer:
         client = ControlClient(endpoint, timeout)
         try:
             hello = Hello(protocol_version=PROTOCOL_VERSION, agent_name=self.agent_name,
                           fingerprint=self._fingerprint, transport=self._transport_kind,
-                          agent_metadata=base64.b64encode(self._transport.metadata()).decode())
+                          agent_metadata=base64.b64encode(self._transport.metadata()).decode(), group=self.group)
             reply = client.request(hello, timeout)
             if isinstance(reply, Reject):
                 raise HandshakeRejected(reply.field, reply.expected, reply.received,
@@ -178,12 +225,33 @@ class KVSender:
 
     # ----------------------------------------------------------------- handoffs
 
-    def begin(self, endpoint: str, handoff_id: str, num_tokens: int, timeout: float) -> Handoff:
-        if self._closed:
-            raise TransportError("KVSender is closed")
-        if num_tokens > self.max_tokens:
-            raise AdmissionRefused(handoff_id, "too_long", f"handoff {handoff_id}: {num_tokens} prompt tokens "
-                                   f"exceed this prefill's KV staging size max_tokens={self.max_tokens}")
+    def open(self, endpoint: str, handoff_id: str, num_tokens: int, offsets: list[list[int]] | tuple,
+             deadline: float) -> Handoff | None:
+        """The handoff of a slot admitted elsewhere (the connector's scheduler side), or None
+        when it cannot start yet (no staging buffer free, or ``endpoint`` not handshaken: a
+        handshake starts in the background; if that fails, the next ``open`` for the
+        endpoint raises :class:`ControlChannelError`). Never waits. ``deadline``
+        (``time.monotonic``): not fully written by then, the handoff is aborted."""
+        self._check_open(handoff_id, num_tokens)
+        peer = self._ready_peer(endpoint)
+        if peer is None:
+            with self._peers_lock:
+                error = self._connect_errors.pop(endpoint, None)
+            if error is not None:  # the handshake this handoff waited for failed: so does the handoff
+                raise ControlChannelError(f"no KV handshake with decode server {endpoint}: {error}")
+            self._connect_soon(endpoint)
+            return None
+        with self._staging_cv:
+            if not self._free_staging:
+                return None
+            slot = self._free_staging.pop(0)
+        return self._start(peer, handoff_id, num_tokens, offsets, slot, deadline)
+
+    def begin(self, endpoint: str, handoff_id: str, num_tokens: int, timeout: float,
+              transfer_timeout: float = 30.0) -> Handoff:
+        """Admit the handoff over this sender's own control connection, then open it
+        (blocking, up to ``timeout``); for callers outside vLLM."""
+        self._check_open(handoff_id, num_tokens)
         deadline = time.monotonic() + timeout
         peer = self._peer(endpoint, timeout)
         slot = self._take_staging(handoff_id, deadline)
@@ -198,23 +266,38 @@ class KVSender:
                 raise AdmissionRefused(handoff_id, reply.reason, f"decode server {endpoint}: {reply.message}")
             if not isinstance(reply, Admitted) or reply.handoff_id != handoff_id:
                 raise ControlChannelError(f"{endpoint} answered Admit with {reply!r:.200}")
-            self._check_offsets(peer, reply, num_tokens)
         except BaseException:
             self._release_staging(slot)
             raise
-        handoff = Handoff(self, peer, reply, num_tokens, slot)
+        return self._start(peer, handoff_id, num_tokens, reply.offsets, slot, time.monotonic() + transfer_timeout)
+
+    def _check_open(self, handoff_id: str, num_tokens: int) -> None:
+        if self._closed:
+            raise TransportError("KVSender is closed")
+        if num_tokens > self.max_tokens:
+            raise AdmissionRefused(handoff_id, "too_long", f"handoff {handoff_id}: {num_tokens} prompt tokens "
+                                   f"exceed this prefill's KV staging size max_tokens={self.max_tokens}")
+
+    def _start(self, peer: _Peer, handoff_id: str, num_tokens: int, offsets: list[list[int]] | tuple, slot: int,
+               deadline: float) -> Handoff:
+        try:
+            self._check_offsets(peer, offsets, num_tokens)
+        except BaseException:
+            self._release_staging(slot)
+            raise
+        handoff = Handoff(self, peer, handoff_id, [list(o) for o in offsets], num_tokens, slot, deadline)
         if handoff.status() == "pending":
             with self._active_lock:
                 self._active[handoff_id] = handoff
         return handoff
 
-    def _check_offsets(self, peer: _Peer, admitted: Admitted, num_tokens: int) -> None:
+    def _check_offsets(self, peer: _Peer, offsets: list[list[int]] | tuple, num_tokens: int) -> None:
         sizes = [p.nbytes(num_tokens) for p in self.layout.planes]
-        ok = len(admitted.offsets) == self.layout.num_layers and all(
+        ok = len(offsets) == self.layout.num_layers and all(
             len(offs) == len(sizes) and all(0 <= o and o + s <= peer.region.nbytes for o, s in zip(offs, sizes))
-            for offs in admitted.offsets)
+            for offs in offsets)
         if not ok:
-            raise ControlChannelError(f"{peer.endpoint}: Admitted offsets do not fit the layout or the buffer")
+            raise ControlChannelError(f"{peer.endpoint}: admitted offsets do not fit the layout or the buffer")
 
     def _take_staging(self, handoff_id: str, deadline: float) -> int:
         with self._staging_cv:
@@ -230,13 +313,24 @@ class KVSender:
             self._free_staging.append(slot)
             self._staging_cv.notify()
 
-    def _send_abort(self, peer: _Peer, handoff_id: str, reason: str) -> None:
-        with self._peers_lock:  # the connection may have been made again since begin()
-            current = self._peers.get(peer.endpoint, peer)
+    def _abort_soon(self, handoff: Handoff, reason: str) -> None:
+        """Tell the decode server, in the background, once the handoff's in-flight WRITEs landed."""
         try:
-            current.client.request(Abort(handoff_id=handoff_id, reason=reason), ABORT_TIMEOUT_S)
+            self._control.submit(self._send_abort, handoff, reason)
+        except RuntimeError:  # closing: the receiver frees what this sender held when it goes away
+            pass
+
+    def _send_abort(self, handoff: Handoff, reason: str) -> None:
+        deadline = time.monotonic() + ABORT_TIMEOUT_S
+        while handoff._inflight and time.monotonic() < deadline:  # in-flight WRITEs land before Abort
+            time.sleep(0.001)
+        with self._peers_lock:  # the connection may have been made again since the handoff began
+            current = self._peers.get(handoff._peer.endpoint, handoff._peer)
+        try:
+            current.client.request(Abort(handoff_id=handoff.handoff_id, reason=reason), ABORT_TIMEOUT_S)
         except ControlChannelError as exc:
-            log.warning("KV sender: could not tell %s about aborting %s: %s", peer.endpoint, handoff_id, exc)
+            log.warning("KV sender: could not tell %s about aborting %s: %s", current.endpoint,
+                        handoff.handoff_id, exc)
 
     # ----------------------------------------------------------------- sender lanes
 
@@ -298,6 +392,7 @@ class KVSender:
         try:
             self._last_revocation_check = time.monotonic()
             self._check_revocations()
+            self._check_deadlines()
         finally:
             self._revocation_lock.release()
 
@@ -344,6 +439,13 @@ class KVSender:
             if handoff is not None and handoff._peer.agent == peer:
                 handoff._fail(f"revoked by the decode server {handoff._peer.endpoint}: {revoked.reason}")
 
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        with self._active_lock:
+            late = [h for h in self._active.values() if h.deadline < now]
+        for handoff in late:
+            handoff.abort(f"not all layers were written by the transfer deadline ({handoff.progress()})")
+
     def _forget(self, handoff: Handoff) -> None:
         with self._active_lock:
             if self._active.get(handoff.handoff_id) is handoff:
@@ -367,6 +469,7 @@ class KVSender:
             handoff._fail("the KV sender closed")
         with self._staging_cv:
             self._staging_cv.notify_all()
+        self._control.shutdown(wait=True, cancel_futures=True)
         with self._peers_lock:
             for peer in self._peers.values():
                 peer.client.close()

@@ -19,15 +19,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from connector.admission import AdmissionClient
 from connector.config import load_settings
+from connector.layout import layout_fingerprint
 from connector.metadata import ReportOutbox, StepPlan, report_address
 from connector.profiles import resolve_profile
 from connector.scheduler import ConnectorScheduler
-from connector.worker import ConnectorWorker, default_agent_name, nixl_sender_factory
+from connector.vllm_stats import TileRTKVStats, TileRTPromMetrics
+from connector.worker import ConnectorWorker, default_agent_name, nixl_sender_factory, sender_group
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -61,20 +65,27 @@ class TileRTConnector(KVConnectorBase_V1):
         engine_id = str(self._kv_transfer_config.engine_id)
         address = report_address(engine_id, parallel.data_parallel_rank)
         world = parallel.tensor_parallel_size
+        group = sender_group(engine_id, parallel.data_parallel_rank)
+        profile = resolve_profile(settings.profile, model.hf_config, model.dtype)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            admissions = AdmissionClient(
+                agent_name=default_agent_name(engine_id, None), group=group,
+                fingerprint=layout_fingerprint(profile.layout, world), transport="nixl",
+                timeout_s=settings.admission_timeout_s,
+            )
             self._scheduler = ConnectorScheduler.with_inbox(
                 address,
                 block_size=_block_size(vllm_config, kv_cache_config),
                 max_tokens=max_tokens,
                 world_size=world,
+                admissions=admissions,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank() if world > 1 else 0
-            profile = resolve_profile(settings.profile, model.hf_config, model.dtype)
             self._worker = ConnectorWorker(
                 settings=settings,
                 profile=profile,
@@ -83,11 +94,16 @@ class TileRTConnector(KVConnectorBase_V1):
                 agent_name=default_agent_name(engine_id, rank),
                 max_tokens=max_tokens,
                 sender_factory=functools.partial(nixl_sender_factory, lanes=settings.send_lanes,
-                                                 pin_lanes=settings.pin_send_lanes),
+                                                 pin_lanes=settings.pin_send_lanes, group=group,
+                                                 control_timeout_s=settings.handshake_timeout_s),
                 reports=ReportOutbox(address),
             )
 
     # -- scheduler side -------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -147,6 +163,19 @@ class TileRTConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None, None
         return self._worker.get_finished(finished_req_ids)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self._worker.take_stats() if self._worker is not None else None
+        return TileRTKVStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return TileRTKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return TileRTPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -1,27 +1,34 @@
 """Worker side of :class:`connector.TileRTConnector` (runs in each vLLM worker process).
 
-The only user of :class:`connector.sender.KVSender`. Life of one handed-off request:
+The only user of :class:`connector.sender.KVSender`. Nothing here waits on the network:
+admission happened on the scheduler side before the request was scheduled
+(:mod:`connector.admission`), handshakes run in the background
+(:class:`connector.keeper.HandshakeKeeper`, or one started when a handoff needs it), WRITEs
+are posted to sender lanes, and Aborts go out in the background. Life of one handed-off
+request:
 
-1. ``bind(plan)`` (before the forward): the first plan that names the request begins
-   its handoff (handshake if needed, admission at the decode server, with timeouts);
-   a refusal is reported to the scheduler side at once as "failed".
-2. ``save_kv_layer`` in the request's *last* prefill step (the one computing its final
-   prompt token): gather the prompt's KV of that layer out of vLLM's paged cache into
-   ``Handoff.staging(layer)`` and ``post_layer(layer)`` at once, so the layer's WRITE
-   overlaps the computation of the remaining layers (the MTP layer comes last, from
-   the drafter's forward). Earlier chunks only compute into the paged cache; the whole
-   prompt (prefix-cached tokens included) is gathered from the request's blocks in the
-   last step.
-3. ``wait_for_save`` (after the drafter, before the step's output goes back): wait for
-   each of this step's handoffs (bounded by ``transfer_timeout_s``) and send one
-   :class:`connector.metadata.SendReport` per handoff to the scheduler side
-   (see :mod:`connector.scheduler` for why this channel).
-4. ``get_finished``: a request listed in ``finished_req_ids`` whose handoff is settled
-   (or aborted now) is returned in the first set, so vLLM frees its blocks.
+1. ``bind(plan)``: the step that computes the prompt's last token carries the admitted
+   slot's offsets; the handoff is opened (a staging buffer taken, never waited for).
+2. **Early path**: ``save_kv_layer`` (vLLM's CPU attention calls it after each layer):
+   gather that layer's prompt KV out of vLLM's paged cache into ``staging(layer)`` and
+   post it at once, so its WRITE overlaps the next layers' computation.
+3. **Late path, guaranteed**: ``wait_for_save`` (after the MTP drafter, before the step's
+   output goes back) gathers every layer of this rank not posted yet from the caches
+   registered in ``register_kv_caches`` and posts them in one burst. vLLM 0.32's CUDA
+   attention for GLM-5.1 never calls ``save_kv_layer``, so there every layer is late.
+   Then one :class:`connector.metadata.SendReport` per handoff (pending/sent/failed, layers
+   early and late) goes to the scheduler side without waiting for the WRITEs.
+4. **Deferred**: a handoff that could not open (no staging buffer free, decode server not
+   handshaken yet) is gathered in a later step, from the request's blocks, which vLLM
+   holds until this worker reports the request in ``get_finished``; past
+   ``transfer_timeout_s`` it fails.
+5. ``get_finished``: a request vLLM finished is returned in the first set (vLLM frees
+   its blocks) as soon as every layer of this rank is copied into staging (the WRITEs
+   read staging, not vLLM's cache), or its handoff failed or was aborted.
 
 With tensor parallelism every rank holds the same MLA KV; a
 :class:`connector.layout.SenderPlan` gives each rank its share of the layers, every rank
-reports, and the scheduler side answers "sent" only when all ranks did.
+reports, and the scheduler side answers "failed" if any rank failed.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from connector.errors import AdmissionRefused, HandshakeRejected
+from connector.errors import AdmissionRefused, ControlChannelError, HandshakeRejected
 from connector.keeper import HandshakeKeeper
 from connector.layout import KVLayout, SenderPlan, gather_fp8_ds_mla, gather_pages, gather_tokens
 from connector.metadata import RequestWork, SendReport, StepPlan
@@ -45,7 +52,6 @@ if TYPE_CHECKING:
     from connector.config import ConnectorSettings
 
 log = logging.getLogger(__name__)
-_REFUSALS = ("busy", "too_long", "cancelled", "duplicate", "unknown_peer")
 
 
 class Handoff(Protocol):
@@ -53,11 +59,9 @@ class Handoff(Protocol):
 
     def staging(self, layer: int) -> dict[str, torch.Tensor]: ...
 
-    def post_layer(self, layer: int) -> None: ...
+    def post_layers(self, layers: list[int]) -> None: ...
 
     def status(self) -> str: ...
-
-    def wait(self, timeout: float) -> str: ...
 
     def abort(self, reason: str) -> None: ...
 
@@ -65,7 +69,8 @@ class Handoff(Protocol):
 class Sender(Protocol):
     def connect(self, endpoint: str, timeout: float) -> None: ...
 
-    def begin(self, endpoint: str, handoff_id: str, num_tokens: int, timeout: float) -> Handoff: ...
+    def open(self, endpoint: str, handoff_id: str, num_tokens: int, offsets: Any,
+             deadline: float) -> Handoff | None: ...
 
     def close(self) -> None: ...
 
@@ -84,8 +89,14 @@ class _Send:
     work: RequestWork
     handoff: Handoff | None = None
     error: str | None = None
-    posted: set[int] = field(default_factory=set)
-    reported: bool = False
+    early: set[int] = field(default_factory=set)  # posted from save_kv_layer
+    late: set[int] = field(default_factory=set)  # posted from wait_for_save or a later step
+    last_bound: bool = False  # the step computing the prompt's last token began
+    gathered: bool = False  # every layer of this rank is in staging (vLLM's blocks may go)
+    finished: bool = False  # vLLM finished the request: report it in get_finished when done
+    reported: str = ""  # status last reported to the scheduler side
+    reason: FailureReason = "internal"  # why, when error is set
+    deadline: float = 0.0  # time.monotonic(): gathered and written by then, or failed
     t_step: float = 0.0  # perf_counter at bind of the last step
     t_last_post: float = 0.0
 
@@ -112,11 +123,13 @@ class ConnectorWorker:
         self._reports = reports
         self._sender: Sender | None = None
         self._layer_of: dict[str, int] = {}
+        self._caches: list[torch.Tensor] = []
         self._indexer: dict[int, torch.Tensor] = {}
         self._my_layers: frozenset[int] = frozenset()
         self._sends: dict[str, _Send] = {}
         self._active: list[_Send] = []
         self._keeper: HandshakeKeeper | None = None
+        self._stats = dict.fromkeys(("handoffs_posted", "handoffs_failed", "layers_early", "layers_late"), 0)
 
     # -- start-up -----------------------------------------------------------------------
 
@@ -137,6 +150,7 @@ class ConnectorWorker:
             reasons = [str(e) for e in (mismatch, rejected) if e is not None]
             raise ProfileMismatch("; ".join(reasons))
         self._layer_of = {name: i for i, name in enumerate(layers.mla)}
+        self._caches = [kv_caches[name] for name in layers.mla]
         self._indexer = {i: kv_caches[name] for i, name in enumerate(layers.indexer) if name is not None}
         self._my_layers = frozenset(self.plan.layers(layout.num_layers))
         self._keeper = HandshakeKeeper(self._sender, self.settings.decode_endpoints,
@@ -185,67 +199,61 @@ class ConnectorWorker:
             if send is not None:
                 self._abort(send, "the request finished before its prompt was computed")
         self._active = []
+        now = time.monotonic()
         for work in plan.work:
             send = self._sends.get(work.req_id)
             if send is None:
                 send = self._sends[work.req_id] = _Send(work)
-                self._begin(send)
             send.work = work
-            if work.last and not send.reported:
-                send.posted = set()
+            if work.last and not send.last_bound and send.error is None:
+                send.last_bound = True
+                send.deadline = now + self.settings.transfer_timeout_s
                 send.t_step = time.perf_counter()
                 self._active.append(send)
+                self._open(send)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        """The early path: post this layer's KV while vLLM computes the next layers."""
         if not self._active:
             return
         layer = self._layer_of.get(layer_name)
         if layer is None or layer not in self._my_layers:
             return
         for send in self._active:
-            if send.error is not None or send.handoff is None:
+            if send.error is not None or send.handoff is None or layer in send.early:
                 continue
             try:
                 self._gather(send.handoff.staging(layer), layer, _paged_rows(kv_layer), send.work)
-                if kv_layer.is_cuda:
-                    import torch
-
-                    torch.cuda.current_stream(kv_layer.device).synchronize()
-                send.handoff.post_layer(layer)
-                send.posted.add(layer)
+                _synchronize(kv_layer)
+                send.handoff.post_layers([layer])
+                send.early.add(layer)
                 send.t_last_post = time.perf_counter()
             except Exception as exc:  # noqa: BLE001 - any failure fails this handoff, not vLLM
                 self._fail(send, f"layer {layer}: {type(exc).__name__}: {exc}", "internal")
 
     def wait_for_save(self) -> None:
+        """The late path: every layer not posted yet, from the registered caches, in one burst;
+        then report each handoff of this step without waiting for its WRITEs."""
         active, self._active = self._active, []
         for send in active:
-            if send.reported:
-                continue
-            if send.error is None and send.handoff is not None:
-                missing = sorted(self._my_layers - send.posted)
-                if missing:
-                    self._fail(send, f"layers {missing} were not saved in the prompt's last step", "internal")
-                    continue
-                try:
-                    status = send.handoff.wait(self.settings.transfer_timeout_s)
-                    error = send.handoff.error
-                except Exception as exc:  # noqa: BLE001 - fails this handoff, not vLLM
-                    status, error = "failed", f"{type(exc).__name__}: {exc}"
-                if status != "sent":
-                    self._fail(send, error or f"transfer ended {status!r}", "transfer")
-                    continue
-                _log_tail(send, time.perf_counter())
-            self._report(send, "sent", None)
+            if send.error is None:
+                self._open(send)
+                self._gather_late(send)
+            self._report(send)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
-        done = set()
         for req_id in finished_req_ids:
-            send = self._sends.pop(req_id, None)
+            send = self._sends.get(req_id)
             if send is None:
                 continue
-            self._abort(send, "the request finished before its handoff completed")
-            done.add(req_id)
+            send.finished = True
+            if not send.last_bound:
+                self._abort(send, "the request finished before its prompt was computed")
+        self._progress_deferred()
+        done = {req_id for req_id, send in self._sends.items()
+                if send.finished and (send.error is not None or send.gathered)}
+        for req_id in done:
+            del self._sends[req_id]
         return (done or None), None
 
     def shutdown(self) -> None:
@@ -262,6 +270,13 @@ class ConnectorWorker:
                 log.warning("closing the KV sender failed: %s", exc)
             self._sender = None
 
+    def take_stats(self) -> dict[str, int] | None:
+        """Counters since the last call (vLLM's KV-connector stats), or None if nothing happened."""
+        if not any(self._stats.values()):
+            return None
+        taken, self._stats = self._stats, dict.fromkeys(self._stats, 0)
+        return taken
+
     def pending(self) -> dict[str, str]:
         """Requests this worker still holds state for (req id -> status); for leak checks."""
         return {
@@ -271,19 +286,60 @@ class ConnectorWorker:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _begin(self, send: _Send) -> None:
-        if not self._my_layers or self._sender is None:
+    def _open(self, send: _Send) -> None:
+        """Take the handoff's staging buffer if it can be had now (never waits)."""
+        if send.handoff is not None or send.error is not None or self._sender is None:
+            return
+        if not self._my_layers:
+            send.gathered = True  # this rank sends no layer
             return
         work = send.work
+        if work.offsets is None:
+            self._fail(send, "internal: the last step carries no admitted offsets", "internal")
+            return
         try:
-            self._sender.connect(work.kv_endpoint, self.settings.handshake_timeout_s)
-            send.handoff = self._sender.begin(
-                work.kv_endpoint, work.handoff_id, work.num_tokens, self.settings.admission_timeout_s
-            )
+            send.handoff = self._sender.open(work.kv_endpoint, work.handoff_id, work.num_tokens, work.offsets,
+                                             send.deadline)
         except AdmissionRefused as exc:
-            self._fail(send, f"{type(exc).__name__}: {exc}", exc.reason if exc.reason in _REFUSALS else "internal")
-        except Exception as exc:  # noqa: BLE001 - a refused or broken handoff must not stop vLLM
+            self._fail(send, f"{type(exc).__name__}: {exc}", "too_long" if exc.reason == "too_long" else "internal")
+        except ControlChannelError as exc:
             self._fail(send, f"{type(exc).__name__}: {exc}", "unreachable")
+        except Exception as exc:  # noqa: BLE001 - a broken handoff must not stop vLLM
+            self._fail(send, f"{type(exc).__name__}: {exc}", "internal")
+
+    def _gather_late(self, send: _Send) -> None:
+        if send.error is not None or send.handoff is None or send.gathered:
+            return
+        layers = sorted(self._my_layers - send.early)
+        try:
+            views = [send.handoff.staging(layer) for layer in layers]
+            for layer, staging in zip(layers, views):
+                self._gather(staging, layer, _paged_rows(self._caches[layer]), send.work)
+            if layers:
+                _synchronize(self._caches[layers[0]])
+                send.handoff.post_layers(layers)
+                send.t_last_post = time.perf_counter()
+        except Exception as exc:  # noqa: BLE001 - any failure fails this handoff, not vLLM
+            self._fail(send, f"late gather of layers {layers}: {type(exc).__name__}: {exc}", "internal")
+            return
+        send.late.update(layers)
+        send.gathered = True
+        _log_step(send)
+
+    def _progress_deferred(self) -> None:
+        """Handoffs whose last step ended before they could open: try again, or give up."""
+        now = time.monotonic()
+        for send in list(self._sends.values()):
+            if not send.last_bound or send.gathered or send.error is not None or send in self._active:
+                continue
+            self._open(send)
+            if send.handoff is not None:
+                self._gather_late(send)
+            elif now > send.deadline:
+                self._fail(send, f"no KV staging buffer free or no handshake with {send.work.kv_endpoint} "
+                                 f"within transfer_timeout_s={self.settings.transfer_timeout_s:g}", "transfer")
+            if send.reported and send.reported != "failed" and send.error is not None:
+                self._report(send)
 
     def _gather(
         self, views: dict[str, torch.Tensor], layer: int, cache: torch.Tensor, work: RequestWork
@@ -297,10 +353,11 @@ class ConnectorWorker:
         gather_pages(self._indexer[layer], blocks, pages, views["indexer"])
 
     def _fail(self, send: _Send, error: str, reason: FailureReason) -> None:
+        if send.error is not None:
+            return
         log.warning("handoff %s (request %s) failed: %s", send.work.handoff_id, send.work.req_id, error)
         _abort_quietly(send.handoff, error)
-        send.error = error
-        self._report(send, "failed", error, reason)
+        send.error, send.reason = error, reason
 
     def _abort(self, send: _Send, reason: str) -> None:
         _abort_quietly(send.handoff, reason)
@@ -308,39 +365,60 @@ class ConnectorWorker:
         if send in self._active:
             self._active.remove(send)
 
-    def _report(self, send: _Send, status: str, error: str | None, reason: FailureReason | None = None) -> None:
-        if send.reported:
+    def _report(self, send: _Send) -> None:
+        """Tell the scheduler side how the handoff stands (again only if it failed since)."""
+        if send.error is not None:
+            status = "failed"
+        else:
+            status = send.handoff.status() if send.handoff is not None else "pending"
+            if status == "failed":
+                send.error, send.reason = send.handoff.error or "the KV transfer failed", "transfer"
+        if status == send.reported or send.reported == "failed":
             return
-        send.reported = True
+        early = len(send.early)
+        late = len(send.late) if status == "failed" else len(self._my_layers) - early
+        if not send.reported:  # vLLM's KV-connector stats: the outcome at the end of the last step
+            self._stats["handoffs_failed" if status == "failed" else "handoffs_posted"] += 1
+            self._stats["layers_early"] += early
+            self._stats["layers_late"] += late
+        send.reported = status
         self._reports.send(
             SendReport(
                 req_id=send.work.req_id,
                 rank=self.plan.rank,
                 status=status,  # type: ignore[arg-type]
-                error=error,
-                reason=reason,
+                error=send.error,
+                reason=send.reason if status == "failed" else None,
+                layers_early=early,
+                layers_late=late,
             )
         )
 
 
-def _log_tail(send: _Send, t_done: float) -> None:
-    """One line per handoff: the prefill step up to the last layer, then the tail (last layer
-    posted -> every WRITE of this rank landed). Parsed by bench/prefill_tail.py."""
-    step_ms = (send.t_last_post - send.t_step) * 1e3
-    tail_ms = (t_done - send.t_last_post) * 1e3
+def _synchronize(tensor: torch.Tensor) -> None:
+    """Gathers on a CUDA cache are asynchronous: the staging bytes must be there before the WRITE."""
+    if tensor.is_cuda:
+        import torch
+
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def _log_step(send: _Send) -> None:
+    """One line per handoff once its layers are all posted: the prefill step up to the last
+    layer posted. Parsed by bench/prefill_tail.py (with the sender's line when they landed)."""
     log.info(
-        "TileRT handoff %s: %d tokens, %d layers; step to last layer %.2f ms, tail %.3f ms (%.2f%%)",
+        "TileRT handoff %s: %d tokens, %d layers (%d early, %d late); step to last layer %.2f ms",
         send.work.handoff_id,
         send.work.num_tokens,
-        len(send.posted),
-        step_ms,
-        tail_ms,
-        100.0 * tail_ms / step_ms if step_ms > 0 else 0.0,
+        len(send.early) + len(send.late),
+        len(send.early),
+        len(send.late),
+        (send.t_last_post - send.t_step) * 1e3,
     )
 
 
 def _abort_quietly(handoff: Handoff | None, reason: str) -> None:
-    """Abort a pending handoff; a failing abort (receiver gone) is logged, never raised into vLLM."""
+    """Abort a pending handoff; a failing abort is logged, never raised into vLLM."""
     if handoff is None or handoff.status() != "pending":
         return
     try:
@@ -357,16 +435,26 @@ def _paged_rows(cache: torch.Tensor) -> torch.Tensor:
     return cache
 
 
-def default_agent_name(engine_id: str, rank: int) -> str:
+def default_agent_name(engine_id: str, rank: int | None) -> str:
+    """A worker rank's agent name, or (rank None) the scheduler side's."""
     import os
     import socket
 
-    return f"tilert-prefill-{socket.gethostname()}-{os.getpid()}-{engine_id[:8]}-r{rank}"
+    role = "sched" if rank is None else f"r{rank}"
+    return f"tilert-prefill-{socket.gethostname()}-{os.getpid()}-{engine_id[:8]}-{role}"
+
+
+def sender_group(engine_id: str, dp_rank: int = 0) -> str:
+    """The KV sender group of one prefill instance: its scheduler side admits, its workers write."""
+    import socket
+
+    return f"tilert-prefill-{socket.gethostname()}-{engine_id}-dp{dp_rank}"
 
 
 def nixl_sender_factory(agent_name: str, layout: KVLayout, max_tokens: int, plan: SenderPlan,
-                        lanes: int = 2, pin_lanes: bool = True) -> Any:
+                        lanes: int = 2, pin_lanes: bool = True, group: str = "",
+                        control_timeout_s: float = 10.0) -> Any:
     from connector.sender import KVSender
 
     return KVSender(agent_name, layout, max_tokens, sender_plan=plan, transport="nixl", lanes=lanes,
-                    pin_lanes=pin_lanes)
+                    pin_lanes=pin_lanes, group=group, control_timeout_s=control_timeout_s)

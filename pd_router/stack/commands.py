@@ -26,6 +26,8 @@ class PrefillSpec:
     mtp: bool = True
     num_speculative_tokens: int = 1  # MTP drafts per step in prefill's own vLLM (decode drafts separately)
     connector: bool = True
+    connector_class: str = "TileRTConnector"  # kv_connector and its kv_connector_module_path
+    connector_module: str = "connector"
     profile: str = "auto"  # connector model profile: "auto", "tiny", "glm5.1" (adds the flags it needs)
     decode_endpoints: tuple[str, ...] = ()  # KV endpoints to handshake with at start-up
     enforce_eager: bool = True
@@ -45,8 +47,8 @@ def kv_transfer_config(spec: PrefillSpec) -> dict:
     if spec.decode_endpoints:
         extra["decode_endpoints"] = list(spec.decode_endpoints)
     return {
-        "kv_connector": "TileRTConnector",
-        "kv_connector_module_path": "connector",
+        "kv_connector": spec.connector_class,
+        "kv_connector_module_path": spec.connector_module,
         "kv_role": "kv_producer",
         "kv_connector_extra_config": extra,
     }

@@ -60,6 +60,7 @@ class StackConfig:
     # decode_server.tiny_model.VLLM_CPU_EXACT_ARGS); off for a real checkpoint on GPUs
     cpu_exact: bool = True
     router_args: tuple[str, ...] = ()
+    prefill_connector: tuple[str, str] = ("connector", "TileRTConnector")  # module path, class (tests)
 
     def prefill_extra_args(self) -> tuple[str, ...]:
         # CPU MLA runs without chunked prefill: a batch must hold the longest prompt
@@ -85,9 +86,11 @@ class StackConfig:
 
     def prefill_spec(self) -> PrefillSpec:
         endpoints = tuple(f"{d.host}:{d.kv_port}" for d in self.decode_specs())
+        module, cls = self.prefill_connector
         return PrefillSpec(model=self.model_dir, host=self.host, port=self.prefill_port, mtp=self.prefill_mtp,
                            profile=self.profile, decode_endpoints=endpoints, max_model_len=self.max_seq_len,
-                           served_model_name=self.served_model_name, extra_args=self.prefill_extra_args())
+                           served_model_name=self.served_model_name, extra_args=self.prefill_extra_args(),
+                           connector_module=module, connector_class=cls)
 
     def router_spec(self) -> RouterSpec:
         return RouterSpec(prefill_urls=(self.prefill_url,), decode_urls=tuple(self.decode_urls),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from connector.protocol import PROTOCOL_VERSION
 from tests.decode_server.helpers import client, handoff, script_for, sse_events
 from tests.fakes.fake_engine import FakeEngineConfig, fake_logprob
 
@@ -225,7 +226,7 @@ def test_sampling_params_reach_the_engine(make_server, tokenizer):
 def test_capabilities_health_ready_models(make_server):
     srv = make_server(slots=3)
     caps = httpx.get(srv.url + "/v1/pd/capabilities").json()
-    assert caps["slots"] == 3 and caps["busy_slots"] == 0 and caps["protocol_version"] == 1
+    assert caps["slots"] == 3 and caps["busy_slots"] == 0 and caps["protocol_version"] == PROTOCOL_VERSION
     assert caps["layout_fingerprint"] == srv.receiver.fingerprint and caps["peers"][0]["state"] == "ok"
     assert httpx.get(srv.url + "/health").status_code == 200
     assert httpx.get(srv.url + "/ready").status_code == 200

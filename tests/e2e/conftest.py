@@ -3,6 +3,7 @@ second vLLM serving the same model alone, both on loopback, once per session."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -30,15 +31,20 @@ def make_stack_config(model_dir: Path, log_dir: Path, **overrides) -> StackConfi
                        decode_port=decode, kv_port=kv, served_model_name=MODEL_NAME, **overrides)
 
 
-@pytest.fixture(scope="session")
-def pd_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    cfg = make_stack_config(tiny_model_dir, tmp_path_factory.mktemp("pd-stack-logs"))
+@contextmanager
+def running_stack(cfg: StackConfig) -> Iterator[Stack]:
     stack = Stack(cfg)
     try:
         stack.start()
         yield stack
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="session")
+def pd_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(make_stack_config(tiny_model_dir, tmp_path_factory.mktemp("pd-stack-logs"))) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="session")

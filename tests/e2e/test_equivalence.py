@@ -30,7 +30,10 @@ def _chat(url: str, model: str, messages: list[dict]) -> dict:
 
 
 def test_pd_stack_matches_vllm_alone(pd_stack, vllm_alone, model_name, tokenizer):
-    router = pd_stack.config.router_url
+    assert_matches_vllm_alone(pd_stack.config.router_url, vllm_alone, model_name)
+
+
+def assert_matches_vllm_alone(router: str, vllm_alone: str, model_name: str) -> None:
     verdicts = []
     for prompt in COMPLETION_PROMPTS:
         pd, alone = _completion(router, model_name, prompt), _completion(vllm_alone, model_name, prompt)

@@ -1,19 +1,21 @@
 """A stateful in-process stand-in for :class:`connector.sender.KVSender` (same API), for unit
 tests of the connector's worker side. Staging buffers are real tensors laid out as the
 real sender's (:func:`connector.layout.layer_views`); what was posted is kept per
-handoff so tests can check the gathered bytes. Behaviour knobs:
+handoff so tests can check the gathered bytes. A handoff is "sent" once every layer of
+its plan is posted (the fake WRITE lands at once). Behaviour knobs:
 
 * ``reject``: endpoint -> HandshakeRejected raised by ``connect``;
-* ``refuse``: endpoint -> reason ("busy", "too_long") raised by ``begin``;
-* ``fail_wait``: handoff ids whose ``wait`` ends "failed" (receiver gone);
-* ``unreachable``: endpoints whose ``connect`` raises ControlChannelError;
-* ``explode``: Handoff method names ("staging", "abort", "wait") that raise RuntimeError.
+* ``unreachable``: endpoints whose ``connect`` raises ControlChannelError and whose
+  ``open`` answers None (not handshaken: try later);
+* ``no_staging``: ``open`` answers None (no staging buffer free) this many times;
+* ``fail_transfer``: handoff ids whose WRITEs fail (receiver gone);
+* ``explode``: Handoff method names ("staging", "abort") that raise RuntimeError.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -28,8 +30,11 @@ class FakeHandoff:
     handoff_id: str
     num_tokens: int
     layers: tuple[int, ...]
+    offsets: Any
+    deadline: float
     buffers: dict[int, torch.Tensor] = field(default_factory=dict)
     posted: list[int] = field(default_factory=list)
+    bursts: list[list[int]] = field(default_factory=list)  # each post_layers call
     error: str | None = None
     _status: Literal["pending", "sent", "failed"] = "pending"
     abort_reason: str | None = None
@@ -47,35 +52,28 @@ class FakeHandoff:
             self.buffers[layer] = torch.zeros(nbytes, dtype=torch.uint8)
         return layer_views(self.buffers[layer], self.sender.layout, self.num_tokens)
 
-    def post_layer(self, layer: int) -> None:
+    def post_layers(self, layers: list[int]) -> None:
+        if any(layer in self.posted for layer in layers):
+            raise ValueError(f"layers {layers} posted twice")
+        self.posted.extend(layers)
+        self.bursts.append(list(layers))
         if self._status != "pending":
-            raise RuntimeError(f"post_layer on a {self._status} handoff")
-        self.posted.append(layer)
+            return
+        if self.handoff_id in self.sender.fail_transfer:
+            self._status, self.error = "failed", "nixlRemoteDisconnectError: receiver gone"
+            self.sender.settle(self)
+        elif sorted(self.posted) == sorted(self.layers):
+            self._status = "sent"
+            self.sender.settle(self)
 
     def status(self) -> Literal["pending", "sent", "failed"]:
         return self._status
-
-    def wait(self, timeout: float) -> Literal["sent", "failed"]:
-        self._maybe_explode("wait")
-        if self._status == "pending":
-            if self.handoff_id in self.sender.fail_wait:
-                self._status, self.error = "failed", "nixlRemoteDisconnectError: receiver gone"
-            elif sorted(set(self.posted)) != sorted(self.layers):
-                self._status, self.error = (
-                    "failed",
-                    f"timed out: layers {sorted(self.posted)} of {self.layers}",
-                )
-            else:
-                self._status = "sent"
-        self.sender.settle(self)
-        return self._status  # type: ignore[return-value]
 
     def abort(self, reason: str) -> None:
         self.sender.settle(self)
         self._maybe_explode("abort")
         if self._status == "pending":
             self._status, self.error, self.abort_reason = "failed", f"aborted: {reason}", reason
-        self.sender.settle(self)
 
 
 class FakeKVSender:
@@ -95,9 +93,9 @@ class FakeKVSender:
         self.handoffs: dict[str, FakeHandoff] = {}
         self.open_handoffs: set[str] = set()
         self.reject: dict[str, HandshakeRejected] = {}
-        self.refuse: dict[str, str] = {}
-        self.fail_wait: set[str] = set()
         self.unreachable: set[str] = set()
+        self.no_staging = 0
+        self.fail_transfer: set[str] = set()
         self.explode: set[str] = set()
         self.closed = False
 
@@ -109,16 +107,17 @@ class FakeKVSender:
         if endpoint not in self.connected:
             self.connected.append(endpoint)
 
-    def begin(self, endpoint: str, handoff_id: str, num_tokens: int, timeout: float) -> FakeHandoff:
-        if endpoint in self.refuse:
-            raise AdmissionRefused(
-                handoff_id, self.refuse[endpoint], f"{endpoint} refused {handoff_id}: {self.refuse[endpoint]}"
-            )
+    def open(self, endpoint: str, handoff_id: str, num_tokens: int, offsets: Any,
+             deadline: float) -> FakeHandoff | None:
         if num_tokens > self.max_tokens:
             raise AdmissionRefused(handoff_id, "too_long", f"{num_tokens} > {self.max_tokens}")
-        handoff = FakeHandoff(
-            self, endpoint, handoff_id, num_tokens, self.plan.layers(self.layout.num_layers)
-        )
+        if endpoint in self.unreachable:
+            return None
+        if self.no_staging > 0:
+            self.no_staging -= 1
+            return None
+        handoff = FakeHandoff(self, endpoint, handoff_id, num_tokens, self.plan.layers(self.layout.num_layers),
+                              offsets, deadline)
         self.handoffs[handoff_id] = handoff
         self.open_handoffs.add(handoff_id)
         return handoff

@@ -4,11 +4,14 @@ connector's scheduler and worker sides without vLLM.
 It keeps the orders that matter (read from vllm/v1/core/sched/scheduler.py and
 vllm/v1/worker/gpu_model_runner.py with a speculative config):
 
-* scheduling: ``update_state_after_alloc`` when a waiting request gets its blocks,
-  then ``build_connector_meta`` once per step; chunked prefill under a token budget;
+* scheduling: ``on_new_request`` when a request arrives; a waiting request is skipped
+  while ``get_num_new_matched_tokens`` answers None; ``update_state_after_alloc`` when it
+  gets its blocks, then ``build_connector_meta`` once per step; chunked prefill under a
+  token budget;
 * execution: bind metadata, per main layer the KV write then ``save_kv_layer``, then
   ``get_finished(finished_req_ids)`` (built before the drafter), then the MTP layer's
-  write + ``save_kv_layer``, then ``wait_for_save``;
+  write + ``save_kv_layer``, then ``wait_for_save``. ``saves_layer(i)`` False models
+  vLLM's CUDA attention for GLM-5.1, which never calls ``save_kv_layer``;
 * output: for each request whose prompt is done, append the sampled token; finished
   requests go through ``request_finished`` (blocks freed unless it says True) *before*
   ``update_connector_output`` gets the step's ``finished_sending``.
@@ -61,8 +64,10 @@ class MiniEngine:
         token_budget: int = 64,
         dtype: torch.dtype = torch.bfloat16,
         width: int = 576,
+        saves_layer: Any = lambda layer: True,
     ) -> None:
         self.scheduler = scheduler
+        self.saves_layer = saves_layer
         self.workers = workers
         self.token_budget = token_budget
         self.free_blocks = list(range(num_blocks))
@@ -86,6 +91,7 @@ class MiniEngine:
 
     def add(self, request: FakeRequest) -> None:
         self.waiting.append(request)
+        self.scheduler.on_new_request(request)
 
     def abort(self, req_id: str) -> None:
         for queue in (self.waiting, self.running):
@@ -111,11 +117,15 @@ class MiniEngine:
             cached_computed.append(req.num_computed_tokens)
             scheduled[req.request_id] = n
             budget -= n
+        skipped = []
         while self.waiting and budget > 0:
             req = self.waiting.pop(0)
+            matched, _ = self.scheduler.get_num_new_matched_tokens(req, 0)
+            if matched is None:  # the connector cannot tell yet: schedule it in a later step
+                skipped.append(req)
+                continue
             n = min(req.num_prompt_tokens, budget)
             self._alloc(req, n)
-            self.scheduler.get_num_new_matched_tokens(req, 0)
             self.scheduler.update_state_after_alloc(req, list(req.block_ids), 0)
             new_reqs.append(
                 SimpleNamespace(
@@ -125,6 +135,7 @@ class MiniEngine:
             scheduled[req.request_id] = n
             self.running.append(req)
             budget -= n
+        self.waiting[:0] = skipped
         out = SimpleNamespace(
             scheduled_new_reqs=new_reqs,
             num_scheduled_tokens=scheduled,
@@ -148,11 +159,13 @@ class MiniEngine:
             worker.bind(plan)
             for i, name in enumerate(self.layer_names[:-1]):
                 self._write(caches[name], i, by_id, out.num_scheduled_tokens)
-                worker.save_kv_layer(name, caches[name])
+                if self.saves_layer(i):
+                    worker.save_kv_layer(name, caches[name])
             done, _ = worker.get_finished(out.finished_req_ids)
             mtp = self.layer_names[-1]
             self._write(caches[mtp], len(self.layer_names) - 1, by_id, out.num_scheduled_tokens)
-            worker.save_kv_layer(mtp, caches[mtp])
+            if self.saves_layer(len(self.layer_names) - 1):
+                worker.save_kv_layer(mtp, caches[mtp])
             worker.wait_for_save()
             for req_id in done or ():
                 counts[req_id] = counts.get(req_id, 0) + 1

@@ -99,12 +99,14 @@ def _vllm_runs(url: str, model_name: str) -> list[tuple[str, list[int], list]]:
 
 
 def _judge_all(runs, engine: ReferenceEngine, model: MlaMoeModel, corrupt_layer: int | None = None
-               ) -> list[tuple[str, Verdict]]:
-    out = []
+               ) -> tuple[list[tuple[str, Verdict]], tuple[int, int]]:
+    """Verdicts per prompt, and the engine's (drafted, accepted) MTP counts over all of them."""
+    out, drafted, accepted = [], 0, 0
     for label, ids, vllm_steps in runs:
-        tokens, _ = generate_greedy(engine, model, ids, N_TOKENS, logprobs=5, corrupt_layer=corrupt_layer)
+        tokens, stats = generate_greedy(engine, model, ids, N_TOKENS, logprobs=5, corrupt_layer=corrupt_layer)
         out.append((label, judge(vllm_steps, as_steps(tokens), "vllm", "reference")))
-    return out
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    return out, (drafted, accepted)
 
 
 def test_reference_engine_matches_vllm(vllm_url: str, tiny_model_dir: Path, model: MlaMoeModel) -> None:
@@ -116,15 +118,23 @@ def test_reference_engine_matches_vllm(vllm_url: str, tiny_model_dir: Path, mode
     assert drafts > 0 and accepted > 0, "vLLM's speculative-decoding counters did not move"
 
     engine = ReferenceEngine(tiny_model_dir, model=model, num_mtp=1, kv_dtype="float32")
-    verdicts = _judge_all(runs, engine, model)
+    verdicts, (ref_drafts, ref_accepted) = _judge_all(runs, engine, model)
     for label, v in verdicts:
         print(f"  {label}: {'identical' if v.identical else v.detail} (max |dlogprob| {v.max_logprob_diff:.2e})")
     passed, summary = _check(verdicts)
     print(f"reference vs vLLM: {summary}")
     assert passed, [(lbl, v.detail) for lbl, v in verdicts if not v.identical]
 
+    # MTP: the reference engine drafts and accepts what vLLM does on the same model and
+    # prompts, whatever the machine that trained it (the rate itself depends on that CPU).
+    # Outputs are identical here, so the drafts are too, except at each request's end: vLLM's
+    # last step may verify one draft whose token max_tokens then cuts. Hence one per request.
+    print(f"reference MTP: {ref_accepted}/{ref_drafts} drafts accepted ({ref_accepted / ref_drafts:.2f})")
+    assert abs(ref_drafts - drafts) <= len(runs) and abs(ref_accepted - accepted) <= len(runs), (
+        f"reference {ref_accepted}/{ref_drafts} vs vLLM {accepted:.0f}/{drafts:.0f}")
+
     # Negative control: the same check with one main layer of the injected KV corrupted.
-    bad = _judge_all(runs, engine, model, corrupt_layer=0)
+    bad, _ = _judge_all(runs, engine, model, corrupt_layer=0)
     passed, summary = _check(bad)
     print(f"negative control (layer 0 KV replaced by noise): {summary}")
     assert not passed

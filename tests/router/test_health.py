@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from connector.protocol import PROTOCOL_VERSION
 from pd_router.wire import ReadinessReport
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
 from tests.router.conftest import MODEL
@@ -101,7 +102,7 @@ def test_incompatible_decode_is_not_ready(make_rig, decode, needle):
     rig.config(
         rig.decodes[0],
         peers=[{"peer": "prefill-a", "state": "ok"}],
-        protocol_version=1,
+        protocol_version=PROTOCOL_VERSION,
         model=MODEL,
         ready=True,
     )

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from connector.protocol import PROTOCOL_VERSION
 from pd_router.api import Endpoint, decode_body, parse_request, prefill_body
 from pd_router.backends import Backends
 from pd_router.contract import DecodeCapabilities, PeerStatus
@@ -73,7 +74,7 @@ def _backends(n_decode: int, slots: int = 1, models: tuple[str, ...] = ("m",)) -
         model = models[i % len(models)]
         d.healthy, d.models = True, frozenset({model})
         d.capabilities = DecodeCapabilities(
-            protocol_version=1,
+            protocol_version=PROTOCOL_VERSION,
             model=model,
             engine="reference",
             slots=slots,

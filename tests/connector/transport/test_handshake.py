@@ -11,7 +11,7 @@ from connector import sender as sender_module
 from connector.control import ControlClient
 from connector.errors import AdmissionRefused, ControlChannelError, HandshakeRejected
 from connector.layout import cpu_mla_layout, glm5_fp8_ds_mla_layout, layout_fingerprint
-from connector.protocol import Admit, Hello, Refused, Reject
+from connector.protocol import PROTOCOL_VERSION, Admit, Hello, Refused, Reject
 from tests.connector.transport.helpers import assert_no_leaks, make_sender, running_receiver
 
 pytestmark = pytest.mark.timeout(30)
@@ -58,14 +58,14 @@ async def test_protocol_version_mismatch(monkeypatch):
             err = await _rejected(receiver, sender)
         finally:
             sender.close()
-    assert (err.field, err.expected, err.received) == ("protocol_version", "1", "99")
+    assert (err.field, err.expected, err.received) == ("protocol_version", str(PROTOCOL_VERSION), "99")
 
 
 async def test_transport_kind_mismatch():
     async with running_receiver(transport="memory") as receiver:
         client = await asyncio.to_thread(ControlClient, receiver.endpoint, 5)
         try:
-            hello = Hello(protocol_version=1, agent_name="p", fingerprint=layout_fingerprint(cpu_mla_layout(2, 1)),
+            hello = Hello(protocol_version=PROTOCOL_VERSION, agent_name="p", fingerprint=layout_fingerprint(cpu_mla_layout(2, 1)),
                           transport="nixl")
             reply = await asyncio.to_thread(client.request, hello, 5)
         finally:

@@ -135,7 +135,7 @@ async def test_sender_wait_timeout_aborts():
         try:
             handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "slow", 8, [0])
             assert await asyncio.to_thread(handoff.wait, 0.2) == "failed"
-            assert "1/3 sent" in handoff.error
+            assert "1/3 layers sent" in handoff.error
             with pytest.raises(HandoffFailed):
                 await receiver.wait_for("slow", 5)
             assert_no_leaks(receiver, sender)
@@ -158,7 +158,8 @@ def test_sender_plan_spreads_layers_round_robin():
 async def test_tensor_parallel_ranks_complete_one_handoff_together():
     layout = glm5_fp8_ds_mla_layout(6, 1)
     async with running_receiver(layout, 130) as receiver:
-        senders = [make_sender(layout, 130, sender_plan=SenderPlan(3, r)) for r in range(3)]
+        # the ranks of one prefill instance share a sender group: each may admit, all write
+        senders = [make_sender(layout, 130, sender_plan=SenderPlan(3, r), group="prefill-tp") for r in range(3)]
         try:
             waiter = asyncio.create_task(receiver.wait_for("tp", 10))
             handoffs = []

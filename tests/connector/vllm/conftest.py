@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +47,21 @@ class Prefill:
             time.sleep(0.2)
             usage = self.kv_usage()
         return usage
+
+    def wait_metric(self, prefix: str, done: Callable[[dict[str, float]], bool],
+                    timeout: float = 10.0) -> dict[str, float]:
+        """The samples of a labelled metric on vLLM's /metrics, by the value of its last label,
+        once ``done`` holds for them (vLLM records stats when it processes a step's output)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            values: dict[str, float] = {}
+            for line in httpx.get(f"{self.url}/metrics", timeout=5).text.splitlines():
+                if line.startswith(prefix):
+                    label = line.rsplit("}", 1)[0].rsplit('="', 1)[1].rstrip('"')
+                    values[label] = values.get(label, 0.0) + float(line.rsplit(" ", 1)[1])
+            if done(values) or time.monotonic() > deadline:
+                return values
+            time.sleep(0.1)
 
     def complete(
         self, prompt: list[int], handoff_id: str, endpoint: str, timeout: float = 120

@@ -1,8 +1,11 @@
 """Scheduler and worker sides of TileRTConnector driven by a miniature vLLM loop (tests/fakes):
-block accounting, chunked prefill, abort, failure, tensor parallelism; a leak check after each."""
+admission before scheduling, block accounting, chunked prefill, the early (save_kv_layer)
+and late (wait_for_save) gathering paths, deferred handoffs, abort, failure, tensor
+parallelism; a leak check after each."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -14,6 +17,7 @@ from connector.metadata import ReportOutbox, report_address
 from connector.profiles import MTP_FLAG, ProfileMismatch, tiny_profile
 from connector.scheduler import ConnectorScheduler
 from connector.worker import ConnectorWorker
+from tests.fakes.fake_admissions import FakeAdmissions
 from tests.fakes.fake_sender import FakeKVSender, make_factory
 from tests.fakes.fake_vllm import FakeRequest, MiniEngine, kv_value
 
@@ -29,19 +33,23 @@ class Rig:
         max_tokens: int = 512,
         token_budget: int = 64,
         endpoints: tuple[str, ...] = (),
-        report_grace_s: float = 2.0,
         workers: int | None = None,
+        saves_layer=lambda layer: True,
+        admissions: FakeAdmissions | None = None,
+        transfer_timeout_s: float = 1.0,
     ) -> None:
         address = report_address(uuid.uuid4().hex)
+        profile = tiny_profile(N_MAIN, "float32")
+        self.admissions = admissions or FakeAdmissions(profile.layout)
         self.scheduler = ConnectorScheduler.with_inbox(
-            address, block_size=16, max_tokens=max_tokens, world_size=world, report_grace_s=report_grace_s
+            address, block_size=16, max_tokens=max_tokens, world_size=world, admissions=self.admissions
         )
         self.senders, factory = make_factory(configure)
-        settings = ConnectorSettings(decode_endpoints=endpoints, transfer_timeout_s=1.0)
+        settings = ConnectorSettings(decode_endpoints=endpoints, transfer_timeout_s=transfer_timeout_s)
         self.workers = [
             ConnectorWorker(
                 settings=settings,
-                profile=tiny_profile(N_MAIN, "float32"),
+                profile=profile,
                 rank=r,
                 world_size=world,
                 agent_name=f"test-r{r}",
@@ -57,6 +65,7 @@ class Rig:
             num_layers=N_MAIN + 1,
             token_budget=token_budget,
             dtype=torch.float32,
+            saves_layer=saves_layer,
         )
 
     def start(self) -> Rig:
@@ -70,6 +79,7 @@ class Rig:
         self.engine.run_until_idle()
         assert self.engine.free_block_count() == self.engine.num_blocks
         assert self.scheduler.in_flight() == {}
+        assert self.admissions.outstanding() == set()
         for worker in self.workers:
             assert worker.pending() == {}
         for sender in self.senders:
@@ -118,6 +128,7 @@ def test_one_step_prefill_is_sent_with_first_token_and_exact_kv(rig):
     delay, params = r.engine.results["a"]
     assert delay is True
     assert params["status"] == "sent" and "error" not in params
+    assert (params["layers_early"], params["layers_late"]) == (3, 0)
     assert params["handoff_id"] == "h-a" and params["kv_endpoint"] == ENDPOINT
     assert params["num_prompt_tokens"] == 40
     assert params["first_token_id"] == 103
@@ -134,7 +145,8 @@ def test_chunked_prefill_of_two_interleaved_requests(rig):
     r.engine.add(request("a", 150, seed=1))
     r.engine.add(request("b", 70, seed=2))
     r.engine.step()
-    assert r.handoff("h-a").posted == []  # begun at the first chunk, nothing posted before the last
+    assert r.admissions.started == ["h-a", "h-b"]  # admitted on arrival
+    assert r.senders[0].handoffs == {}  # opened at the last chunk only
     r.engine.run_until_idle()
     for rid, seed, n in (("a", 1, 150), ("b", 2, 70)):
         assert r.engine.results[rid][1]["status"] == "sent"
@@ -165,8 +177,8 @@ def test_abort_mid_prefill_frees_blocks_and_aborts_the_handoff(rig):
     r.engine.abort("a")
     assert r.engine.results["a"] == (True, None)  # no output: nothing to answer, blocks held one step
     r.engine.run_until_idle()
-    handoff = r.handoff("h-a")
-    assert handoff.status() == "failed" and "before its prompt was computed" in handoff.abort_reason
+    assert r.senders[0].handoffs == {}  # never reached its last step
+    assert [h for h, _ in r.admissions.aborted] == ["h-a"]  # the decode server frees the slot at once
     r.assert_no_leaks()
 
 
@@ -176,11 +188,12 @@ def test_abort_while_waiting_needs_no_worker(rig):
     r.engine.abort("a")
     assert r.engine.results["a"] == (False, None)
     assert r.senders[0].handoffs == {}
+    assert [h for h, _ in r.admissions.aborted] == ["h-a"]
     r.assert_no_leaks()
 
 
 def test_transfer_failure_is_reported_failed_and_frees_blocks(rig):
-    r = rig(configure=lambda s: s.fail_wait.add("h-a"))
+    r = rig(configure=lambda s: s.fail_transfer.add("h-a"))
     r.engine.add(request("a", 40))
     r.engine.add(request("b", 40, seed=2))
     r.engine.run_until_idle()
@@ -191,9 +204,10 @@ def test_transfer_failure_is_reported_failed_and_frees_blocks(rig):
     r.assert_no_leaks()
 
 
-@pytest.mark.parametrize("method", ["staging", "wait"])
-def test_a_sender_that_raises_fails_the_handoff_not_vllm(rig, method):
-    r = rig(configure=lambda s: s.explode.add(method))
+@pytest.mark.parametrize("saves", [True, False], ids=["early", "late"])
+def test_a_sender_that_raises_fails_the_handoff_not_vllm(rig, saves):
+    method = "staging"
+    r = rig(configure=lambda s: s.explode.add(method), saves_layer=lambda layer: saves)
     r.engine.add(request("a", 40))
     r.engine.run_until_idle()
     params = r.engine.results["a"][1]
@@ -211,12 +225,35 @@ def test_an_abort_that_raises_does_not_reach_vllm(rig):
 
 @pytest.mark.parametrize("reason", ["busy", "too_long"])
 def test_admission_refused_is_reported_failed(rig, reason):
-    r = rig(configure=lambda s: s.refuse.update({ENDPOINT: reason}), token_budget=32)
+    r = rig(token_budget=32)
+    r.admissions.refuse[ENDPOINT] = reason
     r.engine.add(request("a", 100))
     r.engine.run_until_idle()
-    params = r.engine.results["a"][1]
-    assert params["status"] == "failed" and reason in params["error"]
+    delay, params = r.engine.results["a"]
+    assert delay is False and params["status"] == "failed" and reason in params["error"]
     assert params["reason"] == reason  # the router acts on it (busy: wait for a slot, try again)
+    assert r.senders[0].handoffs == {} and r.admissions.aborted == []
+    r.assert_no_leaks()
+
+
+def test_a_request_waits_for_its_admission_without_holding_up_others(rig):
+    """Until the decode server answers, the request is not scheduled; the step goes on with
+    the others (nothing on the forward path waits on a decode server)."""
+    r = rig()
+    r.admissions.immediate = False
+    r.admissions.held.add("h-slow")
+    r.engine.add(request("slow", 40, seed=1))
+    r.engine.add(request("fast", 40, seed=2))
+    r.admissions.settle_all()
+    r.engine.step()
+    assert r.engine.results["fast"][1]["status"] == "sent"
+    assert "slow" not in r.engine.results and [q.request_id for q in r.engine.waiting] == ["slow"]
+    r.engine.step()
+    assert "slow" not in r.engine.results
+    r.admissions.release("h-slow")
+    r.engine.run_until_idle()
+    assert r.engine.results["slow"][1]["status"] == "sent"
+    assert_kv(r.handoff("h-slow"), seed=1, n=40)
     r.assert_no_leaks()
 
 
@@ -259,7 +296,7 @@ def test_tensor_parallel_ranks_split_layers_and_all_must_report(rig):
 def test_tensor_parallel_one_failing_rank_fails_the_handoff(rig):
     def configure(sender: FakeKVSender) -> None:
         if sender.plan.rank == 1:
-            sender.fail_wait.add("h-a")
+            sender.fail_transfer.add("h-a")
 
     r = rig(world=2, configure=configure)
     r.engine.add(request("a", 40))
@@ -269,13 +306,69 @@ def test_tensor_parallel_one_failing_rank_fails_the_handoff(rig):
     r.assert_no_leaks()
 
 
-def test_a_rank_that_never_reports_makes_the_handoff_fail_in_bounded_time(rig):
-    r = rig(world=2, workers=1, report_grace_s=0.2)  # vLLM would only count finished_sending of one rank
-    r.engine.workers = r.workers
+def test_a_rank_that_has_not_reported_makes_the_answer_pending_without_waiting(rig):
+    r = rig(world=2, workers=1)  # rank 1 never reports: request_finished must not wait for it
     r.engine.add(request("a", 40))
     r.engine.step()
     params = r.engine.results["a"][1]
-    assert params["status"] == "failed" and "rank(s) [1]" in params["error"]
+    assert params["status"] == "pending" and "layers_early" not in params and "layers_late" not in params
+
+
+def test_late_path_gathers_every_layer_in_wait_for_save(rig):
+    """vLLM's CUDA attention for GLM-5.1 never calls save_kv_layer: every layer is gathered
+    from the registered caches at wait_for_save, in one burst."""
+    r = rig(saves_layer=lambda layer: False)
+    r.engine.add(request("a", 40, seed=5))
+    r.engine.step()
+    params = r.engine.results["a"][1]
+    assert params["status"] == "sent" and (params["layers_early"], params["layers_late"]) == (0, 3)
+    handoff = r.handoff("h-a")
+    assert handoff.bursts == [[0, 1, 2]]
+    assert_kv(handoff, seed=5, n=40)
+    assert r.workers[0].take_stats() == {"handoffs_posted": 1, "handoffs_failed": 0, "layers_early": 0,
+                                         "layers_late": 3}
+    assert r.workers[0].take_stats() is None  # taken: vLLM sums what each step's output carries
+    r.assert_no_leaks()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_mixed_early_and_late_layers(rig, world):
+    r = rig(world=world, saves_layer=lambda layer: layer == 1)
+    r.engine.add(request("a", 70, seed=6))
+    r.engine.run_until_idle()
+    params = r.engine.results["a"][1]
+    assert params["status"] == "sent" and (params["layers_early"], params["layers_late"]) == (1, 2)
+    if world == 1:
+        assert r.handoff("h-a").bursts == [[1], [0, 2]]
+        assert_kv(r.handoff("h-a"), seed=6, n=70)
+    else:  # rank 0 sends layers 0 and 2 (both late), rank 1 layer 1 (early)
+        assert r.handoff("h-a", 0).bursts == [[0, 2]] and r.handoff("h-a", 1).bursts == [[1]]
+    r.assert_no_leaks()
+
+
+def test_no_staging_buffer_defers_the_handoff_to_a_later_step(rig):
+    r = rig(configure=lambda s: setattr(s, "no_staging", 2))  # bind and wait_for_save find none
+    r.engine.add(request("a", 40, seed=7))
+    r.engine.step()
+    params = r.engine.results["a"][1]
+    assert params["status"] == "pending" and (params["layers_early"], params["layers_late"]) == (0, 3)
+    assert r.engine.free_block_count() < r.engine.num_blocks  # held: the KV is still in vLLM's cache
+    r.engine.run_until_idle()
+    assert r.handoff("h-a").bursts == [[0, 1, 2]]
+    assert_kv(r.handoff("h-a"), seed=7, n=40)
+    r.assert_no_leaks()
+
+
+def test_a_handoff_that_cannot_open_fails_after_the_transfer_timeout(rig):
+    r = rig(configure=lambda s: s.unreachable.add(ENDPOINT), transfer_timeout_s=0.05)
+    r.engine.add(request("a", 40))
+    r.engine.step()
+    assert r.engine.results["a"][1]["status"] == "pending"
+    deadline = r.workers[0]._sends["a"].deadline
+    while time.monotonic() <= deadline:  # the deadline is the observable state we wait for
+        time.sleep(0.01)
+    r.engine.run_until_idle()
+    assert [h for h, _ in r.admissions.aborted] == ["h-a"]  # the scheduler side tells the decode server
     r.assert_no_leaks()
 
 
@@ -339,9 +432,11 @@ def test_wrong_cache_row_size_is_a_profile_mismatch():
         _worker(factory, endpoints=()).register_kv_caches(caches)
 
 
-def test_glm51_worker_gathers_fp8_ds_mla_rows_and_indexer_pages():
+@pytest.mark.parametrize("early", [True, False], ids=["save_kv_layer", "cuda-wait_for_save-only"])
+def test_glm51_worker_gathers_fp8_ds_mla_rows_and_indexer_pages(early):
     """The GPU layout path on CPU tensors: vLLM's fp8_ds_mla rows (656 B: 528 B latent+scales,
-    then 64 bf16 rope) and the DSA indexer cache (8448 B per 64-token block)."""
+    then 64 bf16 rope) and the DSA indexer cache (8448 B per 64-token block); gathered as
+    each layer is saved, or all at wait_for_save (vLLM 0.32's CUDA path for GLM-5.1)."""
     from connector.metadata import RequestWork, StepPlan
     from connector.profiles import glm51_profile
 
@@ -373,15 +468,18 @@ def test_glm51_worker_gathers_fp8_ds_mla_rows_and_indexer_pages():
                     block_ids=blocks,
                     start=0,
                     end=n,
+                    offsets=((0, 0, 0),) * 3,
                 ),
             )
         )
     )
     for name, cache in mla.items():
-        worker.save_kv_layer(name, cache)
+        if early:
+            worker.save_kv_layer(name, cache)
     worker.wait_for_save()
     handoff = senders[0].handoffs["h"]
     assert handoff.status() == "sent" and handoff.posted == [0, 1, 2]
+    assert handoff.bursts == ([[0], [1], [2]] if early else [[0, 1, 2]])
     for i in range(3):
         rows = torch.cat([mla[f"model.layers.{i}.self_attn.attn"][b] for b in blocks])[:n]
         views = handoff.staging(i)
@@ -397,8 +495,10 @@ def test_glm51_worker_gathers_fp8_ds_mla_rows_and_indexer_pages():
 def test_preempted_request_is_gathered_again_from_its_new_blocks():
     from types import SimpleNamespace as NS
 
-    sched = ConnectorScheduler(block_size=16, max_tokens=512, world_size=1, reports=None)
+    sched = ConnectorScheduler(block_size=16, max_tokens=512, world_size=1, reports=None,
+                               admissions=FakeAdmissions(tiny_profile(N_MAIN, "float32").layout))
     req = request("a", 100)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # admitted on arrival
 
     def output(new, cached_ids=(), resumed=(), new_blocks=(), computed=(), scheduled=None):
         return NS(
@@ -428,9 +528,12 @@ def test_preempted_request_is_gathered_again_from_its_new_blocks():
 
 def test_two_schedulers_with_one_engine_id_fail_clearly():
     address = report_address(uuid.uuid4().hex)
-    first = ConnectorScheduler.with_inbox(address, block_size=16, max_tokens=64, world_size=1)
+    admissions = FakeAdmissions(tiny_profile(N_MAIN, "float32").layout)
+    first = ConnectorScheduler.with_inbox(address, block_size=16, max_tokens=64, world_size=1,
+                                          admissions=admissions)
     try:
         with pytest.raises(RuntimeError, match="same kv_transfer_config.engine_id"):
-            ConnectorScheduler.with_inbox(address, block_size=16, max_tokens=64, world_size=1)
+            ConnectorScheduler.with_inbox(address, block_size=16, max_tokens=64, world_size=1,
+                                          admissions=admissions)
     finally:
         first.close()

