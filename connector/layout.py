@@ -15,7 +15,12 @@ router import it); the packing helpers at the end import torch when called:
   ``[n, 528]`` and ``rope`` ``[n, 64]``; the DSA indexer cache (64-token blocks of
   64x128 fp8 then 64 fp32 scales) -> ``indexer`` pages ``[pages, 8448]`` with
   :func:`gather_pages`; reference (de)quantization :func:`quantize_fp8_ds_mla`,
-  :func:`dequantize_fp8_ds_mla`, :func:`dequantize_indexer`.
+  :func:`dequantize_fp8_ds_mla`, :func:`dequantize_indexer` (tests only; the decode side's
+  conversion is :mod:`decode_server.engine.tilert_kv`).
+
+The gathers accept a cache and a staging view on different devices (a CUDA cache, host
+staging): they gather on the cache's device and copy once (:func:`gather_layer`: one
+copy per layer).
 """
 
 from __future__ import annotations
@@ -76,12 +81,25 @@ def cpu_mla_layout(num_main_layers: int, num_mtp_layers: int, dtype: str = "bflo
     return KVLayout("tiny-mla", num_main_layers, num_mtp_layers, (plane,))
 
 
+# GLM-5.1 (DeepSeek-V3.2 attention) fp8_ds_mla geometry, as vLLM 0.32 caches it (docs/gpu_path.md;
+# checked against vLLM's classes in tests/connector/vllm/test_vllm_cache_layouts.py).
+KV_LORA_RANK = 512  # latent values per token
+KV_QUANT_BLOCK = 128  # latent values per fp32 scale
+KV_ROW_BYTES = KV_LORA_RANK + 4 * (KV_LORA_RANK // KV_QUANT_BLOCK)  # 528: fp8 latent, then the scales
+ROPE_DIM = 64  # bf16 rope values per token
+INDEX_HEAD_DIM = 128  # fp8 indexer key values per token, one fp32 scale each token
+INDEX_PAGE_TOKENS = 64  # tokens per indexer page = vLLM block
+INDEX_PAGE_BYTES = INDEX_PAGE_TOKENS * (INDEX_HEAD_DIM + 4)  # 8448: all keys, then all scales
+
+
 def glm5_fp8_ds_mla_layout(num_main_layers: int = 78, num_mtp_layers: int = 1) -> KVLayout:
-    """GLM-5.1 decode-side layout (FACTS.md §3)."""
+    """GLM-5.1 decode-side layout: vLLM's 656-byte fp8_ds_mla row split into ``kv`` and
+    ``rope``, and the indexer cache's pages."""
     planes = (
-        Plane(name="kv", dtype="uint8", width=528, bytes_per_token=528),  # 512 fp8 e4m3 + 4 fp32 scales
-        Plane(name="rope", dtype="bfloat16", width=64, bytes_per_token=128),
-        Plane(name="indexer", dtype="uint8", width=8448, bytes_per_page=8448, page_tokens=64),
+        Plane(name="kv", dtype="uint8", width=KV_ROW_BYTES, bytes_per_token=KV_ROW_BYTES),
+        Plane(name="rope", dtype="bfloat16", width=ROPE_DIM, bytes_per_token=2 * ROPE_DIM),
+        Plane(name="indexer", dtype="uint8", width=INDEX_PAGE_BYTES, bytes_per_page=INDEX_PAGE_BYTES,
+              page_tokens=INDEX_PAGE_TOKENS),
     )
     return KVLayout("glm5.1-fp8-ds-mla", num_main_layers, num_mtp_layers, planes)
 
@@ -181,41 +199,133 @@ def packed_layers_views(block: "torch.Tensor", layout: KVLayout, num_tokens: int
     return [dict(zip(names, views)) for views in zip(*per_plane)]
 
 
-def gather_tokens(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int,
-                  out: "torch.Tensor") -> "torch.Tensor":
-    """Copy the first ``num_tokens`` token rows of a request out of a paged cache.
+def _block_ids(block_ids: Sequence[int], count: int, device: "torch.device") -> "torch.Tensor":
+    import torch
 
-    ``cache`` is ``[num_blocks, block_size, row]`` (vLLM's per-layer MLA cache);
-    token ``t`` lives in block ``block_ids[t // block_size]`` at ``t % block_size``.
-    ``out`` is ``[num_tokens, row]`` of the same dtype (e.g. a staging view).
-    """
+    return torch.as_tensor(list(block_ids[:count]), dtype=torch.long, device=device)
+
+
+def _deliver(src: "torch.Tensor", out: "torch.Tensor") -> None:
+    """``out.copy_(src)``: one copy, also across devices (a CUDA cache into host staging is
+    one device-to-host copy, blocking, so the bytes are there when this returns)."""
+    out.copy_(src)
+
+
+def _token_rows(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int) -> "torch.Tensor":
+    """The first ``num_tokens`` rows of a request, ``[num_tokens, row]``, on the cache's device."""
     import torch
 
     block_size = cache.shape[1]
     need = -(-num_tokens // block_size)
     if len(block_ids) < need:
         raise ValueError(f"{num_tokens} tokens need {need} blocks of {block_size}, got {len(block_ids)}")
-    ids = torch.as_tensor(list(block_ids[:need]), dtype=torch.long, device=cache.device)
     full = num_tokens // block_size
-    if full:
-        torch.index_select(cache, 0, ids[:full], out=out[:full * block_size].view(full, block_size, -1))
+    parts = [torch.index_select(cache, 0, _block_ids(block_ids, full, cache.device)).flatten(0, 1)] if full else []
     rest = num_tokens - full * block_size
     if rest:
-        out[full * block_size:].copy_(cache[ids[full], :rest])
+        parts.append(cache[int(block_ids[full]), :rest])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def gather_tokens(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int,
+                  out: "torch.Tensor") -> "torch.Tensor":
+    """Copy the first ``num_tokens`` token rows of a request out of a paged cache.
+
+    ``cache`` is ``[num_blocks, block_size, row]`` (vLLM's per-layer MLA cache);
+    token ``t`` lives in block ``block_ids[t // block_size]`` at ``t % block_size``.
+    ``out`` is ``[num_tokens, row]`` of the same dtype (e.g. a staging view), on the
+    cache's device (gathered in place) or another one (gathered on the cache's device,
+    then one copy into ``out``: ``index_select(out=)`` cannot write across devices).
+    """
+    import torch
+
+    if out.device != cache.device:
+        _deliver(_token_rows(cache, block_ids, num_tokens), out)
+        return out
+    block_size = cache.shape[1]
+    need = -(-num_tokens // block_size)
+    if len(block_ids) < need:
+        raise ValueError(f"{num_tokens} tokens need {need} blocks of {block_size}, got {len(block_ids)}")
+    full = num_tokens // block_size
+    if full:
+        ids = _block_ids(block_ids, full, cache.device)
+        torch.index_select(cache, 0, ids, out=out[:full * block_size].view(full, block_size, -1))
+    rest = num_tokens - full * block_size
+    if rest:
+        out[full * block_size:].copy_(cache[int(block_ids[full]), :rest])
     return out
+
+
+def _pages(cache: "torch.Tensor", block_ids: Sequence[int], num_pages: int) -> "torch.Tensor":
+    import torch
+
+    flat = cache.reshape(cache.shape[0], -1)
+    return torch.index_select(flat, 0, _block_ids(block_ids, num_pages, cache.device))
 
 
 def gather_pages(cache: "torch.Tensor", block_ids: Sequence[int], num_pages: int,
                  out: "torch.Tensor") -> "torch.Tensor":
-    """Copy whole blocks (pages) of a paged cache: ``out[i] = cache[block_ids[i]]`` flattened."""
+    """Copy whole blocks (pages) of a paged cache: ``out[i] = cache[block_ids[i]]`` flattened
+    (``out`` on any device, as :func:`gather_tokens`)."""
     import torch
 
+    page = cache[0].numel() if cache.shape[0] else 0
+    if tuple(out.shape) != (num_pages, page):
+        raise ValueError(f"out is {tuple(out.shape)}, expected ({num_pages}, {page})")
+    if out.device != cache.device:
+        _deliver(_pages(cache, block_ids, num_pages), out)
+        return out
     flat = cache.reshape(cache.shape[0], -1)
-    if out.shape != (num_pages, flat.shape[1]):
-        raise ValueError(f"out is {tuple(out.shape)}, expected ({num_pages}, {flat.shape[1]})")
-    ids = torch.as_tensor(list(block_ids[:num_pages]), dtype=torch.long, device=cache.device)
-    torch.index_select(flat, 0, ids, out=out)
+    torch.index_select(flat, 0, _block_ids(block_ids, num_pages, cache.device), out=out)
     return out
+
+
+def _packed_span(parts: Sequence["torch.Tensor"]) -> "torch.Tensor | None":
+    """The uint8 run of memory ``parts`` cover when they lie back to back (contiguous, in
+    order, on one device), as :func:`layer_views` lays out one layer; else None."""
+    import torch
+
+    first = parts[0]
+    pos = first.data_ptr()
+    for part in parts:
+        if part.device != first.device or not part.is_contiguous() or part.data_ptr() != pos:
+            return None
+        pos += part.numel() * part.element_size()
+    base = first.view(torch.uint8).reshape(-1)
+    return torch.as_strided(base, (pos - first.data_ptr(),), (1,), base.storage_offset())
+
+
+def gather_layer(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int,
+                 views: dict[str, "torch.Tensor"], indexer: "torch.Tensor | None" = None) -> None:
+    """One layer of a request into its staging ``views`` (:func:`layer_views`), whatever the
+    devices: CPU MLA (``views`` = ``kv``) or fp8_ds_mla (``kv``, ``rope``, ``indexer``
+    from the ``indexer`` cache). Across devices (a CUDA cache, host staging) the planes are
+    gathered and packed on the cache's device and land with ONE copy when the views lie
+    back to back (staging does), else one copy per plane. Into VRAM staging the copy is
+    queued on the current CUDA stream: synchronize before a transfer reads it."""
+    import torch
+
+    if set(views) == {"kv"}:
+        gather_tokens(cache, block_ids, num_tokens, views["kv"])
+        return
+    if indexer is None:
+        raise ValueError("the fp8_ds_mla layout needs the layer's indexer cache")
+    pages = views["indexer"].shape[0]
+    if views["kv"].device == cache.device == indexer.device:
+        gather_fp8_ds_mla(cache, block_ids, num_tokens, views["kv"], views["rope"])
+        gather_pages(indexer, block_ids, pages, views["indexer"])
+        return
+    rows = _token_rows(cache, block_ids, num_tokens)
+    split = views["kv"].shape[1]
+    packed = [rows[:, :split].reshape(-1), rows[:, split:].reshape(-1),
+              _pages(indexer, block_ids, pages).to(cache.device).reshape(-1)]
+    targets = [views["kv"], views["rope"], views["indexer"]]
+    span = _packed_span(targets)
+    if span is not None and span.numel() == sum(p.numel() for p in packed):
+        _deliver(torch.cat(packed), span)
+        return
+    for src, dst in zip(packed, targets):
+        _deliver(src.view(dst.dtype).view(dst.shape), dst)
 
 
 def split_cpu_mla(kv: "torch.Tensor", kv_lora_rank: int = 512) -> tuple["torch.Tensor", "torch.Tensor"]:
@@ -224,21 +334,21 @@ def split_cpu_mla(kv: "torch.Tensor", kv_lora_rank: int = 512) -> tuple["torch.T
 
 
 FP8_MAX = 448.0
-_TILE = 128  # fp8_ds_mla: one fp32 scale per 128 latent values
-_LATENT = 512
+_TILE = KV_QUANT_BLOCK
+_LATENT = KV_LORA_RANK
 
 
 def gather_fp8_ds_mla(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int,
                       out_kv: "torch.Tensor", out_rope: "torch.Tensor") -> None:
     """vLLM fp8_ds_mla cache ``[num_blocks, block_size, 656]`` uint8 -> ``kv`` ``[n, 528]``
-    (fp8 latent + 4 fp32 scales, bytes as stored) and ``rope`` ``[n, 64]`` bf16."""
+    (fp8 latent + 4 fp32 scales, bytes as stored) and ``rope`` ``[n, 64]`` bf16 (on any
+    device: the rows are gathered on the cache's device, then copied)."""
     import torch
 
-    rows = torch.empty((num_tokens, cache.shape[-1]), dtype=torch.uint8, device=cache.device)
-    gather_tokens(cache, block_ids, num_tokens, rows)
+    rows = _token_rows(cache, block_ids, num_tokens)
     split = _LATENT + 4 * (_LATENT // _TILE)
     out_kv.copy_(rows[:, :split])
-    out_rope.copy_(rows[:, split:].view(torch.bfloat16))
+    out_rope.copy_(rows[:, split:].contiguous().view(torch.bfloat16))
 
 
 def quantize_fp8_ds_mla(latent: "torch.Tensor") -> "torch.Tensor":

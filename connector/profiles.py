@@ -3,7 +3,9 @@
 * ``glm5.1``: 78 main MLA layers + 1 MTP layer, each with a DSA indexer key cache (GPU);
   decode layout :func:`connector.layout.glm5_fp8_ds_mla_layout` (vLLM's ``fp8_ds_mla``
   cache row = 528 B of fp8 latent + scales, then 128 B of bf16 rope; indexer keys per
-  64-token block).
+  64-token block). vLLM only allocates that layout when started with
+  :attr:`ModelProfile.vllm_args` (``--kv-cache-dtype fp8_ds_mla --block-size 64``);
+  :func:`cache_row_hint` names them when the rows vLLM allocated say otherwise.
 * ``tiny``: N main MLA layers (N from the HF config) + 1 MTP layer, vLLM's CPU MLA cache
   (576 values per token in the model dtype), :func:`connector.layout.cpu_mla_layout`.
 * ``auto``: ``glm5.1`` when the HF config has a DSA indexer (``index_topk``), else ``tiny``.
@@ -37,6 +39,8 @@ class ModelProfile:
     cache_format: Literal["cpu_mla", "fp8_ds_mla"]  # how vLLM's MLA cache rows look
     mla_row_bytes: int  # bytes per token of vLLM's MLA cache row
     needs_indexer: bool = False
+    # vLLM command-line flags without which vLLM does not allocate this cache layout
+    vllm_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -68,9 +72,47 @@ def tiny_profile(num_main_layers: int, dtype: str) -> ModelProfile:
     )
 
 
+def _per_token_bytes(layout: KVLayout) -> int:
+    return sum(p.bytes_per_token for p in layout.planes)
+
+
+def _page_tokens(layout: KVLayout) -> int:
+    return next(p.page_tokens for p in layout.planes if p.page_tokens)
+
+
 def glm51_profile(num_main_layers: int = GLM5_MAIN_LAYERS) -> ModelProfile:
+    """vLLM 0.32 on SM100 allocates the ``fp8_ds_mla`` MLA rows (656 B: the layout's kv +
+    rope planes) only with ``--kv-cache-dtype fp8_ds_mla``; ``--block-size`` pins vLLM's
+    block to the indexer's 64-token page, which the connector gathers block by block."""
     layout = glm5_fp8_ds_mla_layout(num_main_layers, 1)
-    return ModelProfile("glm5.1", layout, "fp8_ds_mla", mla_row_bytes=656, needs_indexer=True)
+    args = ("--kv-cache-dtype", "fp8_ds_mla", "--block-size", str(_page_tokens(layout)))
+    return ModelProfile("glm5.1", layout, "fp8_ds_mla", mla_row_bytes=_per_token_bytes(layout),
+                        needs_indexer=True, vllm_args=args)
+
+
+def prefill_vllm_args(name: str) -> tuple[str, ...]:
+    """The vLLM flags profile ``name`` needs (empty for "auto" and "tiny": vLLM's default
+    cache is that layout). The prefill command builder adds them."""
+    return glm51_profile().vllm_args if name == "glm5.1" else ()
+
+
+# MLA cache rows vLLM 0.32 allocates for GLM-5.1 (kv_lora_rank 512 + rope 64) on SM100 by
+# --kv-cache-dtype, other than fp8_ds_mla: what each means (docs/gpu_path.md).
+_OTHER_MLA_ROWS = {
+    576: "plain fp8 (--kv-cache-dtype fp8: FlashInfer's sparse-MLA layout, 576 fp8 values per token)",
+    1152: "bf16 (--kv-cache-dtype auto, vLLM's default: 576 bf16 values per token)",
+}
+
+
+def cache_row_hint(row_bytes: int, profile: ModelProfile) -> str | None:
+    """What to change when vLLM's MLA cache rows are ``row_bytes`` long but ``profile``
+    expects another size; None when they match (or the profile needs no flag)."""
+    if row_bytes == profile.mla_row_bytes or not profile.vllm_args:
+        return None
+    flags = " ".join(profile.vllm_args)
+    meaning = _OTHER_MLA_ROWS.get(row_bytes, "not a layout the connector knows")
+    return (f"vLLM allocated {row_bytes}-byte MLA cache rows: {meaning}; profile {profile.name!r} needs "
+            f"{profile.cache_format} rows of {profile.mla_row_bytes} bytes: start vLLM with {flags}")
 
 
 def _dtype_name(dtype: Any) -> str:

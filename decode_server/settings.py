@@ -12,8 +12,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from decode_server.model_dir import missing_files
+
 ENV_PREFIX = "DECODE_SERVER_"
 TILERT_NUM_MTP = (0, 3)  # TileRT's GLM-5 MTP verifies 3 drafts per step (or runs without MTP)
+# Where each engine receives KV by default: TileRT (GPU hosts) into VRAM, where its conversion
+# (dequantization + Hadamard) then runs; the reference engine computes on the CPU.
+DEFAULT_KV_DEVICE = {"tilert": "cuda:0", "reference": "cpu"}
 
 
 class SettingsError(ValueError):
@@ -40,7 +45,8 @@ class DecodeServerSettings(BaseModel):
         "none", description="glm45: parse <tool_call>..</tool_call> into tool_calls (chat, when tools are given)")
     kv_transport: Literal["nixl", "memory"] = Field("nixl", description="KV transport (memory: single-process tests)")
     kv_device: str = Field("cpu", pattern=r"^(cpu|cuda:\d+)$",
-                           description="where the KV receive buffer lives: cpu, or cuda:N (tilert) to receive into VRAM")
+                           description="where the KV receive buffer lives: cpu, or cuda:N (tilert) to receive into "
+                                       "VRAM (default: cuda:0 for tilert, cpu for reference)")
     kv_dtype: Literal["bfloat16", "float32", "float16"] | None = Field(
         None, description="reference engine: dtype of the received KV (default: the model's torch_dtype)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
@@ -59,12 +65,25 @@ class DecodeServerSettings(BaseModel):
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_kv_device(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("kv_device") is None and data.get("engine") in DEFAULT_KV_DEVICE:
+            data = {**data, "kv_device": DEFAULT_KV_DEVICE[data["engine"]]}
+        return data
+
     @model_validator(mode="after")
     def _engine_rules(self) -> DecodeServerSettings:
         if self.engine == "reference" and self.kv_device != "cpu":
             raise ValueError(f"kv_device={self.kv_device!r}: the reference engine runs on the CPU; use cpu")
         if self.engine == "tilert" and self.num_mtp not in TILERT_NUM_MTP:
             raise ValueError(f"num_mtp={self.num_mtp}: TileRT's GLM-5 MTP drafts 3 tokens per step; use 3 or 0")
+        missing = missing_files(self.model, self.engine)
+        if missing:
+            raise ValueError(
+                f"model={str(self.model)!r} lacks {', '.join(missing)}, which the {self.engine} decode server reads "
+                "from its model directory: convert with deploy/slurm/setup_deps.sh (it copies them from the "
+                "checkpoint), or run `python -m decode_server.model_dir complete --source CHECKPOINT DIR`")
         return self
 
     @property

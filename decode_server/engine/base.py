@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from connector.receiver import ReceivedKV
 
 
+# Temperatures below this decode greedily, as vLLM (its sampling epsilon) and TileRT do.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 class EngineError(RuntimeError):
     """The engine cannot continue this sequence."""
 
@@ -53,7 +57,7 @@ class SamplingParams:
     greedy: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "greedy", self.temperature == 0.0)
+        object.__setattr__(self, "greedy", self.temperature < GREEDY_BELOW_TEMPERATURE)
 
 
 @dataclass(frozen=True)

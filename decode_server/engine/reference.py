@@ -49,7 +49,8 @@ class ReferenceSession(DecodeSession):
         self._drafts: list[int] = []
         self._params = params
         self._num_mtp = num_mtp
-        self._gen = torch.Generator()
+        self._device = caches[0].device
+        self._gen = torch.Generator(device=self._device)
         if params.seed is None:
             self._gen.seed()
         else:
@@ -85,9 +86,10 @@ class ReferenceSession(DecodeSession):
         if self._len + len(tokens) + self._num_mtp > self._capacity:
             raise EngineError(f"sequence too long: position {self._len + len(tokens)} "
                               f"reaches the session's capacity of {self._capacity} tokens")
-        positions = torch.arange(self._len, self._len + len(tokens))
+        positions = torch.arange(self._len, self._len + len(tokens), device=self._device)
         with torch.inference_mode():
-            hidden, logits = model.forward_main(torch.tensor([tokens]), positions, self._caches[:n_main])
+            hidden, logits = model.forward_main(torch.tensor([tokens], device=self._device), positions,
+                                                self._caches[:n_main])
         self._check()
         logits = logits[0]
         out: list[TokenOut] = []
@@ -115,13 +117,13 @@ class ReferenceSession(DecodeSession):
         """Run the MTP layer at ``start..start+len(next_ids)-1`` and chain ``num_mtp`` drafts."""
         cache = self._caches[self._model.num_main_layers]
         drafts: list[int] = []
-        ids = torch.tensor([next_ids])
-        positions = torch.arange(start, start + len(next_ids))
+        ids = torch.tensor([next_ids], device=self._device)
+        positions = torch.arange(start, start + len(next_ids), device=self._device)
         with torch.inference_mode():
             for _ in range(self._num_mtp):
                 mtp_hidden, mtp_logits = self._model.forward_mtp(ids, hidden, positions, cache, last_only=True)
                 drafts.append(int(mtp_logits[0, -1].argmax()))
-                ids = torch.tensor([[drafts[-1]]])
+                ids = torch.tensor([[drafts[-1]]], device=self._device)
                 hidden = mtp_hidden[:, -1:]
                 positions = positions[-1:] + 1
         return drafts
@@ -130,14 +132,15 @@ class ReferenceSession(DecodeSession):
 class ReferenceEngine(Engine):
     """``slots`` concurrent sessions, each with its own copy of the injected KV.
 
-    The engine computes in float32. ``kv_dtype`` is the dtype of the KV it receives, i.e.
+    The engine computes in float32, on ``device`` (the CPU in the decode server; a GPU in
+    bench/gpu_check.py, which compares the two). ``kv_dtype`` is the dtype of the KV it receives, i.e.
     the dtype vLLM runs the model in: by default the checkpoint's (``bfloat16`` for the
     tiny model, vLLM's default); ``float32`` when vLLM runs with ``--dtype float32`` (the
     closest agreement with vLLM)."""
 
     def __init__(self, model_dir: Path | str, *, slots: int = 1, max_seq_len: int = 4096, num_mtp: int = 1,
-                 kv_dtype: str | None = None, model: MlaMoeModel | None = None) -> None:
-        self._model = model if model is not None else load_model(model_dir)
+                 kv_dtype: str | None = None, model: MlaMoeModel | None = None, device: str = "cpu") -> None:
+        self._model = model if model is not None else load_model(model_dir, device=device)
         cfg = self._model.cfg
         if slots < 1:
             raise ValueError(f"slots={slots}: must be >= 1")
@@ -205,7 +208,8 @@ class ReferenceEngine(Engine):
             dtype = self._model.lm_head.weight.dtype
             caches = []
             for layer in kv.layers:
-                cache = torch.empty(1, capacity, self._model.cfg.kv_width, dtype=dtype)
+                cache = torch.empty(1, capacity, self._model.cfg.kv_width, dtype=dtype,
+                                    device=self._model.lm_head.weight.device)
                 cache[0, :t] = layer["kv"]
                 caches.append(cache)
             if not self._num_mtp and len(caches) > self._model.num_main_layers:

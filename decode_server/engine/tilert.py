@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from connector.layout import KVLayout, glm5_fp8_ds_mla_layout
+from connector.profiles import GLM5_MAIN_LAYERS
 from decode_server.engine.base import (
     Cancelled,
     DecodeSession,
@@ -46,10 +47,10 @@ if TYPE_CHECKING:
     from connector.protocol import HandoffResult
     from connector.receiver import ReceivedKV
 
-GLM5_MAIN_LAYERS = 78
 TILERT_NUM_MTP = 3
 TOP_K_POOL = 256  # TileRT's sampling kernel: top-k over at most 256 candidates; 256 means off
-MISSING_TILERT = ("the tilert engine needs the `tilert` package (PyPI tilert==0.1.6.post3: Python 3.12, CUDA 13, "
+TILERT_VERSION = "0.1.6.post3"  # the TileRT release this adapter was written and oracle-tested against
+MISSING_TILERT = (f"the tilert engine needs the `tilert` package (PyPI tilert=={TILERT_VERSION}: Python 3.12, CUDA 13, "
                   "NVIDIA B200/B300), i.e. the TileRT decode image or `pip install 'tilert-pd[tilert]'`; "
                   "on other machines use --engine reference")
 
@@ -168,11 +169,11 @@ class TileRTEngine(Engine):
         self.device = device
         self._max_seq_len = max_seq_len
         self._layout = glm5_fp8_ds_mla_layout(self._main_layers(), 1 if num_mtp else 0)
-        self._hadamard = hadamard_matrix(INDEX_HEAD_DIM)
         self._lock = threading.Lock()
         self._busy = False
         self.generator = generator if generator is not None else load_glm5_generator(
             self.model_dir, max_seq_len, with_mtp=bool(num_mtp))
+        self._hadamard: Any = None  # on TileRT's device, made by the first start()
 
     def _main_layers(self) -> int:
         cfg_path = self.model_dir / "config.json"
@@ -220,7 +221,9 @@ class TileRTEngine(Engine):
                 raise EngineError("the tilert engine decodes one sequence at a time and is busy")
             self._busy = True
         try:
-            layers = convert_layers(kv.layers, n, self._hadamard)
+            if self._hadamard is None:
+                self._hadamard = hadamard_matrix(INDEX_HEAD_DIM, device=self.device)
+            layers = convert_layers(kv.layers, n, self._hadamard, device=self.device)  # on TileRT's device
             self.generator.inject_cache(layers, start_pos=0)
             self.generator.set_cur_pos(n - 1)
             self._apply_sampling(params)

@@ -11,7 +11,10 @@ Received planes per layer (:func:`connector.layout.glm5_fp8_ds_mla_layout`):
   the rotated basis; the prefill side stores them unrotated).
 
 ``inject_cache`` takes one ``(indexer_keys [T,128], latent [T,512], rope [T,64])`` tuple
-per layer, all bf16, main layers first, then the MTP layer.
+per layer, all bf16, main layers first, then the MTP layer. The conversion runs on the
+engine's device (:func:`convert_layers`): with the receive buffer in VRAM (the TileRT
+default) nothing crosses PCIe; from host memory each plane is copied to the device first.
+Checked bit for bit against TileRT's own conversion (tests/decode_server/test_tilert_oracle.py).
 """
 
 from __future__ import annotations
@@ -20,13 +23,18 @@ import math
 
 import torch
 
-KV_LORA_RANK = 512
-KV_QUANT_BLOCK = 128
-KV_ROW_BYTES = KV_LORA_RANK + (KV_LORA_RANK // KV_QUANT_BLOCK) * 4  # 528
-ROPE_DIM = 64
-INDEX_HEAD_DIM = 128
-INDEX_PAGE_TOKENS = 64
-INDEX_PAGE_BYTES = INDEX_PAGE_TOKENS * INDEX_HEAD_DIM + INDEX_PAGE_TOKENS * 4  # 8448
+from connector.layout import (  # the layout's geometry, defined once
+    INDEX_HEAD_DIM,
+    INDEX_PAGE_BYTES,
+    INDEX_PAGE_TOKENS,
+    KV_LORA_RANK,
+    KV_QUANT_BLOCK,
+    KV_ROW_BYTES,
+    ROPE_DIM,
+)
+
+__all__ = ["INDEX_HEAD_DIM", "INDEX_PAGE_BYTES", "INDEX_PAGE_TOKENS", "KV_LORA_RANK", "KV_QUANT_BLOCK", "KV_ROW_BYTES",
+           "ROPE_DIM", "convert_layer", "convert_layers", "dequant_indexer", "dequant_latent", "hadamard_matrix"]
 
 
 def hadamard_matrix(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -81,12 +89,23 @@ def convert_layer(planes: dict[str, torch.Tensor], num_tokens: int,
     return dequant_indexer(planes["indexer"], num_tokens, hadamard), dequant_latent(kv), rope.contiguous().clone()
 
 
-def convert_layers(layers: list[dict[str, torch.Tensor]], num_tokens: int,
-                   hadamard: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def convert_layers(layers: list[dict[str, torch.Tensor]], num_tokens: int, hadamard: torch.Tensor,
+                   device: torch.device | str | None = None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every received layer, converted on ``device`` (default: where the planes are).
+
+    Planes received elsewhere (host memory, for a CUDA ``device``) are copied there first,
+    so dequantization and the Hadamard rotation always run on ``device``. On CUDA this
+    waits for the conversion to finish before returning: the caller may then hand the
+    receive buffer to the next request."""
+    target = torch.device(device) if device is not None else None
     out = []
     for i, planes in enumerate(layers):
+        if target is not None:
+            planes = {name: plane.to(target, non_blocking=True) for name, plane in planes.items()}
         try:
             out.append(convert_layer(planes, num_tokens, hadamard))
         except ValueError as exc:
             raise ValueError(f"layer {i}: {exc}") from exc
+    if target is not None and target.type == "cuda":
+        torch.cuda.synchronize(target)
     return out

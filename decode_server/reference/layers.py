@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=positions.device) / dim))
     freqs = positions.to(torch.float).unsqueeze(-1) * inv_freq  # [T, dim/2]
     return freqs.cos(), freqs.sin()
 
@@ -100,7 +100,7 @@ class MLAAttention(nn.Module):
         scores = torch.einsum("bhtc,bsc->bhts", q_lat, latent)
         scores = scores + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
         scores = scores.float() * cfg.softmax_scale
-        key_pos = torch.arange(kv.shape[1])
+        key_pos = torch.arange(kv.shape[1], device=kv.device)
         mask = key_pos.unsqueeze(0) > positions.unsqueeze(1)  # [T, S]: future keys
         probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1).to(x.dtype)
         o_lat = torch.einsum("bhts,bsc->bthc", probs, latent)

@@ -114,9 +114,9 @@ class MlaMoeModel(nn.Module):
         return state
 
 
-def load_model(model_dir: Path | str, dtype: str = "float32") -> MlaMoeModel:
+def load_model(model_dir: Path | str, dtype: str = "float32", device: str = "cpu") -> MlaMoeModel:
     """Load config.json + *.safetensors from ``model_dir`` (what vLLM loads), computing in
-    ``dtype`` (float32 by default: bf16 weights upcast exactly)."""
+    ``dtype`` (float32 by default: bf16 weights upcast exactly) on ``device``."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     if dtype not in DTYPES:
@@ -130,7 +130,7 @@ def load_model(model_dir: Path | str, dtype: str = "float32") -> MlaMoeModel:
         state.update(load_file(str(f)))
     with torch.device("meta"):
         model = MlaMoeModel(cfg)
-    model = model.to_empty(device="cpu")
+    model = model.to_empty(device=device)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{model_dir}: checkpoint does not match config.json: "

@@ -29,16 +29,17 @@ def prefill(model: MlaMoeModel, token_ids: Sequence[int], first_token_id: int | 
     is the token prefill sampled; it enters the MTP layer's KV at position ``T-1``."""
     if not token_ids:
         raise ValueError("prefill needs at least one prompt token")
-    ids = torch.tensor([list(token_ids)], dtype=torch.long)
+    device = model.lm_head.weight.device
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
     t = ids.shape[1]
-    positions = torch.arange(t)
+    positions = torch.arange(t, device=device)
     dtype = model.lm_head.weight.dtype
-    caches = [torch.zeros(1, t, model.cfg.kv_width, dtype=dtype) for _ in range(model.num_layers)]
+    caches = [torch.zeros(1, t, model.cfg.kv_width, dtype=dtype, device=device) for _ in range(model.num_layers)]
     with torch.inference_mode():
         hidden, logits = model.forward_main(ids, positions, caches)
         last = logits[0, -1].float()
         first = int(last.argmax()) if first_token_id is None else int(first_token_id)
         if model.cfg.num_nextn_predict_layers:
-            shifted = torch.cat([ids[:, 1:], torch.tensor([[first]])], dim=1)
+            shifted = torch.cat([ids[:, 1:], torch.tensor([[first]], device=device)], dim=1)
             model.forward_mtp(shifted, hidden, positions, caches[model.num_main_layers])
     return PrefillOutput([c[0] for c in caches], last)

@@ -32,7 +32,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, d
         return int(logits.argmax())
     probs = target_probs(logits, params)
     if draft is not None:
-        if torch.rand((), generator=gen) < probs[draft]:
+        if torch.rand((), generator=gen, device=gen.device) < probs[draft]:
             return draft
         probs = probs.clone()
         probs[draft] = 0.0

@@ -3,7 +3,8 @@ and incremental detokenization.
 
 Only ``tokenizer.json`` (Hugging Face ``tokenizers``), ``generation_config.json``,
 ``config.json`` and ``tokenizer_config.json`` are read; no chat template is needed
-on the decode side (the prompt already is KV).
+on the decode side (the prompt already is KV). With TileRT these files are copied next to
+the converted weights (:mod:`decode_server.model_dir`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,18 @@ def _id_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+# GLM's role tokens that end an assistant turn (the next turn is the user's, or a tool's
+# result); GLM checkpoints list them as EOS, TileRT's generator stops on them too.
+TURN_END_TOKENS = ("<|user|>", "<|observation|>")
+
+
 @dataclass(frozen=True)
 class GenerationDefaults:
-    """``generation_config.json`` as vLLM applies it: EOS ids and default sampling."""
+    """``generation_config.json`` as vLLM applies it: EOS ids and default sampling.
+
+    Stop tokens: the checkpoint's EOS list (``generation_config.json``, else
+    ``config.json``), the tokenizer's EOS token, and :data:`TURN_END_TOKENS` where the
+    tokenizer has them as special tokens (GLM tokenizers)."""
 
     eos_token_ids: frozenset[int] = frozenset()
     temperature: float | None = None
@@ -47,12 +57,13 @@ class GenerationDefaults:
         gen = _read_json(model_dir / "generation_config.json")
         cfg = _read_json(model_dir / "config.json")
         eos = _id_list(gen.get("eos_token_id")) or _id_list(cfg.get("eos_token_id"))
-        if not eos and tokenizer is not None:
+        if tokenizer is not None:
             tok_cfg = _read_json(model_dir / "tokenizer_config.json")
             name = tok_cfg.get("eos_token")
             name = name.get("content") if isinstance(name, dict) else name
-            tid = tokenizer.token_id(name) if isinstance(name, str) else None
-            eos = [tid] if tid is not None else []
+            names = [name] if isinstance(name, str) else []
+            ids = [tokenizer.token_id(n) for n in names] + [tokenizer.special_id(n) for n in TURN_END_TOKENS]
+            eos += [i for i in ids if i is not None]
         sampling = {k: gen[k] for k in ("temperature", "top_p", "top_k") if isinstance(gen.get(k), (int, float))}
         return cls(eos_token_ids=frozenset(eos), **sampling)
 
@@ -82,6 +93,11 @@ class TextTokenizer:
 
     def token_id(self, text: str) -> int | None:
         return self.tokenizer.token_to_id(text)
+
+    def special_id(self, text: str) -> int | None:
+        """The id of ``text`` if the tokenizer has it as a special token."""
+        tid = self.tokenizer.token_to_id(text)
+        return tid if tid in self.special_ids else None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -6,12 +6,15 @@
 #
 # Converts CONVERT_SRC into CONVERT_DST (JOB_DIR/plan/job.env, or the environment) with
 # the converter command ({src} and {dst} replaced), exactly once across concurrent jobs
-# sharing the filesystem:
-#   * a complete conversion (marker file + shard count + tokenizer files) is reused at
+# sharing the filesystem. The result is a complete model directory for the decode server:
+# the converted shards plus CONVERT_MODEL_FILES (tokenizer, chat template, configs).
+#   * a complete conversion (marker file + shard count + model files) is reused at
 #     once, without running anything else: no model hub is contacted on a cache hit;
 #   * otherwise, under an flock on DST.lock (shared filesystem), re-check, then convert
-#     into a fresh DST.tmp-XXXXXX, copy missing tokenizer files from the source, validate,
-#     write the marker and rename the directory into place (atomic on one filesystem);
+#     into a fresh DST.tmp-XXXXXX, copy the model files the converter did not write from the
+#     source and check the directory as the CONVERT_ENGINE decode server will read it
+#     ($CONVERT_PYTHON -m decode_server.model_dir complete: JSON, tokenizer, stop tokens),
+#     validate, write the marker and rename the directory into place (atomic on one filesystem);
 #   * on any failure the temporary directory is removed: nothing half-written remains
 #     (only the empty lock file, which is never deleted: deleting lock files races);
 #   * the converter sees the Hugging Face settings of every role (render puts the
@@ -36,8 +39,8 @@ check_dir() {
     [[ -d $dir ]] || { echo "missing"; return; }
     n=$(shard_count "$dir")
     [[ $n -eq $CONVERT_SHARDS ]] || { echo "$n shards matching '$CONVERT_SHARD_GLOB', expected $CONVERT_SHARDS"; return; }
-    for f in $CONVERT_TOKENIZER_FILES; do
-        [[ -s $dir/$f ]] || { echo "tokenizer file $f missing or empty"; return; }
+    for f in $CONVERT_MODEL_FILES; do
+        [[ -s $dir/$f ]] || { echo "model file $f missing or empty"; return; }
     done
 }
 
@@ -70,9 +73,9 @@ convert_with() {
     log "converting $CONVERT_SRC -> $tmp: ${cmd[*]}"
     "${cmd[@]}" || die "converter failed (exit $?); removed $tmp"
 
-    for a in $CONVERT_TOKENIZER_FILES; do
-        [[ -e $tmp/$a || ! -f $CONVERT_SRC/$a ]] || cp "$CONVERT_SRC/$a" "$tmp/$a"
-    done
+    "${CONVERT_PYTHON:-python3}" -m decode_server.model_dir complete --source "$CONVERT_SRC" \
+        --engine "$CONVERT_ENGINE" --files "$CONVERT_MODEL_FILES" "$tmp" >&2 \
+        || die "the converted directory is not a complete $CONVERT_ENGINE model directory (above); removed $tmp"
     reason=$(check_dir "$tmp")
     [[ -z $reason ]] || die "conversion output is incomplete: $reason; removed $tmp"
     (cd "$tmp" && find . -type f ! -name "$MARKER" -printf '%s %p\n' | sort -k2) > "$tmp/$MARKER"
@@ -97,11 +100,11 @@ convert() {
 # convert-env -- CMD...: settings from the environment (Kubernetes init container).
 convert_env() {
     local v
-    for v in CONVERT_SRC CONVERT_DST CONVERT_SHARDS; do
+    for v in CONVERT_SRC CONVERT_DST CONVERT_SHARDS CONVERT_MODEL_FILES; do
         [[ -n ${!v:-} ]] || die "$v is not set"
     done
     CONVERT_SHARD_GLOB=${CONVERT_SHARD_GLOB:-*.safetensors}
-    CONVERT_TOKENIZER_FILES=${CONVERT_TOKENIZER_FILES:-tokenizer.json tokenizer_config.json}
+    CONVERT_ENGINE=${CONVERT_ENGINE:-tilert}
     CONVERT_LOCK_TIMEOUT=${CONVERT_LOCK_TIMEOUT:-14400}
     [[ $CONVERT_SHARDS =~ ^[1-9][0-9]*$ ]] || die "CONVERT_SHARDS=$CONVERT_SHARDS: not a positive integer"
     [[ $# -gt 0 ]] || die "usage: setup_deps.sh convert-env -- CONVERTER [ARGS with {src} {dst}]"

@@ -15,7 +15,8 @@ prefill    PD_MODEL, PD_SERVED_MODEL_NAME (dir name), PD_HOST (0.0.0.0), PD_PORT
            PD_NUM_SPECULATIVE_TOKENS (1), PD_DECODE_KV_ENDPOINTS (host:port,...), PD_ENFORCE_EAGER (0)
 decode     PD_MODEL, PD_SERVED_MODEL_NAME, PD_HOST (0.0.0.0), PD_PORT (8200), PD_KV_HOST (this
            host's name: what prefill connects to), PD_KV_PORT (8300), PD_ENGINE (tilert),
-           PD_SLOTS (1), PD_MAX_SEQ_LEN (16384), PD_NUM_MTP (3)
+           PD_SLOTS (1), PD_MAX_SEQ_LEN (16384), PD_NUM_MTP (3), PD_KV_DEVICE (cuda:0 for
+           tilert: receive into VRAM; cpu for reference)
 router     PD_PREFILL_URLS, PD_DECODE_URLS (comma-separated), PD_HOST (0.0.0.0), PD_PORT (8000)
 all        PD_PYTHON (python3): the interpreter that runs the server
 =========  ==============================================================================
@@ -30,6 +31,7 @@ from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from decode_server.settings import DEFAULT_KV_DEVICE
 from pd_router.deploy_recipe.plan import DECODE_ENV, PREFILL_ENV
 from pd_router.deploy_recipe.wait import wait_ready
 from pd_router.stack.commands import (
@@ -100,6 +102,7 @@ class DecodeEnv(_Env):
     slots: int = Field(1, alias="PD_SLOTS", ge=1)
     max_seq_len: int = Field(16384, alias="PD_MAX_SEQ_LEN", ge=1)
     num_mtp: int = Field(3, alias="PD_NUM_MTP", ge=1, description="MTP is required")
+    kv_device: str | None = Field(None, alias="PD_KV_DEVICE", pattern=r"^(cpu|cuda:\d+)$")
 
 
 class RouterEnv(_Env):
@@ -163,6 +166,7 @@ def build_argv(role: str, environ: Mapping[str, str], extra: list[str]) -> tuple
                 max_seq_len=s.max_seq_len,
                 num_mtp=s.num_mtp,
                 served_model_name=s.served_model_name,
+                kv_device=s.kv_device or DEFAULT_KV_DEVICE[s.engine],
                 python=s.python,
                 extra_args=("--kv-host", s.kv_host, *extra),
             )

@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Literal
 
+from decode_server.settings import DEFAULT_KV_DEVICE
 from pd_router.deploy_recipe.schema import Recipe
 from pd_router.deploy_recipe.topology import conversion_env
 from pd_router.stack.commands import (
@@ -129,6 +130,7 @@ def _workers(r: Recipe) -> list[Step]:
             max_seq_len=r.decode.max_seq_len,
             num_mtp=r.decode.num_mtp,
             served_model_name=r.model.name,
+            kv_device=r.decode.kv_device or DEFAULT_KV_DEVICE[r.decode.engine],
             python=r.decode.python,
             extra_args=("--kv-host", host, *kv_dtype, *r.decode.extra_args),
         )

@@ -74,9 +74,12 @@ def describe(plan: Plan, hosts: list[str] | None = None, job_dir: str = "<job-di
             lines.append(f"[{step.id}] role={step.role} kind={step.kind} image={step.image or '-'}")
             if step.ready_url:
                 lines.append(f"  gate: {_substitute(step.ready_url, names, job_dir)}")
-            if step.role == "convert":
+            if step.role == "convert" and r.conversion is not None:
                 lines.append(f"  into: {r.model.converted} (once, under {r.model.converted}.lock; "
                              "skipped when already complete)")
+                lines.append(f"  then: copies {' '.join(r.conversion.model_files)} from {r.model.source} "
+                             f"when the converter did not write them, and checks the directory for the "
+                             f"{r.decode.engine} engine ({r.decode.python} -m decode_server.model_dir)")
             for key, value in sorted(step.env.items()):
                 shown = "***" if "TOKEN" in key else value
                 lines.append(f"  env {key}={_substitute(shown, names, job_dir)}")
@@ -115,7 +118,9 @@ def _job_env(plan: Plan) -> dict[str, str]:
                 "CONVERT_DST": r.model.converted,
                 "CONVERT_SHARDS": str(conv.shards),
                 "CONVERT_SHARD_GLOB": conv.shard_glob,
-                "CONVERT_TOKENIZER_FILES": " ".join(conv.tokenizer_files),
+                "CONVERT_MODEL_FILES": " ".join(conv.model_files),
+                "CONVERT_ENGINE": r.decode.engine,
+                "CONVERT_PYTHON": r.decode.python,
                 "CONVERT_LOCK_TIMEOUT": str(conv.lock_timeout_s),
             }
         )

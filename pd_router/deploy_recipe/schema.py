@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from decode_server.model_dir import MODEL_FILES
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -65,6 +67,12 @@ class DecodeRole(RoleSpec):
     slots: int = Field(default=1, ge=1)
     max_seq_len: int = Field(default=16384, ge=1)
     num_mtp: int = Field(default=3, ge=0, description="decode-side MTP drafts per step")
+    kv_device: str | None = Field(
+        default=None,
+        pattern=r"^(cpu|cuda:\d+)$",
+        description="where decode receives KV: cuda:N (VRAM; TileRT converts it there) or cpu "
+        "(default: the engine's, cuda:0 for tilert, cpu for reference)",
+    )
 
 
 class RouterRole(RoleSpec):
@@ -75,14 +83,21 @@ class ConversionSpec(_Strict):
     """Converting ``model.source`` into ``model.converted`` once, under a lock.
 
     ``command`` is run with ``{src}`` and ``{dst}`` replaced; ``{dst}`` is a temporary
-    directory next to the final one, renamed into place once validated.
+    directory next to the final one. ``model_files`` are then copied from the checkpoint
+    when missing, the directory is checked as the decode engine will read it, and renamed
+    into place (deploy/slurm/setup_deps.sh).
     """
 
     command: list[str] = Field(min_length=1)
     image: str | None = Field(default=None, description="image to convert in (default: the decode image)")
     shards: int = Field(ge=1, description="number of weight shards a complete conversion has")
     shard_glob: str = "*.safetensors"
-    tokenizer_files: list[str] = Field(default_factory=lambda: ["tokenizer.json", "tokenizer_config.json"])
+    model_files: list[str] = Field(
+        default_factory=lambda: list(MODEL_FILES["tilert"]),
+        description="files the decode server reads besides the weights (tokenizer, chat template, "
+        "configs): copied from the checkpoint when the converter did not write them, then checked "
+        "(python -m decode_server.model_dir)",
+    )
     env: dict[str, str] = Field(default_factory=dict)
     lock_timeout_s: int = Field(default=4 * 3600, ge=1)
 

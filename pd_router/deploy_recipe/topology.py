@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from decode_server.model_dir import MODEL_FILES
 from pd_router.deploy_recipe.schema import Recipe
 
 # TileRT shards GLM-5 over exactly 8 devices (its converter writes 8 device shards).
@@ -78,6 +79,19 @@ def _role_checks(r: Recipe) -> list[RecipeProblem]:
             )
         if r.conversion is None:
             out.append(RecipeProblem("conversion", None, "the tilert engine needs a weight conversion step"))
+    if r.conversion is not None:
+        lacking = [f for f in MODEL_FILES[r.decode.engine] if f not in r.conversion.model_files]
+        if lacking:
+            out.append(
+                RecipeProblem(
+                    "conversion.model_files",
+                    r.conversion.model_files,
+                    f"the {r.decode.engine} decode server also reads {', '.join(lacking)} from the "
+                    "converted directory",
+                )
+            )
+    if r.decode.engine == "reference" and r.decode.kv_device not in (None, "cpu"):
+        out.append(RecipeProblem("decode.kv_device", r.decode.kv_device, "the reference engine runs on the CPU"))
     if r.model.profile == "glm5.1" and r.decode.engine != "tilert":
         out.append(
             RecipeProblem(

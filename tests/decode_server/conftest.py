@@ -47,7 +47,9 @@ def build_model_dir(path: Path) -> Path:
     eos = tok.token_to_id("<|endoftext|>")
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos], "temperature": 0.6,
                                                              "top_p": 0.95}))
-    (path / "config.json").write_text(json.dumps({"eos_token_id": eos}))
+    (path / "config.json").write_text(json.dumps({"eos_token_id": eos, "num_hidden_layers": 2}))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    (path / "chat_template.jinja").write_text("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}")
     return path
 
 

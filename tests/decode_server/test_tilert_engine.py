@@ -179,6 +179,37 @@ def test_start_rejects_bad_kv_and_logprobs(tmp_path):
     engine.start(_received(8, 4), _handoff(8), SamplingParams(max_tokens=5)).close()  # not left busy
 
 
+def test_tiny_temperatures_are_greedy_in_tilert(tmp_path):
+    engine, gen = _engine(tmp_path)
+    engine.start(_received(8, 4), _handoff(8), SamplingParams(max_tokens=5, temperature=5e-6, top_k=40)).close()
+    assert ("update_sampling_params", 1.0, 1.0, 1, False) in gen.calls  # top-1, as temperature 0
+
+
+def test_conversion_runs_on_the_engine_device(tmp_path):
+    """KV received in host memory is converted on TileRT's device (here PyTorch's meta
+    device stands in for the GPU: shapes and dtypes, no data)."""
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 3}')
+    gen = FakeGLM5Generator(with_mtp=True, last_prompt_token=5)
+    engine = TileRTEngine(tmp_path, max_seq_len=256, num_mtp=3, device="meta", generator=gen)
+    kv = _received(20, 4)
+    assert all(p.device.type == "cpu" for layer in kv.layers for p in layer.values())
+    engine.start(kv, _handoff(20), SamplingParams(max_tokens=10))
+    assert [t.device.type for layer in gen.injected for t in layer] == ["meta"] * 12
+    assert [(t.dtype, tuple(t.shape)) for t in gen.injected[0]] == [
+        (torch.bfloat16, (20, 128)), (torch.bfloat16, (20, 512)), (torch.bfloat16, (20, 64))]
+
+
+def test_tilert_receives_into_vram_by_default(tmp_path):
+    from decode_server.settings import load_settings
+    from tests.fakes.fake_glm51_checkpoint import write_fake_glm51_checkpoint
+
+    model = write_fake_glm51_checkpoint(tmp_path / "m")
+    base = ["--model", str(model), "--num-mtp", "3"]
+    assert load_settings(["--engine", "tilert", *base], env={}).kv_device == "cuda:0"
+    assert load_settings(["--engine", "tilert", "--kv-device", "cpu", *base], env={}).kv_device == "cpu"
+    assert load_settings(["--engine", "reference", *base], env={}).kv_device == "cpu"
+
+
 def test_top_k_mapping():
     assert [tilert_top_k(k) for k in (0, -1, 1, 40, 255, 256, 1000)] == [256, 256, 1, 40, 255, 256, 256]
 

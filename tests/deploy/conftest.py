@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import stat
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 import yaml
 
 from tests.deploy.slurm_cluster import SlurmCluster, ensure_installed
+from tests.fakes.fake_glm51_checkpoint import write_fake_glm51_checkpoint
 from tests.procs import REPO
 
 DEPLOY = REPO / "deploy"
@@ -48,13 +48,10 @@ def dump_recipe(data: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def fake_checkpoint(path: Path, shards: int = 1) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    for i in range(shards):
-        (path / f"model-{i:05d}-of-{shards:05d}.safetensors").write_bytes(os.urandom(64))
-    (path / "tokenizer.json").write_text('{"model": {}}')
-    (path / "tokenizer_config.json").write_text('{"chat_template": ""}')
-    return path
+def fake_checkpoint(path: Path, shards: int = 1, **kw: Any) -> Path:
+    """A fake GLM-5.1 checkpoint (tests/fakes/fake_glm51_checkpoint.py): stand-in shards and
+    the real-looking files the decode server reads (tokenizer, chat template, configs)."""
+    return write_fake_glm51_checkpoint(path, shards=shards, **kw)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,10 @@
 
 Two concurrent Slurm jobs share one conversion; failures leave nothing behind; a cache
 hit runs nothing and makes no network call (checked with strace in a network-less
-namespace); the converter sees the Hugging Face settings of every role.
+namespace); the converter sees the Hugging Face settings of every role; a GLM-5.1
+conversion (the shipped recipe, a fake GLM-5.1 checkpoint, a fake converter that writes
+only shards, as TileRT's does) ends as a complete model directory for the TileRT decode
+server.
 """
 
 from __future__ import annotations
@@ -10,13 +13,20 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from decode_server.engine.tilert import TileRTEngine
+from decode_server.model_dir import MODEL_FILES
+from decode_server.server.text import GenerationDefaults, TextTokenizer
+from decode_server.settings import load_settings
 from pd_router.deploy_recipe import build_plan, parse_recipe, write_plan
 from tests.deploy.conftest import SLURM_DIR, fake_checkpoint, load_recipe_dict, write_exe
+from tests.fakes.fake_glm51_checkpoint import token_ids
+from tests.fakes.fake_tilert import FakeGLM5Generator
 from tests.deploy.slurm_cluster import SlurmCluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -45,6 +55,7 @@ def _job(tmp: Path, name: str, converter: Path, env: dict[str, dict[str, str]] |
     data["model"]["converted"] = str(tmp / "shared" / "converted")
     data["conversion"]["command"] = [str(converter), "{src}", "{dst}"]
     data["conversion"]["shards"] = SHARDS
+    data["decode"]["python"] = sys.executable  # checks the converted directory (decode_server.model_dir)
     for role, role_env in (env or {}).items():
         data[role]["env"] = role_env
     job_dir = tmp / name
@@ -150,3 +161,60 @@ def test_converter_sees_every_roles_hf_settings(tmp_path: Path) -> None:
     (line,) = calls.read_text().splitlines()
     assert f"HF_HOME={tmp_path / 'hf'} HF_TOKEN=hf_from_prefill" in line
     assert f"src={tmp_path / 'src'}" in line
+
+
+def _glm_job(tmp: Path, src: Path) -> tuple[Path, Path]:
+    """The shipped GLM-5.1 recipe, converting ``src`` with a stand-in for TileRT's converter
+    (it writes 8 device shards and their index, nothing else)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    converter = write_exe(tmp / "tilert-converter", """#!/usr/bin/env bash
+set -eu
+while [ $# -gt 0 ]; do case $1 in --model_dir) src=$2; shift;; --save_dir) dst=$2; shift;; esac; shift; done
+for i in 0 1 2 3 4 5 6 7; do head -c 256 /dev/urandom > "$dst/model-rank-$i.safetensors"; done
+echo '{"shards": 8}' > "$dst/model.safetensors.index.json"
+""")
+    data: dict[str, Any] = load_recipe_dict("glm5.1-fp8-b200.yaml")
+    data["model"]["source"] = str(src)
+    data["model"]["converted"] = str(tmp / "shared" / "GLM-5.1-FP8-tilert")
+    command = data["conversion"]["command"]  # python3 -m tilert...weight_converter --model_type ... {dst}
+    data["conversion"]["command"] = [str(converter), *command[command.index("--model_type"):]]
+    data["decode"]["python"] = sys.executable
+    job_dir = tmp / "job"
+    write_plan(build_plan(parse_recipe(data)), job_dir)
+    return job_dir, Path(data["model"]["converted"])
+
+
+def test_glm51_conversion_is_a_complete_model_directory_for_the_tilert_decode_server(tmp_path: Path) -> None:
+    # the checkpoint's generation_config lists only <|endoftext|>: the role tokens are added
+    src = fake_checkpoint(tmp_path / "GLM-5.1-FP8", shards=2, eos=("<|endoftext|>",))
+    job, dst = _glm_job(tmp_path, src)
+    out = _convert(job)
+    assert out.returncode == 0, out.stderr
+    assert len(list(dst.glob("*.safetensors"))) == 8
+    for name in MODEL_FILES["tilert"]:
+        assert (dst / name).read_bytes() == (src / name).read_bytes(), name
+        assert f" ./{name}\n" in (dst / ".tilert-pd-complete").read_text()
+    stops = token_ids("<|endoftext|>", "<|user|>", "<|observation|>")
+    assert f"stop token ids {sorted(stops)}" in out.stderr
+    # what the decode server then reads from it
+    settings = load_settings(["--engine", "tilert", "--model", str(dst), "--num-mtp", "3"], env={})
+    assert GenerationDefaults.from_model_dir(dst, TextTokenizer.from_model_dir(dst)).eos_token_ids == stops
+    engine = TileRTEngine(settings.model, max_seq_len=4096, num_mtp=3, device="cpu", generator=FakeGLM5Generator())
+    assert engine.kv_layout.num_layers == 79  # config.json's 78 layers + the MTP layer
+    again = _convert(job)
+    assert again.returncode == 0 and "reusing complete conversion" in again.stderr
+
+
+def test_glm51_conversion_without_a_chat_template_fails_and_leaves_nothing(tmp_path: Path) -> None:
+    src = fake_checkpoint(tmp_path / "GLM-5.1-FP8", chat_template_file=False)
+    job, dst = _glm_job(tmp_path, src)
+    out = _convert(job)
+    assert out.returncode != 0
+    assert "chat_template.jinja: in neither the conversion output nor" in out.stderr
+    assert "not a complete tilert model directory" in out.stderr
+    assert not dst.exists() and _leftovers(tmp_path) == []
+    # a checkpoint that carries the template in tokenizer_config.json only is fine
+    src2 = fake_checkpoint(tmp_path / "GLM-5.1-FP8-b", chat_template_file=False, template_in_tokenizer_config=True)
+    job2, dst2 = _glm_job(tmp_path / "b", src2)
+    assert _convert(job2).returncode == 0
+    assert "{% for m in messages %}" in (dst2 / "chat_template.jinja").read_text()

@@ -121,8 +121,11 @@ def test_decode_entrypoint_starts_the_decode_server(tmp_path: Path) -> None:
     stub = str(tmp_path / "server-python")
     want = decode_server_argv(DecodeSpec(model="/shared/GLM-5.1-FP8-tilert", port=8200, kv_port=8300, host="0.0.0.0",
                                          engine="tilert", slots=1, max_seq_len=16384, num_mtp=3, python=stub,
-                                         extra_args=("--kv-host", "decode-0.decode")))
-    assert [stub, *got["argv"]] == want
+                                         kv_device="cuda:0", extra_args=("--kv-host", "decode-0.decode")))
+    assert [stub, *got["argv"]] == want  # the TileRT image receives KV into VRAM unless told otherwise
+    out, got = _run_entrypoint(tmp_path, "decode", {**env, "PD_KV_DEVICE": "cpu"})
+    assert got["argv"][got["argv"].index("--kv-device") + 1] == "cpu"
+    assert "PD_KV_DEVICE=cuda:0" in (REPO / "Dockerfile.decode").read_text()
 
 
 def test_router_entrypoint(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from decode_server.model_dir import MODEL_FILES, missing_files
 from tests.deploy.conftest import DEPLOY, SLURM_DIR, fake_checkpoint, write_exe
 
 K8S = DEPLOY / "k8s"
@@ -95,6 +97,7 @@ def test_exactly_one_prefill_and_wiring_between_roles() -> None:
     assert router_env["PD_PREFILL_URLS"] == f"http://prefill:{prefill_env['PD_PORT']}"
     assert prefill_env["PD_SERVED_MODEL_NAME"] == decode_env["PD_SERVED_MODEL_NAME"]
     assert "$(POD_NAME).decode" in decode_env["PD_KV_HOST"]
+    assert decode_env["PD_KV_DEVICE"] == "cuda:0"  # TileRT receives KV into VRAM
     # prefill starts only once every decode server is ready (its KV endpoint listens)
     (wait,) = _get("Deployment", "prefill")["spec"]["template"]["spec"]["initContainers"]
     assert wait["command"][:2] == ["/usr/local/bin/pd-entrypoint", "wait-ready"]
@@ -112,16 +115,21 @@ def test_init_container_conversion_command_runs(tmp_path: Path) -> None:
     assert command[:3] == ["/usr/local/bin/pd-setup-deps", "convert-env", "--"]
     stub = write_exe(tmp_path / "converter", '#!/usr/bin/env bash\nset -e\nwhile [ $# -gt 0 ]; do '
                      'case $1 in --model_dir) src=$2; shift;; --save_dir) dst=$2; shift;; esac; shift; done\n'
-                     'for i in 1 2 3 4 5 6 7 8; do cp "$src/model-00000-of-00001.safetensors" '
+                     'for i in 1 2 3 4 5 6 7 8; do cp "$src/model-00001-of-00001.safetensors" '
                      '"$dst/model-$i.safetensors"; done\n')
     env = {**os.environ, **_env(init)}
     env.pop("HF_TOKEN", None)
     env["CONVERT_SRC"] = str(fake_checkpoint(tmp_path / "src"))
     env["CONVERT_DST"] = str(tmp_path / "dst")
+    env["CONVERT_PYTHON"] = sys.executable  # the decode image's python3 has the package; this one too
     argv = ["bash", str(SLURM_DIR / "setup_deps.sh"), *command[1:3], str(stub), *command[4:]]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert len(list((tmp_path / "dst").glob("*.safetensors"))) == int(env["CONVERT_SHARDS"])
+    # a complete model directory for the TileRT decode server, checked as it reads it
+    assert env["CONVERT_MODEL_FILES"].split() == list(MODEL_FILES["tilert"]) and env["CONVERT_ENGINE"] == "tilert"
+    assert missing_files(tmp_path / "dst", "tilert") == []
+    assert "complete for the tilert engine; stop token ids" in out.stderr
     again = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert "reusing complete conversion" in again.stderr
     env.pop("CONVERT_SHARDS")

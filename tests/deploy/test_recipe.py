@@ -76,6 +76,9 @@ BAD_TOPOLOGIES = [
     ("bad port", _set("router.port", 70000), "router.port = 70000: Input should be less than or equal to 65535"),
     ("router on the prefill port", _set("router.port", 8100), "router.port = 8100: the router runs on the "
                                                              "prefill node"),
+    ("conversion without the chat template", _set("conversion.model_files", ["tokenizer.json", "config.json"]),
+     "conversion.model_files = ['tokenizer.json', 'config.json']: the tilert decode server also reads "
+     "tokenizer_config.json, chat_template.jinja, generation_config.json from the converted directory"),
 ]
 
 
@@ -125,6 +128,9 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
     assert prefill[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
     assert prefill[prefill.index("--tensor-parallel-size") + 1] == "8"
     assert json.loads(prefill[prefill.index("--speculative-config") + 1])["method"] == "mtp"
+    # vLLM 0.32 on SM100 allocates the 656-byte fp8_ds_mla rows (64-token blocks) only when told to
+    assert prefill[prefill.index("--kv-cache-dtype") + 1] == "fp8_ds_mla"
+    assert prefill[prefill.index("--block-size") + 1] == "64"
     kv = json.loads(prefill[prefill.index("--kv-transfer-config") + 1])
     assert kv["kv_connector"] == "TileRTConnector" and kv["kv_role"] == "kv_producer"
     assert kv["kv_connector_extra_config"] == {"profile": "glm5.1", "decode_endpoints": ["dc0:8300"]}
@@ -133,9 +139,14 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
     assert decode == decode_server_argv(DecodeSpec(
         model="/shared/models/GLM-5.1-FP8-tilert", port=8200, kv_port=8300, host="0.0.0.0", engine="tilert",
         slots=1, max_seq_len=16384, num_mtp=3, python="python3", served_model_name="GLM-5.1-FP8",
-        extra_args=("--kv-host", "dc0")))
+        kv_device="cuda:0", extra_args=("--kv-host", "dc0")))
+    assert decode[decode.index("--kv-device") + 1] == "cuda:0"  # KV lands in VRAM, converted there
     assert convert[-4:] == ["--model_dir", "/shared/models/GLM-5.1-FP8", "--save_dir", "{dst}"]
     assert "into: /shared/models/GLM-5.1-FP8-tilert (once, under /shared/models/GLM-5.1-FP8-tilert.lock" in node1
+    # the converted directory is a complete model directory for the decode server
+    assert ("then: copies tokenizer.json tokenizer_config.json chat_template.jinja config.json generation_config.json"
+            " from /shared/models/GLM-5.1-FP8 when the converter did not write them, and checks the directory for "
+            "the tilert engine") in node1
     assert all("/shared/run1/bench/" in " ".join(b) for b in bench)
     assert "gate: http://pf0:8100/health" in node0 and "gate: http://pf0:8000/ready" in node0
     assert "gate: http://dc0:8200/ready" in node1
@@ -178,6 +189,9 @@ def test_render_writes_what_the_slurm_scripts_read(tmp_path: Path) -> None:
         assert (out / f"{step.id}.argv").read_bytes().split(b"\0")[:-1] == [a.encode() for a in step.argv]
     job_env = (out / "job.env").read_text()
     assert "CONVERT_DST=/shared/models/GLM-5.1-FP8-tilert\n" in job_env and "NUM_NODES=2\n" in job_env
+    assert ("CONVERT_MODEL_FILES='tokenizer.json tokenizer_config.json chat_template.jinja config.json "
+            "generation_config.json'\n") in job_env
+    assert "CONVERT_ENGINE=tilert\n" in job_env and "CONVERT_PYTHON=python3\n" in job_env
     task = yaml.safe_load((out / "lm_eval_tasks" / "gsm8k_local.yaml").read_text())
     assert task["task"] == "gsm8k_local" and task["dataset_path"] == "/shared/datasets/gsm8k/main"
     assert task["filter_list"][0]["filter"][0]["regex_pattern"] == r"#### (\-?[0-9\.\,]+)"

@@ -11,7 +11,8 @@ serves on ``--host``/``--port``:
   answer 200 (like the real router's readiness), ``/v1/chat/completions`` answers an
   OpenAI-shaped completion naming the request's model.
 
-SIGTERM ends it and records ``stopped``.
+SIGTERM ends it and records ``stopped``. A module that is not one of the servers (the weight
+conversion's ``decode_server.model_dir``) runs for real.
 """
 
 from __future__ import annotations
@@ -110,6 +111,13 @@ def _handler(app: StandIn) -> type[BaseHTTPRequestHandler]:
 
 
 def main() -> None:
+    module = sys.argv[sys.argv.index("-m") + 1] if "-m" in sys.argv else None
+    if module not in ROLES:  # not a server (e.g. the conversion's model-dir check): the real module
+        import runpy
+
+        sys.argv = [module or "", *sys.argv[sys.argv.index("-m") + 2:]] if module else sys.argv[:1]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
     app = StandIn(sys.argv[1:])
     host = _arg(app.argv, "--host")[0]
     port = int(_arg(app.argv, "--port")[0])

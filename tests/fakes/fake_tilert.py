@@ -93,8 +93,9 @@ class FakeDecodeLayer:
         self._emit(tokens, [1] * ar_steps)
 
     def _emit(self, tokens: list[int], counts: list[int]) -> None:
-        self._accepted = torch.tensor([len(tokens), *tokens], dtype=torch.int64)
-        self._num = torch.tensor([len(counts), *counts], dtype=torch.int64)
+        # [batch=1, 1 + n] as TileRT returns them (its own adapter takes row 0)
+        self._accepted = torch.tensor([[len(tokens), *tokens]], dtype=torch.int64)
+        self._num = torch.tensor([[len(counts), *counts]], dtype=torch.int64)
 
     def ar_accepted_tokens(self, dev: int = 0) -> torch.Tensor:
         return self._accepted

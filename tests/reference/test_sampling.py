@@ -30,6 +30,16 @@ def test_greedy_takes_the_argmax_and_accepts_only_an_equal_draft() -> None:
     assert choose(LOGITS, params, gen, draft=3) == 0
 
 
+@pytest.mark.parametrize("temperature, greedy", [(0.0, True), (1e-6, True), (9.99e-6, True), (1e-5, False),
+                                                 (0.7, False)])
+def test_temperatures_below_1e_5_are_greedy_as_in_vllm(temperature: float, greedy: bool) -> None:
+    params = SamplingParams(max_tokens=1, temperature=temperature)
+    assert params.greedy is greedy
+    if greedy:  # the argmax, and a draft other than the argmax is never accepted
+        gen = torch.Generator().manual_seed(0)
+        assert [choose(LOGITS, params, gen, draft=d) for d in (None, 0, 1, 3)] == [0, 0, 0, 0]
+
+
 def test_filters() -> None:
     p = target_probs(LOGITS, SamplingParams(max_tokens=1, temperature=1.0, top_k=2))
     assert (p[2:] == 0).all() and torch.isclose(p.sum(), torch.tensor(1.0))

@@ -9,6 +9,7 @@ import pytest
 from connector.config import ConnectorConfigError, load_settings
 from connector.profiles import (
     MTP_FLAG,
+    cache_row_hint,
     ProfileMismatch,
     check_layers,
     glm51_profile,
@@ -88,3 +89,16 @@ def test_layer_count_mismatch_and_observed_layout():
         check_layers(scan_layers(_names(5)), profile)
     with pytest.raises(ProfileMismatch, match="not 0..1"):
         scan_layers(["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"])
+
+
+def test_cache_row_hint_names_the_flag_to_add():
+    glm = glm51_profile()
+    assert glm.mla_row_bytes == 656 and glm.vllm_args == ("--kv-cache-dtype", "fp8_ds_mla", "--block-size", "64")
+    assert cache_row_hint(656, glm) is None
+    fp8 = cache_row_hint(576, glm)
+    assert fp8 is not None and "plain fp8" in fp8 and "--kv-cache-dtype fp8_ds_mla" in fp8
+    bf16 = cache_row_hint(1152, glm)
+    assert bf16 is not None and "bf16" in bf16 and "--kv-cache-dtype fp8_ds_mla" in bf16
+    assert "1000-byte" in (cache_row_hint(1000, glm) or "")
+    assert cache_row_hint(1152, tiny_profile(2, "bfloat16")) is None  # bf16 is the tiny profile's own layout
+    assert cache_row_hint(576, tiny_profile(2, "bfloat16")) is None  # no flag to name: vLLM's default
