@@ -41,10 +41,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from connector.errors import AdmissionRefused, ControlChannelError, HandshakeRejected
 from connector.keeper import HandshakeKeeper
-from connector.layout import KVLayout, SenderPlan, gather_fp8_ds_mla, gather_pages, gather_tokens
+from connector.layout import KVLayout, SenderPlan, gather_layer
 from connector.metadata import RequestWork, SendReport, StepPlan
+from connector.profiles import (
+    ModelProfile,
+    ProfileMismatch,
+    cache_row_hint,
+    check_layers,
+    observed_layout,
+    scan_layers,
+)
 from connector.protocol import FailureReason
-from connector.profiles import ModelProfile, ProfileMismatch, check_layers, observed_layout, scan_layers
 
 if TYPE_CHECKING:
     import torch
@@ -169,10 +176,11 @@ class ConnectorWorker:
         cache = _paged_rows(cache)
         row_bytes = cache.shape[-1] * cache.element_size() if cache.dim() == 3 else -1
         if row_bytes != self.profile.mla_row_bytes or not cache.is_contiguous():
+            hint = cache_row_hint(row_bytes, self.profile)
             raise ProfileMismatch(
                 f"KV cache {name!r} is {tuple(cache.shape)} {cache.dtype} (contiguous={cache.is_contiguous()}); "
                 f"profile {self.profile.name!r} expects contiguous [num_blocks, block_size, row] with "
-                f"{self.profile.mla_row_bytes}-byte rows"
+                f"{self.profile.mla_row_bytes}-byte rows" + (f"; {hint}" if hint else "")
             )
 
     def _handshake_all(self) -> ProfileMismatch | None:
@@ -344,13 +352,7 @@ class ConnectorWorker:
     def _gather(
         self, views: dict[str, torch.Tensor], layer: int, cache: torch.Tensor, work: RequestWork
     ) -> None:
-        n, blocks = work.num_tokens, work.block_ids
-        if self.profile.cache_format == "cpu_mla":
-            gather_tokens(cache, blocks, n, views["kv"])
-            return
-        gather_fp8_ds_mla(cache, blocks, n, views["kv"], views["rope"])
-        pages = views["indexer"].shape[0]
-        gather_pages(self._indexer[layer], blocks, pages, views["indexer"])
+        gather_layer(cache, work.block_ids, work.num_tokens, views, self._indexer.get(layer))
 
     def _fail(self, send: _Send, error: str, reason: FailureReason) -> None:
         if send.error is not None:

@@ -432,6 +432,20 @@ def test_wrong_cache_row_size_is_a_profile_mismatch():
         _worker(factory, endpoints=()).register_kv_caches(caches)
 
 
+@pytest.mark.parametrize(("row", "dtype"), [(576, torch.uint8), (576, torch.bfloat16)], ids=["fp8", "bf16"])
+def test_glm51_without_fp8_ds_mla_names_the_flag_to_add(row, dtype):
+    """vLLM 0.32 on SM100 allocates 576-byte rows for --kv-cache-dtype fp8 and 1152-byte rows
+    for the default (bf16): the start-up error says which flag gives the 656-byte rows."""
+    from connector.profiles import glm51_profile
+
+    _, factory = make_factory()
+    mla = {f"model.layers.{i}.self_attn.attn": torch.zeros(4, 64, row, dtype=dtype) for i in range(3)}
+    idx = {f"model.layers.{i}.self_attn.indexer.k_cache": torch.zeros(4, 64, 132, dtype=torch.uint8)
+           for i in range(3)}
+    with pytest.raises(ProfileMismatch, match="--kv-cache-dtype fp8_ds_mla"):
+        _worker(factory, endpoints=(), profile=glm51_profile(2)).register_kv_caches({**mla, **idx})
+
+
 @pytest.mark.parametrize("early", [True, False], ids=["save_kv_layer", "cuda-wait_for_save-only"])
 def test_glm51_worker_gathers_fp8_ds_mla_rows_and_indexer_pages(early):
     """The GPU layout path on CPU tensors: vLLM's fp8_ds_mla rows (656 B: 528 B latent+scales,
