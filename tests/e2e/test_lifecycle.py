@@ -31,15 +31,27 @@ def _assert_idle(stack, within_s: float = 1.0) -> None:
         time.sleep(0.05)
 
 
+async def _queue_depth(http: httpx.AsyncClient, router_url: str) -> int:
+    text = (await http.get(f"{router_url}/metrics")).text
+    return int(float(next(line.split()[-1] for line in text.splitlines()
+                          if line.startswith("pd_router_queue_depth "))))
+
+
 async def test_16_concurrent_clients_one_slot_first_come_first_served(pd_stack, model_name):
+    """Request 0 holds the only slot (a long generation) while 1..15 arrive one after the
+    other: each is sent once the router has queued the one before (its queue depth, the
+    observable state), so the arrival order is known; first tokens must come in that order."""
     assert pd_stack.config.decode_slots == 1 and pd_stack.config.num_decode == 1
-    url = f"{pd_stack.config.router_url}/v1/completions"
+    router = pd_stack.config.router_url
+    url = f"{router}/v1/completions"
     first_token_at: dict[int, float] = {}
+    queued: list[asyncio.Event] = [asyncio.Event() for _ in range(16)]
 
     async def client(i: int, http: httpx.AsyncClient) -> int:
-        await asyncio.sleep(i * 0.05)  # arrival order 0, 1, 2, ...
-        body = {"model": model_name, "prompt": f"Request number {i}:", "max_tokens": 8, "temperature": 0,
-                "stream": True, "ignore_eos": True}
+        if i:
+            await queued[i - 1].wait()  # arrival order 0, 1, 2, ...
+        body = {"model": model_name, "prompt": f"Request number {i}:", "max_tokens": 600 if i == 0 else 8,
+                "temperature": 0, "stream": True, "ignore_eos": True}
         n = 0
         async with http.stream("POST", url, json=body) as r:
             assert r.status_code == 200, await r.aread()
@@ -49,8 +61,16 @@ async def test_16_concurrent_clients_one_slot_first_come_first_served(pd_stack, 
                     n += len(json.loads(line[6:])["choices"])
         return n
 
+    async def arrivals(http: httpx.AsyncClient) -> None:
+        deadline = time.monotonic() + 60
+        for i in range(16):  # request i is queued once the depth is i (0: it holds the slot instead)
+            while not (first_token_at.get(0) if i == 0 else await _queue_depth(http, router) >= i):
+                assert time.monotonic() < deadline, f"request {i} never queued behind request 0"
+                await asyncio.sleep(0.005)
+            queued[i].set()
+
     async with httpx.AsyncClient(timeout=300) as http:
-        counts = await asyncio.gather(*(client(i, http) for i in range(16)))
+        *counts, _ = await asyncio.gather(*(client(i, http) for i in range(16)), arrivals(http))
     assert all(c >= 1 for c in counts), counts
     order = sorted(first_token_at, key=first_token_at.get)
     assert order == list(range(16)), f"served out of arrival order: {order}"
