@@ -82,7 +82,9 @@ class Sender(Protocol):
     def close(self) -> None: ...
 
 
-SenderFactory = Callable[[str, KVLayout, int, SenderPlan], Sender]
+# (agent name, layout, max_tokens, plan, staging device): staging lives where vLLM's caches
+# do, VRAM registered with NIXL on GPUs (the gather lands with one on-device copy).
+SenderFactory = Callable[[str, KVLayout, int, SenderPlan, str], Sender]
 
 
 class Reports(Protocol):
@@ -150,7 +152,8 @@ class ConnectorWorker:
         except ProfileMismatch as exc:
             mismatch = exc
         layout = self.profile.layout if mismatch is None else observed_layout(layers, self.profile)
-        self._sender = self._sender_factory(self.agent_name, layout, self.max_tokens, self.plan)
+        device = str(next(iter(kv_caches.values())).device) if kv_caches else "cpu"
+        self._sender = self._sender_factory(self.agent_name, layout, self.max_tokens, self.plan, device)
         rejected = self._handshake_all()
         if mismatch is not None or rejected is not None:
             self.shutdown()
@@ -453,10 +456,10 @@ def sender_group(engine_id: str, dp_rank: int = 0) -> str:
     return f"tilert-prefill-{socket.gethostname()}-{engine_id}-dp{dp_rank}"
 
 
-def nixl_sender_factory(agent_name: str, layout: KVLayout, max_tokens: int, plan: SenderPlan,
+def nixl_sender_factory(agent_name: str, layout: KVLayout, max_tokens: int, plan: SenderPlan, device: str = "cpu",
                         lanes: int = 2, pin_lanes: bool = True, group: str = "",
                         control_timeout_s: float = 10.0) -> Any:
     from connector.sender import KVSender
 
-    return KVSender(agent_name, layout, max_tokens, sender_plan=plan, transport="nixl", lanes=lanes,
+    return KVSender(agent_name, layout, max_tokens, sender_plan=plan, transport="nixl", device=device, lanes=lanes,
                     pin_lanes=pin_lanes, group=group, control_timeout_s=control_timeout_s)

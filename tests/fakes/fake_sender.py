@@ -97,6 +97,7 @@ class FakeKVSender:
         self.no_staging = 0
         self.fail_transfer: set[str] = set()
         self.explode: set[str] = set()
+        self.device = "cpu"  # where the worker asked for staging
         self.closed = False
 
     def connect(self, endpoint: str, timeout: float) -> None:
@@ -133,8 +134,10 @@ def make_factory(configure=None) -> tuple[list[FakeKVSender], object]:
     """A sender factory for ConnectorWorker that records the senders it made."""
     made: list[FakeKVSender] = []
 
-    def factory(agent_name: str, layout: KVLayout, max_tokens: int, plan: SenderPlan) -> FakeKVSender:
+    def factory(agent_name: str, layout: KVLayout, max_tokens: int, plan: SenderPlan,
+                device: str = "cpu") -> FakeKVSender:
         sender = FakeKVSender(agent_name, layout, max_tokens, plan)
+        sender.device = device
         if configure is not None:
             configure(sender)
         made.append(sender)

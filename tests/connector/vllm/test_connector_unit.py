@@ -551,3 +551,14 @@ def test_two_schedulers_with_one_engine_id_fail_clearly():
                                           admissions=admissions)
     finally:
         first.close()
+
+
+def test_staging_lives_on_the_device_of_vllms_caches():
+    """On GPUs the worker asks for VRAM staging (registered with NIXL as VRAM), so a layer's
+    gather lands with one on-device copy; the meta device stands in for CUDA here."""
+    senders, factory = make_factory()
+    caches = {k: torch.empty(8, 16, 576, dtype=torch.float32, device="meta") for k in _caches(N_MAIN + 1)}
+    worker = _worker(factory, endpoints=())
+    worker.register_kv_caches(caches)
+    assert senders[0].device == "meta"
+    worker.shutdown()
