@@ -87,6 +87,17 @@ class HandoffResult(BaseModel):
 # --------------------------------------------------------------------------------------
 
 
+class PeerStatus(BaseModel):
+    """A prefill connector that performed the KV handshake with a decode server's receiver
+    (reported by the decode server's capabilities, read by the router's readiness)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    peer: str = Field(description="the connector's agent name")
+    state: Literal["ok", "rejected"]
+    reason: str | None = Field(default=None, description="why it was rejected")
+
+
 class PlaneSpec(BaseModel):
     model_config = ConfigDict(frozen=True)
 

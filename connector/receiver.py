@@ -55,7 +55,7 @@ from connector.transport import (
     encode_regions,
     host_tensor,
 )
-from pd_router.contract import PeerStatus
+from connector.protocol import PeerStatus
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ import httpx
 from pydantic import ValidationError
 
 from pd_router.backends import Backends, DecodeBackend, PrefillBackend
-from pd_router.contract import CAPABILITIES_PATH, DecodeCapabilities
+from decode_server.contract import CAPABILITIES_PATH, DecodeCapabilities
 
 log = logging.getLogger("pd_router.probes")
 

@@ -1,4 +1,4 @@
-"""HTTP routes of the decode server (contract: :mod:`pd_router.contract`)."""
+"""HTTP routes of the decode server (contract: :mod:`decode_server.contract`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from decode_server.server.errors import ApiError, Busy, InvalidRequest, NotReady
 from decode_server.server.generation import GenerationResponse, Job
 from decode_server.server.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
 from decode_server.server.sampling import build_plan
-from pd_router.contract import (
+from decode_server.contract import (
     CANCEL_PATH,
     CAPABILITIES_PATH,
     REQUEST_ID_HEADER,

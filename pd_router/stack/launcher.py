@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from pd_router.contract import CAPABILITIES_PATH, DecodeCapabilities
+from decode_server.contract import CAPABILITIES_PATH, DecodeCapabilities
 from pd_router.stack.commands import (
     VLLM_CPU_ENV,
     DecodeSpec,

@@ -20,7 +20,7 @@ from connector.sender import KVSender
 from decode_server.engine.base import SamplingParams
 from decode_server.engine.reference import ReferenceEngine
 from decode_server.reference import load_model, prefill
-from pd_router.contract import CAPABILITIES_PATH
+from decode_server.contract import CAPABILITIES_PATH
 from pd_router.stack.commands import VLLM_CPU_ENV, DecodeSpec, decode_server_argv
 from tests.decode_server.helpers import client
 from tests.procs import free_port, server

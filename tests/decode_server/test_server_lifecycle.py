@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from pd_router.contract import CANCEL_PATH
+from decode_server.contract import CANCEL_PATH
 from tests.decode_server.helpers import client, handoff, script_for
 from tests.fakes.fake_engine import FakeEngineConfig
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pd_router.contract import CAPABILITIES_PATH
+from decode_server.contract import CAPABILITIES_PATH
 from pd_router.stack.commands import RouterSpec, router_argv
 from pd_router.stack.launcher import Stack
 from pd_router.stack.process import ManagedProcess

@@ -11,15 +11,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from connector.protocol import PROTOCOL_VERSION, HandoffResult
+from connector.protocol import PROTOCOL_VERSION, HandoffResult, PeerStatus
 from pd_router.asgi import Receive, Scope, Send, read_body, respond
-from pd_router.contract import (
+from decode_server.contract import (
     CANCEL_PATH,
     CAPABILITIES_PATH,
     CancelRequest,
     CancelResponse,
     DecodeCapabilities,
-    PeerStatus,
 )
 from tests.fakes.fake_common import FakeBase, error_body
 

@@ -14,7 +14,7 @@ import time
 from connector.errors import HandoffFailed, HandoffTimeout
 from connector.layout import KVLayout
 from connector.receiver import ReceivedKV
-from pd_router.contract import PeerStatus
+from connector.protocol import PeerStatus
 
 
 class FakeReceiver:
