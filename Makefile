@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	@echo ">> [4/4] $(VENV) ready"
 
 run: venv
-	$(PY) -m pd_router.stack $(RUN_ARGS)
+	$(PY) -m pd_deploy.stack $(RUN_ARGS)
 
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)

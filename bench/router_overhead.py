@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from connector.protocol import HandoffResult  # noqa: E402
-from pd_router.stack.commands import RouterSpec, router_argv  # noqa: E402
+from pd_deploy.commands import RouterSpec, router_argv  # noqa: E402
 from tests.procs import free_port, python_argv, server  # noqa: E402
 
 TOKENS, TOKEN_DELAY, PROMPT = 64, 0.00319, " ".join(f"w{i % 97}" for i in range(1000))

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from pd_router.stack.process import ManagedProcess
+from pd_deploy.stack.process import ManagedProcess
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pd_router.stack.commands import DecodeSpec, decode_server_argv
+from pd_deploy.commands import DecodeSpec, decode_server_argv
 from tests.procs import REPO, free_port
 
 pytestmark = pytest.mark.timeout(120)

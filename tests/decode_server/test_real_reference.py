@@ -21,7 +21,7 @@ from decode_server.engine.base import SamplingParams
 from decode_server.engine.reference import ReferenceEngine
 from decode_server.reference import load_model, prefill
 from decode_server.contract import CAPABILITIES_PATH
-from pd_router.stack.commands import VLLM_CPU_ENV, DecodeSpec, decode_server_argv
+from pd_deploy.commands import VLLM_CPU_ENV, DecodeSpec, decode_server_argv
 from tests.decode_server.helpers import client
 from tests.procs import free_port, server
 from tests.reference.helpers import handoff_for, received

@@ -23,7 +23,7 @@ from decode_server.engine.tilert import TileRTEngine
 from decode_server.model_dir import MODEL_FILES
 from decode_server.server.text import GenerationDefaults, TextTokenizer
 from decode_server.settings import load_settings
-from pd_router.deploy_recipe import build_plan, parse_recipe, write_plan
+from pd_deploy.recipe import build_plan, parse_recipe, write_plan
 from tests.deploy.conftest import SLURM_DIR, fake_checkpoint, load_recipe_dict, write_exe
 from tests.fakes.fake_glm51_checkpoint import token_ids
 from tests.fakes.fake_tilert import FakeGLM5Generator

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pd_router.deploy_recipe import build_plan, parse_recipe
-from pd_router.deploy_recipe.launch import DecodeEnv
-from pd_router.stack.commands import (
+from pd_deploy.recipe import build_plan, parse_recipe
+from pd_deploy.launch import DecodeEnv
+from pd_deploy.commands import (
     DecodeSpec, PrefillSpec, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv,
 )
 from tests.deploy.conftest import write_exe

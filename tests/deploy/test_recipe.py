@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -13,8 +14,8 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from pd_router.deploy_recipe import RecipeError, build_plan, conversion_env, parse_recipe, write_plan
-from pd_router.stack.commands import DecodeSpec, decode_server_argv
+from pd_deploy.recipe import RecipeError, build_plan, conversion_env, parse_recipe, write_plan
+from pd_deploy.commands import DecodeSpec, decode_server_argv
 from tests.deploy.conftest import DEPLOY, dump_recipe, load_recipe_dict
 from tests.procs import REPO
 
@@ -22,7 +23,7 @@ GLM = "glm5.1-fp8-b200.yaml"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pd_router.deploy_recipe", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pd_deploy.recipe", *args], capture_output=True,
                           text=True, timeout=60, cwd=REPO)
 
 
@@ -199,7 +200,8 @@ def test_render_writes_what_the_slurm_scripts_read(tmp_path: Path) -> None:
 
 def test_submit_dry_run_prints_the_plan_without_submitting(tmp_path: Path) -> None:
     recipe = str(DEPLOY / "recipes" / GLM)
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}  # no sbatch on PATH: nothing can be submitted
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable,  # no sbatch on PATH: nothing can be submitted
+           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}  # the python under test imports this checkout
     out = subprocess.run([str(DEPLOY / "slurm" / "submit.sh"), "--dry-run", recipe], capture_output=True,
                          text=True, timeout=60, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_router.deploy_recipe import build_plan, parse_recipe
+from pd_deploy.recipe import build_plan, parse_recipe
 from tests.deploy.conftest import SLURM_DIR, dump_recipe, fake_checkpoint, load_recipe_dict, write_exe
 from tests.deploy.jobs import alive
 from tests.procs import REPO, free_port

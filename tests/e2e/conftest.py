@@ -10,8 +10,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
-from pd_router.stack.launcher import Stack, StackConfig
+from pd_deploy.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
+from pd_deploy.stack.launcher import Stack, StackConfig
 from tests.procs import free_port, server
 
 

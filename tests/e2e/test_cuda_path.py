@@ -10,7 +10,7 @@ from typing import Iterator
 
 import pytest
 
-from pd_router.stack.launcher import Stack
+from pd_deploy.stack.launcher import Stack
 from tests.e2e.conftest import make_stack_config, running_stack
 from tests.e2e.test_equivalence import assert_matches_vllm_alone
 

@@ -8,8 +8,8 @@ import time
 import httpx
 import pytest
 
-from pd_router.stack.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv
-from pd_router.stack.process import ManagedProcess
+from pd_deploy.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv
+from pd_deploy.stack.process import ManagedProcess
 from tests.e2e.conftest import make_stack_config
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ from decode_server.engine.base import SamplingParams
 from decode_server.engine.reference import ReferenceEngine
 from decode_server.reference import MlaMoeModel, load_model, prefill
 from decode_server.tiny_model import VLLM_CPU_EXACT_ARGS
-from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
+from pd_deploy.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
 from tests.equivalence import Verdict, judge, steps_from_chat_logprobs, steps_from_completion_logprobs
 from tests.procs import free_port, server
 from tests.reference.helpers import as_steps, generate_greedy, handoff_for, received

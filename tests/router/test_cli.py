@@ -9,7 +9,7 @@ import pytest
 from openai import OpenAI
 
 from pd_router.settings import RouterSettings, SettingsError, load_settings
-from pd_router.stack.commands import RouterSpec, router_argv
+from pd_deploy.commands import RouterSpec, router_argv
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
 from tests.procs import REPO, free_port, server
 from tests.router.conftest import MODEL

@@ -17,7 +17,7 @@ import pytest
 
 from connector.protocol import HandoffResult
 from decode_server.tiny_model import VLLM_CPU_EXACT_ARGS
-from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
+from pd_deploy.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
 from tests.procs import ServerProcess, free_port, python_argv, server
 
 HERE = Path(__file__).resolve().parent

@@ -1,9 +1,9 @@
-"""The images' entrypoint: ``python -m pd_router.deploy_recipe.launch ROLE [EXTRA ARGS...]``
-(or ``wait-ready URL...``, see :mod:`pd_router.deploy_recipe.wait`).
+"""The images' entrypoint: ``python -m pd_deploy.launch ROLE [EXTRA ARGS...]``
+(or ``wait-ready URL...``, see :mod:`pd_deploy.wait`).
 
 Reads the role's ``PD_*`` environment variables (Kubernetes manifests and ``docker run -e``
 set them), validates them once (errors name the variable, the value and the reason),
-builds the command with :mod:`pd_router.stack.commands` (the same builders as the local
+builds the command with :mod:`pd_deploy.commands` (the same builders as the local
 launcher, the tests and the Slurm plan) and replaces this process with it. Arguments
 after ROLE are appended to the server's command line.
 
@@ -31,10 +31,10 @@ from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from decode_server.settings import DEFAULT_KV_DEVICE
-from pd_router.deploy_recipe.plan import DECODE_ENV, PREFILL_ENV
-from pd_router.deploy_recipe.wait import wait_ready
-from pd_router.stack.commands import (
+from pd_deploy.wait import wait_ready
+from pd_deploy.commands import (
+    DECODE_ENV,
+    PREFILL_ENV,
     DecodeSpec,
     PrefillSpec,
     RouterSpec,
@@ -155,6 +155,8 @@ def build_argv(role: str, environ: Mapping[str, str], extra: list[str]) -> tuple
         )
         return argv, {**PREFILL_ENV, **environ}
     if isinstance(s, DecodeEnv):
+        from decode_server.settings import DEFAULT_KV_DEVICE  # the decode image has it
+
         argv = decode_server_argv(
             DecodeSpec(
                 model=s.model,

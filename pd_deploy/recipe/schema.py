@@ -4,7 +4,7 @@ A recipe names the model (checkpoint and converted-weights paths), one prefill n
 (stock vLLM, TP over its GPUs), one or more decode nodes (one decode server each),
 the router, the images of every role, the weight conversion, the benchmark and the
 Slurm settings. Field-level rules live here (pydantic); rules that relate several
-fields (the topology) live in :mod:`pd_router.deploy_recipe.topology`.
+fields (the topology) live in :mod:`pd_deploy.recipe.topology`.
 """
 
 from __future__ import annotations

@@ -89,6 +89,12 @@ VLLM_CPU_ENV = {
 }
 
 
+# Environment every deployed vLLM prefill / decode server process gets (local checkpoints,
+# quiet NIXL): the Slurm plan's steps and the images' entrypoint.
+PREFILL_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NIXL_LOG_LEVEL": "WARN"}
+DECODE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NIXL_LOG_LEVEL": "WARN"}
+
+
 @dataclass(frozen=True)
 class DecodeSpec:
     model: Path | str

@@ -16,7 +16,7 @@ counts only an answer from the process it started (:class:`NotOurServer` otherwi
 
 Every process runs in its own process group with its log under ``--log-dir``; stopping
 the stack (Ctrl-C, SIGTERM, or an error at any step) stops all of them, and none outlives
-the launcher, even one killed by SIGKILL (:mod:`pd_router.stack.process`).
+the launcher, even one killed by SIGKILL (:mod:`pd_deploy.stack.process`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from decode_server.contract import CAPABILITIES_PATH, DecodeCapabilities
-from pd_router.stack.commands import (
+from pd_deploy.commands import (
     VLLM_CPU_ENV,
     DecodeSpec,
     PrefillSpec,
@@ -39,8 +39,8 @@ from pd_router.stack.commands import (
     served_name,
     vllm_prefill_argv,
 )
-from pd_router.stack.ports import PortNeed, check_free
-from pd_router.stack.process import ManagedProcess, Reaper
+from pd_deploy.stack.ports import PortNeed, check_free
+from pd_deploy.stack.process import ManagedProcess, Reaper
 
 log = logging.getLogger("pd_stack")
 KV_HOST = "127.0.0.1"  # where the decode servers' KV control endpoints listen (their default)

@@ -1,4 +1,4 @@
-"""``python -m pd_router.deploy_recipe {validate,dry-run,render} ...``"""
+"""``python -m pd_deploy.recipe {validate,dry-run,render} ...``"""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from pd_router.deploy_recipe.plan import build_plan
-from pd_router.deploy_recipe.render import describe, load_recipe, write_plan
-from pd_router.deploy_recipe.topology import RecipeError
+from pd_deploy.recipe.plan import build_plan
+from pd_deploy.recipe.render import describe, load_recipe, write_plan
+from pd_deploy.recipe.topology import RecipeError
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m pd_router.deploy_recipe",
+        prog="python -m pd_deploy.recipe",
         description="Validate deployment recipes and show or write their plans.",
     )
     sub = p.add_subparsers(dest="cmd", required=True)

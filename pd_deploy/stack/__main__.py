@@ -1,4 +1,4 @@
-"""``python -m pd_router.stack`` (console script ``pd-stack``): run the whole PD stack locally.
+"""``python -m pd_deploy.stack`` (console script ``pd-stack``): run the whole PD stack locally.
 
 With no ``--model-dir`` it generates the embedded default, the tiny GLM-family model
 (MLA + MoE + 1 MTP layer), once, under ``--cache-dir``.
@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from pd_router.stack.launcher import Stack, StackConfig, usage_text
-from pd_router.stack.ports import PortInUse, check_free
+from pd_deploy.stack.launcher import Stack, StackConfig, usage_text
+from pd_deploy.stack.ports import PortInUse, check_free
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL_NAME = "tiny-glm"  # the served name of the generated default model

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from pd_router.deploy_recipe.plan import Plan, Step, build_plan, gsm8k_task_yaml, host_placeholder
-from pd_router.deploy_recipe.schema import Recipe, load_recipe_text
-from pd_router.deploy_recipe.topology import RecipeError, RecipeProblem, topology_problems
+from pd_deploy.recipe.plan import Plan, Step, build_plan, gsm8k_task_yaml, host_placeholder
+from pd_deploy.recipe.schema import Recipe, load_recipe_text
+from pd_deploy.recipe.topology import RecipeError, RecipeProblem, topology_problems
 
 
 def parse_recipe(data: dict, source: str = "<recipe>") -> Recipe:
