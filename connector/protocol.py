@@ -161,7 +161,7 @@ class Welcome(BaseModel):
     protocol_version: int
     agent_name: str
     fingerprint: LayoutFingerprint
-    transport: str = Field(description="'nixl' or 'memory'; both sides must use the same")
+    transport: str = Field(description="the receiver's data transport kind ('nixl'); both sides must use the same")
     agent_metadata: str = Field(description="base64 of the receiver's transport agent metadata")
     buffer_descs: str = Field(description="base64 of the receive-buffer regions (see connector.transport)")
     max_tokens: int = Field(ge=1)

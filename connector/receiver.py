@@ -51,9 +51,10 @@ from connector.transport import (
     NotificationPump,
     Transport,
     TransportError,
-    create_transport,
+    TransportFactory,
     encode_regions,
     host_tensor,
+    nixl_transport,
 )
 from connector.protocol import PeerStatus
 
@@ -68,8 +69,12 @@ DISCONNECT_GRACE_S = 2.0  # notifications may trail a sender's closed control co
 
 
 class KVReceiver:
-    def __init__(self, settings: ReceiverSettings) -> None:
+    """``transport`` makes this receiver's data-transport agent (NIXL unless a test injects
+    another); senders must use the same kind (the handshake checks it)."""
+
+    def __init__(self, settings: ReceiverSettings, transport: TransportFactory = nixl_transport) -> None:
         self._s = settings
+        self._make_transport = transport
         self._layout = settings.layout
         self._agent_name = settings.agent_name or f"kv-recv-{uuid.uuid4().hex[:12]}"
         self._slot_bytes = self._layout.bytes_per_layer(settings.max_tokens) * self._layout.num_layers
@@ -108,7 +113,7 @@ class KVReceiver:
         self._reaper = asyncio.create_task(self._reap_unclaimed())
 
     def _allocate(self) -> tuple[Transport, "torch.Tensor"]:
-        transport = create_transport(self._s.transport, self._agent_name)
+        transport = self._make_transport(self._agent_name, 1)
         buffer, self._buffer_owner = host_tensor(self._s.slots * self._slot_bytes, self._s.device)
         return transport, buffer
 
@@ -292,8 +297,8 @@ class KVReceiver:
         mine = layout_fingerprint(self._layout, hello.fingerprint.sender_world_size)
         if hello.protocol_version != PROTOCOL_VERSION:
             bad = ("protocol_version", str(PROTOCOL_VERSION), str(hello.protocol_version))
-        elif hello.transport != self._s.transport:
-            bad = ("transport", self._s.transport, hello.transport)
+        elif hello.transport != self._need_transport().kind:
+            bad = ("transport", self._need_transport().kind, hello.transport)
         else:
             bad = fingerprint_mismatch(mine, hello.fingerprint)
         if bad is not None:
@@ -319,7 +324,7 @@ class KVReceiver:
         self._peers[hello.agent_name] = PeerStatus(peer=hello.agent_name, state="ok")
         md, descs = self._welcome_parts
         return Welcome(protocol_version=PROTOCOL_VERSION, agent_name=self._agent_name, fingerprint=mine,
-                       transport=self._s.transport, agent_metadata=md, buffer_descs=descs,
+                       transport=self._need_transport().kind, agent_metadata=md, buffer_descs=descs,
                        max_tokens=self._s.max_tokens, slots=self._s.slots)
 
     async def _on_admit(self, peer: str, admit: Admit) -> BaseModel:

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from connector.layout import KVLayout
-from connector.transport import TRANSPORT_KINDS
 
 if TYPE_CHECKING:
     import torch
@@ -27,7 +26,6 @@ class ReceiverSettings:
     slots: int = 1
     host: str = "127.0.0.1"
     port: int = 0  # 0: ephemeral
-    transport: str = "nixl"  # or "memory" (unit tests)
     unclaimed_timeout_s: float = 30.0  # an admitted/completed handoff nobody claims is freed after this
     agent_name: str | None = None
     device: str = "cpu"  # where the receive buffer lives ("cuda:0" registers VRAM)
@@ -37,7 +35,6 @@ class ReceiverSettings:
             ("max_tokens", self.max_tokens, self.max_tokens >= 1, "must be >= 1"),
             ("slots", self.slots, self.slots >= 1, "must be >= 1"),
             ("port", self.port, 0 <= self.port < 65536, "must be in 0..65535 (0: ephemeral)"),
-            ("transport", self.transport, self.transport in TRANSPORT_KINDS, f"must be one of {TRANSPORT_KINDS}"),
             ("unclaimed_timeout_s", self.unclaimed_timeout_s, self.unclaimed_timeout_s > 0, "must be > 0"),
         ]
         for name, value, ok, reason in checks:

@@ -50,7 +50,7 @@ from connector.protocol import (
     Welcome,
     fingerprint_mismatch,
 )
-from connector.transport import Region, XferHandle, create_transport, decode_regions, host_tensor
+from connector.transport import Region, TransportFactory, XferHandle, decode_regions, host_tensor, nixl_transport
 
 __all__ = ["AdmissionRefused", "Handoff", "HandshakeRejected", "KVSender", "SenderPlan"]
 
@@ -89,7 +89,8 @@ class _Peer:
 
 class KVSender:
     def __init__(self, agent_name: str, layout: KVLayout, max_tokens: int,
-                 sender_plan: SenderPlan | None = None, transport: str = "nixl", staging_slots: int = 2,
+                 sender_plan: SenderPlan | None = None, transport: TransportFactory = nixl_transport,
+                 staging_slots: int = 2,
                  device: str = "cpu", lanes: int = 2, pin_lanes: bool = True, group: str = "",
                  control_timeout_s: float = 10.0) -> None:
         if max_tokens < 1:
@@ -107,8 +108,8 @@ class KVSender:
         self.plan_layers = self.plan.layers(layout.num_layers)
         self.slot_bytes = max(1, len(self.plan_layers)) * layout.bytes_per_layer(max_tokens)
         self._fingerprint = layout_fingerprint(layout, self.plan.world_size)
-        self._transport_kind = transport
-        self._transport = create_transport(transport, agent_name, workers=lanes)
+        self._transport = transport(agent_name, lanes)
+        self._transport_kind = self._transport.kind
         self.staging_buffer, self._staging_owner = host_tensor(staging_slots * self.slot_bytes, device)
         self.staging_region = self._transport.register(self.staging_buffer)
         self._free_staging = list(range(staging_slots))

@@ -461,5 +461,5 @@ def nixl_sender_factory(agent_name: str, layout: KVLayout, max_tokens: int, plan
                         control_timeout_s: float = 10.0) -> Any:
     from connector.sender import KVSender
 
-    return KVSender(agent_name, layout, max_tokens, sender_plan=plan, transport="nixl", device=device, lanes=lanes,
+    return KVSender(agent_name, layout, max_tokens, sender_plan=plan, device=device, lanes=lanes,
                     pin_lanes=pin_lanes, group=group, control_timeout_s=control_timeout_s)

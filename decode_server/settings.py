@@ -43,7 +43,6 @@ class DecodeServerSettings(BaseModel):
         "none", description="glm45: split <think>..</think> into reasoning_content (chat)")
     tool_call_parser: Literal["none", "glm45"] = Field(
         "none", description="glm45: parse <tool_call>..</tool_call> into tool_calls (chat, when tools are given)")
-    kv_transport: Literal["nixl", "memory"] = Field("nixl", description="KV transport (memory: single-process tests)")
     kv_device: str = Field("cpu", pattern=r"^(cpu|cuda:\d+)$",
                            description="where the KV receive buffer lives: cpu, or cuda:N (tilert) to receive into "
                                        "VRAM (default: cuda:0 for tilert, cpu for reference)")

@@ -1,9 +1,10 @@
 """The data-transport interface: one-sided WRITEs from registered local memory into a
 peer's registered memory, each carrying a notification for the peer.
 
-Two implementations: :class:`connector.transport.nixl.NixlTransport` (UCX over NIXL;
-DRAM on CPU, VRAM on GPU) and :class:`connector.transport.memory.MemoryTransport`
-(an in-process fake for unit tests, same semantics and checks).
+Implementations: :class:`connector.transport.nixl.NixlTransport` (UCX over NIXL; DRAM on
+CPU, VRAM on GPU) and, in the tests, ``tests/fakes/memory_transport.py`` (an in-process
+fake, same semantics and checks). ``kind`` names the implementation; both ends of a
+handoff must use the same (checked by the handshake).
 
 Contract:
 

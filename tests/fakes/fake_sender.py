@@ -83,7 +83,6 @@ class FakeKVSender:
         layout: KVLayout,
         max_tokens: int,
         sender_plan: SenderPlan | None = None,
-        transport: str = "nixl",
     ) -> None:
         self.agent_name = agent_name
         self.layout = layout

@@ -22,7 +22,7 @@ async def main(args: argparse.Namespace) -> None:
     layout = (glm5_fp8_ds_mla_layout(args.layers, args.mtp) if args.profile == "glm5"
               else cpu_mla_layout(args.layers, args.mtp))
     receiver = KVReceiver(ReceiverSettings(layout=layout, max_tokens=args.max_tokens, slots=args.slots,
-                                           transport=args.transport, agent_name=args.agent_name))
+                                           agent_name=args.agent_name))
     await receiver.start()
     tmp = Path(str(args.endpoint_file) + ".tmp")
     tmp.write_text(receiver.endpoint)
@@ -56,7 +56,6 @@ if __name__ == "__main__":
     ap.add_argument("--mtp", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--slots", type=int, default=1)
-    ap.add_argument("--transport", default="nixl")
     ap.add_argument("--agent-name", default=None)
     ap.add_argument("--endpoint-file", type=Path, required=True)
     ap.add_argument("--result-file", type=Path, required=True)

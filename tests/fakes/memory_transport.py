@@ -1,9 +1,9 @@
 """An in-process fake of the data transport, for unit tests.
 
-Agents meet on a :class:`MemoryFabric` (the fake's network); ``create_transport
-("memory", name)`` uses the process's shared fabric, so a ``KVSender`` and a
-``KVReceiver`` created by name in one test process find each other as they would over
-NIXL. Writes are checked like NIXL's: both ranges must lie inside registered regions
+Agents meet on a :class:`MemoryFabric` (the fake's network), which a test creates and
+injects: ``KVSender(..., transport=fabric.transport)`` and ``KVReceiver(settings,
+transport=fabric.transport)`` made with the same fabric find each other as they would
+over NIXL. Writes are checked like NIXL's: both ranges must lie inside registered regions
 and the peer must be known and alive, else :class:`TransportError`. Data is copied
 synchronously; the notification is delivered after the copy.
 """
@@ -42,6 +42,10 @@ class MemoryFabric:
     def lookup(self, name: str) -> "MemoryTransport | None":
         with self._lock:
             return self._agents.get(name)
+
+    def transport(self, name: str, workers: int = 1) -> "MemoryTransport":
+        """A :data:`connector.transport.TransportFactory` on this fabric (``workers`` unused)."""
+        return MemoryTransport(name, self)
 
 
 class _Done(XferHandle):
