@@ -54,9 +54,9 @@ from connector.layout import (  # noqa: E402
     gather_tokens,
     glm5_fp8_ds_mla_layout,
     layer_views,
-    quantize_fp8_ds_mla,
 )
 from decode_server.engine.tilert_kv import INDEX_HEAD_DIM, convert_layers, hadamard_matrix  # noqa: E402
+from tests.fakes.vllm_fp8 import quantize_fp8_ds_mla  # noqa: E402
 
 
 class Skip(Exception):

@@ -39,7 +39,7 @@ from connector.protocol import (
     Refused,
     Reject,
     Welcome,
-    fingerprint_mismatch,
+    handshake_mismatch,
 )
 
 log = logging.getLogger(__name__)
@@ -252,7 +252,10 @@ class _Channel:
                 raise _Rejected(f"decode server {self.endpoint} rejected the KV handshake: {reply.message}")
             if not isinstance(reply, Welcome):
                 raise ControlChannelError(f"{self.endpoint} answered Hello with {reply.type!r}")
-            bad = fingerprint_mismatch(reply.fingerprint, self.owner.fingerprint)
+            bad = handshake_mismatch(decode_version=reply.protocol_version, decode_transport=reply.transport,
+                                     decode_fingerprint=reply.fingerprint, prefill_version=PROTOCOL_VERSION,
+                                     prefill_transport=self.owner.transport,
+                                     prefill_fingerprint=self.owner.fingerprint)
             if bad is not None:
                 raise _Rejected(f"decode server {self.endpoint}: {bad[0]} mismatch: decode expects {bad[1]}, "
                                 f"this prefill has {bad[2]}")

@@ -140,6 +140,20 @@ def fingerprint_mismatch(expected: LayoutFingerprint, received: LayoutFingerprin
     return None
 
 
+def handshake_mismatch(*, decode_version: int, decode_transport: str, decode_fingerprint: LayoutFingerprint,
+                       prefill_version: int, prefill_transport: str,
+                       prefill_fingerprint: LayoutFingerprint) -> tuple[str, str, str] | None:
+    """The one handshake check, made by the receiver on a Hello and by the senders on a
+    Welcome: the first difference between what the decode side has (expected) and what the
+    prefill side announces (received), as ``(field, expected, received)``: protocol
+    version, data transport kind, then the layout fingerprint field by field. None: compatible."""
+    if decode_version != prefill_version:
+        return "protocol_version", str(decode_version), str(prefill_version)
+    if decode_transport != prefill_transport:
+        return "transport", decode_transport, prefill_transport
+    return fingerprint_mismatch(decode_fingerprint, prefill_fingerprint)
+
+
 class Hello(BaseModel):
     model_config = ConfigDict(frozen=True)
 

@@ -44,7 +44,7 @@ from connector.protocol import (
     Reject,
     Revoked,
     Welcome,
-    fingerprint_mismatch,
+    handshake_mismatch,
 )
 from connector.receiver_state import HandoffState, ReceivedKV, ReceiverSettings
 from connector.transport import (
@@ -295,12 +295,9 @@ class KVReceiver:
 
     async def _on_hello(self, conn: ControlConnection, hello: Hello) -> BaseModel:
         mine = layout_fingerprint(self._layout, hello.fingerprint.sender_world_size)
-        if hello.protocol_version != PROTOCOL_VERSION:
-            bad = ("protocol_version", str(PROTOCOL_VERSION), str(hello.protocol_version))
-        elif hello.transport != self._need_transport().kind:
-            bad = ("transport", self._need_transport().kind, hello.transport)
-        else:
-            bad = fingerprint_mismatch(mine, hello.fingerprint)
+        bad = handshake_mismatch(decode_version=PROTOCOL_VERSION, decode_transport=self._need_transport().kind,
+                                 decode_fingerprint=mine, prefill_version=hello.protocol_version,
+                                 prefill_transport=hello.transport, prefill_fingerprint=hello.fingerprint)
         if bad is not None:
             fld, expected, received = bad
             message = (f"KV handshake rejected by decode agent {self._agent_name}: {fld} mismatch: "

@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from decode_server.model_dir import missing_files
 
 ENV_PREFIX = "DECODE_SERVER_"
-TILERT_NUM_MTP = (0, 3)  # TileRT's GLM-5 MTP verifies 3 drafts per step (or runs without MTP)
 # Where each engine receives KV by default: TileRT (GPU hosts) into VRAM, where its conversion
 # (dequantization + Hadamard) then runs; the reference engine computes on the CPU.
 DEFAULT_KV_DEVICE = {"tilert": "cuda:0", "reference": "cpu"}
@@ -75,8 +74,12 @@ class DecodeServerSettings(BaseModel):
     def _engine_rules(self) -> DecodeServerSettings:
         if self.engine == "reference" and self.kv_device != "cpu":
             raise ValueError(f"kv_device={self.kv_device!r}: the reference engine runs on the CPU; use cpu")
-        if self.engine == "tilert" and self.num_mtp not in TILERT_NUM_MTP:
-            raise ValueError(f"num_mtp={self.num_mtp}: TileRT's GLM-5 MTP drafts 3 tokens per step; use 3 or 0")
+        if self.engine == "tilert":
+            from decode_server.engine.tilert import TILERT_NUM_MTP  # torch: only for that engine
+
+            if self.num_mtp not in (0, TILERT_NUM_MTP):
+                raise ValueError(f"num_mtp={self.num_mtp}: TileRT's GLM-5 MTP drafts {TILERT_NUM_MTP} tokens per "
+                                 f"step; use {TILERT_NUM_MTP} or 0")
         missing = missing_files(self.model, self.engine)
         if missing:
             raise ValueError(
