@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from connector.control import ABORT_TIMEOUT_S, ControlClient
-from connector.errors import ControlChannelError
+from connector.kv_errors import ControlChannelError
 from connector.protocol import (
     PROTOCOL_VERSION,
     Abort,

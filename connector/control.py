@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from connector.errors import ControlChannelError
+from connector.kv_errors import ControlChannelError
 from connector.protocol import ControlMessage
 
 MAX_FRAME = 1 << 20

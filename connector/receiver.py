@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Coroutine
 from pydantic import BaseModel, ValidationError
 
 from connector.control import ControlConnection, ControlServer
-from connector.errors import HandoffFailed, HandoffTimeout, ReceiverError
+from connector.kv_errors import HandoffFailed, HandoffTimeout, ReceiverError
 from connector.layout import layout_fingerprint, packed_layers_views, plane_offsets
 from connector.protocol import (
     PROTOCOL_VERSION,

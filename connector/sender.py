@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from connector.control import ABORT_TIMEOUT_S, ControlClient
-from connector.errors import AdmissionRefused, ControlChannelError, HandshakeRejected, TransportError
+from connector.kv_errors import AdmissionRefused, ControlChannelError, HandshakeRejected, TransportError
 from connector.handoff import OutgoingHandoff, Peer
 from connector.lanes import LaneQueue
 from connector.layout import KVLayout, SenderPlan, layout_fingerprint

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from connector.errors import AdmissionRefused, ControlChannelError, HandshakeRejected
+from connector.kv_errors import AdmissionRefused, ControlChannelError, HandshakeRejected
 from connector.keeper import HandshakeKeeper
 from connector.layout import KVLayout, SenderPlan, gather_layer
 from connector.metadata import RequestWork, SendReport, StepPlan

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from connector.errors import TransportError
+from connector.kv_errors import TransportError
 from connector.transport.base import (
     Piece,
     Region,

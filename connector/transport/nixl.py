@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Sequence
 
-from connector.errors import TransportError
+from connector.kv_errors import TransportError
 from connector.transport.base import Piece, Region, Transport, XferHandle, XferState, merge_pieces
 
 if TYPE_CHECKING:

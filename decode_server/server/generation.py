@@ -24,18 +24,18 @@ from typing import Any, Protocol
 
 from starlette.responses import Response
 
-from connector.errors import HandoffFailed as KVHandoffFailed
-from connector.errors import HandoffTimeout, ReceiverError
+from connector.kv_errors import HandoffFailed as KVHandoffFailed
+from connector.kv_errors import HandoffTimeout, ReceiverError
 from connector.protocol import HandoffResult
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import Cancelled as EngineCancelled
 from decode_server.engine.base import DecodeSession, Engine, EngineError, TokenOut
-from decode_server.server.errors import ApiError, Cancelled, EngineFailure, HandoffFailed, KVTimeout
+from decode_server.server.api_errors import ApiError, Cancelled, EngineFailure, HandoffFailed, KVTimeout
 from decode_server.server.metrics import DecodeMetrics
 from decode_server.server.responses import DONE, dumps, renderer_for, sse
-from decode_server.server.sampling import Plan
+from decode_server.server.request_plan import Plan
 from decode_server.server.sequence import Delta, SequenceProcessor
-from decode_server.server.slots import Slot, SlotManager
+from decode_server.server.slot_table import Slot, SlotManager
 from decode_server.server.text import TextTokenizer
 
 log = logging.getLogger(__name__)

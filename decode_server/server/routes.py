@@ -11,10 +11,10 @@ from pydantic import ValidationError
 
 from connector.protocol import PROTOCOL_VERSION
 from decode_server.server.app import DecodeState
-from decode_server.server.errors import ApiError, Busy, InvalidRequest, NotReady, validation_message
+from decode_server.server.api_errors import ApiError, Busy, InvalidRequest, NotReady, validation_message
 from decode_server.server.generation import GenerationResponse, Job
-from decode_server.server.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
-from decode_server.server.sampling import build_plan
+from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest, Endpoint
+from decode_server.server.request_plan import build_plan
 from decode_server.contract import (
     CANCEL_PATH,
     CAPABILITIES_PATH,

@@ -16,9 +16,9 @@ from decode_server.server import (
     TextTokenizer,
     parse_tool_call,
 )
-from decode_server.server.errors import HandoffFailed, InvalidRequest
-from decode_server.server.protocol import ChatCompletionRequest, CompletionRequest
-from decode_server.server.sampling import ServerLimits, build_plan, prefill_logprob
+from decode_server.server.api_errors import HandoffFailed, InvalidRequest
+from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest
+from decode_server.server.request_plan import ServerLimits, build_plan, prefill_logprob
 from decode_server.server.text import GenerationDefaults
 from decode_server.settings import SettingsError, load_settings
 from tests.decode_server.helpers import handoff

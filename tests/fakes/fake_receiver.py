@@ -11,7 +11,7 @@ import asyncio
 import threading
 import time
 
-from connector.errors import HandoffFailed, HandoffTimeout
+from connector.kv_errors import HandoffFailed, HandoffTimeout
 from connector.layout import KVLayout
 from connector.receiver import ReceivedKV
 from connector.protocol import PeerStatus

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from connector.errors import AdmissionRefused, ControlChannelError, HandshakeRejected
+from connector.kv_errors import AdmissionRefused, ControlChannelError, HandshakeRejected
 from connector.layout import KVLayout, SenderPlan, layer_views
 
 

@@ -14,7 +14,7 @@ import ctypes
 import threading
 from typing import TYPE_CHECKING, Sequence
 
-from connector.errors import TransportError
+from connector.kv_errors import TransportError
 from connector.transport.base import Piece, Region, Transport, XferHandle, XferState, merge_pieces
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from connector.control import ControlClient, decode_body, encode_frame, parse_endpoint
-from connector.errors import ControlChannelError, TransportError
+from connector.kv_errors import ControlChannelError, TransportError
 from connector.protocol import Abort, Aborted, Admitted
 from connector.transport import Region, decode_regions, encode_regions, merge_pieces
 from tests.fakes.memory_transport import MemoryFabric, MemoryTransport

@@ -9,7 +9,7 @@ import pytest
 
 from connector import sender as sender_module
 from connector.control import ControlClient
-from connector.errors import AdmissionRefused, ControlChannelError, HandshakeRejected
+from connector.kv_errors import AdmissionRefused, ControlChannelError, HandshakeRejected
 from connector.layout import cpu_mla_layout, glm5_fp8_ds_mla_layout, layout_fingerprint
 from connector.protocol import PROTOCOL_VERSION, Admit, Hello, Refused, Reject
 from tests.connector.transport.helpers import assert_no_leaks

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from connector.errors import ControlChannelError, HandshakeRejected
+from connector.kv_errors import ControlChannelError, HandshakeRejected
 from connector.keeper import HandshakeKeeper
 from tests.connector.transport.helpers import eventually
 from tests.procs import free_port

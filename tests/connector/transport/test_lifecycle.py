@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from connector.errors import AdmissionRefused, HandoffFailed, HandoffTimeout
+from connector.kv_errors import AdmissionRefused, HandoffFailed, HandoffTimeout
 from connector.layout import SenderPlan, glm5_fp8_ds_mla_layout
 from connector.receiver import DISCONNECT_GRACE_S
 from tests.connector.transport.helpers import SMALL, assert_no_leaks, eventually
@@ -184,7 +184,7 @@ async def test_tensor_parallel_ranks_complete_one_handoff_together(kv):
 
 
 async def test_stop_ends_every_wait_and_wait_before_start_is_an_error(kv):
-    from connector.errors import ReceiverError
+    from connector.kv_errors import ReceiverError
     from connector.receiver import KVReceiver, ReceiverSettings
 
     with pytest.raises(ReceiverError, match="not running"):

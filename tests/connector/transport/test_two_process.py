@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from connector.errors import ControlChannelError
+from connector.kv_errors import ControlChannelError
 from connector.layout import glm5_fp8_ds_mla_layout
 from connector.sender import KVSender
 from tests.connector.transport.remote import remote_receiver

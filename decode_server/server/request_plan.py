@@ -11,8 +11,8 @@ from typing import Any
 
 from connector.protocol import PROTOCOL_VERSION, HandoffResult
 from decode_server.engine.base import SamplingParams
-from decode_server.server.errors import HandoffFailed, InvalidRequest
-from decode_server.server.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
+from decode_server.server.api_errors import HandoffFailed, InvalidRequest
+from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest, Endpoint
 from decode_server.server.sequence import MIN_LOGPROB, StopSpec, TokenLogprob
 from decode_server.server.text import GenerationDefaults
 
