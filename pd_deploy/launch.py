@@ -1,25 +1,28 @@
-"""The images' entrypoint: ``python -m pd_deploy.launch ROLE [EXTRA ARGS...]``
-(or ``wait-ready URL...``, see :mod:`pd_deploy.wait`).
-
-Reads the role's ``PD_*`` environment variables (Kubernetes manifests and ``docker run -e``
-set them), validates them once (errors name the variable, the value and the reason),
-builds the command with :mod:`pd_deploy.commands` (the same builders as the local
-launcher, the tests and the Slurm plan) and replaces this process with it. Arguments
-after ROLE are appended to the server's command line.
+"""The images' entrypoint: ``python -m pd_deploy.launch ROLE [EXTRA ARGS...]`` (or
+``wait-ready URL...``, see :mod:`pd_deploy.wait`). Arguments after ROLE are appended to the
+server's command line; the server replaces this process.
 
 =========  ==============================================================================
-role       variables (default)
+role       settings (``PD_<COMPONENT>_<OPTION>`` environment variables, as everywhere)
 =========  ==============================================================================
-prefill    PD_MODEL, PD_SERVED_MODEL_NAME (dir name), PD_HOST (0.0.0.0), PD_PORT (8100),
-           PD_PROFILE (glm5.1), PD_TENSOR_PARALLEL (8), PD_MAX_MODEL_LEN, PD_MTP (1: required),
-           PD_NUM_SPECULATIVE_TOKENS (1), PD_DECODE_KV_ENDPOINTS (host:port,...), PD_ENFORCE_EAGER (0)
-decode     PD_MODEL, PD_SERVED_MODEL_NAME, PD_HOST (0.0.0.0), PD_PORT (8200), PD_KV_HOST (this
-           host's name: what prefill connects to), PD_KV_PORT (8300), PD_ENGINE (tilert),
-           PD_SLOTS (1), PD_MAX_SEQ_LEN (16384), PD_NUM_MTP (3), PD_KV_DEVICE (cuda:0 for
-           tilert: receive into VRAM; cpu for reference)
-router     PD_PREFILL_URLS, PD_DECODE_URLS (comma-separated), PD_HOST (0.0.0.0), PD_PORT (8000)
-all        PD_PYTHON (python3): the interpreter that runs the server
+prefill    :class:`PrefillLaunchSettings`, ``PD_PREFILL_*``: the vLLM command line with
+           TileRTConnector and MTP is built by :mod:`pd_deploy.commands` (the builders of
+           the local launcher and the Slurm plan)
+decode     the decode server's own settings, ``PD_DECODE_*`` (``python -m decode_server
+           --help``), with the image's defaults below for those not set
+router     the router's own settings, ``PD_ROUTER_*`` (``python -m pd_router --help``), with
+           ``PD_ROUTER_HOST=0.0.0.0`` unless set
+all        ``PD_LAUNCH_SERVER_PYTHON``: the interpreter that runs the server (default: the
+           one running this entrypoint)
 =========  ==============================================================================
+
+The decode image's defaults (:data:`DECODE_IMAGE_DEFAULTS`): TileRT on all interfaces,
+HTTP 8200, KV control 8300 advertised under this host's FQDN (what prefill connects to),
+16384 tokens, 3 MTP drafts. The decode role refuses ``PD_DECODE_NUM_MTP=0``: prefill
+sends the MTP layer's KV, so a decode server without MTP would reject every handshake.
+
+This module imports no router and no decode-server code: it runs in the prefill image,
+which has neither.
 """
 
 from __future__ import annotations
@@ -27,179 +30,108 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import Literal, Mapping
+from collections.abc import Mapping
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
+from connector.control import parse_endpoint
+from pd_deploy.commands import DECODE_ENV, PREFILL_ENV, PrefillSpec, vllm_prefill_argv
 from pd_deploy.wait import wait_ready
-from pd_deploy.commands import (
-    DECODE_ENV,
-    PREFILL_ENV,
-    DecodeSpec,
-    PrefillSpec,
-    RouterSpec,
-    decode_server_argv,
-    router_argv,
-    vllm_prefill_argv,
-)
+from pd_settings.loader import EntrySettings, load, split_list
+from pd_settings.problems import Problem, SettingsError
+
+ROLES = ("prefill", "decode", "router")
+DECODE_IMAGE_DEFAULTS = {
+    "PD_DECODE_ENGINE": "tilert",
+    "PD_DECODE_HOST": "0.0.0.0",
+    "PD_DECODE_PORT": "8200",
+    "PD_DECODE_KV_PORT": "8300",
+    "PD_DECODE_MAX_SEQ_LEN": "16384",
+    "PD_DECODE_NUM_MTP": "3",
+}
+ROUTER_IMAGE_DEFAULTS = {"PD_ROUTER_HOST": "0.0.0.0"}
 
 
-class LaunchError(ValueError):
-    """Invalid PD_* settings; the message names the variable, the value and the reason."""
+class LaunchSettings(EntrySettings):
+    """What the entrypoint itself reads."""
+
+    model_config = SettingsConfigDict(env_prefix="PD_LAUNCH_")
+
+    server_python: str = Field(default_factory=lambda: sys.executable, min_length=1,
+                               description="the interpreter that runs the server")
 
 
-def _csv(value: object) -> object:
-    return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+class PrefillLaunchSettings(EntrySettings):
+    """The prefill image's vLLM server with TileRTConnector and MTP."""
 
+    model_config = SettingsConfigDict(env_prefix="PD_PREFILL_")
 
-class _Env(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+    model: str = Field(min_length=1, description="the checkpoint directory")
+    served_model_name: str | None = Field(None, min_length=1, description="default: the directory's name")
+    host: str = Field("0.0.0.0", min_length=1)
+    port: int = Field(8100, ge=1, le=65535)
+    profile: Literal["glm5.1", "tiny", "auto"] = Field("glm5.1", description="the connector's model profile")
+    tensor_parallel: int = Field(8, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    mtp: bool = Field(True, description="required: the decode side expects the MTP layer's KV")
+    num_speculative_tokens: int = Field(1, ge=1)
+    decode_kv_endpoints: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="host:port of every decode server's KV endpoint (comma-separated)")
+    enforce_eager: bool = False
 
-    python: str = Field("python3", alias="PD_PYTHON", min_length=1)
-    host: str = Field("0.0.0.0", alias="PD_HOST", min_length=1)
-
-
-class PrefillEnv(_Env):
-    model: str = Field(alias="PD_MODEL", min_length=1)
-    served_model_name: str | None = Field(None, alias="PD_SERVED_MODEL_NAME")
-    port: int = Field(8100, alias="PD_PORT", ge=1, le=65535)
-    profile: Literal["glm5.1", "tiny", "auto"] = Field("glm5.1", alias="PD_PROFILE")
-    tensor_parallel: int = Field(8, alias="PD_TENSOR_PARALLEL", ge=1)
-    max_model_len: int | None = Field(None, alias="PD_MAX_MODEL_LEN", ge=1)
-    mtp: bool = Field(True, alias="PD_MTP")
-    num_speculative_tokens: int = Field(1, alias="PD_NUM_SPECULATIVE_TOKENS", ge=1)
-    decode_kv_endpoints: list[str] = Field(default_factory=list, alias="PD_DECODE_KV_ENDPOINTS")
-    enforce_eager: bool = Field(False, alias="PD_ENFORCE_EAGER")
-
-    _split = field_validator("decode_kv_endpoints", mode="before")(_csv)
+    _split = field_validator("decode_kv_endpoints", mode="before")(split_list)
 
     @field_validator("mtp")
     @classmethod
     def _mtp_required(cls, value: bool) -> bool:
         if not value:
-            raise ValueError(
-                "MTP is required: the decode side expects the MTP layer's KV (unset it or set 1)"
-            )
+            raise ValueError("MTP is required: the decode side expects the MTP layer's KV (unset it or set 1)")
         return value
 
     @field_validator("decode_kv_endpoints")
     @classmethod
-    def _endpoints(cls, value: list[str]) -> list[str]:
-        for ep in value:
-            host, _, port = ep.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"{ep!r} is not host:port")
+    def _endpoints(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for endpoint in value:
+            parse_endpoint(endpoint)
         return value
 
 
-class DecodeEnv(_Env):
-    model: str = Field(alias="PD_MODEL", min_length=1)
-    served_model_name: str | None = Field(None, alias="PD_SERVED_MODEL_NAME")
-    port: int = Field(8200, alias="PD_PORT", ge=1, le=65535)
-    kv_host: str = Field(default_factory=socket.getfqdn, alias="PD_KV_HOST", min_length=1)
-    kv_port: int = Field(8300, alias="PD_KV_PORT", ge=1, le=65535)
-    engine: Literal["tilert", "reference"] = Field("tilert", alias="PD_ENGINE")
-    slots: int = Field(1, alias="PD_SLOTS", ge=1)
-    max_seq_len: int = Field(16384, alias="PD_MAX_SEQ_LEN", ge=1)
-    num_mtp: int = Field(3, alias="PD_NUM_MTP", ge=1, description="MTP is required")
-    kv_device: str | None = Field(None, alias="PD_KV_DEVICE", pattern=r"^(cpu|cuda:\d+)$")
-
-
-class RouterEnv(_Env):
-    prefill_urls: list[str] = Field(alias="PD_PREFILL_URLS", min_length=1)
-    decode_urls: list[str] = Field(alias="PD_DECODE_URLS", min_length=1)
-    port: int = Field(8000, alias="PD_PORT", ge=1, le=65535)
-
-    _split = field_validator("prefill_urls", "decode_urls", mode="before")(_csv)
-
-
-ROLES: dict[str, type[_Env]] = {"prefill": PrefillEnv, "decode": DecodeEnv, "router": RouterEnv}
-
-
-def parse_env(role: str, environ: Mapping[str, str]) -> _Env:
-    if role not in ROLES:
-        raise LaunchError(f"role {role!r}: expected one of {', '.join(ROLES)}")
-    try:
-        return ROLES[role].model_validate({k: v for k, v in environ.items() if k.startswith("PD_")})
-    except ValidationError as exc:
-        fields = ROLES[role].model_fields
-        lines = []
-        for e in exc.errors():
-            name = str(e["loc"][0]) if e["loc"] else "?"
-            var = fields[name].alias if name in fields else name
-            shown = environ.get(var or "", "<unset>")
-            lines.append(f"{var}={shown!r}: {e['msg']}")
-        raise LaunchError(f"{role}: invalid settings:\n  " + "\n  ".join(lines)) from None
-
-
 def build_argv(role: str, environ: Mapping[str, str], extra: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The command and environment of ``role`` from ``environ``'s PD_* settings."""
-    s = parse_env(role, environ)
-    if isinstance(s, PrefillEnv):
-        argv = vllm_prefill_argv(
-            PrefillSpec(
-                model=s.model,
-                port=s.port,
-                host=s.host,
-                mtp=s.mtp,
-                num_speculative_tokens=s.num_speculative_tokens,
-                profile=s.profile,
-                decode_endpoints=tuple(s.decode_kv_endpoints),
-                enforce_eager=s.enforce_eager,
-                tensor_parallel=s.tensor_parallel,
-                max_model_len=s.max_model_len,
-                served_model_name=s.served_model_name,
-                python=s.python,
-                extra_args=tuple(extra),
-            )
-        )
-        return argv, {**PREFILL_ENV, **environ}
-    if isinstance(s, DecodeEnv):
-        from decode_server.settings import DEFAULT_KV_DEVICE  # the decode image has it
-
-        argv = decode_server_argv(
-            DecodeSpec(
-                model=s.model,
-                port=s.port,
-                kv_port=s.kv_port,
-                host=s.host,
-                engine=s.engine,
-                slots=s.slots,
-                max_seq_len=s.max_seq_len,
-                num_mtp=s.num_mtp,
-                served_model_name=s.served_model_name,
-                kv_device=s.kv_device or DEFAULT_KV_DEVICE[s.engine],
-                python=s.python,
-                extra_args=("--kv-host", s.kv_host, *extra),
-            )
-        )
-        return argv, {**DECODE_ENV, **environ}
-    if isinstance(s, RouterEnv):
-        argv = router_argv(
-            RouterSpec(
-                prefill_urls=tuple(s.prefill_urls),
-                decode_urls=tuple(s.decode_urls),
-                port=s.port,
-                host=s.host,
-                python=s.python,
-                extra_args=tuple(extra),
-            )
-        )
-        return argv, dict(environ)
-    raise LaunchError(f"role {role!r} has no command")
+    """The command and environment of ``role``; raises :class:`SettingsError`."""
+    python = load(LaunchSettings, None, environ).server_python
+    if role == "prefill":
+        s = load(PrefillLaunchSettings, None, environ)
+        spec = PrefillSpec(model=s.model, port=s.port, host=s.host, mtp=s.mtp,
+                           num_speculative_tokens=s.num_speculative_tokens, profile=s.profile,
+                           decode_endpoints=s.decode_kv_endpoints, enforce_eager=s.enforce_eager,
+                           tensor_parallel=s.tensor_parallel, max_model_len=s.max_model_len,
+                           served_model_name=s.served_model_name, python=python, extra_args=tuple(extra))
+        return vllm_prefill_argv(spec), {**PREFILL_ENV, **environ}
+    if role == "decode":
+        env = {**DECODE_ENV, **DECODE_IMAGE_DEFAULTS, "PD_DECODE_KV_HOST": socket.getfqdn(), **environ}
+        mtp = env["PD_DECODE_NUM_MTP"].strip()
+        if mtp == "0":
+            raise SettingsError([Problem("PD_DECODE_NUM_MTP", mtp, "MTP is required: prefill sends the MTP "
+                                         "layer's KV (use 3 with TileRT)")])
+        return [python, "-m", "decode_server", *extra], env
+    if role == "router":
+        return [python, "-m", "pd_router", *extra], {**ROUTER_IMAGE_DEFAULTS, **environ}
+    raise SettingsError([Problem("ROLE", role, f"expected one of {', '.join(ROLES)}")])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args:
-        print(f"usage: entrypoint.sh {{{','.join(ROLES)}}} [extra server args...]", file=sys.stderr)
+        print(f"usage: entrypoint.sh {{{'|'.join(ROLES)}}} [extra server args...]", file=sys.stderr)
         return 2
     if args[0] == "wait-ready":
         return wait_ready(args[1:], os.environ)
     try:
         command, env = build_argv(args[0], os.environ, args[1:])
-    except LaunchError as exc:
-        print(f"entrypoint: {exc}", file=sys.stderr)
+    except SettingsError as exc:
+        print(f"entrypoint: {args[0]}: {exc}", file=sys.stderr)
         return 2
     print(f"entrypoint: {' '.join(command)}", file=sys.stderr, flush=True)
     os.execvpe(command[0], command, env)

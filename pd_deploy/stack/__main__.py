@@ -1,77 +1,79 @@
 """``python -m pd_deploy.stack`` (console script ``pd-stack``): run the whole PD stack locally.
 
 With no ``--model-dir`` it generates the embedded default, the tiny GLM-family model
-(MLA + MoE + 1 MTP layer), once, under ``--cache-dir``.
+(MLA + MoE + 1 MTP layer), once, under ``--cache-dir``. Every option is also
+``PD_STACK_<OPTION>`` or a key of the ``--config`` YAML file (:mod:`pd_settings.loader`).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+from pydantic_settings import SettingsConfigDict
 
 from pd_deploy.stack.launcher import Stack, StackConfig, usage_text
 from pd_deploy.stack.ports import PortInUse, check_free
+from pd_settings.loader import EntrySettings, load
+from pd_settings.problems import SettingsError
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL_NAME = "tiny-glm"  # the served name of the generated default model
 
 
-def _env_default(name: str, default: str) -> str:
-    import os
+class StackSettings(EntrySettings):
+    """Run the whole PD stack locally: decode server(s), vLLM prefill with TileRTConnector, the router."""
 
-    return os.environ.get(f"PD_STACK_{name.upper()}", default)
+    model_config = SettingsConfigDict(env_prefix="PD_STACK_", cli_prog_name="pd-stack")
 
+    model_dir: Path | None = Field(None, description="HF checkpoint to serve (default: the generated tiny model)")
+    served_model_name: str | None = Field(
+        None, min_length=1,
+        description=f"model name clients use (default: {TINY_MODEL_NAME!r} for the tiny model, else the directory name)")
+    cache_dir: Path = Field(REPO / ".cache" / "tiny-model", description="where the tiny model is generated and cached")
+    seed: int = Field(0, description="tiny model seed")
+    layers: int = Field(2, ge=1, description="tiny model main layers (+1 MTP)")
+    log_dir: Path = Field(REPO / "run" / "logs", description="one log file per process")
+    host: str = Field("127.0.0.1", min_length=1, description="bind address of every server")
+    router_port: int = Field(8000, ge=1, le=65535, description="router HTTP port")
+    prefill_port: int = Field(8100, ge=1, le=65535, description="vLLM prefill HTTP port")
+    decode_port: int = Field(8200, ge=1, le=65535, description="HTTP port of the first decode server (+i for the i-th)")
+    kv_port: int = Field(9100, ge=1, le=65535,
+                         description="KV control port of the first decode server (+i for the i-th)")
+    num_decode: int = Field(1, ge=1, description="decode servers")
+    engine: Literal["reference", "tilert"] = Field("reference", description="decode engine")
+    decode_slots: int = Field(1, ge=1, description="concurrent sequences per decode server")
+    max_seq_len: int = Field(4096, ge=1, description="longest prompt + output, in tokens")
+    prefill_mtp: bool = Field(True, description="start vLLM with MTP (--no-prefill-mtp: see the handshake reject it)")
+    start_timeout: float = Field(300.0, gt=0, description="seconds per readiness gate")
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pd-stack", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    model_env = _env_default("model_dir", "")
-    p.add_argument("--model-dir", type=Path, default=Path(model_env) if model_env else None,
-                   help="HF checkpoint to serve (default: the generated tiny model). Env PD_STACK_MODEL_DIR")
-    p.add_argument("--served-model-name", default=_env_default("served_model_name", "") or None,
-                   help=f"model name clients use (default: {TINY_MODEL_NAME!r} for the tiny model, else the directory name)")
-    p.add_argument("--cache-dir", type=Path, default=Path(_env_default("cache_dir", str(REPO / ".cache" / "tiny-model"))),
-                   help="where the tiny model is generated and cached")
-    p.add_argument("--seed", type=int, default=0, help="tiny model seed")
-    p.add_argument("--layers", type=int, default=2, help="tiny model main layers (+1 MTP)")
-    p.add_argument("--log-dir", type=Path, default=Path(_env_default("log_dir", str(REPO / "run" / "logs"))))
-    p.add_argument("--host", default=_env_default("host", "127.0.0.1"), help="bind address of every server")
-    p.add_argument("--router-port", type=int, default=int(_env_default("router_port", "8000")))
-    p.add_argument("--prefill-port", type=int, default=int(_env_default("prefill_port", "8100")))
-    p.add_argument("--decode-port", type=int, default=int(_env_default("decode_port", "8200")),
-                   help="HTTP port of the first decode server (+i for the i-th)")
-    p.add_argument("--kv-port", type=int, default=int(_env_default("kv_port", "9100")),
-                   help="KV control port of the first decode server (+i for the i-th)")
-    p.add_argument("--num-decode", type=int, default=int(_env_default("num_decode", "1")))
-    p.add_argument("--engine", choices=["reference", "tilert"], default=_env_default("engine", "reference"))
-    p.add_argument("--decode-slots", type=int, default=int(_env_default("decode_slots", "1")))
-    p.add_argument("--max-seq-len", type=int, default=int(_env_default("max_seq_len", "4096")))
-    p.add_argument("--no-prefill-mtp", dest="prefill_mtp", action="store_false",
-                   help="start vLLM without MTP (to see the handshake reject it)")
-    p.add_argument("--start-timeout", type=float, default=300.0, help="seconds per readiness gate")
-    return p
+    @field_validator("decode_slots")
+    @classmethod
+    def _tilert_batch(cls, value: int, info: ValidationInfo) -> int:
+        if info.data.get("engine") == "tilert" and value != 1:
+            raise ValueError("the tilert engine serves batch size 1")
+        return value
 
-
-def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    for name in ("router_port", "prefill_port", "decode_port", "kv_port"):
-        value = getattr(args, name)
-        if not 1 <= value <= 65535:
-            parser.error(f"--{name.replace('_', '-')}={value}: must be a TCP port (1..65535)")
-    for name in ("num_decode", "decode_slots", "max_seq_len", "layers"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
-    if args.engine == "tilert" and args.decode_slots != 1:
-        parser.error(f"--decode-slots={args.decode_slots}: the tilert engine serves batch size 1")
-    if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
-        parser.error(f"--model-dir={args.model_dir}: no config.json there")
+    @field_validator("model_dir")
+    @classmethod
+    def _checkpoint(cls, value: Path | None) -> Path | None:
+        if value is not None and not (value / "config.json").is_file():
+            raise ValueError("no config.json there")
+        return value
 
 
-def _config(args: argparse.Namespace, model_dir: Path, served: str | None) -> StackConfig:
+def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> StackSettings:
+    return load(StackSettings, sys.argv[1:] if argv is None else argv, env)
+
+
+def _config(args: StackSettings, model_dir: Path, served: str | None) -> StackConfig:
     return StackConfig(model_dir=model_dir.resolve(), log_dir=args.log_dir.resolve(), host=args.host,
                        router_port=args.router_port, prefill_port=args.prefill_port, decode_port=args.decode_port,
                        kv_port=args.kv_port, num_decode=args.num_decode, engine=args.engine,
@@ -80,9 +82,11 @@ def _config(args: argparse.Namespace, model_dir: Path, served: str | None) -> St
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    validate(args, parser)
+    try:
+        args = load_settings(argv)
+    except SettingsError as exc:
+        print(f"pd-stack: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s pd-stack %(message)s", datefmt="%H:%M:%S")
     log = logging.getLogger("pd_stack")
     model_dir, served = args.model_dir, args.served_model_name

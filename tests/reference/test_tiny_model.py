@@ -96,8 +96,8 @@ def test_ensure_reuses_a_complete_model(tiny_model_dir: Path) -> None:
     assert (tiny_model_dir / "model.safetensors").stat().st_mtime_ns == before
 
 
-@pytest.mark.parametrize(("args", "message"), [(["--layers", "0"], "--layers=0"),
-                                               (["--seed", "x"], "--seed")])
+@pytest.mark.parametrize(("args", "message"), [(["--layers", "0"], "--layers='0': Input should be greater than"),
+                                               (["--seed", "x"], "--seed='x': Input should be a valid integer")])
 def test_cli_refuses_bad_options(tmp_path: Path, args: list[str], message: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "decode_server.tiny_model", "--out", str(tmp_path / "m"), *args],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
