@@ -23,8 +23,9 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from connector.control import ABORT_TIMEOUT_S, ControlClient
 from connector.kv_errors import ControlChannelError
@@ -251,7 +252,7 @@ class _Channel:
             if isinstance(reply, Reject):
                 raise _Rejected(f"decode server {self.endpoint} rejected the KV handshake: {reply.message}")
             if not isinstance(reply, Welcome):
-                raise ControlChannelError(f"{self.endpoint} answered Hello with {reply.type!r}")
+                raise ControlChannelError(f"{self.endpoint} answered Hello with {type(reply).__name__}")
             bad = handshake_mismatch(decode_version=reply.protocol_version, decode_transport=reply.transport,
                                      decode_fingerprint=reply.fingerprint, prefill_version=PROTOCOL_VERSION,
                                      prefill_transport=self.owner.transport,

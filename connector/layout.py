@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from connector.protocol import LayoutFingerprint, PlaneSpec
 
@@ -162,7 +163,7 @@ class SenderPlan:
 # ------------------------------------------------------------------ packing helpers
 
 
-def torch_dtype(name: str) -> "torch.dtype":
+def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     dtype = getattr(torch, name, None)
@@ -171,8 +172,8 @@ def torch_dtype(name: str) -> "torch.dtype":
     return dtype
 
 
-def layer_views(block: "torch.Tensor", layout: KVLayout, num_tokens: int,
-                offsets: Sequence[int] | None = None) -> dict[str, "torch.Tensor"]:
+def layer_views(block: torch.Tensor, layout: KVLayout, num_tokens: int,
+                offsets: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """Typed per-plane views of one layer inside the uint8 tensor ``block``.
 
     ``offsets`` are the planes' byte offsets in ``block`` (default: packed, as
@@ -187,8 +188,8 @@ def layer_views(block: "torch.Tensor", layout: KVLayout, num_tokens: int,
     return views
 
 
-def packed_layers_views(block: "torch.Tensor", layout: KVLayout, num_tokens: int,
-                        num_layers: int) -> list[dict[str, "torch.Tensor"]]:
+def packed_layers_views(block: torch.Tensor, layout: KVLayout, num_tokens: int,
+                        num_layers: int) -> list[dict[str, torch.Tensor]]:
     """:func:`layer_views` of ``num_layers`` packed layer blocks one after the other in
     ``block`` (layer-major, planes packed as :func:`plane_offsets`), made with a few view
     operations per plane instead of a few per layer and plane (79 layers: ~0.1 ms
@@ -203,19 +204,19 @@ def packed_layers_views(block: "torch.Tensor", layout: KVLayout, num_tokens: int
     return [dict(zip(names, views)) for views in zip(*per_plane)]
 
 
-def _block_ids(block_ids: Sequence[int], count: int, device: "torch.device") -> "torch.Tensor":
+def _block_ids(block_ids: Sequence[int], count: int, device: torch.device) -> torch.Tensor:
     import torch
 
     return torch.as_tensor(list(block_ids[:count]), dtype=torch.long, device=device)
 
 
-def _deliver(src: "torch.Tensor", out: "torch.Tensor") -> None:
+def _deliver(src: torch.Tensor, out: torch.Tensor) -> None:
     """``out.copy_(src)``: one copy, also across devices (a CUDA cache into host staging is
     one device-to-host copy, blocking, so the bytes are there when this returns)."""
     out.copy_(src)
 
 
-def _token_rows(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int) -> "torch.Tensor":
+def _token_rows(cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
     """The first ``num_tokens`` rows of a request, ``[num_tokens, row]``, on the cache's device."""
     import torch
 
@@ -231,8 +232,8 @@ def _token_rows(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def gather_tokens(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int,
-                  out: "torch.Tensor") -> "torch.Tensor":
+def gather_tokens(cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int,
+                  out: torch.Tensor) -> torch.Tensor:
     """Copy the first ``num_tokens`` token rows of a request out of a paged cache.
 
     ``cache`` is ``[num_blocks, block_size, row]`` (vLLM's per-layer MLA cache);
@@ -260,15 +261,15 @@ def gather_tokens(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: i
     return out
 
 
-def _pages(cache: "torch.Tensor", block_ids: Sequence[int], num_pages: int) -> "torch.Tensor":
+def _pages(cache: torch.Tensor, block_ids: Sequence[int], num_pages: int) -> torch.Tensor:
     import torch
 
     flat = cache.reshape(cache.shape[0], -1)
     return torch.index_select(flat, 0, _block_ids(block_ids, num_pages, cache.device))
 
 
-def gather_pages(cache: "torch.Tensor", block_ids: Sequence[int], num_pages: int,
-                 out: "torch.Tensor") -> "torch.Tensor":
+def gather_pages(cache: torch.Tensor, block_ids: Sequence[int], num_pages: int,
+                 out: torch.Tensor) -> torch.Tensor:
     """Copy whole blocks (pages) of a paged cache: ``out[i] = cache[block_ids[i]]`` flattened
     (``out`` on any device, as :func:`gather_tokens`)."""
     import torch
@@ -284,7 +285,7 @@ def gather_pages(cache: "torch.Tensor", block_ids: Sequence[int], num_pages: int
     return out
 
 
-def _packed_span(parts: Sequence["torch.Tensor"]) -> "torch.Tensor | None":
+def _packed_span(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The uint8 run of memory ``parts`` cover when they lie back to back (contiguous, in
     order, on one device), as :func:`layer_views` lays out one layer; else None."""
     import torch
@@ -299,8 +300,8 @@ def _packed_span(parts: Sequence["torch.Tensor"]) -> "torch.Tensor | None":
     return torch.as_strided(base, (pos - first.data_ptr(),), (1,), base.storage_offset())
 
 
-def gather_layer(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int,
-                 views: dict[str, "torch.Tensor"], indexer: "torch.Tensor | None" = None) -> None:
+def gather_layer(cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int,
+                 views: dict[str, torch.Tensor], indexer: torch.Tensor | None = None) -> None:
     """One layer of a request into its staging ``views`` (:func:`layer_views`), whatever the
     devices: CPU MLA (``views`` = ``kv``) or fp8_ds_mla (``kv``, ``rope``, ``indexer``
     from the ``indexer`` cache). Across devices (a CUDA cache, host staging) the planes are
@@ -332,13 +333,13 @@ def gather_layer(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: in
         _deliver(src.view(dst.dtype).view(dst.shape), dst)
 
 
-def split_cpu_mla(kv: "torch.Tensor", kv_lora_rank: int = 512) -> tuple["torch.Tensor", "torch.Tensor"]:
+def split_cpu_mla(kv: torch.Tensor, kv_lora_rank: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU MLA ``kv`` plane ``[n, 576]`` -> (latent ``[n, 512]``, rope ``[n, 64]``) views."""
     return kv[:, :kv_lora_rank], kv[:, kv_lora_rank:]
 
 
-def gather_fp8_ds_mla(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int,
-                      out_kv: "torch.Tensor", out_rope: "torch.Tensor") -> None:
+def gather_fp8_ds_mla(cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int,
+                      out_kv: torch.Tensor, out_rope: torch.Tensor) -> None:
     """vLLM fp8_ds_mla cache ``[num_blocks, block_size, 656]`` uint8 -> ``kv`` ``[n, 528]``
     (fp8 latent + 4 fp32 scales, bytes as stored) and ``rope`` ``[n, 64]`` bf16 (on any
     device: the rows are gathered on the cache's device, then copied)."""

@@ -18,7 +18,7 @@ connector issue.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -242,7 +242,7 @@ class Aborted(BaseModel):
 
 
 ControlMessage = Annotated[
-    Union[Hello, Welcome, Reject, Admit, Admitted, Refused, Abort, Aborted],
+    Hello | Welcome | Reject | Admit | Admitted | Refused | Abort | Aborted,
     Field(discriminator="type"),
 ]
 
@@ -268,4 +268,4 @@ class Revoked(BaseModel):
     reason: str
 
 
-Notification = Annotated[Union[LayersDone, Revoked], Field(discriminator="type")]
+Notification = Annotated[LayersDone | Revoked, Field(discriminator="type")]

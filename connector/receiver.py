@@ -25,7 +25,8 @@ import base64
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Coroutine
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -40,6 +41,7 @@ from connector.protocol import (
     Admitted,
     Hello,
     LayersDone,
+    PeerStatus,
     Refused,
     Reject,
     Revoked,
@@ -56,7 +58,6 @@ from connector.transport import (
     host_tensor,
     nixl_transport,
 )
-from connector.protocol import PeerStatus
 
 if TYPE_CHECKING:
     import torch
@@ -79,7 +80,7 @@ class KVReceiver:
         self._agent_name = settings.agent_name or f"kv-recv-{uuid.uuid4().hex[:12]}"
         self._slot_bytes = self._layout.bytes_per_layer(settings.max_tokens) * self._layout.num_layers
         self._transport: Transport | None = None
-        self._buffer: "torch.Tensor | None" = None
+        self._buffer: torch.Tensor | None = None
         self._buffer_owner: object = None
         self._welcome_parts: tuple[str, str] = ("", "")
         self._server = ControlServer(settings.host, settings.port, self._on_message, self._on_disconnect)
@@ -104,15 +105,16 @@ class KVReceiver:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Condition()
-        self._transport, self._buffer = await asyncio.to_thread(self._allocate)
-        region = self._transport.register(self._buffer)
-        self._welcome_parts = (base64.b64encode(self._transport.metadata()).decode(), encode_regions([region]))
+        transport, buffer = await asyncio.to_thread(self._allocate)
+        self._transport, self._buffer = transport, buffer
+        region = transport.register(buffer)
+        self._welcome_parts = (base64.b64encode(transport.metadata()).decode(), encode_regions([region]))
         await self._server.start()
-        self._pump = NotificationPump(self._transport, self._loop, self._deliver, self._expecting_kv)
+        self._pump = NotificationPump(transport, self._loop, self._deliver, self._expecting_kv)
         self._pump.start()
         self._reaper = asyncio.create_task(self._reap_unclaimed())
 
-    def _allocate(self) -> tuple[Transport, "torch.Tensor"]:
+    def _allocate(self) -> tuple[Transport, torch.Tensor]:
         transport = self._make_transport(self._agent_name, 1)
         buffer, self._buffer_owner = host_tensor(self._s.slots * self._slot_bytes, self._s.device)
         return transport, buffer
@@ -185,7 +187,7 @@ class KVReceiver:
                         break
                     try:
                         await asyncio.wait_for(changed.wait(), remaining)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
         finally:
             if counted is not None:
@@ -212,7 +214,7 @@ class KVReceiver:
             self._background(self._revoke(h, h.error))
         self._free_slot(h)
 
-    def _background(self, coro: "Coroutine[Any, Any, None]") -> None:
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 class ReceivedKV:
     handoff_id: str
     num_tokens: int
-    layers: list[dict[str, "torch.Tensor"]]
+    layers: list[dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -59,4 +59,4 @@ class HandoffState:
     since: float = field(default_factory=time.monotonic)
     # the per-layer views handed to the engine, made at admission (off the path from the
     # last notification to wait_for returning)
-    views: list[dict[str, "torch.Tensor"]] = field(default_factory=list)
+    views: list[dict[str, torch.Tensor]] = field(default_factory=list)

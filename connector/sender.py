@@ -32,8 +32,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from connector.control import ABORT_TIMEOUT_S, ControlClient
-from connector.kv_errors import AdmissionRefused, ControlChannelError, HandshakeRejected, TransportError
 from connector.handoff import OutgoingHandoff, Peer
+from connector.kv_errors import AdmissionRefused, ControlChannelError, HandshakeRejected, TransportError
 from connector.lanes import LaneQueue
 from connector.layout import KVLayout, SenderPlan, layout_fingerprint
 from connector.protocol import (
@@ -188,7 +188,7 @@ class KVSender:
                 raise HandshakeRejected(reply.field, reply.expected, reply.received,
                                         f"decode server {endpoint}: {reply.message}")
             if not isinstance(reply, Welcome):
-                raise ControlChannelError(f"{endpoint} answered Hello with {reply.type!r}")
+                raise ControlChannelError(f"{endpoint} answered Hello with {type(reply).__name__}")
             self._check_welcome(endpoint, reply)
             self._transport.remove_peer(reply.agent_name)  # a restarted peer may reuse its name
             agent = self._transport.add_peer(base64.b64decode(reply.agent_metadata))

@@ -10,11 +10,12 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from connector.profiles import prefill_vllm_args
 
 
-def mtp_spec_config(num_speculative_tokens: int = 1) -> dict:
+def mtp_spec_config(num_speculative_tokens: int = 1) -> dict[str, Any]:
     return {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
 
 
@@ -42,8 +43,8 @@ def served_name(model: Path | str, served_model_name: str | None) -> str:
     return served_model_name or Path(str(model)).name
 
 
-def kv_transfer_config(spec: PrefillSpec) -> dict:
-    extra: dict = {"profile": spec.profile}
+def kv_transfer_config(spec: PrefillSpec) -> dict[str, Any]:
+    extra: dict[str, Any] = {"profile": spec.profile}
     if spec.decode_endpoints:
         extra["decode_endpoints"] = list(spec.decode_endpoints)
     return {

@@ -13,7 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Mapping
+from collections.abc import Mapping
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -32,7 +32,7 @@ class WaitSettings(EntrySettings):
 def _status(url: str) -> int | str:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - URLs come from the manifest
-            return resp.status
+            return int(resp.status)
     except urllib.error.HTTPError as exc:
         return exc.code
     except (OSError, ValueError) as exc:

@@ -25,7 +25,16 @@ _EXPORTS = {
     "create_app": "pd_router.app",
     "load_settings": "pd_router.settings",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ErrorBody",
+    "ModelList",
+    "ReadinessReport",
+    "RouterApp",
+    "RouterError",
+    "RouterSettings",
+    "create_app",
+    "load_settings",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -137,7 +137,7 @@ def _validated(model: type[S], values: dict[str, Any], locate: Callable[[str], t
     # A BaseSettings reads its own sources when validated (also through model_validate):
     # give it exactly the values merged here.
     try:
-        return model(_build_sources=((InitSettingsSource(model, init_kwargs=values),), {}))
+        return model(_build_sources=((InitSettingsSource(model, init_kwargs=values),), {}))  # type: ignore[call-arg]
     except ValidationError as exc:
         raise SettingsError(problems_of(exc, locate, lambda: ", ".join(
             _flag(f) for f in sorted(model.model_fields)))) from None

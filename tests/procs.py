@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from pd_deploy.stack.process import ManagedProcess
 

@@ -20,7 +20,7 @@ from pd_deploy.stack.ports import PortInUse, PortNeed, check_free
 from pd_deploy.stack.process import ManagedProcess, NotOurServer
 from tests.procs import REPO, free_port
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.integration]  # integration: real process trees, kill -9, the reaper
 
 
 def _alive(pid: int) -> bool:

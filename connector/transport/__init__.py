@@ -9,7 +9,7 @@ whose agents meet on a fabric the test creates).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from connector.kv_errors import TransportError
 from connector.transport.base import (

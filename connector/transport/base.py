@@ -29,8 +29,9 @@ from __future__ import annotations
 import base64
 import struct
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -88,8 +89,8 @@ def merge_pieces(pieces: Sequence[Piece]) -> list[Piece]:
     return merged
 
 
-class XferHandle(ABC):
-    """One posted WRITE."""
+class XferHandle:
+    """One posted WRITE (each transport subclasses it)."""
 
 
 class Transport(ABC):
@@ -100,7 +101,7 @@ class Transport(ABC):
     def name(self) -> str: ...
 
     @abstractmethod
-    def register(self, tensor: "torch.Tensor") -> Region: ...
+    def register(self, tensor: torch.Tensor) -> Region: ...
 
     @abstractmethod
     def metadata(self) -> bytes: ...

@@ -15,8 +15,9 @@ hidden state of the last prompt position does not travel with the KV.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -175,7 +176,7 @@ class ReferenceEngine(Engine):
     def kv_layout(self) -> KVLayout:
         return self._layout
 
-    def _validate(self, kv: "ReceivedKV", handoff: "HandoffResult") -> None:
+    def _validate(self, kv: ReceivedKV, handoff: HandoffResult) -> None:
         cfg, t = self._model.cfg, handoff.num_prompt_tokens
         # Without MTP decoding, KV that still carries the MTP layer (prefill ran with MTP) is accepted.
         if len(kv.layers) not in (self._layout.num_layers, self._model.num_layers):
@@ -196,7 +197,7 @@ class ReferenceEngine(Engine):
         with self._lock:
             self._busy -= 1
 
-    def start(self, kv: "ReceivedKV", handoff: "HandoffResult", params: SamplingParams) -> ReferenceSession:
+    def start(self, kv: ReceivedKV, handoff: HandoffResult, params: SamplingParams) -> ReferenceSession:
         self._validate(kv, handoff)
         with self._lock:
             if self._busy >= self._slots:

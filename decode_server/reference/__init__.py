@@ -24,7 +24,14 @@ _EXPORTS = {
     "load_model": "decode_server.reference.model",
     "prefill": "decode_server.reference.prefill",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ConfigError",
+    "MlaMoeModel",
+    "ModelConfig",
+    "PrefillOutput",
+    "load_model",
+    "prefill",
+]
 
 
 def __getattr__(name: str) -> Any:

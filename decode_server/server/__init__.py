@@ -11,8 +11,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from decode_server.server.app import AppConfig, DecodeState, create_app
     from decode_server.server.api_errors import ApiError
+    from decode_server.server.app import AppConfig, DecodeState, create_app
     from decode_server.server.glm import GlmChatParser, ToolCall, parse_tool_call
     from decode_server.server.sequence import Delta, SequenceProcessor, StopSpec, TokenLogprob
     from decode_server.server.stops import StopStringMatcher
@@ -35,7 +35,23 @@ _EXPORTS = {
     "create_app": "decode_server.server.app",
     "parse_tool_call": "decode_server.server.glm",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ApiError",
+    "AppConfig",
+    "DecodeState",
+    "Delta",
+    "GenerationDefaults",
+    "GlmChatParser",
+    "IncrementalDetokenizer",
+    "SequenceProcessor",
+    "StopSpec",
+    "StopStringMatcher",
+    "TextTokenizer",
+    "TokenLogprob",
+    "ToolCall",
+    "create_app",
+    "parse_tool_call",
+]
 
 
 def __getattr__(name: str) -> Any:

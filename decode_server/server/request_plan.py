@@ -145,10 +145,10 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
     )
     chat = isinstance(req, ChatCompletionRequest)
     tools = None
-    if chat and limits.tool_call_parser and req.tools and req.tool_choice != "none":
+    if isinstance(req, ChatCompletionRequest) and limits.tool_call_parser and req.tools and req.tool_choice != "none":
         tools = req.tools
     thinking = True
-    if chat and req.chat_template_kwargs:
+    if isinstance(req, ChatCompletionRequest) and req.chat_template_kwargs:
         for key in ("enable_thinking", "thinking"):
             if req.chat_template_kwargs.get(key) is False:
                 thinking = False

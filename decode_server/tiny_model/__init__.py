@@ -23,7 +23,14 @@ _EXPORTS = {
     "generate": "decode_server.tiny_model.generate",
     "model_key": "decode_server.tiny_model.generate",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "GENERATOR_VERSION",
+    "TrainSettings",
+    "VLLM_CPU_EXACT_ARGS",
+    "ensure_tiny_model",
+    "generate",
+    "model_key",
+]
 
 
 def __getattr__(name: str) -> Any:

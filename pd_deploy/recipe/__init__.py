@@ -33,7 +33,21 @@ _EXPORTS = {
     "topology_problems": "pd_deploy.recipe.topology",
     "write_plan": "pd_deploy.recipe.render",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Plan",
+    "Recipe",
+    "RecipeError",
+    "RecipeProblem",
+    "Step",
+    "build_plan",
+    "conversion_env",
+    "describe",
+    "host_placeholder",
+    "load_recipe",
+    "parse_recipe",
+    "topology_problems",
+    "write_plan",
+]
 
 
 def __getattr__(name: str) -> Any:

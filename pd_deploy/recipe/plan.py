@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from decode_server.settings import DEFAULT_KV_DEVICE
-from pd_deploy.recipe.schema import Recipe
-from pd_deploy.recipe.topology import conversion_env
 from pd_deploy.commands import (
     DECODE_ENV,
     PREFILL_ENV,
@@ -25,6 +23,8 @@ from pd_deploy.commands import (
     router_argv,
     vllm_prefill_argv,
 )
+from pd_deploy.recipe.schema import Recipe
+from pd_deploy.recipe.topology import conversion_env
 
 OFFLINE_CLIENT_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 

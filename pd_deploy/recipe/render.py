@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -23,7 +24,7 @@ from pd_deploy.recipe.schema import Recipe, load_recipe_text
 from pd_deploy.recipe.topology import RecipeError, RecipeProblem, topology_problems
 
 
-def parse_recipe(data: dict, source: str = "<recipe>") -> Recipe:
+def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     """Validate ``data`` (schema, then topology); raise :class:`RecipeError` listing every problem."""
     try:
         recipe = Recipe.model_validate(data)

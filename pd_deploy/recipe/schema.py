@@ -10,7 +10,7 @@ fields (the topology) live in :mod:`pd_deploy.recipe.topology`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -166,7 +166,7 @@ class Recipe(_Strict):
         return self.model.converted or self.model.source
 
 
-def load_recipe_text(path: Path) -> dict:
+def load_recipe_text(path: Path) -> dict[str, Any]:
     import yaml
 
     data = yaml.safe_load(path.read_text())

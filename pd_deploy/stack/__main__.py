@@ -36,7 +36,8 @@ class StackSettings(EntrySettings):
     model_dir: Path | None = Field(None, description="HF checkpoint to serve (default: the generated tiny model)")
     served_model_name: str | None = Field(
         None, min_length=1,
-        description=f"model name clients use (default: {TINY_MODEL_NAME!r} for the tiny model, else the directory name)")
+        description=f"model name clients use (default: {TINY_MODEL_NAME!r} for the tiny model, "
+                    "else the directory name)")
     cache_dir: Path = Field(REPO / ".cache" / "tiny-model", description="where the tiny model is generated and cached")
     seed: int = Field(0, description="tiny model seed")
     layers: int = Field(2, ge=1, description="tiny model main layers (+1 MTP)")

@@ -24,8 +24,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Callable, Sequence
+from typing import IO
 from urllib.parse import urlsplit
 
 import httpx

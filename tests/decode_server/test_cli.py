@@ -11,7 +11,7 @@ import pytest
 from pd_deploy.commands import DecodeSpec, decode_server_argv
 from tests.procs import REPO, free_port
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.integration]  # integration: the decode server as a process
 
 
 def _run(argv: list[str], timeout: float = 90, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

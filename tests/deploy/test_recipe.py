@@ -8,16 +8,19 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
 
-from pd_deploy.recipe import RecipeError, build_plan, conversion_env, parse_recipe, write_plan
 from pd_deploy.commands import DecodeSpec, decode_server_argv
+from pd_deploy.recipe import RecipeError, build_plan, conversion_env, parse_recipe, write_plan
 from tests.deploy.conftest import DEPLOY, dump_recipe, load_recipe_dict
 from tests.procs import REPO
+
+pytestmark = pytest.mark.integration  # the recipe command and submit.sh as subprocesses
 
 GLM = "glm5.1-fp8-b200.yaml"
 

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from tests.deploy.conftest import dump_recipe, load_recipe_dict
-from tests.deploy.slurm_cluster import SlurmCluster
 from tests.deploy.jobs import submit_job, wait_state
+from tests.deploy.slurm_cluster import SlurmCluster
 from tests.procs import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

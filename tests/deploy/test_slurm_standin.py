@@ -19,7 +19,11 @@ import pytest
 
 from pd_deploy.recipe import build_plan, parse_recipe
 from tests.deploy.conftest import (
-    dump_recipe, fake_checkpoint, load_recipe_dict, read_records, recording_stub,
+    dump_recipe,
+    fake_checkpoint,
+    load_recipe_dict,
+    read_records,
+    recording_stub,
 )
 from tests.deploy.jobs import alive, submit_job, wait_state
 from tests.deploy.slurm_cluster import SlurmCluster

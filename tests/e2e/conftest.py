@@ -3,9 +3,9 @@ second vLLM serving the same model alone, both on loopback, once per session."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest

@@ -5,8 +5,8 @@ gathered late, in ``wait_for_save``. Greedy output must still equal vLLM alone's
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

@@ -41,7 +41,8 @@ def assert_matches_vllm_alone(router: str, vllm_alone: str, model_name: str) -> 
         b = steps_from_completion_logprobs(alone["choices"][0]["logprobs"])
         assert len(a) == MAX_TOKENS and pd["usage"]["completion_tokens"] == MAX_TOKENS
         assert pd["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
-        verdicts.append((f"completion {prompt[:30]!r} ({alone['usage']['prompt_tokens']} tokens)", judge(a, b, "pd", "vllm")))
+        verdicts.append((f"completion {prompt[:30]!r} ({alone['usage']['prompt_tokens']} tokens)",
+                         judge(a, b, "pd", "vllm")))
     for messages in CHAT_PROMPTS:
         pd, alone = _chat(router, model_name, messages), _chat(vllm_alone, model_name, messages)
         a = steps_from_chat_logprobs(pd["choices"][0]["logprobs"])

@@ -12,7 +12,6 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from connector.protocol import PROTOCOL_VERSION, HandoffResult, PeerStatus
-from pd_router.asgi import Receive, Scope, Send, read_body, respond
 from decode_server.contract import (
     CANCEL_PATH,
     CAPABILITIES_PATH,
@@ -20,6 +19,7 @@ from decode_server.contract import (
     CancelResponse,
     DecodeCapabilities,
 )
+from pd_router.asgi import Receive, Scope, Send, read_body, respond
 from tests.fakes.fake_common import FakeBase, error_body
 
 

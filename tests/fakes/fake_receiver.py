@@ -13,8 +13,8 @@ import time
 
 from connector.kv_errors import HandoffFailed, HandoffTimeout
 from connector.layout import KVLayout
-from connector.receiver import ReceivedKV
 from connector.protocol import PeerStatus
+from connector.receiver import ReceivedKV
 
 
 class FakeReceiver:

@@ -10,8 +10,8 @@ move; the reference prefill's KV equals what vLLM caches, MTP layer included.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import openai
@@ -94,7 +94,8 @@ def _vllm_runs(url: str, model_name: str) -> list[tuple[str, list[int], list]]:
                                                   "add_generation_prompt": True}, timeout=30).json()["tokens"]
         r = client.chat.completions.create(model=model_name, messages=messages, max_tokens=N_TOKENS, temperature=0,
                                            logprobs=True, top_logprobs=5, extra_body=extra)
-        runs.append((f"chat {messages[-1]['content']!r}", ids, steps_from_chat_logprobs(r.choices[0].logprobs.model_dump())))
+        runs.append((f"chat {messages[-1]['content']!r}", ids,
+                     steps_from_chat_logprobs(r.choices[0].logprobs.model_dump())))
     return runs
 
 

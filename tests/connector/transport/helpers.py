@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 from connector.layout import KVLayout, cpu_mla_layout
 from connector.receiver import KVReceiver, ReceiverSettings

@@ -65,8 +65,8 @@ async def test_transport_kind_mismatch(kv):
     async with kv.running_receiver(transport="memory") as receiver:
         client = await asyncio.to_thread(ControlClient, receiver.endpoint, 5)
         try:
-            hello = Hello(protocol_version=PROTOCOL_VERSION, agent_name="p", fingerprint=layout_fingerprint(cpu_mla_layout(2, 1)),
-                          transport="nixl")
+            hello = Hello(protocol_version=PROTOCOL_VERSION, agent_name="p",
+                          fingerprint=layout_fingerprint(cpu_mla_layout(2, 1)), transport="nixl")
             reply = await asyncio.to_thread(client.request, hello, 5)
         finally:
             client.close()

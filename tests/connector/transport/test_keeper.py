@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from connector.kv_errors import ControlChannelError, HandshakeRejected
 from connector.keeper import HandshakeKeeper
+from connector.kv_errors import ControlChannelError, HandshakeRejected
 from tests.connector.transport.helpers import eventually
 from tests.procs import free_port
 

@@ -15,6 +15,8 @@ from connector.sender import KVSender
 from tests.connector.transport.remote import remote_receiver
 from tests.connector.transport.synthetic import fill, layer_bytes
 
+pytestmark = pytest.mark.integration  # two processes over real NIXL
+
 LAYOUT = glm5_fp8_ds_mla_layout(78, 1)
 TOKENS = 2048
 

@@ -60,7 +60,7 @@ async def main(args: argparse.Namespace) -> None:
     )
     await receiver.start()
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before serving
     watcher = asyncio.create_task(watch(receiver, out, args.die_on_admit))
     _write(args.endpoint_file, receiver.endpoint)
     try:

@@ -9,8 +9,8 @@ import pytest
 from connector.config import ConnectorConfigError, load_settings
 from connector.profiles import (
     MTP_FLAG,
-    cache_row_hint,
     ProfileMismatch,
+    cache_row_hint,
     check_layers,
     glm51_profile,
     observed_layout,
