@@ -155,6 +155,7 @@ def receiver(
     layers: int = N_MAIN,
     unclaimed_timeout: float = 30.0,
     slots: int = 1,
+    admit_delay: float = 0.0,
 ) -> Iterator[Receiver]:
     out, endpoint_file = tmp_path / "received", tmp_path / "endpoint"
     argv = python_argv(
@@ -178,6 +179,8 @@ def receiver(
         argv += ["--handoff", hid]
     if die_on_admit:
         argv.append("--die-on-admit")
+    if admit_delay:
+        argv += ["--admit-delay", str(admit_delay)]
     with server(argv, tmp_path / "receiver.log", env=RECEIVER_ENV) as proc:
         deadline = time.monotonic() + 60
         while not endpoint_file.is_file():
