@@ -66,8 +66,6 @@ __all__ = ["HandoffFailed", "HandoffTimeout", "KVReceiver", "ReceivedKV", "Recei
 
 log = logging.getLogger(__name__)
 
-DISCONNECT_GRACE_S = 2.0  # notifications may trail a sender's closed control connection
-
 
 class KVReceiver:
     """``transport`` makes this receiver's data-transport agent (NIXL unless a test injects
@@ -98,7 +96,7 @@ class KVReceiver:
         self._aborted_tries: dict[tuple[str, str, str], float] = {}  # (group, handoff, attempt) -> when
         self._live: dict[str, int] = {}  # open control connections per sender agent
         self._tasks: set[asyncio.Future] = set()
-        self._timers: list[asyncio.TimerHandle] = []
+        self._orphan_checks: set[asyncio.Task[None]] = set()  # senders' disconnect graces running
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -124,8 +122,9 @@ class KVReceiver:
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
-        for timer in self._timers:
-            timer.cancel()
+        for check in self._orphan_checks:
+            check.cancel()
+        await asyncio.gather(*self._orphan_checks, return_exceptions=True)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._pump is not None:
@@ -157,6 +156,15 @@ class KVReceiver:
 
     def peers(self) -> list[PeerStatus]:
         return list(self._peers.values())
+
+    def connections(self, agent: str) -> int:
+        """Open control connections of the sender agent ``agent`` (after its Hello)."""
+        return self._live.get(agent, 0)
+
+    async def settled(self) -> None:
+        """Return once every disconnect grace under way has run out and its check ran (tests)."""
+        while self._orphan_checks:
+            await asyncio.gather(*list(self._orphan_checks), return_exceptions=True)
 
     def busy_slots(self) -> int:
         return self._s.slots - len(self._free)
@@ -364,15 +372,16 @@ class KVReceiver:
         return Admitted(handoff_id=hid, slot=slot, offsets=offsets)
 
     def _on_disconnect(self, conn: ControlConnection) -> None:
-        if conn.peer is None or self._loop is None:
+        if conn.peer is None or self._loop is None or self._stopped:
             return
         peer = conn.peer
         self._live[peer] -= 1
-        self._timers = [t for t in self._timers if not t.cancelled() and t.when() > self._loop.time()]
-        self._timers.append(
-            self._loop.call_later(DISCONNECT_GRACE_S, lambda: self._background(self._fail_orphans(peer))))
+        check = asyncio.ensure_future(self._fail_orphans(peer))
+        self._orphan_checks.add(check)
+        check.add_done_callback(self._orphan_checks.discard)
 
     async def _fail_orphans(self, peer: str) -> None:
+        await asyncio.sleep(self._s.disconnect_grace_s)  # a grace period, not a synchronisation
         if self._live.get(peer, 0) > 0:  # it reconnected (e.g. a retried Admit): its handoffs live on
             return
         group = self._group_of.get(peer, peer)

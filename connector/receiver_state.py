@@ -27,6 +27,9 @@ class ReceiverSettings:
     host: str = "127.0.0.1"
     port: int = 0  # 0: ephemeral
     unclaimed_timeout_s: float = 30.0  # an admitted/completed handoff nobody claims is freed after this
+    # after a sender's last control connection closed, its incomplete handoffs fail after
+    # this grace (its notifications may trail the closed connection; it may reconnect)
+    disconnect_grace_s: float = 2.0
     agent_name: str | None = None
     device: str = "cpu"  # where the receive buffer lives ("cuda:0" registers VRAM)
 
@@ -36,6 +39,7 @@ class ReceiverSettings:
             ("slots", self.slots, self.slots >= 1, "must be >= 1"),
             ("port", self.port, 0 <= self.port < 65536, "must be in 0..65535 (0: ephemeral)"),
             ("unclaimed_timeout_s", self.unclaimed_timeout_s, self.unclaimed_timeout_s > 0, "must be > 0"),
+            ("disconnect_grace_s", self.disconnect_grace_s, self.disconnect_grace_s >= 0, "must be >= 0"),
         ]
         for name, value, ok, reason in checks:
             if not ok:

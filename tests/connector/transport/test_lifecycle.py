@@ -10,7 +10,6 @@ import torch
 
 from connector.kv_errors import AdmissionRefused, HandoffFailed, HandoffTimeout
 from connector.layout import SenderPlan, glm5_fp8_ds_mla_layout
-from connector.receiver import DISCONNECT_GRACE_S
 from tests.connector.transport.helpers import SMALL, assert_no_leaks, eventually
 from tests.connector.transport.synthetic import fill, layer_bytes, mismatches
 
@@ -249,7 +248,7 @@ async def test_release_before_completion_revokes_and_release_before_admission_ca
 
 
 async def test_a_retried_connection_keeps_the_senders_handoffs(kv):
-    async with kv.running_receiver() as receiver:
+    async with kv.running_receiver(disconnect_grace_s=0.3) as receiver:
         sender = kv.make_sender()
         try:
             handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "kept", 8, [0])
@@ -257,7 +256,9 @@ async def test_a_retried_connection_keeps_the_senders_handoffs(kv):
             # a new connection of the same sender (as a retried Admit makes), then the old one breaks
             sender._peers[receiver.endpoint] = await asyncio.to_thread(sender._handshake, receiver.endpoint, 5)
             old.client.close()
-            await asyncio.sleep(DISCONNECT_GRACE_S + 0.5)
+            # the receiver saw the old connection go, and its disconnect grace ran out and was acted on
+            await eventually(lambda: receiver.connections(sender.agent_name) == 1)
+            await receiver.settled()
             for layer in (1, 2):
                 handoff.post_layer(layer)
             assert await asyncio.to_thread(handoff.wait, 5) == "sent"
