@@ -61,3 +61,20 @@ def test_no_file_cites_notes_outside_the_repository() -> None:
     outside = "FACTS" + ".md"  # the project's notes file that is not in this repository
     citing = [f for f in files if (REPO / f).is_file() and outside in (REPO / f).read_text(errors="replace")]
     assert citing == []
+
+
+LAZY_PACKAGES = ["pd_router", "decode_server.server", "decode_server.tiny_model", "pd_deploy.recipe"]
+
+
+@pytest.mark.parametrize("package", LAZY_PACKAGES)
+def test_lazy_exports_are_not_named_like_a_submodule(package: str) -> None:
+    """A package exporting on first use (PEP 562 ``__getattr__``) must not export a name that
+    one of its submodules has: once that submodule is imported, the package attribute is the
+    module and ``from package import name`` returns it instead of the function."""
+    import importlib
+    import pkgutil
+
+    pkg = importlib.import_module(package)
+    exports = set(pkg._EXPORTS)
+    submodules = {m.name for m in pkgutil.iter_modules(pkg.__path__)}
+    assert exports and not exports & submodules, exports & submodules

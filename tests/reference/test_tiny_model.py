@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from decode_server.reference import ModelConfig, load_model
-from decode_server.tiny_model import TrainSettings, ensure_tiny_model, generate
+from decode_server.tiny_model import TrainSettings, ensure_tiny_model
+from decode_server.tiny_model.generate import generate
 from tests.procs import REPO
 
 pytestmark = pytest.mark.timeout(900)  # the tiny_model_dir fixture may train the model first
