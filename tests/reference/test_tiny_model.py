@@ -90,8 +90,9 @@ def test_tokenizer_and_chat_template(tiny_model_dir: Path) -> None:
 @pytest.mark.slow
 def test_ensure_reuses_a_complete_model(tiny_model_dir: Path) -> None:
     before = (tiny_model_dir / "model.safetensors").stat().st_mtime_ns
+    marker = json.loads((tiny_model_dir / "tiny-model.json").read_text())
     t0 = time.monotonic()
-    again = ensure_tiny_model(tiny_model_dir.parent, seed=0, layers=2)
+    again = ensure_tiny_model(tiny_model_dir.parent, seed=marker["seed"], layers=marker["layers"])
     assert again == tiny_model_dir
     assert time.monotonic() - t0 < 5
     assert (tiny_model_dir / "model.safetensors").stat().st_mtime_ns == before
