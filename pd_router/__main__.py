@@ -6,9 +6,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-import uvicorn
-
 from pd_router.app import create_app
+from pd_router.serve import router_server
 from pd_router.settings import SettingsError, load_settings
 
 
@@ -23,17 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
     app = create_app(settings)
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        log_level=settings.log_level,
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-    )
+    router_server(app, settings).run()
     return 0
 
 

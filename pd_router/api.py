@@ -68,6 +68,8 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], OpenA
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the parser's own depth limit: refuse, as for any unusable body
+        raise InvalidRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:

@@ -71,8 +71,14 @@ def _control_app(state: RouterState) -> FastAPI:
     @app.get("/ready")
     async def ready() -> Response:
         report = state.backends.readiness()
+        if state.draining:
+            report = report.model_copy(update={"ready": False, "problems": ["router: draining (shutting down)",
+                                                                             *report.problems]})
         return Response(
-            report.model_dump_json(), status_code=200 if report.ready else 503, media_type="application/json"
+            report.model_dump_json(),
+            status_code=200 if report.ready else 503,
+            media_type="application/json",
+            headers=None if report.ready else {"Retry-After": str(max(1, round(state.settings.probe_interval)))},
         )
 
     @app.get("/metrics")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from pd_router.errors import BodyTooLarge, InvalidRequest
+from pd_router.errors import BodyTooLarge, InvalidRequest, RequestTimeout
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -24,7 +25,19 @@ def header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float | None = None) -> bytes:
+    """The request body, at most ``limit`` bytes (else 413), in at most ``timeout`` seconds
+    (else 408: a client trickling its body holds a connection and a task)."""
+    if timeout is None:
+        return await _read_body(scope, receive, limit)
+    try:
+        async with asyncio.timeout(timeout):
+            return await _read_body(scope, receive, limit)
+    except TimeoutError:
+        raise RequestTimeout(f"request body not received within {timeout:g}s (--body-timeout)") from None
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     length = header(scope, b"content-length")
     if length is not None:
         try:

@@ -76,16 +76,30 @@ class PromptTooLong(RouterError):
     type = "request_too_large"
 
 
-class Overloaded(RouterError):
-    status = 429
-    type = "overloaded_error"
+class RetryLater(RouterError):
+    """An error the client should retry after ``retry_after`` seconds (every 429 and 503
+    the router produces: the ``Retry-After`` header)."""
 
-    def __init__(self, message: str, *, retry_after: int = 1, code: str | None = None) -> None:
-        super().__init__(message, code=code)
+    def __init__(
+        self, message: str, *, retry_after: int = 1, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message, param=param, code=code)
         self.retry_after = max(1, retry_after)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"retry-after", str(self.retry_after).encode())]
+
+
+class Overloaded(RetryLater):
+    status = 429
+    type = "overloaded_error"
+
+
+class RequestTimeout(RouterError):
+    """The client took longer than ``--body-timeout`` to send its request body."""
+
+    status = 408
+    type = "request_timeout"
 
 
 class BadUpstream(RouterError):
@@ -93,9 +107,17 @@ class BadUpstream(RouterError):
     type = "bad_upstream_response"
 
 
-class NoHealthyBackend(RouterError):
+class NoHealthyBackend(RetryLater):
     status = 503
     type = "no_healthy_backend"
+
+
+class ShuttingDown(RetryLater):
+    """The router is draining (SIGTERM): no new requests; in-flight ones past
+    ``--drain-timeout`` end with this error."""
+
+    status = 503
+    type = "service_unavailable"
 
 
 class UpstreamTimeout(RouterError):

@@ -16,7 +16,9 @@ cancel endpoint and then releases the slot.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,8 +48,10 @@ from pd_router.errors import (
     Overloaded,
     PromptTooLong,
     RouterError,
+    ShuttingDown,
     Unauthorized,
     UpstreamRejected,
+    UpstreamTimeout,
 )
 from pd_router.rawhttp import Response, UpstreamError
 from pd_router.slots import Lease, Requeue
@@ -58,6 +62,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("pd_router.requests")
 _DONE = b"data: [DONE]"
 BUSY_RETRY_S = 2.0  # how long a decode server may answer 429 for a slot this router counts as free
+_REQUEST_ID = re.compile(rb"[\x21-\x7e]+")  # visible ASCII: it goes into headers and the KV handoff id
+
+
+class HandoffFailed(BadUpstream):
+    """Prefill ran but its KV did not reach the decode server (unreachable, rejected,
+    transfer failed): a failure of the decode leg, before anything reached the client."""
+
+
+class DecodeLegFailed(Exception):
+    """The decode server failed before any byte reached the client (connection refused, 5xx,
+    KV handoff failed, the connection lost before its first chunk): the request may run
+    again on another decode server (:meth:`CompletionHandler._serve`, once)."""
+
+    def __init__(self, error: RouterError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 def attempt_handoff_id(request_id: str, attempt: int) -> str:
@@ -79,6 +99,7 @@ class _Ctx:
     started: bool = False  # response headers sent
     finished: bool = False  # last byte sent (or being sent)
     disconnected: bool = False
+    cut_off: bool = False  # ended by the router's drain (--drain-timeout passed)
     raw: bytes = b""  # the client's body as received
 
     async def fail(self, err: RouterError) -> None:
@@ -103,23 +124,38 @@ class CompletionHandler:
         self.state = state
         self._api_key = f"Bearer {state.settings.api_key}".encode() if state.settings.api_key else None
 
+    def _check_request(self, scope: Scope, rid_raw: bytes | None) -> None:
+        """Before anything else: the API key (constant time, so that neither its value nor
+        which ids are in flight leak to a caller without it), then the drain, then the id."""
+        if self._api_key is not None and not hmac.compare_digest(
+            header(scope, b"authorization") or b"", self._api_key
+        ):
+            raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
+        if self.state.draining:
+            raise ShuttingDown("the router is shutting down; retry (another router replica)", retry_after=1)
+        if rid_raw is not None and not _REQUEST_ID.fullmatch(rid_raw):
+            raise InvalidRequest("X-Request-Id must be visible ASCII characters (0x21-0x7e)", param="X-Request-Id")
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
         rid_raw = header(scope, b"x-request-id")
         rid = rid_raw.decode("latin-1")[:256] if rid_raw else uuid.uuid4().hex
         ctx = _Ctx(endpoint, rid, perf_counter(), send)
-        metrics = self.state.metrics
+        state = self.state
+        metrics = state.metrics
         metrics.in_flight.inc()
         me = asyncio.current_task()
         watcher: asyncio.Task[None] | None = None
-        in_flight = self.state.request_ids
-        owned = rid not in in_flight
+        in_flight = state.request_ids
+        owned = False
+        if me is not None:
+            state.live[me] = lambda: self._cut_off(ctx, me)
         try:
-            if not owned:  # the id names the KV handoff on the decode server: it must be unique
+            self._check_request(scope, rid_raw)
+            if rid in in_flight:  # the id names the KV handoff on the decode server: it must be unique
                 raise InvalidRequest(f"X-Request-Id {rid!r} is already in flight", param="X-Request-Id")
             in_flight.add(rid)
-            if self._api_key is not None and header(scope, b"authorization") != self._api_key:
-                raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
-            raw = await read_body(scope, receive, self.state.settings.max_body_bytes)
+            owned = True
+            raw = await read_body(scope, receive, state.settings.max_body_bytes, state.settings.body_timeout)
             body, request = parse_request(endpoint, raw)
             ctx.raw = raw
             watcher = asyncio.get_running_loop().create_task(self._watch(receive, ctx, me))
@@ -132,14 +168,20 @@ class CompletionHandler:
             log.exception("request_id=%s failed", rid)
             await ctx.fail(RouterError(f"internal router error (request_id={rid}); see the router log"))
         except asyncio.CancelledError:
-            if not ctx.disconnected or me is None:
+            if me is None or not (ctx.disconnected or ctx.cut_off):
                 raise
             me.uncancel()
+            if ctx.cut_off and not ctx.disconnected and not ctx.finished:
+                drain = state.settings.drain_timeout
+                await ctx.fail(ShuttingDown(f"the router shut down before this request finished "
+                                            f"(--drain-timeout {drain:g}s)"))
         finally:
             if watcher is not None:
                 watcher.cancel()
             if owned:
                 in_flight.discard(rid)
+            if me is not None:
+                state.request_ended(me)
             metrics.in_flight.dec()
             if ctx.disconnected:
                 ctx.status, ctx.error_type = 499, "client_disconnected"
@@ -155,6 +197,13 @@ class CompletionHandler:
                 ctx.stage,
                 (perf_counter() - ctx.start) * 1e3,
             )
+
+    @staticmethod
+    def _cut_off(ctx: _Ctx, task: asyncio.Task[Any]) -> None:
+        """The drain's deadline passed: end the request (an error event if it streams)."""
+        if not ctx.finished and not ctx.cut_off:
+            ctx.cut_off = True
+            task.cancel()
 
     @staticmethod
     async def _watch(receive: Receive, ctx: _Ctx, task: asyncio.Task[Any] | None) -> None:
@@ -176,6 +225,7 @@ class CompletionHandler:
             )
         t_start = perf_counter()
         attempt = busy = 0
+        failed_over = False
         while True:
             ctx.stage = "queued"
             t_queue = perf_counter()
@@ -194,6 +244,16 @@ class CompletionHandler:
             try:
                 await self._attempt(ctx, lease, body, request, attempt_handoff_id(ctx.request_id, attempt))
                 return
+            except DecodeLegFailed as failed:
+                state.upstream_failed("decode", lease.backend, failed.error, mark_down=True)
+                if failed_over or not state.backends.decode_available(request.model):
+                    raise failed.error from None
+                failed_over = True
+                state.metrics.child(state.metrics.failovers, lease.backend.url, failed.error.type).inc()
+                log.warning("request_id=%s attempt %d: decode server %s failed before the first byte (%s); "
+                            "running the request again on another decode server", ctx.request_id, attempt,
+                            lease.backend.url, failed.error.message)
+                attempt += 1
             except Requeue as again:
                 if again.busy:
                     busy += 1
@@ -222,6 +282,14 @@ class CompletionHandler:
             raise
         except UpstreamRejected:  # never a decode 429: that one became a Requeue
             outcome = "answered"
+            raise
+        except HandoffFailed as err:
+            raise DecodeLegFailed(err) from None
+        except RouterError as err:
+            if ctx.stage == "decode" and not ctx.started:
+                if not isinstance(err, UpstreamTimeout):
+                    raise DecodeLegFailed(err) from None
+                state.upstream_failed("decode", lease.backend, err)  # slow, not down
             raise
         finally:
             if outcome in ("clean", "answered"):
@@ -296,7 +364,7 @@ class CompletionHandler:
                     f"{result.error}",
                     param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
                 )
-            raise BadUpstream(f"KV handoff to {result.kv_endpoint} failed: {result.error}")
+            raise HandoffFailed(f"KV handoff to {result.kv_endpoint} failed ({result.reason}): {result.error}")
         if result.handoff_id != handoff_id:
             raise BadUpstream(f"prefill returned handoff {result.handoff_id!r}, expected {handoff_id!r}")
         self.state.pool.served(lease.backend)
@@ -339,18 +407,14 @@ class CompletionHandler:
                 )
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, 0.1)
-            except RouterError as err:
-                state.upstream_failed("decode", backend, err, mark_down=isinstance(err, upstream.Unreachable))
-                raise
+            # any other failure to open: the caller marks the server down and may fail over
         try:
             if request.stream:
                 return await self._relay_stream(ctx, resp, backend)
             try:
                 data = await resp.read()
-            except UpstreamError as exc:
-                failure = self._mid_answer_error(backend, exc)
-                state.upstream_failed("decode", backend, failure)
-                raise failure from None
+            except UpstreamError as exc:  # nothing reached the client: the caller may fail over
+                raise self._mid_answer_error(backend, exc) from None
             ctx.status, ctx.finished = 200, True
             state.metrics.child(state.metrics.ttft, ctx.endpoint.label).observe(perf_counter() - ctx.start)
             await respond(
@@ -365,20 +429,11 @@ class CompletionHandler:
             resp.release()
 
     async def _relay_stream(self, ctx: _Ctx, resp: Response, backend: DecodeBackend) -> bool:
+        """Relay the SSE stream. The response starts with the decode server's first chunk, so
+        that a server failing before it costs the client nothing but a failover; a failure
+        after it ends the stream with an error event and marks the server down at once."""
         state, send = self.state, ctx.send
         itl = state.metrics.itl
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", resp.headers.get(b"content-type", SSE)),
-                    (b"cache-control", b"no-cache"),
-                    (b"x-request-id", ctx.request_id.encode()),
-                ],
-            }
-        )
-        ctx.started, ctx.status = True, 200
         prev = last = b""
         t_prev = 0.0
         try:
@@ -388,17 +443,33 @@ class CompletionHandler:
                     itl.observe(now - t_prev)
                 else:
                     state.metrics.child(state.metrics.ttft, ctx.endpoint.label).observe(now - ctx.start)
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": 200,
+                            "headers": [
+                                (b"content-type", resp.headers.get(b"content-type", SSE)),
+                                (b"cache-control", b"no-cache"),
+                                (b"x-request-id", ctx.request_id.encode()),
+                            ],
+                        }
+                    )
+                    ctx.started, ctx.status = True, 200
                 t_prev = now
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 prev, last = last, chunk
         except UpstreamError as exc:
             err = self._mid_answer_error(backend, exc)
-            state.upstream_failed("decode", backend, err)
+            if not ctx.started:
+                raise err from None
+            state.upstream_failed("decode", backend, err, mark_down=True)
             await ctx.fail(err)
             return False
         if not (prev[-16:] + last).rstrip().endswith(_DONE):
             err2 = BadUpstream(f"decode server {backend.url} ended the stream without data: [DONE]")
-            state.upstream_failed("decode", backend, err2)
+            if not ctx.started:
+                raise err2
+            state.upstream_failed("decode", backend, err2, mark_down=True)
             await ctx.fail(err2)
             return False
         ctx.finished = True

@@ -87,6 +87,12 @@ class RouterMetrics:
             "(reason kv_receive_slot: prefill's KV refused at admission; engine_slot: decode 429)",
             ("backend", "reason"),
         )
+        self.failovers = self._counter(
+            "decode_failovers",
+            "Requests run again on another decode server because theirs failed before the first byte",
+            ("backend", "error_type"),
+        )
+        self.draining = self._gauge("draining", "1 while the router drains (SIGTERM): new requests get 503")
 
     def _counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
         return Counter(PREFIX + name, doc, labels, registry=self.registry)

@@ -58,6 +58,28 @@ class RouterSettings(EntrySettings):
     max_body_bytes: int = Field(
         32 * 1024 * 1024, ge=1024, description="largest accepted request body (then 413)"
     )
+    max_header_bytes: int = Field(
+        16 * 1024, ge=1024, description="largest request head (request line and headers; then 431)"
+    )
+    max_headers: int = Field(100, ge=8, description="most header lines in a request (then 431)")
+    header_timeout: float = Field(
+        10.0, gt=0, description="seconds a connection may take to send a request head (then 408 and close)"
+    )
+    body_timeout: float = Field(
+        30.0, gt=0, description="seconds a client may take to send a request body once its head arrived (then 408)"
+    )
+    keep_alive_timeout: float = Field(
+        5.0, gt=0, description="seconds an idle keep-alive connection stays open between requests"
+    )
+    max_connections: int = Field(
+        1024, ge=1, description="open client connections; more are answered 503 and closed"
+    )
+    drain_timeout: float = Field(
+        600.0,
+        ge=0,
+        description="on SIGTERM: seconds in-flight requests may take to finish (new ones get 503) "
+        "before the rest are ended with an error",
+    )
     require_handshake: bool = Field(
         True,
         description="a decode server with capabilities is ready only once a prefill connector "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import httpx
@@ -38,6 +38,10 @@ class RouterState:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._prober: asyncio.Task[Any] | None = None
         self.request_ids: set[str] = set()  # X-Request-Ids of the requests being served
+        # the completion requests being served: their task -> how to end it at the drain's deadline
+        self.live: dict[asyncio.Task[Any], Callable[[], None]] = {}
+        self.draining = False
+        self._idle: asyncio.Event | None = None  # set when a drain finds nothing live
         self.update_gauges()
 
     @property
@@ -75,6 +79,35 @@ class RouterState:
         if self._client is not None:
             await self._client.aclose()
 
+    def request_ended(self, task: asyncio.Task[Any]) -> None:
+        self.live.pop(task, None)
+        if not self.live and self._idle is not None:
+            self._idle.set()
+
+    async def drain(self) -> None:
+        """SIGTERM: ``/ready`` turns 503 and new requests get 503 at once; the requests in
+        flight may finish for ``--drain-timeout`` seconds, then the rest are ended with an
+        error (an SSE error event when they stream). Their leases go back through the
+        usual paths (a cancel on the decode server)."""
+        self.draining = True
+        self.metrics.draining.set(1)
+        timeout = self.settings.drain_timeout
+        log.warning("draining: %d request(s) in flight, up to %gs (--drain-timeout)", len(self.live), timeout)
+        self._idle = asyncio.Event()
+        if not self.live:
+            self._idle.set()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            log.warning("drain timeout: ending %d request(s) still in flight", len(self.live))
+            for cut in list(self.live.values()):
+                cut()
+            try:  # each ends with its error event; bounded in case one does not
+                await asyncio.wait_for(self._idle.wait(), CANCEL_TIMEOUT_S)
+            except TimeoutError:
+                log.error("%d request(s) did not end after the drain", len(self.live))
+        log.warning("drained")
+
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -101,7 +134,8 @@ class RouterState:
                     lease.backend.url + CANCEL_PATH,
                     timeout=CANCEL_TIMEOUT_S,
                     json=cancel.model_dump(exclude_none=True),
-                    headers={"X-Request-Id": request_id},
+                    # the id travels in the body; the header only as ASCII (httpx refuses anything else)
+                    headers={"X-Request-Id": request_id.encode("ascii", "backslashreplace").decode()},
                 )
                 log.info(
                     "request_id=%s cancel on %s: %d %s",
@@ -112,6 +146,8 @@ class RouterState:
                 )
         except httpx.HTTPError as exc:
             log.warning("request_id=%s cancel on %s failed: %s", request_id, lease.backend.url, exc)
+        except Exception:  # a bug, not the network: still free the slot below
+            log.exception("request_id=%r cancel on %s failed", request_id, lease.backend.url)
         finally:
             if busy:
                 self.pool.hold(lease)

@@ -151,20 +151,24 @@ class FakePrefill(FakeBase[PrefillKnobs]):
 class ServerThread:
     """An ASGI app on 127.0.0.1:port, served by uvicorn in its own thread and loop."""
 
-    def __init__(self, app: Any, port: int, loop: str = "asyncio") -> None:
+    def __init__(self, app: Any, port: int, loop: str = "asyncio", server: uvicorn.Server | None = None) -> None:
+        """``server``: a server already configured for ``app`` on 127.0.0.1:``port`` (the
+        router's own, with its HTTP limits and drain); default a plain uvicorn one."""
         self.app, self.port = app, port
         self.url = f"http://127.0.0.1:{port}"
-        config = uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=port,
-            loop=loop,
-            http="httptools",
-            log_level="warning",
-            access_log=False,
-            lifespan="auto",
-        )
-        self.server = uvicorn.Server(config)
+        if server is None:
+            config = uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=port,
+                loop=loop,
+                http="httptools",
+                log_level="warning",
+                access_log=False,
+                lifespan="auto",
+            )
+            server = uvicorn.Server(config)
+        self.server = server
         self.thread = threading.Thread(target=self.server.run, daemon=True, name=f"uvicorn-{port}")
 
     def start(self, timeout: float = 20.0) -> ServerThread:

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from pd_router import RouterApp, create_app
+from pd_router.serve import router_server
 from pd_router.settings import validate_settings
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
 from tests.procs import free_port
@@ -112,8 +113,10 @@ def make_rig() -> Iterator[Callable[..., Rig]]:
             "log_level": "warning",
             **settings,
         }
-        app = create_app(validate_settings(values))
-        rig = Rig(app, ServerThread(app, values["port"], loop="uvloop"), prefills, decodes)
+        settings = validate_settings(values)
+        app = create_app(settings)
+        server = router_server(app, settings)  # the server python -m pd_router runs (limits, drain)
+        rig = Rig(app, ServerThread(app, values["port"], server=server), prefills, decodes)
         rigs.append(rig)
         rig.server.start()
         if wait_ready:

@@ -160,10 +160,13 @@ def test_502_decode_error_status_and_mid_stream(make_rig):
     rig = make_rig(decode={"fail": "status", "fail_status": 500})
     err = _error(httpx.post(rig.url + "/v1/completions", json=COMPLETION), 502, "bad_upstream_response")
     assert "answered 500" in err["message"]
+    # a failing decode server is marked down at once; the next probe (0.2 s) brings it back
+    rig.wait(lambda: rig.ready_status() == 200, 5, "the decode server back after a probe")
     rig.config(rig.decodes[0], fail="status", fail_status=422)  # decode 4xx: relayed as is
     assert httpx.post(rig.url + "/v1/completions", json=COMPLETION).status_code == 422
     for mode in ("mid_stream", "no_done"):
         rig.config(rig.decodes[0], fail=mode, fail_after=2)
+        rig.wait(lambda: rig.ready_status() == 200, 5, "the decode server back after a probe")
         resp = httpx.post(rig.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10)
         assert resp.status_code == 200
         events = [e[6:] for e in resp.text.split("\n\n") if e.startswith("data: ")]

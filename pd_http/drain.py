@@ -1,0 +1,54 @@
+"""A uvicorn server that drains before it stops.
+
+uvicorn stops on SIGTERM by closing its listening sockets at once and cutting what is
+still running after ``timeout_graceful_shutdown``. :class:`DrainingServer` instead runs the
+application's ``drain`` coroutine on the first SIGTERM or SIGINT (the application turns
+``/ready`` 503, refuses new requests with 503 + ``Retry-After`` and waits for those in
+flight, up to its drain timeout) and only then stops as uvicorn does. A second signal
+stops at once, as uvicorn would on the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from types import FrameType
+
+import uvicorn
+
+log = logging.getLogger("pd_http.drain")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once started
+        self._drain_task: asyncio.Task[None] | None = None
+        self.draining = False
+
+    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.draining or self.loop is None or not self.started:
+            super().handle_exit(sig, frame)
+            return
+        self.draining = True
+        self.loop.call_soon_threadsafe(self.begin_drain)
+
+    def begin_drain(self) -> None:
+        """Drain, then stop (also for tests and embedders that do not send a signal)."""
+        self.draining = True
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._drain()
+        except Exception:
+            log.exception("drain failed; stopping now")
+        finally:
+            self.should_exit = True
