@@ -180,6 +180,10 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         chat = path == "/v1/chat/completions"
         stream = bool(body.get("stream"))
         if not stream:
+            if k.fail == "mid_stream":  # the answer's head, then the connection drops
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")]})
+                raise ConnectionAbortedError("fake decode: dying mid-answer")
             text = "".join(f"t{i} " for i in range(n))
             if k.token_delay:
                 await asyncio.wait([watch], timeout=k.token_delay * n)
