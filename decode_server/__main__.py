@@ -10,6 +10,7 @@ from connector.layout import KVLayout
 from decode_server.engine.base import Engine
 from decode_server.server import AppConfig, create_app
 from decode_server.settings import DecodeServerSettings, SettingsError, load_settings
+from pd_http.drain import DrainingServer
 
 
 def engine_factory(settings: DecodeServerSettings):
@@ -55,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if settings.engine == "tilert" and settings.slots != 1:
         log.warning("--slots %d ignored: the tilert engine decodes one sequence at a time", settings.slots)
     failures: list[BaseException] = []
-    server: uvicorn.Server | None = None
+    server: DrainingServer | None = None
 
     def on_fatal(exc: BaseException) -> None:
         failures.append(exc)
@@ -65,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = create_app(app_config(settings), engine_factory(settings), receiver_factory(settings), on_fatal)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             loop="uvloop", http="httptools", access_log=False, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    state = app.state.decode
+    server = DrainingServer(config, lambda: state.drain(settings.drain_timeout))  # SIGTERM: drain, then stop
     server.run()
     if failures:
         log.error("decode server stopped: %s", failures[0])

@@ -40,6 +40,9 @@ class DecodeServerSettings(EntrySettings):
     max_seq_len: int = Field(4096, ge=2, description="longest prompt + output, in tokens")
     num_mtp: int = Field(1, ge=0, le=8, description="MTP draft tokens per step (0: no MTP)")
     kv_timeout: float = Field(30.0, gt=0, le=3600, description="seconds to wait for a request's KV (then 504)")
+    drain_timeout: float = Field(
+        600.0, ge=0, description="on SIGTERM: seconds generations in flight may take to finish (new requests "
+        "get 503) before the rest are ended with an error")
     served_model_name: str | None = Field(None, min_length=1, description="model name (default: model dir name)")
     reasoning_parser: Literal["none", "glm45"] = Field(
         "none", description="glm45: split <think>..</think> into reasoning_content (chat)")

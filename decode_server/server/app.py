@@ -29,6 +29,7 @@ from decode_server.server.slot_table import SlotManager
 from decode_server.server.text import GenerationDefaults, TextTokenizer
 
 log = logging.getLogger(__name__)
+DRAIN_ABORT_WAIT_S = 5.0  # after the drain timeout: how long aborted generations may take to end
 
 
 class ManagedReceiver(Receiver, Protocol):
@@ -84,12 +85,16 @@ class DecodeState:
     limits: ServerLimits | None = None
     load_error: str | None = None
     executor: ThreadPoolExecutor | None = None
+    draining: bool = False
 
     @property
     def ready(self) -> bool:
-        return self.context is not None and self.receiver is not None and self.receiver.listening
+        return (self.context is not None and self.receiver is not None and self.receiver.listening
+                and not self.draining)
 
     def not_ready_reason(self) -> str:
+        if self.draining:
+            return "draining (shutting down)"
         if self.load_error:
             return f"engine or KV receiver failed to start: {self.load_error}"
         if self.engine is None:
@@ -115,6 +120,24 @@ class DecodeState:
                                          slots=self.slots, metrics=self.metrics, executor=self.executor,
                                          kv_timeout=cfg.kv_timeout)
         log.info("decode server ready: engine=%s slots=%d kv_endpoint=%s", caps.engine, cfg.slots, receiver.endpoint)
+
+    async def drain(self, timeout: float) -> None:
+        """SIGTERM: ``/ready`` turns 503 and new requests are refused (503 + Retry-After; the
+        router runs them on another decode server); generations in flight may finish for
+        ``timeout`` seconds, then end with an error (as at shutdown)."""
+        self.draining = True
+        log.warning("draining: %d generation(s) in flight, up to %gs (--drain-timeout)", self.slots.busy, timeout)
+        try:
+            await asyncio.wait_for(self.slots.wait_idle(), timeout)
+        except TimeoutError:
+            log.warning("drain timeout: ending %d generation(s)", self.slots.busy)
+            for job in self.slots.jobs():
+                job.abort("shutdown")
+            try:
+                await asyncio.wait_for(self.slots.wait_idle(), DRAIN_ABORT_WAIT_S)
+            except TimeoutError:
+                log.error("%d generation(s) did not end after the drain", self.slots.busy)
+        log.warning("drained")
 
     async def shutdown(self) -> None:
         for job in self.slots.jobs():

@@ -39,6 +39,8 @@ def _state(request: Request) -> DecodeState:
 
 
 def error_response(err: ApiError, headers: dict[str, str] | None = None) -> Response:
+    if err.status in (429, 503):  # every "not now" says when to come back
+        headers = {"Retry-After": "1", **(headers or {})}
     return Response(err.json_bytes(), status_code=err.status, media_type="application/json", headers=headers)
 
 

@@ -3,6 +3,7 @@ the in-flight registry by request id used by the cancel endpoint."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ class SlotManager:
         self.capacity = slots
         self._free = list(range(slots - 1, -1, -1))
         self._jobs: dict[str, Any] = {}
+        self._idle = asyncio.Event()  # set while no slot is taken
+        self._idle.set()
 
     @property
     def busy(self) -> int:
@@ -34,6 +37,7 @@ class SlotManager:
         if not self._free:
             raise Busy(f"all {self.capacity} decode slots are busy; retry later")
         self._jobs[request_id] = job
+        self._idle.clear()
         return Slot(self._free.pop(), request_id)
 
     def release(self, slot: Slot) -> None:
@@ -43,6 +47,12 @@ class SlotManager:
         slot.released = True
         self._free.append(slot.index)
         self._jobs.pop(slot.request_id, None)
+        if len(self._free) == self.capacity:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until no slot is taken."""
+        await self._idle.wait()
 
     def job(self, request_id: str) -> Any | None:
         return self._jobs.get(request_id)

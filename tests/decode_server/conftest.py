@@ -18,6 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from decode_server.engine.base import Engine
 from decode_server.server import AppConfig, create_app
+from pd_http.drain import DrainingServer
 from tests.fakes.fake_engine import FakeEngine, FakeEngineConfig
 from tests.fakes.fake_receiver import FakeReceiver
 from tests.procs import free_port
@@ -88,7 +89,9 @@ class RunningServer:
 def start_server(model_dir: Path, engine_cfg: FakeEngineConfig, slots: int = 2, kv_timeout: float = 5.0,
                  auto_complete: bool = True, max_seq_len: int = 4096, reasoning: bool = False,
                  tools: bool = False, engine: Engine | None = None, engine_name: str = "reference",
-                 kv_tokens: int = 4) -> tuple[RunningServer, uvicorn.Server, threading.Thread]:
+                 kv_tokens: int = 4, drain_timeout: float | None = None,
+                 ) -> tuple[RunningServer, uvicorn.Server, threading.Thread]:
+    """``drain_timeout``: serve with the drain python -m decode_server runs (``server.begin_drain``)."""
     engine = engine or FakeEngine(engine_cfg)
     receivers: list[FakeReceiver] = []
 
@@ -101,8 +104,13 @@ def start_server(model_dir: Path, engine_cfg: FakeEngineConfig, slots: int = 2, 
                     reasoning_parser=reasoning, tool_call_parser=tools)
     app = create_app(cfg, lambda: engine, make_receiver)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", http="httptools",
-                                           log_level="warning", access_log=False))
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", http="httptools",
+                            log_level="warning", access_log=False)
+    if drain_timeout is None:
+        server = uvicorn.Server(config)
+    else:
+        state = app.state.decode
+        server = DrainingServer(config, lambda: state.drain(drain_timeout))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
