@@ -166,3 +166,14 @@ def test_manifests_use_the_recipes_images_and_ports() -> None:
     assert int(_env(_container("StatefulSet", "decode"))["PD_DECODE_KV_PORT"]) == recipe["decode"]["kv_port"]
     assert _env(_container("Deployment", "prefill"))["PD_PREFILL_MODEL"] == recipe["model"]["source"]
     assert _env(_container("StatefulSet", "decode"))["PD_DECODE_MODEL"] == recipe["model"]["converted"]
+
+
+@pytest.mark.parametrize("kind,name,prefix", [("Deployment", "router", "PD_ROUTER_"),
+                                              ("StatefulSet", "decode", "PD_DECODE_")])
+def test_the_grace_period_covers_the_prestop_and_the_drain(kind: str, name: str, prefix: str) -> None:
+    pod = _get(kind, name)["spec"]["template"]["spec"]
+    container = _container(kind, name)
+    sleep = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep[0] == "sleep"
+    drain = float(_env(container)[prefix + "DRAIN_TIMEOUT"])
+    assert pod["terminationGracePeriodSeconds"] >= int(sleep[1]) + drain + 5  # + the server's own shutdown

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +84,14 @@ class Rig:
 
 @pytest.fixture
 def make_rig() -> Iterator[Callable[..., Rig]]:
+    with rig_factory() as make:
+        yield make
+
+
+@contextmanager
+def rig_factory() -> Iterator[Callable[..., Rig]]:
+    """``make(...)`` builds rigs; all are stopped on exit (the ``make_rig`` fixture, or a
+    wider-scoped one)."""
     rigs: list[Rig] = []
 
     def make(
