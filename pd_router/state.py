@@ -30,7 +30,8 @@ class RouterState:
         self.settings = settings
         self.metrics = RouterMetrics()
         self.backends = Backends.from_urls(
-            settings.prefill, settings.decode, settings.decode_slots, settings.require_handshake
+            settings.prefill, settings.decode, settings.decode_slots, settings.require_handshake,
+            settings.decode_api_key(),
         )
         self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout, self.update_gauges)
         self._pool: ConnectionPool | None = None
@@ -101,7 +102,7 @@ class RouterState:
                     lease.backend.url + CANCEL_PATH,
                     timeout=CANCEL_TIMEOUT_S,
                     json=cancel.model_dump(exclude_none=True),
-                    headers={"X-Request-Id": request_id},
+                    headers={"X-Request-Id": request_id, **lease.backend.auth_headers},
                 )
                 log.info(
                     "request_id=%s cancel on %s: %d %s",
