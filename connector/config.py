@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from connector.control import parse_endpoint
 from pd_settings.problems import SettingsError, validate_mapping
+from pd_settings.secrets import is_loopback, read_secret
 
 ProfileName = Literal["auto", "tiny", "glm5.1"]
 PREFIX = "kv_connector_extra_config."
@@ -71,6 +72,38 @@ class ConnectorSettings(BaseModel):
     max_tokens: int | None = Field(
         default=None, ge=1, description="longest prompt handed off (default: vLLM's max_model_len)"
     )
+    # The KV channel's shared secret, by reference only (never the secret itself in this config).
+    kv_secret_env: str | None = Field(
+        default=None, min_length=1, description="name of an environment variable holding the shared secret"
+    )
+    kv_secret_file: str | None = Field(
+        default=None,
+        min_length=1,
+        validate_default=True,
+        description="file holding the shared secret the decode servers' KV endpoints require "
+        "(their --kv-secret-file); every control connection proves it before any handshake",
+    )
+
+    @field_validator("kv_secret_file")
+    @classmethod
+    def _secret_readable(cls, value: str | None, info: ValidationInfo) -> str | None:
+        read_secret(value, info.data.get("kv_secret_env"))  # the reason never quotes the secret
+        return value
+
+    def kv_secret(self) -> bytes | None:
+        secret = read_secret(self.kv_secret_file, self.kv_secret_env)
+        return secret.encode() if secret is not None else None
+
+    def endpoint_allowed(self, endpoint: str) -> bool:
+        """The connector dials only the configured ``decode_endpoints`` (a request's
+        ``kv_endpoint`` comes from whoever sent it); none configured: loopback endpoints only."""
+        if self.decode_endpoints:
+            return endpoint in self.decode_endpoints
+        try:
+            host, _ = parse_endpoint(endpoint)
+        except ValueError:
+            return False
+        return is_loopback(host)
 
     @field_validator("decode_endpoints", mode="before")
     @classmethod

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: the KV control channel authenticates (AuthStart ... AuthOk) before Hello
 
 # "pending": admitted, the KV is on its way (the decode server waits for its last layer);
 # "sent": every layer had landed when vLLM answered; "failed": see ``reason`` and ``error``.
@@ -154,6 +154,53 @@ def handshake_mismatch(*, decode_version: int, decode_transport: str, decode_fin
     return fingerprint_mismatch(decode_fingerprint, prefill_fingerprint)
 
 
+# Authentication (protocol 3), before anything else on a connection when the receiver has a
+# shared secret (connector/kv_auth.py): the sender sends AuthStart with a fresh nonce; the
+# receiver answers AuthChallenge with its own fresh nonce and its proof; the sender checks it
+# and answers AuthProof; the receiver answers AuthOk, or AuthFailed (then closes). Proofs are
+# HMAC-SHA256 of both nonces under the secret, with a different label for each side.
+_NONCE = Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")
+_PROOF = Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")
+
+
+class AuthStart(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["auth_start"] = "auth_start"
+    nonce: str = _NONCE
+
+
+class AuthChallenge(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["auth_challenge"] = "auth_challenge"
+    nonce: str = _NONCE
+    proof: str = _PROOF
+
+
+class AuthProof(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["auth_proof"] = "auth_proof"
+    proof: str = _PROOF
+
+
+class AuthOk(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["auth_ok"] = "auth_ok"
+
+
+class AuthFailed(BaseModel):
+    """The receiver refused to authenticate this connection (it closes it); says what the
+    sender must fix, never what was expected."""
+
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["auth_failed"] = "auth_failed"
+    message: str
+
+
 class Hello(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -183,11 +230,13 @@ class Welcome(BaseModel):
 
 
 class Reject(BaseModel):
+    """A Hello the receiver cannot work with: which field and what the sender sent. What the
+    receiver expected stays in its own log and capabilities (not told to whoever connects)."""
+
     model_config = ConfigDict(frozen=True)
 
     type: Literal["reject"] = "reject"
     field: str
-    expected: str
     received: str
     message: str
 
@@ -242,7 +291,8 @@ class Aborted(BaseModel):
 
 
 ControlMessage = Annotated[
-    Hello | Welcome | Reject | Admit | Admitted | Refused | Abort | Aborted,
+    AuthStart | AuthChallenge | AuthProof | AuthOk | AuthFailed
+    | Hello | Welcome | Reject | Admit | Admitted | Refused | Abort | Aborted,
     Field(discriminator="type"),
 ]
 

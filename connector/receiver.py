@@ -16,6 +16,12 @@ first, then MTP layers) for plane ``plane`` of the layout: per-token planes have
 ``[num_tokens, width]``, paged planes ``[num_pages, width]``. Inside a slot a handoff
 is packed layer-major (each layer contiguous). The views stay valid until the handoff
 is released.
+
+Hostile peers (issue 12): with a shared secret (``ReceiverSettings.secret``, required off
+loopback) a connection proves it before any Welcome (NIXL metadata, buffer descriptors) is
+sent; refusals tell the sender what it sent, never what this receiver expected nor anything
+of other handoffs; a handoff takes Abort and LayersDone from its own sender group only;
+connections, remembered peers and tombstones are capped.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from connector.control import ControlConnection, ControlServer
+from connector.control import ControlConnection, ControlLimits, ControlServer
 from connector.kv_errors import HandoffFailed, HandoffTimeout, ReceiverError
 from connector.layout import layout_fingerprint, packed_layers_views, plane_offsets
 from connector.protocol import (
@@ -65,6 +71,14 @@ if TYPE_CHECKING:
 __all__ = ["HandoffFailed", "HandoffTimeout", "KVReceiver", "ReceivedKV", "ReceiverError", "ReceiverSettings"]
 
 log = logging.getLogger(__name__)
+MAX_TOMBSTONES = 65536  # cancelled handoffs and aborted tries remembered (oldest forgotten first)
+
+
+def _remember(table: dict[Any, float], key: Any, limit: int) -> None:
+    table.pop(key, None)
+    table[key] = time.monotonic()
+    while len(table) > limit:
+        del table[next(iter(table))]
 
 
 class KVReceiver:
@@ -81,7 +95,9 @@ class KVReceiver:
         self._buffer: torch.Tensor | None = None
         self._buffer_owner: object = None
         self._welcome_parts: tuple[str, str] = ("", "")
-        self._server = ControlServer(settings.host, settings.port, self._on_message, self._on_disconnect)
+        self._server = ControlServer(settings.host, settings.port, self._on_message, self._on_disconnect,
+                                     secret=settings.secret,
+                                     limits=ControlLimits(settings.max_connections, settings.auth_timeout_s))
         self._free: list[int] = list(range(settings.slots))
         self._handoffs: dict[str, HandoffState] = {}
         self._peers: dict[str, PeerStatus] = {}
@@ -169,6 +185,11 @@ class KVReceiver:
     def busy_slots(self) -> int:
         return self._s.slots - len(self._free)
 
+    @property
+    def refused_connections(self) -> int:
+        """Control connections closed unheard: over the cap, failed or late authentication or Hello."""
+        return self._server.refused_connections
+
     # ----------------------------------------------------------------- decode-server API
 
     async def wait_for(self, handoff_id: str, timeout: float) -> ReceivedKV:
@@ -215,7 +236,7 @@ class KVReceiver:
         receiver refuse it ("cancelled") when its Admit comes."""
         h = self._handoffs.pop(handoff_id, None)
         if h is None:
-            self._cancelled[handoff_id] = time.monotonic()
+            _remember(self._cancelled, handoff_id, MAX_TOMBSTONES)
             return
         if h.state == "admitted":
             h.state, h.error = "failed", "released by the decode server before all layers arrived"
@@ -292,7 +313,7 @@ class KVReceiver:
             h = self._handoffs.get(msg.handoff_id)
             if msg.attempt and (h is None or h.attempt != msg.attempt):
                 # a try whose Admit may still be unread (on a connection the sender gave up on)
-                self._aborted_tries[(group, msg.handoff_id, msg.attempt)] = time.monotonic()
+                _remember(self._aborted_tries, (group, msg.handoff_id, msg.attempt), MAX_TOMBSTONES)
             if h is None or h.group != group or (msg.attempt and h.attempt != msg.attempt):
                 return Aborted(handoff_id=msg.handoff_id, known=False)
             if h.state == "admitted":
@@ -304,6 +325,14 @@ class KVReceiver:
         return None
 
     async def _on_hello(self, conn: ControlConnection, hello: Hello) -> BaseModel:
+        name = hello.agent_name
+        if conn.peer is not None and conn.peer != name:
+            return Reject(field="agent_name", received=name,
+                          message=f"this connection already belongs to the sender agent {conn.peer}")
+        if name not in self._peers and not self._room_for_a_peer():
+            log.warning("KV receiver: refused sender agent %s: %d agents connected", name, self._s.max_peers)
+            return Reject(field="agent_name", received=name,
+                          message=f"the decode server serves at most {self._s.max_peers} sender agents")
         mine = layout_fingerprint(self._layout, hello.fingerprint.sender_world_size)
         bad = handshake_mismatch(decode_version=PROTOCOL_VERSION, decode_transport=self._need_transport().kind,
                                  decode_fingerprint=mine, prefill_version=hello.protocol_version,
@@ -311,10 +340,15 @@ class KVReceiver:
         if bad is not None:
             fld, expected, received = bad
             message = (f"KV handshake rejected by decode agent {self._agent_name}: {fld} mismatch: "
-                       f"decode expects {expected}, prefill {hello.agent_name} sent {received}")
+                       f"decode expects {expected}, prefill {name} sent {received}")
             log.warning(message)
-            self._peers[hello.agent_name] = PeerStatus(peer=hello.agent_name, state="rejected", reason=message)
-            return Reject(field=fld, expected=expected, received=received, message=message)
+            current = self._peers.get(name)
+            if current is None or current.state != "ok" or self.connections(name) == 0:
+                # a working agent of that name keeps its status (one bad Hello must not take it out)
+                self._peers[name] = PeerStatus(peer=name, state="rejected", reason=message)
+            return Reject(field=fld, received=received,
+                          message=f"KV handshake rejected by decode agent {self._agent_name}: {fld} mismatch: "
+                                  f"prefill {name} sent {received} (see the decode server's log)")
         if hello.agent_metadata:  # lets us revoke its handoffs; a restarted sender may reuse its name
             transport = self._need_transport()
             self._revocable.discard(hello.agent_name)
@@ -348,7 +382,7 @@ class KVReceiver:
             if h.state == "admitted" and h.num_tokens == n and h.slot is not None and h.group == group:
                 return Admitted(handoff_id=hid, slot=h.slot, offsets=h.offsets)  # asked again: same answer
             return Refused(handoff_id=hid, reason="duplicate",
-                           message=f"handoff {hid} is already {h.state} with {h.num_tokens} tokens")
+                           message=f"handoff id {hid} is already in use on this decode server")
         if n > self._s.max_tokens:
             message = (f"handoff {hid}: {n} prompt tokens exceed the decode server's "
                        f"max_tokens {self._s.max_tokens}")
@@ -370,6 +404,23 @@ class KVReceiver:
             self._pump.wake()
         await self._notify_all()
         return Admitted(handoff_id=hid, slot=slot, offsets=offsets)
+
+    def _room_for_a_peer(self) -> bool:
+        """Whether a new sender agent may be remembered: forgets agents without a live connection
+        (oldest first) to make room."""
+        if len(self._peers) < self._s.max_peers:
+            return True
+        for name in [p for p in self._peers if self.connections(p) == 0]:
+            del self._peers[name]
+            if self._handoff_group_idle(name):
+                self._group_of.pop(name, None)
+            if len(self._peers) < self._s.max_peers:
+                return True
+        return False
+
+    def _handoff_group_idle(self, agent: str) -> bool:
+        group = self._group_of.get(agent)
+        return not any(h.group == group for h in self._handoffs.values())
 
     def _on_disconnect(self, conn: ControlConnection) -> None:
         if conn.peer is None or self._loop is None or self._stopped:

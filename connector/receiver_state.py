@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from connector.layout import KVLayout
+from pd_settings.secrets import is_loopback
 
 if TYPE_CHECKING:
     import torch
@@ -32,14 +33,26 @@ class ReceiverSettings:
     disconnect_grace_s: float = 2.0
     agent_name: str | None = None
     device: str = "cpu"  # where the receive buffer lives ("cuda:0" registers VRAM)
+    # the KV channel's shared secret: every control connection proves it before anything else
+    # (connector/kv_auth.py); required when ``host`` is not a loopback address
+    secret: bytes | None = field(default=None, repr=False)
+    max_connections: int = 256  # open control connections
+    max_peers: int = 256  # sender agents remembered (a peer without a live connection is forgotten first)
+    auth_timeout_s: float = 10.0  # a new connection authenticates and says Hello within this, or is closed
 
     def __post_init__(self) -> None:
+        if self.secret is None and not is_loopback(self.host):
+            raise ValueError(f"ReceiverSettings.secret: required when listening on {self.host!r}, which is not a "
+                             "loopback address (decode server: --kv-secret-file or --kv-secret-env)")
         checks = [
             ("max_tokens", self.max_tokens, self.max_tokens >= 1, "must be >= 1"),
             ("slots", self.slots, self.slots >= 1, "must be >= 1"),
             ("port", self.port, 0 <= self.port < 65536, "must be in 0..65535 (0: ephemeral)"),
             ("unclaimed_timeout_s", self.unclaimed_timeout_s, self.unclaimed_timeout_s > 0, "must be > 0"),
             ("disconnect_grace_s", self.disconnect_grace_s, self.disconnect_grace_s >= 0, "must be >= 0"),
+            ("max_connections", self.max_connections, self.max_connections >= 1, "must be >= 1"),
+            ("max_peers", self.max_peers, self.max_peers >= 1, "must be >= 1"),
+            ("auth_timeout_s", self.auth_timeout_s, self.auth_timeout_s > 0, "must be > 0"),
         ]
         for name, value, ok, reason in checks:
             if not ok:

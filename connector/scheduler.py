@@ -39,6 +39,7 @@ forward passes of every user):
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -81,8 +82,11 @@ class ConnectorScheduler:
         world_size: int,
         reports: ReportSource | None,
         admissions: Admissions,
+        endpoint_allowed: Callable[[str], bool] | None = None,
     ) -> None:
         self.block_size = block_size
+        # which kv_endpoints a request may name (ConnectorSettings.endpoint_allowed); None: any
+        self._endpoint_allowed = endpoint_allowed
         self.max_tokens = max_tokens
         self.world_size = world_size
         self._reports = reports
@@ -110,6 +114,12 @@ class ConnectorScheduler:
                 f"prompt of {tracked.num_tokens} tokens exceeds the connector's max_tokens {self.max_tokens}"
             )
             tracked.reason = "too_long"
+            return
+        if self._endpoint_allowed is not None and not self._endpoint_allowed(target.kv_endpoint):
+            tracked.error = (f"kv_endpoint {target.kv_endpoint!r} is not one of this connector's decode_endpoints "
+                             "(kv_connector_extra_config.decode_endpoints; none: loopback endpoints only)")
+            tracked.reason = "rejected"
+            log.warning("request %s: %s", request.request_id, tracked.error)
             return
         self._admissions.start(target.handoff_id, target.kv_endpoint, tracked.num_tokens)
 

@@ -81,7 +81,7 @@ class KVSender:
                  sender_plan: SenderPlan | None = None, transport: TransportFactory = nixl_transport,
                  staging_slots: int = 2,
                  device: str = "cpu", lanes: int = 2, pin_lanes: bool = True, group: str = "",
-                 control_timeout_s: float = 10.0) -> None:
+                 control_timeout_s: float = 10.0, secret: bytes | None = None) -> None:
         if max_tokens < 1:
             raise ValueError(f"KVSender max_tokens={max_tokens}: must be >= 1")
         if staging_slots < 1:
@@ -91,6 +91,7 @@ class KVSender:
         self.agent_name = agent_name
         self.group = group
         self.control_timeout_s = control_timeout_s
+        self._secret = secret  # the KV channel's shared secret (authenticates each control connection)
         self.layout = layout
         self.max_tokens = max_tokens
         self.plan = sender_plan or SenderPlan()
@@ -178,14 +179,14 @@ class KVSender:
                     self._connect_errors[endpoint] = error
 
     def _handshake(self, endpoint: str, timeout: float) -> Peer:
-        client = ControlClient(endpoint, timeout)
+        client = ControlClient(endpoint, timeout, self._secret)
         try:
             hello = Hello(protocol_version=PROTOCOL_VERSION, agent_name=self.agent_name,
                           fingerprint=self._fingerprint, transport=self._transport_kind,
                           agent_metadata=base64.b64encode(self._transport.metadata()).decode(), group=self.group)
             reply = client.request(hello, timeout)
             if isinstance(reply, Reject):
-                raise HandshakeRejected(reply.field, reply.expected, reply.received,
+                raise HandshakeRejected(reply.field, "", reply.received,
                                         f"decode server {endpoint}: {reply.message}")
             if not isinstance(reply, Welcome):
                 raise ControlChannelError(f"{endpoint} answered Hello with {type(reply).__name__}")

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from connector.admission import AdmissionClient
 from connector.config import load_settings
+from connector.control import ControlClient
 from connector.layout import layout_fingerprint
 from connector.metadata import ReportOutbox, StepPlan, report_address
 from connector.profiles import resolve_profile
@@ -74,6 +75,7 @@ class TileRTConnector(KVConnectorBase_V1):
                 agent_name=default_agent_name(engine_id, None), group=group,
                 fingerprint=layout_fingerprint(profile.layout, world), transport="nixl",
                 timeout_s=settings.admission_timeout_s,
+                connect=functools.partial(ControlClient, secret=settings.kv_secret()),
             )
             self._scheduler = ConnectorScheduler.with_inbox(
                 address,
@@ -81,6 +83,7 @@ class TileRTConnector(KVConnectorBase_V1):
                 max_tokens=max_tokens,
                 world_size=world,
                 admissions=admissions,
+                endpoint_allowed=settings.endpoint_allowed,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -95,7 +98,8 @@ class TileRTConnector(KVConnectorBase_V1):
                 max_tokens=max_tokens,
                 sender_factory=functools.partial(nixl_sender_factory, lanes=settings.send_lanes,
                                                  pin_lanes=settings.pin_send_lanes, group=group,
-                                                 control_timeout_s=settings.handshake_timeout_s),
+                                                 control_timeout_s=settings.handshake_timeout_s,
+                                                 secret=settings.kv_secret()),
                 reports=ReportOutbox(address),
             )
 

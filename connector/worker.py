@@ -459,8 +459,8 @@ def sender_group(engine_id: str, dp_rank: int = 0) -> str:
 
 def nixl_sender_factory(agent_name: str, layout: KVLayout, max_tokens: int, plan: SenderPlan, device: str = "cpu",
                         lanes: int = 2, pin_lanes: bool = True, group: str = "",
-                        control_timeout_s: float = 10.0) -> Any:
+                        control_timeout_s: float = 10.0, secret: bytes | None = None) -> Any:
     from connector.sender import KVSender
 
     return KVSender(agent_name, layout, max_tokens, sender_plan=plan, device=device, lanes=lanes,
-                    pin_lanes=pin_lanes, group=group, control_timeout_s=control_timeout_s)
+                    pin_lanes=pin_lanes, group=group, control_timeout_s=control_timeout_s, secret=secret)

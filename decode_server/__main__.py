@@ -31,7 +31,8 @@ def receiver_factory(settings: DecodeServerSettings):
         from connector.receiver import KVReceiver, ReceiverSettings
 
         return KVReceiver(ReceiverSettings(layout=layout, max_tokens=max_tokens, slots=slots, host=settings.kv_host,
-                                           port=settings.kv_port, device=settings.kv_device))
+                                           port=settings.kv_port, device=settings.kv_device,
+                                           secret=settings.kv_secret()))
     return build
 
 
@@ -39,7 +40,7 @@ def app_config(settings: DecodeServerSettings) -> AppConfig:
     return AppConfig(model_dir=settings.model, served_model_name=settings.model_name, engine=settings.engine,
                      slots=settings.effective_slots, max_seq_len=settings.max_seq_len, num_mtp=settings.num_mtp,
                      kv_timeout=settings.kv_timeout, reasoning_parser=settings.reasoning_parser != "none",
-                     tool_call_parser=settings.tool_call_parser != "none")
+                     tool_call_parser=settings.tool_call_parser != "none", api_key=settings.api_key())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from pydantic_settings import SettingsConfigDict
 from decode_server.model_dir import missing_files
 from pd_settings.loader import EntrySettings, load
 from pd_settings.problems import SettingsError
+from pd_settings.secrets import is_loopback, read_secret
 
 ENV_PREFIX = "PD_DECODE_"
 # Where each engine receives KV by default: TileRT (GPU hosts) into VRAM, where its conversion
@@ -54,6 +55,19 @@ class DecodeServerSettings(EntrySettings):
     kv_dtype: Literal["bfloat16", "float32", "float16"] | None = Field(
         None, description="reference engine: dtype of the received KV (default: the model's torch_dtype)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
+    # Secrets by reference only (a file, or the name of an environment variable), never on the command line.
+    api_key_env: str | None = Field(None, min_length=1, description="name of an environment variable holding the "
+                                    "HTTP API key (clients send 'Authorization: Bearer KEY')")
+    api_key_file: Path | None = Field(
+        None, validate_default=True,
+        description="file holding the HTTP API key required on every route but /health, /ready and /metrics; "
+                    "required when --host is not a loopback address")
+    kv_secret_env: str | None = Field(None, min_length=1, description="name of an environment variable holding "
+                                      "the KV control channel's shared secret")
+    kv_secret_file: Path | None = Field(
+        None, validate_default=True,
+        description="file holding the shared secret prefill connectors must prove on the KV control channel "
+                    "(HMAC challenge-response); required when --kv-host is not a loopback address")
 
     @model_validator(mode="before")
     @classmethod
@@ -96,6 +110,18 @@ class DecodeServerSettings(EntrySettings):
             raise ValueError("the reference engine runs on the CPU; use cpu")
         return value
 
+    @field_validator("api_key_file")
+    @classmethod
+    def _api_key(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        return _secret_check(value, info.data.get("api_key_env"), info.data.get("host"), "--host",
+                             "the HTTP API", "--api-key-file or --api-key-env")
+
+    @field_validator("kv_secret_file")
+    @classmethod
+    def _kv_secret(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        return _secret_check(value, info.data.get("kv_secret_env"), info.data.get("kv_host"), "--kv-host",
+                             "the KV control endpoint", "--kv-secret-file or --kv-secret-env")
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:
@@ -108,6 +134,24 @@ class DecodeServerSettings(EntrySettings):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model.name
+
+    def api_key(self) -> str | None:
+        """The HTTP API key (read again from its file or variable), None when none is set."""
+        return read_secret(self.api_key_file, self.api_key_env)
+
+    def kv_secret(self) -> bytes | None:
+        """The KV control channel's shared secret, None when none is set."""
+        secret = read_secret(self.kv_secret_file, self.kv_secret_env)
+        return secret.encode() if secret is not None else None
+
+
+def _secret_check(file: Path | None, env_var: str | None, host: str | None, host_option: str, what: str,
+                  options: str) -> Path | None:
+    secret = read_secret(file, env_var)  # ValueError (never quoting the secret) names what is wrong
+    if secret is None and host is not None and not is_loopback(host):
+        raise ValueError(f"{host_option} {host} exposes {what} beyond this host: set {options} "
+                         "(or listen on 127.0.0.1)")
+    return file
 
 
 def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> DecodeServerSettings:

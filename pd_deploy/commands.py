@@ -35,6 +35,7 @@ class PrefillSpec:
     tensor_parallel: int = 1
     max_model_len: int | None = None
     served_model_name: str | None = None  # default: the model directory's name
+    kv_secret_file: str | None = None  # the KV channel's shared secret (the decode servers' --kv-secret-file)
     extra_args: tuple[str, ...] = ()
     python: str = sys.executable
 
@@ -47,6 +48,8 @@ def kv_transfer_config(spec: PrefillSpec) -> dict[str, Any]:
     extra: dict[str, Any] = {"profile": spec.profile}
     if spec.decode_endpoints:
         extra["decode_endpoints"] = list(spec.decode_endpoints)
+    if spec.kv_secret_file:
+        extra["kv_secret_file"] = spec.kv_secret_file
     return {
         "kv_connector": spec.connector_class,
         "kv_connector_module_path": spec.connector_module,
@@ -108,16 +111,20 @@ class DecodeSpec:
     num_mtp: int = 1
     served_model_name: str | None = None  # default: the model directory's name
     kv_device: str | None = None  # where KV is received (default: the engine's, see decode_server.settings)
+    api_key_file: str | None = None  # required on the HTTP API (but /health, /ready, /metrics)
+    kv_secret_file: str | None = None  # required on the KV control endpoint
     extra_args: tuple[str, ...] = field(default=())
     python: str = sys.executable
 
 
 def decode_server_argv(spec: DecodeSpec) -> list[str]:
     device = ("--kv-device", spec.kv_device) if spec.kv_device else ()
+    secrets = (("--api-key-file", spec.api_key_file) if spec.api_key_file else ()) + (
+        ("--kv-secret-file", spec.kv_secret_file) if spec.kv_secret_file else ())
     return [spec.python, "-m", "decode_server", "--engine", spec.engine, "--model", str(spec.model),
             "--host", spec.host, "--port", str(spec.port), "--kv-port", str(spec.kv_port),
             "--slots", str(spec.slots), "--max-seq-len", str(spec.max_seq_len),
-            "--num-mtp", str(spec.num_mtp), *device,
+            "--num-mtp", str(spec.num_mtp), *device, *secrets,
             "--served-model-name", served_name(spec.model, spec.served_model_name), *spec.extra_args]
 
 
@@ -127,12 +134,15 @@ class RouterSpec:
     decode_urls: tuple[str, ...]
     port: int = 8000
     host: str = "127.0.0.1"
+    decode_api_key_file: str | None = None  # the decode servers' API key, sent on every call to them
     extra_args: tuple[str, ...] = ()
     python: str = sys.executable
 
 
 def router_argv(spec: RouterSpec) -> list[str]:
     argv = [spec.python, "-m", "pd_router", "--host", spec.host, "--port", str(spec.port)]
+    if spec.decode_api_key_file:
+        argv += ["--decode-api-key-file", spec.decode_api_key_file]
     for url in spec.prefill_urls:
         argv += ["--prefill", url]
     for url in spec.decode_urls:

@@ -80,6 +80,8 @@ class PrefillLaunchSettings(EntrySettings):
     decode_kv_endpoints: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="host:port of every decode server's KV endpoint (comma-separated)")
     enforce_eager: bool = False
+    kv_secret_file: str | None = Field(None, min_length=1, description="file holding the KV channel's shared "
+                                       "secret (the decode servers' PD_DECODE_KV_SECRET_FILE)")
 
     _split = field_validator("decode_kv_endpoints", mode="before")(split_list)
 
@@ -107,7 +109,8 @@ def build_argv(role: str, environ: Mapping[str, str], extra: list[str]) -> tuple
                            num_speculative_tokens=s.num_speculative_tokens, profile=s.profile,
                            decode_endpoints=s.decode_kv_endpoints, enforce_eager=s.enforce_eager,
                            tensor_parallel=s.tensor_parallel, max_model_len=s.max_model_len,
-                           served_model_name=s.served_model_name, python=python, extra_args=tuple(extra))
+                           served_model_name=s.served_model_name, kv_secret_file=s.kv_secret_file,
+                           python=python, extra_args=tuple(extra))
         return vllm_prefill_argv(spec), {**PREFILL_ENV, **environ}
     if role == "decode":
         env = {**DECODE_ENV, **DECODE_IMAGE_DEFAULTS, "PD_DECODE_KV_HOST": socket.getfqdn(), **environ}

@@ -42,6 +42,7 @@ class PrefillBackend:
 class DecodeBackend:
     url: str
     default_slots: int | None  # --decode-slots, for servers without capabilities
+    api_key: str | None = field(default=None, repr=False)  # sent on every call (--decode-api-key-file)
     healthy: bool = False
     reason: str = "not probed yet"
     capabilities: DecodeCapabilities | None = None
@@ -54,7 +55,12 @@ class DecodeBackend:
     target: Target = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.target = Target.parse(self.url)
+        self.target = Target.parse(self.url, self.api_key)
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """The headers every call to this server carries (its API key, if any)."""
+        return dict(self.target.auth)
 
     @property
     def slots(self) -> float:
@@ -102,10 +108,11 @@ class Backends:
         decode: tuple[str, ...],
         decode_slots: int | None,
         require_handshake: bool,
+        decode_api_key: str | None = None,
     ) -> Backends:
         return cls(
             [PrefillBackend(u) for u in prefill],
-            [DecodeBackend(u, decode_slots) for u in decode],
+            [DecodeBackend(u, decode_slots, decode_api_key) for u in decode],
             require_handshake,
         )
 

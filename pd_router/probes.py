@@ -52,13 +52,14 @@ class Prober:
         self.backends.refresh()
         self.on_change()
 
-    async def _get(self, url: str) -> httpx.Response:
-        return await self.client.get(url)
+    async def _get(self, url: str, headers: dict[str, str] | None = None) -> httpx.Response:
+        return await self.client.get(url, headers=headers)
 
     async def _health_and_models(self, b: PrefillBackend | DecodeBackend) -> bool:
         """``GET /health`` then ``GET /v1/models``; False (and the reason set) if either fails."""
+        auth = b.auth_headers if isinstance(b, DecodeBackend) else None
         for path in ("/health", "/v1/models"):
-            resp = await self._get(b.url + path)
+            resp = await self._get(b.url + path, auth)
             if resp.status_code != 200:
                 self._set(b, False, _why(resp))
                 return False
@@ -74,7 +75,7 @@ class Prober:
 
     async def _decode(self, b: DecodeBackend) -> None:
         try:
-            caps = await self._get(b.url + CAPABILITIES_PATH)
+            caps = await self._get(b.url + CAPABILITIES_PATH, b.auth_headers)
             if caps.status_code == 404:
                 b.capabilities, b.plain = None, True
                 if await self._health_and_models(b):

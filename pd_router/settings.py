@@ -6,14 +6,16 @@ value and the reason (:class:`pd_settings.problems.SettingsError`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from pd_settings.loader import EntrySettings, load, split_list, validate
 from pd_settings.problems import SettingsError
+from pd_settings.secrets import read_secret
 
 ENV_PREFIX = "PD_ROUTER_"
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
@@ -86,6 +88,15 @@ class RouterSettings(EntrySettings):
         "handshook with it",
     )
     log_level: LogLevel = Field("info", description="log level")
+    # the decode servers' API key (their --api-key-file), by reference only: never on the command line
+    decode_api_key_env: str | None = Field(
+        None, min_length=1, description="name of an environment variable holding the decode servers' API key"
+    )
+    decode_api_key_file: Path | None = Field(
+        None,
+        description="file holding the decode servers' API key, sent as 'Authorization: Bearer' on every "
+        "call to a decode server",
+    )
 
     _split = field_validator("prefill", "decode", mode="before")(split_list)
 
@@ -107,6 +118,16 @@ class RouterSettings(EntrySettings):
         if len(set(out)) != len(out):
             raise ValueError("the same URL is given twice")
         return tuple(out)
+
+    @field_validator("decode_api_key_file")
+    @classmethod
+    def _decode_key(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        read_secret(value, info.data.get("decode_api_key_env"))  # ValueError names what is wrong, not the key
+        return value
+
+    def decode_api_key(self) -> str | None:
+        """The key to send to the decode servers, None when none is set."""
+        return read_secret(self.decode_api_key_file, self.decode_api_key_env)
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -30,7 +30,8 @@ class RouterState:
         self.settings = settings
         self.metrics = RouterMetrics()
         self.backends = Backends.from_urls(
-            settings.prefill, settings.decode, settings.decode_slots, settings.require_handshake
+            settings.prefill, settings.decode, settings.decode_slots, settings.require_handshake,
+            settings.decode_api_key(),
         )
         self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout, self.update_gauges)
         self._pool: ConnectionPool | None = None
@@ -135,7 +136,8 @@ class RouterState:
                     timeout=CANCEL_TIMEOUT_S,
                     json=cancel.model_dump(exclude_none=True),
                     # the id travels in the body; the header only as ASCII (httpx refuses anything else)
-                    headers={"X-Request-Id": request_id.encode("ascii", "backslashreplace").decode()},
+                    headers={"X-Request-Id": request_id.encode("ascii", "backslashreplace").decode(),
+                             **lease.backend.auth_headers},
                 )
                 log.info(
                     "request_id=%s cancel on %s: %d %s",

@@ -28,14 +28,20 @@ class Target(NamedTuple):
 
     origin: Origin
     prefix: str  # path before /v1/..., usually ""
+    auth: tuple[tuple[str, str], ...] = ()  # headers sent on every call (a decode server's API key)
 
     @classmethod
-    def parse(cls, url: str) -> Target:
+    def parse(cls, url: str, api_key: str | None = None) -> Target:
         parts = urlsplit(url)
         tls = parts.scheme == "https"
         return cls(
-            Origin(parts.hostname or "", parts.port or (443 if tls else 80), tls), parts.path.rstrip("/")
+            Origin(parts.hostname or "", parts.port or (443 if tls else 80), tls),
+            parts.path.rstrip("/"),
+            (("Authorization", f"Bearer {api_key}"),) if api_key else (),
         )
+
+    def __repr__(self) -> str:  # never the key
+        return f"Target({self.origin!r}, {self.prefix!r})"
 
 
 def _short(data: bytes) -> str:
@@ -96,7 +102,11 @@ async def open_decode(
     ``timeout_s`` bounds the wait for the answer and for each later chunk."""
     try:
         resp = await pool.post(
-            target.origin, target.prefix + path, body, {REQUEST_ID_HEADER: request_id}, read_timeout=timeout_s
+            target.origin,
+            target.prefix + path,
+            body,
+            {REQUEST_ID_HEADER: request_id, **dict(target.auth)},
+            read_timeout=timeout_s,
         )
         await _check_status(resp, "decode", target)
     except UpstreamError as exc:

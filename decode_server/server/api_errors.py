@@ -101,3 +101,8 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | 
 class Conflict(ApiError):
     status = 409
     error_type = "conflict_error"
+
+
+class Unauthorized(ApiError):
+    status = 401
+    error_type = "authentication_error"

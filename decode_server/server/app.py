@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -66,6 +66,7 @@ class AppConfig:
     kv_timeout: float
     reasoning_parser: bool = False
     tool_call_parser: bool = False
+    api_key: str | None = field(default=None, repr=False)  # Bearer, on all routes but /health, /ready, /metrics
 
 
 EngineFactory = Callable[[], Engine]
@@ -152,6 +153,7 @@ class DecodeState:
 
 def create_app(config: AppConfig, engine_factory: EngineFactory, receiver_factory: ReceiverFactory,
                on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    from decode_server.server.auth import RequireApiKey
     from decode_server.server.routes import router
 
     tokenizer = TextTokenizer.from_model_dir(config.model_dir)
@@ -182,4 +184,6 @@ def create_app(config: AppConfig, engine_factory: EngineFactory, receiver_factor
     app = FastAPI(title="decode_server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.decode = state
     app.include_router(router)
+    if config.api_key is not None:
+        app.add_middleware(RequireApiKey, api_key=config.api_key)
     return app

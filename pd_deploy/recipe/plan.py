@@ -25,6 +25,7 @@ from pd_deploy.commands import (
 )
 from pd_deploy.recipe.schema import Recipe
 from pd_deploy.recipe.topology import conversion_env
+from pd_deploy.secrets import DECODE_API_KEY, KV_SECRET, SECRETS_DIR
 
 OFFLINE_CLIENT_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -36,6 +37,12 @@ def host_placeholder(node: int) -> str:
 def _host(r: Recipe, node: int) -> str:
     """How the other processes reach node ``node``: loopback when every role shares one node."""
     return "127.0.0.1" if r.slurm.colocate else host_placeholder(node)
+
+
+# Generated into the job directory by `render` (pd_deploy.secrets, mode 0600), read by the
+# servers from there: never on a command line.
+DECODE_API_KEY_FILE = f"@JOBDIR@/{SECRETS_DIR}/{DECODE_API_KEY}"
+KV_SECRET_FILE = f"@JOBDIR@/{SECRETS_DIR}/{KV_SECRET}"
 
 
 def _bind(r: Recipe) -> str:
@@ -130,6 +137,8 @@ def _workers(r: Recipe) -> list[Step]:
             num_mtp=r.decode.num_mtp,
             served_model_name=r.model.name,
             kv_device=r.decode.kv_device or DEFAULT_KV_DEVICE[r.decode.engine],
+            api_key_file=DECODE_API_KEY_FILE,
+            kv_secret_file=KV_SECRET_FILE,
             python=r.decode.python,
             extra_args=("--kv-host", host, *kv_dtype, *r.decode.extra_args),
         )
@@ -161,6 +170,7 @@ def _workers(r: Recipe) -> list[Step]:
         tensor_parallel=r.prefill.tensor_parallel,
         max_model_len=r.prefill.max_model_len,
         served_model_name=r.model.name,
+        kv_secret_file=KV_SECRET_FILE,
         extra_args=tuple(extra),
         python=r.prefill.python,
     )
@@ -186,6 +196,7 @@ def _router(r: Recipe, workers: list[Step]) -> Step:
         decode_urls=tuple(d.ready_url.removesuffix("/ready") for d in decodes),
         port=r.router.port,
         host=_bind(r),
+        decode_api_key_file=DECODE_API_KEY_FILE,
         extra_args=tuple(r.router.extra_args),
         python=r.router.python,
     )

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from pd_deploy.recipe.plan import Plan, Step, build_plan, gsm8k_task_yaml, host_placeholder
 from pd_deploy.recipe.schema import Recipe, load_recipe_text
 from pd_deploy.recipe.topology import RecipeError, RecipeProblem, topology_problems
+from pd_deploy.secrets import generate as generate_secrets
 
 
 def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
@@ -135,9 +136,11 @@ def _step_row(step: Step) -> str:
 
 
 def write_plan(plan: Plan, job_dir: Path) -> Path:
-    """Write ``job_dir/plan`` (see the module docstring); returns that directory."""
+    """Write ``job_dir/plan`` (see the module docstring) and the job's secrets (created once,
+    0600, :mod:`pd_deploy.secrets`); returns the plan directory."""
     out = job_dir / "plan"
     out.mkdir(parents=True, exist_ok=True)
+    generate_secrets(job_dir)
     for step in plan.steps:
         (out / f"{step.id}.argv").write_bytes(_nul(step.argv))
         (out / f"{step.id}.env").write_bytes(_nul([f"{k}={v}" for k, v in step.env.items()]))

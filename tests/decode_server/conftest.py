@@ -89,19 +89,22 @@ class RunningServer:
 def start_server(model_dir: Path, engine_cfg: FakeEngineConfig, slots: int = 2, kv_timeout: float = 5.0,
                  auto_complete: bool = True, max_seq_len: int = 4096, reasoning: bool = False,
                  tools: bool = False, engine: Engine | None = None, engine_name: str = "reference",
-                 kv_tokens: int = 4, drain_timeout: float | None = None,
-                 ) -> tuple[RunningServer, uvicorn.Server, threading.Thread]:
+                 kv_tokens: int = 4, api_key: str | None = None, receiver_factory=None,
+                 drain_timeout: float | None = None) -> tuple[RunningServer, uvicorn.Server, threading.Thread]:
     """``drain_timeout``: serve with the drain python -m decode_server runs (``server.begin_drain``)."""
     engine = engine or FakeEngine(engine_cfg)
     receivers: list[FakeReceiver] = []
 
     def make_receiver(layout, n, max_tokens):
-        receivers.append(FakeReceiver(layout, n, max_tokens, auto_complete=auto_complete, num_tokens=kv_tokens))
+        if receiver_factory is not None:
+            receivers.append(receiver_factory(layout, n, max_tokens))
+        else:
+            receivers.append(FakeReceiver(layout, n, max_tokens, auto_complete=auto_complete, num_tokens=kv_tokens))
         return receivers[-1]
 
     cfg = AppConfig(model_dir=model_dir, served_model_name="fake-model", engine=engine_name, slots=slots,
                     max_seq_len=max_seq_len, num_mtp=engine.capabilities.num_mtp, kv_timeout=kv_timeout,
-                    reasoning_parser=reasoning, tool_call_parser=tools)
+                    reasoning_parser=reasoning, tool_call_parser=tools, api_key=api_key)
     app = create_app(cfg, lambda: engine, make_receiver)
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", http="httptools",

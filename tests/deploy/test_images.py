@@ -98,7 +98,8 @@ json.dump({{"argv": sys.argv[1:], "env": dict(os.environ)}}, open({str(record)!r
 def test_prefill_entrypoint_starts_vllm_with_connector_and_mtp(tmp_path: Path) -> None:
     env = {"PD_PREFILL_MODEL": "/models/GLM-5.1-FP8", "PD_PREFILL_SERVED_MODEL_NAME": "GLM-5.1-FP8",
            "PD_PREFILL_DECODE_KV_ENDPOINTS": "decode-0.decode:8300, decode-1.decode:8300",
-           "PD_PREFILL_MAX_MODEL_LEN": "16384", "HF_HOME": "/shared/hf"}
+           "PD_PREFILL_MAX_MODEL_LEN": "16384", "HF_HOME": "/shared/hf",
+           "PD_PREFILL_KV_SECRET_FILE": "/run/secrets/pd/kv-secret"}
     out, got = _run_entrypoint(tmp_path, "prefill", env, "--gpu-memory-utilization", "0.9")
     assert out.returncode == 0, out.stderr
     # written out by hand from what vLLM 0.32 needs (docs/connector_vllm.md, docs/gpu_path.md)
@@ -110,7 +111,8 @@ def test_prefill_entrypoint_starts_vllm_with_connector_and_mtp(tmp_path: Path) -
         "--kv-transfer-config", {"kv_connector": "TileRTConnector", "kv_connector_module_path": "connector",
                                  "kv_role": "kv_producer",
                                  "kv_connector_extra_config": {"profile": "glm5.1", "decode_endpoints": [
-                                     "decode-0.decode:8300", "decode-1.decode:8300"]}},
+                                     "decode-0.decode:8300", "decode-1.decode:8300"],
+                                     "kv_secret_file": "/run/secrets/pd/kv-secret"}},
         "--kv-cache-dtype", "fp8_ds_mla", "--block-size", "64",
         "--gpu-memory-utilization", "0.9"]
     assert got["env"]["HF_HUB_OFFLINE"] == "1" and got["env"]["HF_HOME"] == "/shared/hf"

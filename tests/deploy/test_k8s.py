@@ -177,3 +177,39 @@ def test_the_grace_period_covers_the_prestop_and_the_drain(kind: str, name: str,
     assert sleep[0] == "sleep"
     drain = float(_env(container)[prefix + "DRAIN_TIMEOUT"])
     assert pod["terminationGracePeriodSeconds"] >= int(sleep[1]) + drain + 5  # + the server's own shutdown
+
+
+def test_secrets_are_generated_mounted_and_read_from_files(tmp_path: Path) -> None:
+    """Issue 12: the decode API key and the KV channel's shared secret reach each role as files
+    of the Secret the kustomization generates (never as a value in a manifest or an argument)."""
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    (gen,) = kustomization["secretGenerator"]
+    keys = {item.split("=", 1)[0]: item.split("=", 1)[1] for item in gen["files"]}
+    assert gen["name"] == "pd-secrets" and set(keys) == {"decode-api-key", "kv-secret"}
+    wanted = {("StatefulSet", "decode"): {"PD_DECODE_API_KEY_FILE": "decode-api-key",
+                                          "PD_DECODE_KV_SECRET_FILE": "kv-secret"},
+              ("Deployment", "prefill"): {"PD_PREFILL_KV_SECRET_FILE": "kv-secret"},
+              ("Deployment", "router"): {"PD_ROUTER_DECODE_API_KEY_FILE": "decode-api-key"}}
+    for (kind, name), env_keys in wanted.items():
+        spec = _get(kind, name)["spec"]["template"]["spec"]
+        (volume,) = [v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == "pd-secrets"]
+        assert volume["secret"]["defaultMode"] == 0o400
+        (mount,) = [m for m in _container(kind, name)["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount["readOnly"] is True
+        env = _env(_container(kind, name))
+        for var, key in env_keys.items():
+            assert env[var] == f"{mount['mountPath']}/{key}", (name, var)
+        args = " ".join(_container(kind, name).get("args", []) + _container(kind, name).get("command", []))
+        assert "secret" not in args and "api-key" not in args
+    out = subprocess.run([str(K8S / "make-secrets.sh"), str(tmp_path / "s")], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0, out.stderr
+    values = {}
+    for key in keys:
+        path = tmp_path / "s" / key
+        assert path.stat().st_mode & 0o777 == 0o600
+        values[key] = path.read_text().strip()
+        assert len(values[key]) == 64
+    assert len(set(values.values())) == 2
+    subprocess.run([str(K8S / "make-secrets.sh"), str(tmp_path / "s")], check=True, capture_output=True, timeout=30)
+    assert {k: (tmp_path / "s" / k).read_text().strip() for k in keys} == values  # kept, not rotated

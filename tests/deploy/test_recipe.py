@@ -136,13 +136,18 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
     assert prefill[prefill.index("--block-size") + 1] == "64"
     kv = json.loads(prefill[prefill.index("--kv-transfer-config") + 1])
     assert kv["kv_connector"] == "TileRTConnector" and kv["kv_role"] == "kv_producer"
-    assert kv["kv_connector_extra_config"] == {"profile": "glm5.1", "decode_endpoints": ["dc0:8300"]}
+    # the job's secrets by file (generated 0600 into the job dir by render), never on a command line
+    assert kv["kv_connector_extra_config"] == {"profile": "glm5.1", "decode_endpoints": ["dc0:8300"],
+                                               "kv_secret_file": "/shared/run1/secrets/kv-secret"}
     assert router == ["python3", "-m", "pd_router", "--host", "0.0.0.0", "--port", "8000",
+                      "--decode-api-key-file", "/shared/run1/secrets/decode-api-key",
                       "--prefill", "http://pf0:8100", "--decode", "http://dc0:8200"]
     # written out from the recipe by hand: TileRT, one slot, 3 MTP drafts, KV lands in VRAM
     assert decode == ["python3", "-m", "decode_server", "--engine", "tilert", "--model",
                       "/shared/models/GLM-5.1-FP8-tilert", "--host", "0.0.0.0", "--port", "8200", "--kv-port", "8300",
                       "--slots", "1", "--max-seq-len", "16384", "--num-mtp", "3", "--kv-device", "cuda:0",
+                      "--api-key-file", "/shared/run1/secrets/decode-api-key",
+                      "--kv-secret-file", "/shared/run1/secrets/kv-secret",
                       "--served-model-name", "GLM-5.1-FP8", "--kv-host", "dc0"]
     assert convert[-4:] == ["--model_dir", "/shared/models/GLM-5.1-FP8", "--save_dir", "{dst}"]
     assert "into: /shared/models/GLM-5.1-FP8-tilert (once, under /shared/models/GLM-5.1-FP8-tilert.lock" in node1
@@ -207,6 +212,17 @@ def test_render_writes_what_the_slurm_scripts_read(tmp_path: Path) -> None:
     task = yaml.safe_load((out / "lm_eval_tasks" / "gsm8k_local.yaml").read_text())
     assert task["task"] == "gsm8k_local" and task["dataset_path"] == "/shared/datasets/gsm8k/main"
     assert task["filter_list"][0]["filter"][0]["regex_pattern"] == r"#### (\-?[0-9\.\,]+)"
+    # the job's secrets: a private folder, one random value per file, kept when rendered again
+    secrets_dir = tmp_path / "secrets"
+    assert secrets_dir.stat().st_mode & 0o777 == 0o700
+    values = {}
+    for name in ("decode-api-key", "kv-secret"):
+        assert (secrets_dir / name).stat().st_mode & 0o777 == 0o600
+        values[name] = (secrets_dir / name).read_text().strip()
+        assert len(values[name]) == 64 and all(not a.endswith(values[name]) for s in plan.steps for a in s.argv)
+    assert values["decode-api-key"] != values["kv-secret"]
+    write_plan(plan, tmp_path)
+    assert {n: (secrets_dir / n).read_text().strip() for n in values} == values
 
 
 def test_submit_dry_run_prints_the_plan_without_submitting(tmp_path: Path) -> None:

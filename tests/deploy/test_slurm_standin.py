@@ -67,8 +67,10 @@ def test_job_orders_gates_serves_and_stops(slurm_cluster: SlurmCluster, tmp_path
     rec = {r: json.loads((records / f"{r}.json").read_text()) for r in ("prefill", "decode", "router")}
     plan = build_plan(parse_recipe(data))
     # every server got exactly the command the plan (pd_deploy.commands) built
+    # (with @JOBDIR@ replaced: the job's secrets are files in the job directory)
     for step in plan.workers + [plan.router]:
-        assert rec[step.role]["argv"] == step.argv[1:], step.id
+        want = [a.replace("@JOBDIR@", str(job_dir.resolve())) for a in step.argv[1:]]
+        assert rec[step.role]["argv"] == want, step.id
     # the conversion ran once, before the servers, into a validated directory
     converted = Path(data["model"]["converted"])
     assert (converted / ".tilert-pd-complete").exists()
