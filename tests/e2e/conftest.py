@@ -3,6 +3,7 @@ second vLLM serving the same model alone, both on loopback, once per session."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,8 +26,31 @@ def _ports(n: int) -> list[int]:
 MODEL_NAME = "tiny-glm"  # as `make run` serves it, so the README's commands work as written
 
 
+def _port_run(n: int, taken: set[int]) -> int:
+    """The first of ``n`` consecutive free ports, none in ``taken`` (decode server i listens
+    on base + i)."""
+    while True:
+        base = free_port()
+        run = range(base, base + n)
+        if base + n <= 65535 and not taken.intersection(run) and all(_free(p) for p in run[1:]):
+            taken.update(run)
+            return base
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def make_stack_config(model_dir: Path, log_dir: Path, **overrides) -> StackConfig:
-    router, prefill, decode, kv = _ports(4)
+    n = overrides.get("num_decode", 1)
+    taken: set[int] = set()
+    router, prefill = (_port_run(1, taken) for _ in range(2))
+    decode, kv = (_port_run(n, taken) for _ in range(2))
     return StackConfig(model_dir=model_dir, log_dir=log_dir, router_port=router, prefill_port=prefill,
                        decode_port=decode, kv_port=kv, served_model_name=MODEL_NAME, **overrides)
 
