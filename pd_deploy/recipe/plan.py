@@ -27,6 +27,12 @@ from pd_deploy.recipe.schema import Recipe
 from pd_deploy.recipe.topology import conversion_env
 
 OFFLINE_CLIENT_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# aiperf 0.13.0 in HF offline mode looks a tokenizer up only in the hub cache (snapshot_download),
+# which fails for a local directory ("Repo id must be in the form ..."); out of offline mode it
+# loads an absolute local path directly, with no hub lookup. The recipe's tokenizer is always a
+# local absolute path (topology check), so aiperf runs with offline mode explicitly off.
+AIPERF_ENV = {"HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "", "HF_DATASETS_OFFLINE": "1",
+              "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
 def host_placeholder(node: int) -> str:
@@ -290,7 +296,7 @@ def _benchmarks(r: Recipe, router: Step, metrics_urls: list[str]) -> list[Step]:
                     node=router.node,
                     image=r.router.image,
                     argv=argv,
-                    env=dict(OFFLINE_CLIENT_ENV),
+                    env=dict(AIPERF_ENV),
                 )
             )
     if b.gsm8k:

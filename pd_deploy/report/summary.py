@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pd_build.info import ABSENT, BuildInfo
+from pd_build.info import ABSENT
 from pd_deploy.report.model import Fingerprint
 
 AIPERF_SUMMARY = "profile_export_aiperf.json"
@@ -60,20 +60,19 @@ def _what_ran(fp: Fingerprint) -> list[str]:
     lines = ["## What ran", "",
              "| role | step | host | " + " | ".join(_VERSIONS) + " | KV layout | model | config.json sha256 |",
              "|" + "---|" * (len(_VERSIONS) + 6)]
-    reasons: dict[str, str] = {}
+    why: dict[tuple[str, str], list[str]] = {}  # (field, reason) -> the steps it is absent from
     for s in fp.services:
-        builds: list[BuildInfo | None] = list(s.build) or [None]
-        for b in builds:
-            if b is None:
-                lines.append(f"| {s.role} | {s.id} | {s.host} | " + " | ".join(["?"] * (len(_VERSIONS) + 3))
-                             + " |")
-                reasons[f"{s.id}: no build info"] = s.absent or "unknown"
-                continue
+        if not s.build:
+            lines.append(f"| {s.role} | {s.id} | {s.host} | " + " | ".join(["?"] * (len(_VERSIONS) + 3)) + " |")
+            why.setdefault(("no build info", s.absent or "unknown"), []).append(s.id)
+        for b in s.build:
             cells = [getattr(b, f) for f in (*_VERSIONS, "kv_layout", "model")] + [b.model_config_sha256[:16]]
             lines.append(f"| {s.role} | {s.id} | {s.host} | " + " | ".join(cells) + " |")
-            reasons.update({f"{field} ({s.role})": why for field, why in b.absent.items()})
-    if reasons:
-        lines += ["", f"`{ABSENT}`, `?`:"] + [f"* {key}: {why}" for key, why in sorted(reasons.items())]
+            for field, reason in b.absent.items():
+                why.setdefault((field, reason), []).append(s.id)
+    if why:
+        lines += ["", f"Why `{ABSENT}` (`?`: no build info at all):", ""]
+        lines += [f"* {field} ({', '.join(steps)}): {reason}" for (field, reason), steps in sorted(why.items())]
     return lines
 
 

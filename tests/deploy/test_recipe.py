@@ -207,6 +207,10 @@ def test_render_writes_what_the_slurm_scripts_read(tmp_path: Path) -> None:
     assert all(len(r) == 6 for r in rows)
     for step in plan.steps:
         assert (out / f"{step.id}.argv").read_bytes().split(b"\0")[:-1] == [a.encode() for a in step.argv]
+    # aiperf 0.13 cannot load a local tokenizer in HF offline mode (it looks in the hub cache only)
+    aiperf = next(s for s in plan.benchmarks if s.id.startswith("aiperf"))
+    assert aiperf.env["HF_HUB_OFFLINE"] == aiperf.env["TRANSFORMERS_OFFLINE"] == ""
+    assert plan.benchmarks[-1].id == "gsm8k" and plan.benchmarks[-1].env["HF_HUB_OFFLINE"] == "1"
     job_env = (out / "job.env").read_text()
     assert "CONVERT_DST=/shared/models/GLM-5.1-FP8-tilert\n" in job_env and "NUM_NODES=2\n" in job_env
     assert ("CONVERT_MODEL_FILES='tokenizer.json tokenizer_config.json chat_template.jinja config.json "
