@@ -100,10 +100,12 @@ def ucx_version() -> str | None:
     return out.stdout.strip() or None
 
 
-def gpu() -> tuple[str | None, str | None]:
-    """(GPU models, driver version) of this node from the NVIDIA driver's ``/proc`` files;
-    several different models are joined with ``,``."""
-    root = Path("/proc/driver/nvidia")
+NVIDIA_PROC = Path("/proc/driver/nvidia")
+
+
+def gpu(root: Path = NVIDIA_PROC) -> tuple[str | None, str | None]:
+    """(GPU models, driver version) of this node from the NVIDIA driver's ``/proc`` files
+    (``version``, ``gpus/*/information``); several different models are joined with ``,``."""
     try:
         version = (root / "version").read_text()
     except OSError:

