@@ -9,7 +9,13 @@ PYTEST_ARGS ?=
 # Debian packages the Slurm tests run (a real single-node cluster); installed by `make system-deps`
 SYSTEM_PACKAGES = slurm-wlm munge
 
-.PHONY: venv run check test test-fast system-deps bench clean
+# AIPerf, which the Slurm CPU-stack test's benchmark step runs: a venv of its own (as in the
+# decode image's /opt/bench), so that its dependencies cannot move the serving environment's
+AIPERF_VENV = .cache/aiperf-venv
+AIPERF_PIN  = aiperf==0.13.0
+AIPERF_STAMP = $(AIPERF_VENV)/.installed-$(AIPERF_PIN)
+
+.PHONY: venv run check test test-fast system-deps bench bench-tools clean
 
 venv: $(STAMP)
 
@@ -27,6 +33,15 @@ $(STAMP): pyproject.toml Makefile
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 	@echo ">> [4/4] $(VENV) ready"
+
+bench-tools: $(AIPERF_STAMP)
+
+$(AIPERF_STAMP):
+	@echo ">> $(AIPERF_VENV): $(AIPERF_PIN) (the Slurm CPU-stack test's benchmark client)"
+	@test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --progress-bar off -q "$(AIPERF_PIN)"
+	@rm -f $(AIPERF_VENV)/.installed-*
+	@touch $@
 
 run: venv
 	$(PY) -m pd_deploy.stack $(RUN_ARGS)
@@ -52,7 +67,7 @@ system-deps:
 		echo ">> not installed: $$missing (Debian packages; run 'make system-deps' as root): the Slurm tests will fail"; \
 	fi
 
-test: venv system-deps check
+test: venv system-deps bench-tools check
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 # Unit tests only (no vLLM, no model training, no subprocess stacks or Slurm): under 2 minutes.

@@ -8,7 +8,11 @@ server's ``/metrics`` next to ``vllm:*``:
   "failed");
 * ``vllm:tilert_kv_layers_total{path}``: layers gathered on the early path
   (``save_kv_layer``, as vLLM computed each) and on the late path (``wait_for_save`` or a
-  later step; vLLM 0.32's CUDA path for GLM-5.1 is all late).
+  later step; vLLM 0.32's CUDA path for GLM-5.1 is all late);
+* ``vllm:tilert_build_info{<BuildInfo fields>}``: 1, labelled with what the prefill server
+  runs (:class:`pd_build.info.BuildInfo`: tilert-pd and its git revision, vLLM, NIXL, UCX,
+  torch, CUDA, the KV layout fingerprint, the served model and its config.json checksum),
+  set once when vLLM builds these metrics in its API server.
 
 Imports vLLM: loaded by :mod:`connector.tilert_connector` only.
 """
@@ -20,7 +24,23 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from connector.config import load_settings
+from connector.profiles import resolve_profile
+from pd_build.info import BuildInfo, collect
+
 COUNTERS = ("handoffs_posted", "handoffs_failed", "layers_early", "layers_late")
+BUILD_INFO = "vllm:tilert_build_info"
+
+
+def prefill_build_info(vllm_config: Any) -> BuildInfo:
+    """The prefill server's build info: its served model name, the config.json of the model
+    directory vLLM loads (when local) and the KV layout of the connector's profile."""
+    model = vllm_config.model_config
+    settings = load_settings(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    layout = resolve_profile(settings.profile, model.hf_config, model.dtype).layout
+    served = model.served_model_name
+    name = served[0] if isinstance(served, list | tuple) else served
+    return collect("prefill", model=str(name or model.model), model_dir=model.model, kv_layout=layout.fingerprint())
 
 
 @dataclass
@@ -58,6 +78,16 @@ class TileRTPromMetrics(KVConnectorPromMetrics):
             "each layer) or late (wait_for_save or a later step)",
             labelnames=[*labelnames, "path"],
         )
+        info = prefill_build_info(vllm_config).labels()
+        build = self._gauge_cls(  # type: ignore[call-arg]  # a Gauge: vLLM's _gauge_cls
+            name=BUILD_INFO,
+            documentation="Versions of what this prefill server runs (tilert-pd, git revision, vLLM, NIXL, UCX, "
+            "torch, CUDA), its KV layout fingerprint, model and config.json checksum; always 1",
+            labelnames=[*labelnames, *info],
+            multiprocess_mode="mostrecent",
+        )
+        for values in per_engine_labelvalues.values():
+            build.labels(*values, *info.values()).set(1)  # type: ignore[union-attr]  # vLLM's _gauge_cls
         self._children = {
             idx: {
                 "handoffs_posted": handoffs.labels(*values, "posted"),

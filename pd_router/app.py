@@ -24,7 +24,8 @@ from pd_router.errors import InvalidRequest, MethodNotAllowed, NotFound, RouterE
 from pd_router.handler import CompletionHandler
 from pd_router.settings import RouterSettings
 from pd_router.state import RouterState
-from pd_router.wire import ModelCard, ModelList
+from pd_router.versions import version_report
+from pd_router.wire import ModelCard, ModelList, VersionReport
 
 _ROUTES = MappingProxyType({e.value: e for e in Endpoint})
 
@@ -85,13 +86,19 @@ def _control_app(state: RouterState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
+    @app.get("/version")
+    async def version() -> VersionReport:
+        return await version_report(state)
+
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
         if expected is not None and not hmac.compare_digest(
             request.headers.get("authorization", ""), expected
         ):
             raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
-        return ModelList(data=[ModelCard(id=m) for m in sorted(state.backends.prefill_models())])
+        builds = [b for backend in (await version_report(state)).backends for b in backend.build]
+        return ModelList(data=[ModelCard(id=m, build=[b for b in builds if b.model == m])
+                               for m in sorted(state.backends.prefill_models())])
 
     for path in _ROUTES:  # so that GET on a completion route answers 405, not 404
         app.add_api_route(path, _method_not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"])

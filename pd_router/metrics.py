@@ -15,6 +15,9 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from pd_build import prometheus as build_prometheus
+from pd_build.info import BuildInfo
+
 PREFIX = "pd_router_"
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5)
@@ -56,9 +59,10 @@ class TokenHistogram(Collector):
 class RouterMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, build: BuildInfo) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        build_prometheus.register(self.registry, PREFIX + "build_info", build)
         self.requests = self._counter("requests", "Completed requests", ("endpoint", "status", "error_type"))
         self.ttft = self._histogram(
             "time_to_first_token_seconds", "Arrival to first decode byte", ("endpoint",)

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from decode_server.contract import CANCEL_PATH, CancelRequest
+from pd_build.info import collect
 from pd_router.backends import Backends, DecodeBackend, PrefillBackend
 from pd_router.errors import RouterError, UpstreamRejected
 from pd_router.metrics import RouterMetrics
@@ -28,7 +29,8 @@ CANCEL_TIMEOUT_S = 5.0
 class RouterState:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        self.metrics = RouterMetrics()
+        self.build = collect("router")
+        self.metrics = RouterMetrics(self.build)
         self.backends = Backends.from_urls(
             settings.prefill, settings.decode, settings.decode_slots, settings.require_handshake,
             settings.decode_api_key(),

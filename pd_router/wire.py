@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from connector.protocol import PeerStatus
+from pd_build.info import BuildInfo
 
 
 class ErrorDetail(BaseModel):
@@ -61,8 +62,26 @@ class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     owned_by: str = "pd_router"
+    # what serves it: the build info of every backend reporting this model (see /version)
+    build: list[BuildInfo] = []
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class BackendBuild(BaseModel):
+    """One backend's build info as its ``/metrics`` says (``*_build_info``), or why not."""
+
+    role: Literal["prefill", "decode"]
+    url: str
+    build: list[BuildInfo]  # one per engine / process reporting it; empty when unreachable
+    error: str | None = None
+
+
+class VersionReport(BaseModel):
+    """``GET /version``: the router's own build info and each backend's, asked at once."""
+
+    router: BuildInfo
+    backends: list[BackendBuild]

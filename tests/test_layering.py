@@ -13,7 +13,7 @@ import pytest
 
 from tests.procs import REPO
 
-PACKAGES = ("connector", "decode_server", "pd_router", "pd_deploy", "pd_settings")
+PACKAGES = ("connector", "decode_server", "pd_router", "pd_deploy", "pd_settings", "pd_build")
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 

@@ -27,6 +27,7 @@ from decode_server.server.metrics import DecodeMetrics
 from decode_server.server.request_plan import ServerLimits
 from decode_server.server.slot_table import SlotManager
 from decode_server.server.text import GenerationDefaults, TextTokenizer
+from pd_build.info import BuildInfo, collect
 
 log = logging.getLogger(__name__)
 DRAIN_ABORT_WAIT_S = 5.0  # after the drain timeout: how long aborted generations may take to end
@@ -113,6 +114,7 @@ class DecodeState:
         receiver = receiver_factory(self.engine.kv_layout, cfg.slots, cfg.max_seq_len)
         await receiver.start()
         self.receiver = receiver
+        self.metrics.set_build(build_info(cfg, receiver.fingerprint))
         self.executor = ThreadPoolExecutor(max_workers=cfg.slots, thread_name_prefix="decode-slot")
         self.limits = ServerLimits(max_seq_len=cfg.max_seq_len, supports_logprobs=caps.supports_logprobs,
                                    engine=caps.engine, model_name=cfg.served_model_name,
@@ -151,6 +153,11 @@ class DecodeState:
             await asyncio.to_thread(self.engine.shutdown)
 
 
+def build_info(config: AppConfig, kv_layout: str | None = None) -> BuildInfo:
+    """What this decode server runs (``kv_layout``: the receiver's layout fingerprint, once loaded)."""
+    return collect("decode", model=config.served_model_name, model_dir=config.model_dir, kv_layout=kv_layout)
+
+
 def create_app(config: AppConfig, engine_factory: EngineFactory, receiver_factory: ReceiverFactory,
                on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     from decode_server.server.auth import RequireApiKey
@@ -160,7 +167,7 @@ def create_app(config: AppConfig, engine_factory: EngineFactory, receiver_factor
     slots = SlotManager(config.slots)
     state = DecodeState(config=config, tokenizer=tokenizer,
                         defaults=GenerationDefaults.from_model_dir(config.model_dir, tokenizer),
-                        slots=slots, metrics=DecodeMetrics(lambda: slots.busy, config.slots))
+                        slots=slots, metrics=DecodeMetrics(lambda: slots.busy, config.slots, build_info(config)))
 
     async def load() -> None:
         try:

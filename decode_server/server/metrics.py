@@ -1,6 +1,8 @@
 """Prometheus metrics of one decode server app (its own registry; prefix
 ``decode_server_``). Counters are updated from worker threads too
-(prometheus-client is thread-safe)."""
+(prometheus-client is thread-safe). ``decode_server_build_info`` (value 1, the
+:class:`pd_build.info.BuildInfo` fields as labels) says what the server runs; its
+``kv_layout`` label is filled in once the engine is loaded."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ from collections import deque
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pd_build.info import LABELS, BuildInfo
+from pd_build.prometheus import DOC as BUILD_INFO_DOC
 
 _TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -41,9 +46,11 @@ class _RecentRate:
 
 
 class DecodeMetrics:
-    def __init__(self, busy_slots: Callable[[], int], slots: int) -> None:
+    def __init__(self, busy_slots: Callable[[], int], slots: int, build: BuildInfo) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._build = Gauge("decode_server_build_info", BUILD_INFO_DOC, list(LABELS), registry=r)
+        self.set_build(build)
         self.requests = Counter("decode_server_requests", "Requests by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
         self.errors = Counter("decode_server_errors", "Errors by type (the OpenAI error.type)", ["error_type"],
@@ -67,6 +74,11 @@ class DecodeMetrics:
               registry=r).set_function(self._acceptance)
         Gauge("decode_server_busy_slots", "Slots holding a sequence", registry=r).set_function(busy_slots)
         Gauge("decode_server_slots", "Configured slots", registry=r).set(slots)
+
+    def set_build(self, build: BuildInfo) -> None:
+        """Report ``build`` (replacing what was reported before)."""
+        self._build.clear()
+        self._build.labels(**build.labels()).set(1)
 
     def _acceptance(self) -> float:
         with self._spec_lock:

@@ -15,7 +15,9 @@
 #   3. the prefill server (same way), which handshakes with every decode KV endpoint as
 #      it starts; gate: /health;
 #   4. the router, then its /ready gate (ready only once the KV handshake succeeded);
-#   5. a smoke chat completion, then the benchmark steps (aiperf, lm-eval gsm8k), if any;
+#   5. a smoke chat completion; DIR/fingerprint.json (every server's build info, read from its
+#      /metrics, the recipe and its hash, the exact commands); the benchmark steps (aiperf with
+#      every server's /metrics, lm-eval gsm8k), if any; DIR/summary.md;
 #   6. with hold: serve until the job is cancelled or DIR/STOP appears;
 #   then every step is stopped (router first) and the job ends.
 # DIR/state holds the current phase (converting, starting, ready, benchmark ID, serving,
@@ -220,12 +222,15 @@ in_job() {
     done
     if [[ $SMOKE_TEST -eq 1 ]]; then smoke_test; fi
     set_state ready
-    for row in "${rows[@]}"; do
-        IFS=$'\t' read -r id role _ node image url <<< "$row"
-        if [[ $role == benchmark ]]; then
-            set_state "benchmark $id"
-            run_task "$id" "$node" "$image" bash "$job_dir/bin/run_node.sh" "$job_dir" "$id"
-        fi
+    # fingerprint.json before the benchmarks, summary.md after them
+    for phase in fingerprint benchmark summary; do
+        for row in "${rows[@]}"; do
+            IFS=$'\t' read -r id role _ node image url <<< "$row"
+            if [[ $role == "$phase" ]]; then
+                [[ $phase != benchmark ]] || set_state "benchmark $id"
+                run_task "$id" "$node" "$image" bash "$job_dir/bin/run_node.sh" "$job_dir" "$id"
+            fi
+        done
     done
 
     if [[ $HOLD -eq 1 ]]; then

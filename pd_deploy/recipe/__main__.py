@@ -28,6 +28,10 @@ class DryRun(BaseModel):
     recipe: CliPositionalArg[Path]
     hosts: str = Field("", description="comma-separated node names (default node0,node1,...)")
     job_dir: str = Field("<job-dir>", description="job directory shown in commands")
+    fingerprint: Path | None = Field(
+        None, description="also write the plan's fingerprint.json here (servers' build info marked absent: "
+        "nothing runs; the versions of this environment under 'environment')"
+    )
 
 
 class Render(BaseModel):
@@ -71,8 +75,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"--hosts: {len(hosts)} names given, the recipe needs {plan.recipe.num_nodes}", file=sys.stderr)
                 return 2
             sys.stdout.write(describe(plan, hosts or None, cmd.job_dir))
+            if cmd.fingerprint is not None:
+                from pd_deploy.report.fingerprint import build_fingerprint, recipe_record, write
+
+                names = hosts or [f"node{i}" for i in range(plan.recipe.num_nodes)]
+                record = recipe_record(plan.recipe.name, str(cmd.recipe.resolve()), cmd.recipe.read_text())
+                fp = build_fingerprint(plan, record, names, cmd.job_dir, job_id=None, live=False)
+                print(f"fingerprint: {write(fp, cmd.fingerprint)} (recipe sha256 {record.sha256})")
             return 0
-        print(write_plan(plan, cmd.job_dir))
+        print(write_plan(plan, cmd.job_dir, cmd.recipe.read_text(), str(cmd.recipe.resolve())))
         return 0
     except RecipeError as exc:
         print(exc, file=sys.stderr)

@@ -28,6 +28,12 @@ from pd_deploy.recipe.topology import conversion_env
 from pd_deploy.secrets import DECODE_API_KEY, KV_SECRET, SECRETS_DIR
 
 OFFLINE_CLIENT_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# aiperf 0.13.0 in HF offline mode looks a tokenizer up only in the hub cache (snapshot_download),
+# which fails for a local directory ("Repo id must be in the form ..."); out of offline mode it
+# loads an absolute local path directly, with no hub lookup. The recipe's tokenizer is always a
+# local absolute path (topology check), so aiperf runs with offline mode explicitly off.
+AIPERF_ENV = {"HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "", "HF_DATASETS_OFFLINE": "1",
+              "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
 def host_placeholder(node: int) -> str:
@@ -58,7 +64,7 @@ class Step:
     """
 
     id: str
-    role: Literal["convert", "prefill", "decode", "router", "benchmark"]
+    role: Literal["convert", "prefill", "decode", "router", "fingerprint", "benchmark", "summary"]
     kind: Literal["service", "task"]
     node: int
     image: str | None
@@ -69,6 +75,11 @@ class Step:
     def command_line(self) -> str:
         return shlex.join(self.argv)
 
+    @property
+    def base_url(self) -> str:
+        """A service's base URL (its gate without the probe path)."""
+        return self.ready_url.rsplit("/", 1)[0]
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -76,19 +87,36 @@ class Plan:
     convert: Step | None
     workers: list[Step]
     router: Step
+    fingerprint: Step
     benchmarks: list[Step]
+    summary: Step
 
     @property
     def steps(self) -> list[Step]:
-        """Every step in start order: conversion, decode servers, prefill, router, benchmarks."""
+        """Every step in start order: conversion, decode servers, prefill, router, fingerprint,
+        benchmarks, summary."""
         head = [self.convert] if self.convert else []
+        return [*head, *self.services, self.fingerprint, *self.benchmarks, self.summary]
+
+    @property
+    def services(self) -> list[Step]:
+        """The servers in start order: decode servers, prefill, router."""
         decodes = [s for s in self.workers if s.role == "decode"]
         prefills = [s for s in self.workers if s.role == "prefill"]
-        return [*head, *decodes, *prefills, self.router, *self.benchmarks]
+        return [*decodes, *prefills, self.router]
+
+    @property
+    def metrics_urls(self) -> list[str]:
+        """Every real Prometheus endpoint of the deployment: router, prefill, each decode server."""
+        return _metrics_urls(self.router, self.workers)
 
     @property
     def router_url(self) -> str:
         return self.router.ready_url.removesuffix("/ready")
+
+
+def _metrics_urls(router: Step, workers: list[Step]) -> list[str]:
+    return [f"{s.base_url}/metrics" for s in (router, *workers)]
 
 
 def _nodes(r: Recipe) -> tuple[int, list[int]]:
@@ -213,7 +241,21 @@ def _router(r: Recipe, workers: list[Step]) -> Step:
     )
 
 
-def _benchmarks(r: Recipe, router: Step) -> list[Step]:
+def _report_step(r: Recipe, router: Step, kind: Literal["fingerprint", "summary"]) -> Step:
+    """``python -m pd_deploy.report {fingerprint,summary}`` in the router's environment, on its node:
+    fingerprint.json before the benchmarks (every role's build info read from its /metrics), then
+    summary.md after them."""
+    return Step(
+        id=kind,
+        role=kind,
+        kind="task",
+        node=router.node,
+        image=r.router.image,
+        argv=[r.router.python, "-m", "pd_deploy.report", kind, "--job-dir", "@JOBDIR@"],
+    )
+
+
+def _benchmarks(r: Recipe, router: Step, metrics_urls: list[str]) -> list[Step]:
     b = r.benchmark
     if b is None:
         return []
@@ -253,6 +295,9 @@ def _benchmarks(r: Recipe, router: Step) -> list[Step]:
                 str(count),
                 "--artifact-dir",
                 f"@JOBDIR@/bench/aiperf-c{c}",
+                # every real /metrics (aiperf adds the router's own /metrics too)
+                "--server-metrics",
+                *metrics_urls,
             ]
             steps.append(
                 Step(
@@ -262,7 +307,7 @@ def _benchmarks(r: Recipe, router: Step) -> list[Step]:
                     node=router.node,
                     image=r.router.image,
                     argv=argv,
-                    env=dict(OFFLINE_CLIENT_ENV),
+                    env=dict(AIPERF_ENV),
                 )
             )
     if b.gsm8k:
@@ -310,12 +355,15 @@ def build_plan(recipe: Recipe) -> Plan:
     workers = _workers(recipe)
     router = _router(recipe, workers)
     convert_node = decode_nodes[0] if decode_nodes else prefill_node
+    metrics_urls = _metrics_urls(router, workers)
     return Plan(
         recipe=recipe,
         convert=_convert_step(recipe, convert_node),
         workers=workers,
         router=router,
-        benchmarks=_benchmarks(recipe, router),
+        fingerprint=_report_step(recipe, router, "fingerprint"),
+        benchmarks=_benchmarks(recipe, router, metrics_urls),
+        summary=_report_step(recipe, router, "summary"),
     )
 
 

@@ -6,7 +6,9 @@ without Python on the compute nodes:
 * ``steps.tsv``: one line per step: id, role, kind, node, image (``-`` if none), ready URL (``-``);
 * ``<id>.argv`` / ``<id>.env``: the step's argv and environment (``KEY=VALUE``), NUL-separated;
 * ``job.env``: shell assignments (quoted) of the job-wide settings;
-* ``dry-run.txt``: what ``dry-run`` prints.
+* ``dry-run.txt``: what ``dry-run`` prints;
+* ``recipe.yaml``, ``recipe.source``: the recipe's bytes and the path it was rendered from
+  (what ``fingerprint.json`` hashes and rebuilds the plan from).
 
 ``@HOSTi@`` and ``@JOBDIR@`` in any of them are replaced by the job at run time.
 """
@@ -53,7 +55,13 @@ def load_recipe(path: Path) -> Recipe:
     return parse_recipe(data, str(path))
 
 
-def _substitute(text: str, hosts: list[str], job_dir: str) -> str:
+def masked(key: str, value: str) -> str:
+    """An environment value as shown (dry run, fingerprint.json): tokens hidden."""
+    return "***" if "TOKEN" in key else value
+
+
+def substitute(text: str, hosts: list[str], job_dir: str) -> str:
+    """``text`` with the plan's placeholders (``@HOSTi@``, ``@JOBDIR@``) filled in."""
     for i, host in enumerate(hosts):
         text = text.replace(host_placeholder(i), host)
     return text.replace("@JOBDIR@", job_dir)
@@ -66,7 +74,8 @@ def describe(plan: Plan, hosts: list[str] | None = None, job_dir: str = "<job-di
     lines = [
         f"recipe {r.name}: {r.num_nodes} node(s), model {r.model.name} ({r.model.profile}), "
         f"decode engine {r.decode.engine}, MTP {'on' if r.mtp.enabled else 'off'}",
-        "start order: convert (once) -> decode -> gates -> prefill -> gate -> router -> gate -> benchmarks",
+        "start order: convert (once) -> decode -> gates -> prefill -> gate -> router -> gate -> fingerprint "
+        "-> benchmarks -> summary",
     ]
     for node in range(r.num_nodes):
         lines.append(f"\n== node {node} ({names[node]}) ==")
@@ -75,7 +84,7 @@ def describe(plan: Plan, hosts: list[str] | None = None, job_dir: str = "<job-di
                 continue
             lines.append(f"[{step.id}] role={step.role} kind={step.kind} image={step.image or '-'}")
             if step.ready_url:
-                lines.append(f"  gate: {_substitute(step.ready_url, names, job_dir)}")
+                lines.append(f"  gate: {substitute(step.ready_url, names, job_dir)}")
             if step.role == "convert" and r.conversion is not None:
                 lines.append(f"  into: {r.model.converted} (once, under {r.model.converted}.lock; "
                              "skipped when already complete)")
@@ -83,9 +92,8 @@ def describe(plan: Plan, hosts: list[str] | None = None, job_dir: str = "<job-di
                              f"when the converter did not write them, and checks the directory for the "
                              f"{r.decode.engine} engine ({r.decode.python} -m decode_server.model_dir)")
             for key, value in sorted(step.env.items()):
-                shown = "***" if "TOKEN" in key else value
-                lines.append(f"  env {key}={_substitute(shown, names, job_dir)}")
-            lines.append("  $ " + _substitute(step.command_line(), names, job_dir))
+                lines.append(f"  env {key}={substitute(masked(key, value), names, job_dir)}")
+            lines.append("  $ " + substitute(step.command_line(), names, job_dir))
     return "\n".join(lines) + "\n"
 
 
@@ -135,12 +143,14 @@ def _step_row(step: Step) -> str:
     )
 
 
-def write_plan(plan: Plan, job_dir: Path) -> Path:
+def write_plan(plan: Plan, job_dir: Path, recipe_text: str = "", recipe_source: str = "") -> Path:
     """Write ``job_dir/plan`` (see the module docstring) and the job's secrets (created once,
     0600, :mod:`pd_deploy.secrets`); returns the plan directory."""
     out = job_dir / "plan"
     out.mkdir(parents=True, exist_ok=True)
     generate_secrets(job_dir)
+    (out / "recipe.yaml").write_text(recipe_text)
+    (out / "recipe.source").write_text(recipe_source + "\n")
     for step in plan.steps:
         (out / f"{step.id}.argv").write_bytes(_nul(step.argv))
         (out / f"{step.id}.env").write_bytes(_nul([f"{k}={v}" for k, v in step.env.items()]))

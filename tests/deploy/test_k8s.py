@@ -81,6 +81,15 @@ def test_probes_and_router_service() -> None:
     assert svc["spec"]["ports"][0]["port"] == int(_env(router)["PD_ROUTER_PORT"])
 
 
+@pytest.mark.parametrize("kind,name", [("Deployment", "prefill"), ("StatefulSet", "decode"), ("Deployment", "router")])
+def test_every_pods_metrics_are_scraped(kind: str, name: str) -> None:
+    """Each pod's /metrics (with its *_build_info) is announced to Prometheus, on the port it serves."""
+    annotations = _get(kind, name)["spec"]["template"]["metadata"]["annotations"]
+    http = next(p for p in _container(kind, name)["ports"] if p["name"] == "http")
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(http["containerPort"]),
+                           "prometheus.io/path": "/metrics"}
+
+
 def test_exactly_one_prefill_and_wiring_between_roles() -> None:
     assert _get("Deployment", "prefill")["spec"]["replicas"] == 1
     decode = _get("StatefulSet", "decode")

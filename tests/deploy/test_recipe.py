@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import shlex
@@ -16,6 +17,7 @@ import pytest
 import yaml
 
 from pd_deploy.recipe import RecipeError, build_plan, conversion_env, parse_recipe, write_plan
+from pd_deploy.report.model import Fingerprint
 from tests.deploy.conftest import DEPLOY, dump_recipe, load_recipe_dict
 from tests.procs import REPO
 
@@ -124,10 +126,12 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
     node0, node1 = text.split("== node 1 (dc0) ==")
     assert "== node 0 (pf0) ==" in node0
     cmds = {line.split("] ")[0][1:]: None for line in text.splitlines() if line.startswith("[")}
-    assert list(cmds) == ["prefill", "router", "aiperf-c1", "aiperf-c2", "aiperf-c4", "aiperf-c8", "gsm8k",
-                          "convert", "decode0"]
+    assert list(cmds) == ["prefill", "router", "fingerprint", "aiperf-c1", "aiperf-c2", "aiperf-c4", "aiperf-c8",
+                          "gsm8k", "summary", "convert", "decode0"]
     commands = [shlex.split(line[4:]) for line in text.splitlines() if line.startswith("  $ ")]
-    prefill, router, *bench, convert, decode = commands
+    prefill, router, fingerprint, *bench, summary, convert, decode = commands
+    assert fingerprint == ["python3", "-m", "pd_deploy.report", "fingerprint", "--job-dir", "/shared/run1"]
+    assert summary == ["python3", "-m", "pd_deploy.report", "summary", "--job-dir", "/shared/run1"]
     assert prefill[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
     assert prefill[prefill.index("--tensor-parallel-size") + 1] == "8"
     assert json.loads(prefill[prefill.index("--speculative-config") + 1])["method"] == "mtp"
@@ -156,6 +160,10 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
             " from /shared/models/GLM-5.1-FP8 when the converter did not write them, and checks the directory for "
             "the tilert engine") in node1
     assert all("/shared/run1/bench/" in " ".join(b) for b in bench)
+    # aiperf reads every real /metrics: the router's, prefill's (vLLM) and each decode server's
+    for aiperf in bench[:-1]:
+        assert aiperf[aiperf.index("--server-metrics") + 1:] == [
+            "http://pf0:8000/metrics", "http://pf0:8100/metrics", "http://dc0:8200/metrics"]
     assert "gate: http://pf0:8100/health" in node0 and "gate: http://pf0:8000/ready" in node0
     assert "gate: http://dc0:8200/ready" in node1
     assert "HF_TOKEN" not in text  # the shipped recipe sets none (see the next test for one that does)
@@ -199,11 +207,15 @@ def test_render_writes_what_the_slurm_scripts_read(tmp_path: Path) -> None:
     plan = build_plan(parse_recipe(load_recipe_dict(GLM)))
     out = write_plan(plan, tmp_path)
     rows = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
-    assert [r[0] for r in rows] == ["convert", "decode0", "prefill", "router", "aiperf-c1", "aiperf-c2",
-                                    "aiperf-c4", "aiperf-c8", "gsm8k"]
+    assert [r[0] for r in rows] == ["convert", "decode0", "prefill", "router", "fingerprint", "aiperf-c1",
+                                    "aiperf-c2", "aiperf-c4", "aiperf-c8", "gsm8k", "summary"]
     assert all(len(r) == 6 for r in rows)
     for step in plan.steps:
         assert (out / f"{step.id}.argv").read_bytes().split(b"\0")[:-1] == [a.encode() for a in step.argv]
+    # aiperf 0.13 cannot load a local tokenizer in HF offline mode (it looks in the hub cache only)
+    aiperf = next(s for s in plan.benchmarks if s.id.startswith("aiperf"))
+    assert aiperf.env["HF_HUB_OFFLINE"] == aiperf.env["TRANSFORMERS_OFFLINE"] == ""
+    assert plan.benchmarks[-1].id == "gsm8k" and plan.benchmarks[-1].env["HF_HUB_OFFLINE"] == "1"
     job_env = (out / "job.env").read_text()
     assert "CONVERT_DST=/shared/models/GLM-5.1-FP8-tilert\n" in job_env and "NUM_NODES=2\n" in job_env
     assert ("CONVERT_MODEL_FILES='tokenizer.json tokenizer_config.json chat_template.jinja config.json "
@@ -223,6 +235,31 @@ def test_render_writes_what_the_slurm_scripts_read(tmp_path: Path) -> None:
     assert values["decode-api-key"] != values["kv-secret"]
     write_plan(plan, tmp_path)
     assert {n: (secrets_dir / n).read_text().strip() for n in values} == values
+
+
+def test_dry_run_writes_the_plans_fingerprint(tmp_path: Path) -> None:
+    recipe = DEPLOY / "recipes" / GLM
+    out = _cli("dry-run", str(recipe), "--hosts", "pf0,dc0", "--job-dir", "/shared/run1",
+               "--fingerprint", str(tmp_path / "fingerprint.json"))
+    assert out.returncode == 0, out.stderr
+    fp = Fingerprint.model_validate_json((tmp_path / "fingerprint.json").read_text())
+    assert fp.kind == "dry-run" and fp.hosts == ["pf0", "dc0"] and fp.job_dir == "/shared/run1"
+    assert fp.recipe.text == recipe.read_text()
+    assert fp.recipe.sha256 == hashlib.sha256(recipe.read_bytes()).hexdigest()
+    assert f"recipe sha256 {fp.recipe.sha256}" in out.stdout
+    plan = build_plan(parse_recipe(load_recipe_dict(GLM)))
+    # the exact commands, host names and job directory filled in, as the dry run prints them
+    shown = [shlex.split(line[4:]) for line in out.stdout.splitlines() if line.startswith("  $ ")]
+    recorded = {s.id: s.command for s in [*fp.services, *fp.steps]}
+    assert set(recorded) == {s.id for s in plan.steps}
+    assert sorted(shown) == sorted(recorded.values())
+    assert [(s.role, s.host, s.metrics_url) for s in fp.services] == [
+        ("decode", "dc0", "http://dc0:8200/metrics"), ("prefill", "pf0", "http://pf0:8100/metrics"),
+        ("router", "pf0", "http://pf0:8000/metrics")]
+    assert fp.server_metrics == ["http://pf0:8000/metrics", "http://pf0:8100/metrics", "http://dc0:8200/metrics"]
+    # nothing ran: no server's build info, and the file says why; this environment's is there
+    assert all(s.build == [] and s.absent and "dry run" in s.absent for s in fp.services)
+    assert fp.environment.version != "absent"
 
 
 def test_submit_dry_run_prints_the_plan_without_submitting(tmp_path: Path) -> None:

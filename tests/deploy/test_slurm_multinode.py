@@ -6,6 +6,7 @@ the sbatch request, and host names substituted into every command."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pd_deploy.recipe import build_plan, parse_recipe
+from pd_deploy.report.model import Fingerprint
 from tests.deploy.conftest import SLURM_DIR, dump_recipe, fake_checkpoint, load_recipe_dict, write_exe
 from tests.deploy.jobs import alive
 from tests.procs import REPO, free_port
@@ -86,6 +88,15 @@ def test_two_node_job_with_pyxis_containers(tmp_path: Path, standin_python: Path
         assert opts["--container-image"] == images[step], step
         assert opts["--container-mounts"] == f"{job_dir}:{job_dir},/shared:/shared", step
     assert images["prefill"] != images["decode0"]
+    # the fingerprint and summary steps ran on the router's node, in its image, and name every node
+    for step in ("fingerprint", "summary"):
+        opts = _opts(_nul_file(state_dir / f"srun.{step}"))
+        assert (opts["--nodelist"], opts["--container-image"]) == ("127.0.0.1", images["router"]), step
+    fp = Fingerprint.model_validate_json((job_dir / "fingerprint.json").read_text())
+    assert fp.hosts == HOSTS and fp.recipe.sha256 == hashlib.sha256(recipe.read_bytes()).hexdigest()
+    assert [(s.id, s.host, s.image) for s in fp.services] == [(i, nodes[i], images[i]) for i in ("decode0", "prefill",
+                                                                                                  "router")]
+    assert (job_dir / "summary.md").exists()
 
     rec = {r: json.loads((records / f"{r}.json").read_text()) for r in ("prefill", "decode", "router")}
     kv = json.loads(rec["prefill"]["argv"][rec["prefill"]["argv"].index("--kv-transfer-config") + 1])

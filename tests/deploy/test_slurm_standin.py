@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from pd_deploy.recipe import build_plan, parse_recipe
+from pd_deploy.report.model import Fingerprint
 from tests.deploy.conftest import (
     dump_recipe,
     fake_checkpoint,
@@ -88,6 +89,15 @@ def test_job_orders_gates_serves_and_stops(slurm_cluster: SlurmCluster, tmp_path
     assert all(a[a.index("--tokenizer") + 1] == data["model"]["source"] for a in aiperf)
     port = data["router"]["port"]
     assert all(a[a.index("--url") + 1] == f"127.0.0.1:{port}" for a in aiperf)
+    servers = [f"http://127.0.0.1:{data[role]['port']}/metrics" for role in ("router", "prefill", "decode")]
+    assert all(a[a.index("--server-metrics") + 1:] == servers for a in aiperf)
+    # fingerprint.json before the benchmarks: the stand-ins report no build info, and it says so
+    fp = Fingerprint.model_validate_json((job_dir / "fingerprint.json").read_text())
+    assert [(s.role, s.build) for s in fp.services] == [("decode", []), ("prefill", []), ("router", [])]
+    assert all(s.absent and s.metrics_url in s.absent for s in fp.services)
+    assert (job_dir / "fingerprint.json").stat().st_mtime <= min(p.stat().st_mtime for p in records.glob("aiperf.*"))
+    summary = (job_dir / "summary.md").read_text()
+    assert fp.recipe.sha256 in summary and "no profile_export_aiperf.json" in summary
     (lm_eval,) = read_records(records, "lm_eval")
     assert lm_eval[lm_eval.index("--include_path") + 1] == f"{job_dir}/plan/lm_eval_tasks"
     assert str(tmp_path / "gsm8k") in (job_dir / "plan" / "lm_eval_tasks" / "gsm8k_local.yaml").read_text()
