@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections import deque
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -115,23 +116,44 @@ class ReportInbox:
 
 
 class ReportOutbox:
-    """Worker side: sends :class:`SendReport` datagrams to the scheduler's inbox."""
+    """Worker side: sends :class:`SendReport` datagrams to the scheduler's inbox.
+
+    Never blocks: the inbox holds only a few datagrams (Linux ``net.unix.max_dgram_qlen``,
+    10 by default) and the scheduler drains it only between steps, while it waits for this
+    worker to finish the step. A blocking send past the queue's limit (more than ~10
+    handoffs reported in one step) deadlocked the engine. Reports the queue has no room for
+    wait here, in order, and go out at the next :meth:`send` or :meth:`flush` (the worker
+    flushes every step, after the scheduler drained)."""
 
     def __init__(self, address: str) -> None:
         self.address = address
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+        self._backlog: deque[bytes] = deque()
+
+    @property
+    def backlog(self) -> int:
+        return len(self._backlog)
 
     def send(self, report: SendReport) -> bool:
+        """Queue ``report`` and send what the inbox has room for; False only if the inbox is gone."""
         if report.error and len(report.error) > _MAX_ERROR_CHARS:
             report = report.model_copy(update={"error": report.error[:_MAX_ERROR_CHARS] + "..."})
-        try:
-            self._sock.sendto(report.model_dump_json().encode(), self.address)
-            return True
-        except OSError as exc:
-            log.error(
-                "cannot report %s of request %s to the scheduler: %s", report.status, report.req_id, exc
-            )
-            return False
+        self._backlog.append(report.model_dump_json().encode())
+        return self.flush()
+
+    def flush(self) -> bool:
+        while self._backlog:
+            try:
+                self._sock.sendto(self._backlog[0], self.address)
+            except (BlockingIOError, InterruptedError):
+                return True  # the inbox is full: the rest goes out after the scheduler drained it
+            except OSError as exc:
+                log.error("cannot report %d handoff outcome(s) to the scheduler: %s", len(self._backlog), exc)
+                self._backlog.clear()
+                return False
+            self._backlog.popleft()
+        return True
 
     def close(self) -> None:
         self._sock.close()

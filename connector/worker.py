@@ -90,6 +90,8 @@ SenderFactory = Callable[[str, KVLayout, int, SenderPlan, str], Sender]
 class Reports(Protocol):
     def send(self, report: SendReport) -> bool: ...
 
+    def flush(self) -> bool: ...
+
     def close(self) -> None: ...
 
 
@@ -253,6 +255,7 @@ class ConnectorWorker:
             self._report(send)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        self._reports.flush()  # reports the scheduler's inbox had no room for in an earlier step
         for req_id in finished_req_ids:
             send = self._sends.get(req_id)
             if send is None:

@@ -326,8 +326,8 @@ class CompletionHandler:
                 if attempt:
                     raise
                 failed, failed_backend = err, backend
-            except RouterError as err:
-                state.upstream_failed("prefill", backend, err)
+            except RouterError as err:  # a lost connection: the server is down until a probe says otherwise
+                state.upstream_failed("prefill", backend, err, mark_down=isinstance(err, upstream.ConnectionLost))
                 raise
             finally:
                 backend.in_flight -= 1

@@ -23,6 +23,10 @@ class Unreachable(BadUpstream):
     """The connection failed before the upstream answered anything."""
 
 
+class ConnectionLost(BadUpstream):
+    """The connection broke after the request was sent (the upstream process died or reset it)."""
+
+
 class Target(NamedTuple):
     """A backend base URL, parsed once."""
 
@@ -54,7 +58,7 @@ def map_error(role: str, target: Target, exc: UpstreamError | TimeoutError, time
         return UpstreamTimeout(f"{role} server {target.origin} did not answer within {timeout_name}")
     if isinstance(exc, ConnectFailed):
         return Unreachable(f"{role} server {target.origin} unreachable: {exc}")
-    return BadUpstream(f"{role} server {target.origin} failed: {exc}")
+    return ConnectionLost(f"{role} server {target.origin} failed: {exc}")
 
 
 async def _check_status(resp: Response, role: str, target: Target) -> None:

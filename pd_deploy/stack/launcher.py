@@ -179,6 +179,14 @@ class Stack:
             raise HandshakeFailed(f"{decode_url} rejected prefill {rejected[0].peer}: {rejected[0].reason}")
         return False
 
+    def restart(self, name: str) -> ManagedProcess:
+        """Start process ``name`` again with the same command line (after it died or was
+        killed; stopped first if it is still running)."""
+        old = next(p for p in self.processes if p.name == name)
+        old.stop()
+        self.processes.remove(old)
+        return self._spawn(name, old.argv, env=old.env)
+
     def dead(self) -> list[ManagedProcess]:
         return [p for p in self.processes if not p.alive()]
 

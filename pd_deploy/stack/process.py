@@ -72,6 +72,7 @@ class ManagedProcess:
                  cwd: Path | None = None) -> None:
         self.name = name
         self.argv = list(argv)
+        self.env = env
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "wb")

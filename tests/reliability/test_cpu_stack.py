@@ -5,7 +5,10 @@ streams loses none of them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import random
 import signal
 import time
 from collections.abc import Iterator
@@ -54,6 +57,57 @@ def _wait(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+async def _storm(url: str, model: str, n: int, concurrency: int) -> tuple[int, int]:
+    """``n`` streaming requests, each abandoned after a random 0-1.5 s (some finish first)."""
+    rng = random.Random(12)
+    sem = asyncio.Semaphore(concurrency)
+    finished = abandoned = 0
+
+    async def one(i: int, http: httpx.AsyncClient) -> None:
+        nonlocal finished, abandoned
+        body = {"model": model, "prompt": PROMPT * rng.randint(1, 40), "max_tokens": 32, "stream": True}
+        async with sem:
+            try:
+                async with asyncio.timeout(rng.uniform(0, 1.5)):
+                    async with http.stream("POST", url + "/v1/completions", json=body,
+                                           headers={"X-Request-Id": f"storm-{i}"}) as resp:
+                        async for _ in resp.aiter_bytes():
+                            pass
+                finished += 1
+            except TimeoutError:
+                abandoned += 1
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        await asyncio.gather(*(one(i, http) for i in range(n)))
+    return finished, abandoned
+
+
+def test_a_disconnect_storm_leaves_nothing_behind(stack2):
+    cfg = stack2.config
+    url, model = cfg.router_url, cfg.model_name
+    t0 = time.monotonic()
+    finished, abandoned = asyncio.run(_storm(url, model, 500, 32))
+    elapsed = time.monotonic() - t0
+    assert abandoned >= 100, (finished, abandoned)  # many left mid-way
+
+    def state() -> dict[str, float]:
+        caps = [httpx.get(u + CAPABILITIES_PATH, timeout=5).json() for u in cfg.decode_urls]
+        return {"router_in_flight": _metric(url, "pd_router_in_flight_requests"),
+                "router_queue": _metric(url, "pd_router_queue_depth"),
+                "decode_busy": sum(c["busy_slots"] for c in caps), "kv_busy": sum(c["kv_busy_slots"] for c in caps),
+                "vllm_kv_usage": vllm_kv_usage(cfg.prefill_url)}
+
+    deadline = time.monotonic() + 60
+    while any(state().values()):
+        assert time.monotonic() < deadline, f"not all free 60 s after the storm: {state()}"
+        time.sleep(0.1)
+    resp = _completion(url, model, "after-storm")
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"]
+    print(f"storm: 500 requests, {abandoned} abandoned, {finished} finished, {elapsed:.1f}s")
+
+
+
 def test_a_decode_server_killed_before_its_first_token_costs_only_latency(stack2):
     cfg = stack2.config
     url, model = cfg.router_url, cfg.model_name
@@ -73,6 +127,62 @@ def test_a_decode_server_killed_before_its_first_token_costs_only_latency(stack2
     _wait(lambda: vllm_kv_usage(cfg.prefill_url) == 0, 30, "vLLM's KV blocks freed")
     assert _metric(url, "pd_router_in_flight_requests") == 0
     print(f"4 requests after kill -9 of decode-0: {elapsed:.1f}s, 1 failover")
+
+
+def test_a_decode_server_killed_mid_stream_then_restarted(stack2):
+    """The client gets an OpenAI error event, /ready turns 503 (no decode server left), and
+    after a restart the stack serves again."""
+    cfg = stack2.config
+    url, model = cfg.router_url, cfg.model_name
+    decode1 = _proc(stack2, "decode-1")
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(_completion, url, model, "victim", True, 2000)
+        _wait(lambda: httpx.get(cfg.decode_urls[1] + CAPABILITIES_PATH, timeout=5).json()["busy_slots"] == 1,
+              60, "the stream generating on decode-1")
+        os.killpg(decode1.pid, signal.SIGKILL)
+        answer = stream.result(60)
+    events = [e[6:] for e in answer.text.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "bad_upstream_response", events[-2:]
+    assert httpx.get(url + "/ready", timeout=5).status_code == 503
+    t0 = time.monotonic()
+    restarted = [stack2.restart(name) for name in ("decode-0", "decode-1")]
+    for proc, decode_url in zip(restarted, cfg.decode_urls, strict=True):
+        proc.wait_http(decode_url + "/ready", 120)
+    _wait(lambda: httpx.get(url + "/ready", timeout=5).status_code == 200, 120, "the router ready again")
+    resp = _completion(url, model, "after-restart")
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"], resp.text
+    print(f"decode servers restarted, router ready and serving in {time.monotonic() - t0:.1f}s")
+
+
+def test_vllm_killed_mid_prefill_then_restarted(stack2):
+    cfg = stack2.config
+    url, model = cfg.router_url, cfg.model_name
+    prefill = _proc(stack2, "prefill")
+    long_prompt = PROMPT * 700  # ~2.8k tokens: a prefill of a few hundred ms here
+
+    def running() -> int:  # prefill requests the router sent and vLLM has not answered
+        return httpx.get(url + "/ready", timeout=5).json()["prefill"][0]["in_flight"]
+
+    with ThreadPoolExecutor(4) as pool:
+        calls = [pool.submit(httpx.post, url + "/v1/completions", timeout=120,
+                             json={"model": model, "prompt": long_prompt, "max_tokens": 8}) for _ in range(4)]
+        _wait(lambda: running() > 0, 60, "a prefill under way in vLLM")
+        os.killpg(prefill.pid, signal.SIGKILL)
+        answers = [c.result(120) for c in calls]
+    failed = [a for a in answers if a.status_code != 200]
+    assert failed, "every request finished: vLLM was killed too late"
+    for a in failed:
+        assert a.status_code == 502 and set(a.json()["error"]) == {"message", "type", "param", "code"}, a.text
+    assert httpx.get(url + "/ready", timeout=5).status_code == 503  # marked down by the lost connection
+    t0 = time.monotonic()
+    proc = stack2.restart("prefill")
+    proc.wait_http(cfg.prefill_url + "/health", 300)
+    _wait(lambda: httpx.get(url + "/ready", timeout=5).status_code == 200, 120, "the router ready again")
+    resp = _completion(url, model, "after-vllm-restart")
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"], resp.text
+    print(f"vLLM killed mid-prefill ({len(failed)} of 4 requests failed with 502); serving again "
+          f"{time.monotonic() - t0:.1f}s after the restart")
+
 
 
 def test_sigterm_to_the_router_during_8_live_streams_loses_none(stack2):
