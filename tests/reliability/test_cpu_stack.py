@@ -158,7 +158,7 @@ def test_vllm_killed_mid_prefill_then_restarted(stack2):
     cfg = stack2.config
     url, model = cfg.router_url, cfg.model_name
     prefill = _proc(stack2, "prefill")
-    long_prompt = PROMPT * 700  # ~2.8k tokens: a prefill of a few hundred ms here
+    long_prompt = PROMPT * 450  # ~2.6k tokens (of 4096): a prefill of a few hundred ms here
 
     def running() -> int:  # prefill requests the router sent and vLLM has not answered
         return httpx.get(url + "/ready", timeout=5).json()["prefill"][0]["in_flight"]
