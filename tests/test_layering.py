@@ -7,13 +7,14 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from tests.procs import REPO
 
-PACKAGES = ("connector", "decode_server", "pd_router", "pd_deploy", "pd_settings", "pd_build")
+PACKAGES = tuple(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"])
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
