@@ -66,8 +66,8 @@ def main() -> int:
     model_dir = args.model or ensure_tiny_model(REPO / ".cache" / "tiny-model")
     model = load_model(model_dir)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    engines = {"no_mtp": ReferenceEngine(model_dir, model=model, num_mtp=0),
-               "mtp1": ReferenceEngine(model_dir, model=model, num_mtp=1)}
+    engines = {"no_mtp": ReferenceEngine(model_dir, model=model, num_mtp=0, threads=args.threads),
+               "mtp1": ReferenceEngine(model_dir, model=model, num_mtp=1, threads=args.threads)}
     inputs = []
     for p in PROMPTS:
         ids = tok.encode(p).ids
