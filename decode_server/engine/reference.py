@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -150,7 +151,7 @@ class ReferenceEngine(Engine):
 
     def __init__(self, model_dir: Path | str, *, slots: int = 1, max_seq_len: int = 4096, num_mtp: int = 1,
                  kv_dtype: str | None = None, model: MlaMoeModel | None = None, device: str = "cpu",
-                 threads: int | None = DEFAULT_THREADS) -> None:
+                 threads: int | None = DEFAULT_THREADS, split_attention: bool = False) -> None:
         if threads is not None and threads < 1:
             raise ValueError(f"threads={threads}: must be >= 1 (or None: leave PyTorch's setting)")
         self._model = model if model is not None else load_model(model_dir, device=device)
@@ -171,7 +172,8 @@ class ReferenceEngine(Engine):
         self._slots, self._max_seq_len, self._num_mtp = slots, max_seq_len, num_mtp
         self._lock = threading.Lock()
         self._layout = cpu_mla_layout(cfg.num_hidden_layers, 1 if num_mtp else 0, self._kv_dtype)
-        self._decoder = Decoder(self._model, max_positions=max_seq_len)
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="attention-helper") if split_attention else None
+        self._decoder = Decoder(self._model, max_positions=max_seq_len, helper=self._helper)
         weight = self._model.lm_head.weight
         layers = cfg.num_hidden_layers + (1 if num_mtp else 0)
         self._free = [torch.empty(layers, max_seq_len, cfg.kv_width, dtype=weight.dtype, device=weight.device)

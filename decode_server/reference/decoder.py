@@ -32,7 +32,9 @@ positions ``start .. start + t - 1`` writes their rows and attends over rows ``0
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +44,7 @@ from decode_server.reference.model import MlaMoeModel
 
 FLASH_MIN_LEN = 2048  # below, two products over the whole cache; measured in docs/benchmarks.md
 FLASH_CHUNK = 1024  # rows per chunk: 1024 x 576 float32 = 2.3 MB, about one core's L2
+SPLIT_MIN_LEN = 512  # with a helper thread, attention over at least this many rows is split in two
 MAX_NEW_TOKENS = 16  # tokens per pass (1 + drafts; the decode server allows up to 8 drafts)
 
 
@@ -164,8 +167,9 @@ class Decoder:
     Built once per model (it holds fused copies of the weights, ~1.5x the attention and MLP
     weights) and shared by every session; a pass allocates only its activations."""
 
-    def __init__(self, model: MlaMoeModel, max_positions: int) -> None:
+    def __init__(self, model: MlaMoeModel, max_positions: int, helper: Executor | None = None) -> None:
         cfg = model.cfg
+        self._helper = helper
         self.cfg = cfg
         self._n = cfg.num_attention_heads
         self._nope, self._rope, self._v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -206,8 +210,9 @@ class Decoder:
                     last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer at ``start..``: ``next_ids[i]`` is the token after position ``start + i``,
         ``prev_hidden[i]`` the main model's final-normed hidden there. Returns (MTP output
-        ``[t, H]``, logits predicting the token two positions on; the last row only with
-        ``last_only``)."""
+        ``[t, H]``, logits predicting the token two positions on ``[t, V]``); with
+        ``last_only`` both for the last row only, which is all that is computed past the
+        KV rows."""
         if self._mtp is None:
             raise ValueError("the model has no MTP layer")
         emb = F.embedding(next_ids, self._embed)
@@ -215,12 +220,16 @@ class Decoder:
             emb = emb.clone()
             emb[0] = 0.0  # as vLLM's MTP: no embedding at position 0
         x = torch.mm(torch.cat([self._enorm(emb), self._hnorm(prev_hidden)], dim=-1), self._eh_proj)
-        out = self._block(self._mtp, x, start, cache)
-        last = out[-1:] if last_only else out
-        return out, torch.mm(self._head_norm(last), self._lm_head)
+        out = self._block(self._mtp, x, start, cache, last_only)
+        return out, torch.mm(self._head_norm(out), self._lm_head)
 
-    def _block(self, block: _Block, x: torch.Tensor, start: int, cache: torch.Tensor) -> torch.Tensor:
-        h = x + self._attention(block.attn, block.input_norm(x), start, cache)
+    def _block(self, block: _Block, x: torch.Tensor, start: int, cache: torch.Tensor,
+               last_only: bool = False) -> torch.Tensor:
+        """The block over ``x`` at ``start..``: every row's KV is written; with ``last_only``
+        only the last row goes on (queries, attention, MLP: nothing after attends to the
+        others), and only it is returned."""
+        attn = self._attention(block.attn, block.input_norm(x), start, cache, last_only)
+        h = (x[-1:] if last_only else x) + attn
         return h + block.mlp(block.post_norm(h))
 
     def _rotate(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -228,56 +237,88 @@ class Decoder:
         pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
         return torch.view_as_real(pairs * table).flatten(-2)
 
-    def _attention(self, w: _Attention, x: torch.Tensor, start: int, cache: torch.Tensor) -> torch.Tensor:
-        t, n, nope, rope, lora = x.shape[0], self._n, self._nope, self._rope, self._lora
-        if t > MAX_NEW_TOKENS:
-            raise ValueError(f"{t} tokens in one pass: at most {MAX_NEW_TOKENS}")
-        table = self._rope_table[start:start + t]
+    def _attention(self, w: _Attention, x: torch.Tensor, start: int, cache: torch.Tensor,
+                   last_only: bool = False) -> torch.Tensor:
+        new, n, nope, rope, lora = x.shape[0], self._n, self._nope, self._rope, self._lora
+        if new > MAX_NEW_TOKENS:
+            raise ValueError(f"{new} tokens in one pass: at most {MAX_NEW_TOKENS}")
+        table = self._rope_table[start:start + new]
         a = torch.mm(x, w.w_a)
         q_in, c_kv, k_pe = a.split([a.shape[1] - lora - rope, lora, rope], dim=-1)
-        q = q_in if w.w_qb is None else torch.mm(w.q_norm(q_in), w.w_qb)  # type: ignore[misc]
-        q = q.view(t, n, nope + rope)
-        rows = cache[start:start + t]
+        rows = cache[start:start + new]
         rows[:, :lora] = w.kv_norm(c_kv)
         rows[:, lora:] = self._rotate(k_pe, table)
+        if last_only:  # queries of the last row only: it sees every row, masks nothing
+            q_in, table, t = q_in[-1:], table[-1:], 1
+        else:
+            t = new
+        q = q_in if w.w_qb is None else torch.mm(w.q_norm(q_in), w.w_qb)  # type: ignore[misc]
+        q = q.view(t, n, nope + rope)
         q_lat = torch.bmm(q[:, :, :nope].transpose(0, 1), w.w_uk)  # [n, t, 512]
         q_pe = self._rotate(q[:, :, nope:], table.unsqueeze(1)).transpose(0, 1)  # [n, t, 64]
         queries = torch.cat([q_lat, q_pe], dim=-1).view(n * t, lora + rope)  # rows: head-major
-        kv = cache[:start + t]
-        if kv.shape[0] >= FLASH_MIN_LEN:
-            o_lat = self._attend_chunked(queries, kv, t)
-        else:
-            o_lat = self._attend(queries, kv, t)
+        o_lat = self._attend(queries, cache[:start + new], t)
         o = torch.bmm(o_lat.view(n, t, lora), w.w_uv)  # [n, t, v]
         return torch.mm(o.transpose(0, 1).reshape(t, n * self._v), w.w_o)
 
     def _scores(self, queries: torch.Tensor, kv: torch.Tensor, t: int, masked: bool) -> torch.Tensor:
-        """Scaled scores ``[n*t, rows]``; ``masked``: the chunk ends with the ``t`` new rows."""
+        """Scaled scores ``[n*t, rows]``; ``masked``: the rows end with the ``t`` new ones."""
         scores = torch.mm(queries, kv.t()).mul_(self._scale)
         if masked and t > 1:
             scores.view(self._n, t, -1)[:, :, -t:] += self._causal[:t, :t]
         return scores
 
     def _attend(self, queries: torch.Tensor, kv: torch.Tensor, t: int) -> torch.Tensor:
+        """Latent attention output ``[n*t, 512]`` of ``queries`` over ``kv`` (whose last ``t``
+        rows are the new tokens'): two products over the whole cache when it is short, else
+        chunks with an online softmax, split with the helper thread when there is one."""
+        length = kv.shape[0]
+        if self._helper is not None and length >= SPLIT_MIN_LEN:
+            cut = length // 2  # the helper takes the older half, this thread the half with the new rows
+            theirs = self._helper.submit(self._partials_inference, queries, kv[:cut], t, False)
+            mine = self._partials(queries, kv[cut:], t, True)
+            # not started yet (the helper's core is busy elsewhere): do it here instead of waiting
+            others = self._partials(queries, kv[:cut], t, False) if theirs.cancel() else theirs.result()
+            return _merge(others + mine)
+        if length >= FLASH_MIN_LEN:
+            return _merge(self._partials(queries, kv, t, True))
         probs = torch.softmax(self._scores(queries, kv, t, True), dim=-1)
         return torch.mm(probs, kv[:, :self._lora])
 
-    def _attend_chunked(self, queries: torch.Tensor, kv: torch.Tensor, t: int) -> torch.Tensor:
-        """Online softmax over chunks of rows; the last chunk is full (it holds the new rows)."""
+    def _partials_inference(self, queries: torch.Tensor, kv: torch.Tensor, t: int, masked: bool) -> list[_Partial]:
+        with torch.inference_mode():  # thread-local: the helper thread's own
+            return self._partials(queries, kv, t, masked)
+
+    def _partials(self, queries: torch.Tensor, kv: torch.Tensor, t: int, masked: bool) -> list[_Partial]:
+        """Chunks of at most FLASH_CHUNK rows, the last one full (it holds the new rows)."""
         length = kv.shape[0]
         first = length % FLASH_CHUNK or FLASH_CHUNK
         bounds = [0, *range(first, length + 1, FLASH_CHUNK)]
-        outs, maxes, sums = [], [], []
+        out = []
         for lo, hi in zip(bounds, bounds[1:]):
             chunk = kv[lo:hi]
-            scores = self._scores(queries, chunk, t, hi == length)
+            scores = self._scores(queries, chunk, t, masked and hi == length)
             peak = scores.amax(dim=-1, keepdim=True)
             probs = scores.sub_(peak).exp_()
-            sums.append(probs.sum(dim=-1, keepdim=True))
-            maxes.append(peak)
-            outs.append(torch.mm(probs, chunk[:, :self._lora]))
-        peaks = torch.cat(maxes, dim=-1)  # [n*t, chunks]
-        rescale = peaks.sub_(peaks.amax(dim=-1, keepdim=True)).exp_()
-        total = (torch.cat(sums, dim=-1) * rescale).sum(dim=-1, keepdim=True)
-        weighted = torch.stack(outs).mul_(rescale.t().unsqueeze(-1)).sum(dim=0)
-        return weighted.div_(total)
+            out.append(_Partial(torch.mm(probs, chunk[:, :self._lora]), peak, probs.sum(dim=-1, keepdim=True)))
+        return out
+
+
+class _Partial(NamedTuple):
+    """Softmax attention over some rows, unnormalised: ``out = sum_j exp(s_j - peak) v_j``,
+    ``total = sum_j exp(s_j - peak)`` (per query row)."""
+
+    out: torch.Tensor  # [n*t, 512]
+    peak: torch.Tensor  # [n*t, 1]
+    total: torch.Tensor  # [n*t, 1]
+
+
+def _merge(parts: list[_Partial]) -> torch.Tensor:
+    """The attention output over the union of the parts' rows."""
+    if len(parts) == 1:
+        return parts[0].out / parts[0].total
+    peaks = torch.cat([p.peak for p in parts], dim=-1)  # [n*t, parts]
+    rescale = peaks.sub_(peaks.amax(dim=-1, keepdim=True)).exp_()
+    total = (torch.cat([p.total for p in parts], dim=-1) * rescale).sum(dim=-1, keepdim=True)
+    weighted = torch.stack([p.out for p in parts]).mul_(rescale.t().unsqueeze(-1)).sum(dim=0)
+    return weighted.div_(total)

@@ -1,9 +1,13 @@
 """The decode-time passes (decode_server/reference/decoder.py) against the clear model they
 re-express: same logits, hidden states and cache rows up to float rounding, on random
 weights of several architectures (q_lora or not, grouped routing, no shared expert), over
-caches shorter and longer than the chunked-attention threshold, 1-3 new tokens."""
+caches shorter and longer than the chunked-attention threshold, 1-3 new tokens, with and
+without the helper thread that takes half of a long attention."""
 
 from __future__ import annotations
+
+import threading
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -37,7 +41,7 @@ def _random_model(change: dict) -> MlaMoeModel:
     return model.eval().requires_grad_(False)
 
 
-def _compare(model: MlaMoeModel, length: int, t: int) -> float:
+def _compare(model: MlaMoeModel, length: int, t: int, helper: Executor | None = None) -> float:
     """Largest difference over hidden, logits, written rows and MTP outputs of one pass,
     relative to the tensor's largest value (at least 1)."""
     gen = torch.Generator().manual_seed(length * 10 + t)
@@ -46,17 +50,19 @@ def _compare(model: MlaMoeModel, length: int, t: int) -> float:
     positions = torch.arange(length, length + t)
     clear = [c.clone().unsqueeze(0) for c in caches]
     fast = [c.clone() for c in caches]
-    decoder = Decoder(model, max_positions=length + t)
+    decoder = Decoder(model, max_positions=length + t, helper=helper)
+    clear_last, fast_last = clear[-1].clone(), fast[-1].clone()
     with torch.inference_mode():
         h1, l1 = model.forward_main(ids.unsqueeze(0), positions, clear[:-1])
         h2, l2 = decoder.forward_main(ids, length, fast[:-1])
         m1, ml1 = model.forward_mtp(ids.unsqueeze(0), h1, positions, clear[-1])
         m2, ml2 = decoder.forward_mtp(ids, h2, length, fast[-1])
-        _, last1 = model.forward_mtp(ids.unsqueeze(0), h1, positions, clear[-1].clone(), last_only=True)
-        _, last2 = decoder.forward_mtp(ids, h2, length, fast[-1].clone(), last_only=True)
-    pairs = [(h1[0], h2), (l1[0], l2), (m1[0], m2), (ml1[0], ml2), (last1[0], last2)]
-    pairs += [(a[0], b) for a, b in zip(clear, fast)]
-    assert last2.shape == (1, model.cfg.vocab_size)
+        # last_only: every KV row written, the rest computed for the last row alone
+        last_h1, last1 = model.forward_mtp(ids.unsqueeze(0), h1, positions, clear_last, last_only=True)
+        last_h2, last2 = decoder.forward_mtp(ids, h2, length, fast_last, last_only=True)
+    assert last_h2.shape == (1, model.cfg.hidden_size) and last2.shape == (1, model.cfg.vocab_size)
+    pairs = [(h1[0], h2), (l1[0], l2), (m1[0], m2), (ml1[0], ml2), (last_h1[0, -1:], last_h2), (last1[0], last2)]
+    pairs += [(a[0], b) for a, b in zip(clear + [clear_last], fast + [fast_last])]
     return max(float((a - b).abs().max()) / max(1.0, float(a.abs().max())) for a, b in pairs)
 
 
@@ -76,3 +82,21 @@ def test_chunked_attention_over_long_caches(length: int, t: int) -> None:
 def test_position_zero_has_no_mtp_embedding() -> None:
     """As vLLM's MTP (and the clear model): the embedding is zeroed at position 0."""
     assert _compare(_random_model({}), 0, 2) < TOLERANCE
+
+
+@pytest.mark.parametrize("length", [decoder_module.SPLIT_MIN_LEN, decoder_module.FLASH_MIN_LEN + 517])
+@pytest.mark.parametrize("t", [1, 2])
+def test_attention_split_with_a_helper_thread(length: int, t: int) -> None:
+    with ThreadPoolExecutor(1) as helper:
+        assert _compare(_random_model({}), length, t, helper) < TOLERANCE
+
+
+def test_a_busy_helper_is_not_waited_for() -> None:
+    """The helper's half not started yet (its thread busy): this thread computes it."""
+    release = threading.Event()
+    with ThreadPoolExecutor(1) as helper:
+        helper.submit(release.wait)  # occupies the helper until the check is done
+        try:
+            assert _compare(_random_model({}), decoder_module.FLASH_MIN_LEN, 2, helper) < TOLERANCE
+        finally:
+            release.set()
