@@ -15,6 +15,7 @@ hidden state of the last prompt position does not travel with the KV.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -147,11 +148,17 @@ class ReferenceEngine(Engine):
     as they are). One by default: a decode step is a chain of small products, which gain
     nothing from splitting, and on a shared machine an OpenMP team waits at every op for
     a thread the OS has descheduled: measured on 2 cores, 2 threads decode 7-10x slower
-    than 1 at load average 5 (docs/benchmarks.md, "Decode engine")."""
+    than 1 at load average 5 (docs/benchmarks.md, "Decode engine").
+
+    ``split_attention`` (default: on a CPU with more than one core) gives the engine one
+    helper thread that takes the older half of every attention over 512+ cache rows; the
+    decoding thread computes the other half and, if the helper has not started its half
+    when it is done (its core busy elsewhere), that one too, so a busy machine costs a
+    queued task, never a wait for a descheduled thread."""
 
     def __init__(self, model_dir: Path | str, *, slots: int = 1, max_seq_len: int = 4096, num_mtp: int = 1,
                  kv_dtype: str | None = None, model: MlaMoeModel | None = None, device: str = "cpu",
-                 threads: int | None = DEFAULT_THREADS, split_attention: bool = False) -> None:
+                 threads: int | None = DEFAULT_THREADS, split_attention: bool | None = None) -> None:
         if threads is not None and threads < 1:
             raise ValueError(f"threads={threads}: must be >= 1 (or None: leave PyTorch's setting)")
         self._model = model if model is not None else load_model(model_dir, device=device)
@@ -172,6 +179,8 @@ class ReferenceEngine(Engine):
         self._slots, self._max_seq_len, self._num_mtp = slots, max_seq_len, num_mtp
         self._lock = threading.Lock()
         self._layout = cpu_mla_layout(cfg.num_hidden_layers, 1 if num_mtp else 0, self._kv_dtype)
+        if split_attention is None:
+            split_attention = device == "cpu" and (os.cpu_count() or 1) > 1
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="attention-helper") if split_attention else None
         self._decoder = Decoder(self._model, max_positions=max_seq_len, helper=self._helper)
         weight = self._model.lm_head.weight
@@ -213,6 +222,10 @@ class ReferenceEngine(Engine):
             if plane is None or tuple(plane.shape) != (t, cfg.kv_width):
                 shape = None if plane is None else tuple(plane.shape)
                 raise EngineError(f"KV layer {i}: expected plane 'kv' of shape {(t, cfg.kv_width)}, got {shape}")
+
+    def shutdown(self) -> None:
+        if self._helper is not None:
+            self._helper.shutdown(wait=True, cancel_futures=True)
 
     def _release(self, buffer: torch.Tensor) -> None:
         with self._lock:

@@ -32,7 +32,7 @@ positions ``start .. start + t - 1`` writes their rows and attends over rows ``0
 
 from __future__ import annotations
 
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -275,11 +275,16 @@ class Decoder:
         length = kv.shape[0]
         if self._helper is not None and length >= SPLIT_MIN_LEN:
             cut = length // 2  # the helper takes the older half, this thread the half with the new rows
-            theirs = self._helper.submit(self._partials_inference, queries, kv[:cut], t, False)
+            try:
+                theirs: Future[list[_Partial]] | None = self._helper.submit(
+                    self._partials_inference, queries, kv[:cut], t, False)
+            except RuntimeError:  # the engine is shutting down
+                theirs = None
             mine = self._partials(queries, kv[cut:], t, True)
             # not started yet (the helper's core is busy elsewhere): do it here instead of waiting
-            others = self._partials(queries, kv[:cut], t, False) if theirs.cancel() else theirs.result()
-            return _merge(others + mine)
+            if theirs is None or theirs.cancel():
+                return _merge(self._partials(queries, kv[:cut], t, False) + mine)
+            return _merge(theirs.result() + mine)
         if length >= FLASH_MIN_LEN:
             return _merge(self._partials(queries, kv, t, True))
         probs = torch.softmax(self._scores(queries, kv, t, True), dim=-1)
