@@ -256,16 +256,21 @@ class Decoder:
         q = q.view(t, n, nope + rope)
         q_lat = torch.bmm(q[:, :, :nope].transpose(0, 1), w.w_uk)  # [n, t, 512]
         q_pe = self._rotate(q[:, :, nope:], table.unsqueeze(1)).transpose(0, 1)  # [n, t, 64]
-        queries = torch.cat([q_lat, q_pe], dim=-1).view(n * t, lora + rope)  # rows: head-major
+        queries = torch.cat([q_lat, q_pe], dim=-1).view(n * t, lora + rope).mul_(self._scale)  # rows: head-major
         o_lat = self._attend(queries, cache[:start + new], t)
         o = torch.bmm(o_lat.view(n, t, lora), w.w_uv)  # [n, t, v]
         return torch.mm(o.transpose(0, 1).reshape(t, n * self._v), w.w_o)
 
     def _scores(self, queries: torch.Tensor, kv: torch.Tensor, t: int, masked: bool) -> torch.Tensor:
-        """Scaled scores ``[n*t, rows]``; ``masked``: the rows end with the ``t`` new ones."""
-        scores = torch.mm(queries, kv.t()).mul_(self._scale)
+        """Scores ``[n*t, rows]`` of the (scaled) queries; ``masked``: the rows end with the
+        ``t`` new ones. Fewer than 8 query rows: computed as ``kv @ queries^T`` (MKL streams
+        a long cache faster that way round; measured in docs/benchmarks.md)."""
+        if queries.shape[0] < 8 and kv.shape[0] > FLASH_CHUNK // 2:
+            scores = torch.mm(kv, queries.t()).t()
+        else:
+            scores = torch.mm(queries, kv.t())
         if masked and t > 1:
-            scores.view(self._n, t, -1)[:, :, -t:] += self._causal[:t, :t]
+            scores.unflatten(0, (self._n, t))[:, :, -t:] += self._causal[:t, :t]
         return scores
 
     def _attend(self, queries: torch.Tensor, kv: torch.Tensor, t: int) -> torch.Tensor:

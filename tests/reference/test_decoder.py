@@ -25,6 +25,7 @@ VARIANTS = {
     "tiny": {},
     "no_q_lora_grouped_routing": {"q_lora_rank": None, "n_group": 2, "topk_group": 1},
     "no_shared_expert": {"n_shared_experts": 0, "first_k_dense_replace": 0},
+    "two_heads": {"num_attention_heads": 2, "num_key_value_heads": 2},  # masked scores with < 8 query rows
 }
 
 
@@ -67,7 +68,7 @@ def _compare(model: MlaMoeModel, length: int, t: int, helper: Executor | None = 
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize(("length", "t"), [(1, 1), (7, 2), (300, 3)])
+@pytest.mark.parametrize(("length", "t"), [(1, 1), (7, 2), (300, 3), (700, 3)])
 def test_decoder_computes_the_clear_model(variant: str, length: int, t: int) -> None:
     assert _compare(_random_model(VARIANTS[variant]), length, t) < TOLERANCE
 
