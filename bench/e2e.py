@@ -24,7 +24,9 @@ connector's log line of each handoff.
 ``--profile-reps N`` (default 1) runs N more requests per target at the longest prompt
 while py-spy samples the vLLM worker (the process that runs the model), so the prefill
 step splits into main model / MTP drafter / KV connector / other (bench/sampling.py);
-these requests are not timed.
+these requests are not timed. The drafter's share of the PD worker's busy samples times
+the PD prefill step is the MTP layer's part of PD's TTFT; PD's TTFT without it is
+compared with vLLM alone's (raw samples kept next to ``--json``).
 
 Usage: ``.venv/bin/python bench/e2e.py [--tokens 1024 8192] [--reps 3] [--json FILE] [--plot FILE]``
 Goals (issue 19): TPOT PD / alone <= 1.0 at every prompt length; TTFT PD / alone <= 1.15
@@ -170,8 +172,9 @@ def main() -> None:
                     rows.append(measure(tokens, make_prompt(tokenizer, tokens), urls, args.reps, cfg.log_dir))
                     print(f"{tokens} tokens: TTFT {rows[-1].ttft_ms}, TPOT {rows[-1].tpot_ms}", flush=True)
                 if args.profile_reps:
+                    out_dir = args.json.parent if args.json else tmpdir
                     profile(rows[-1], make_prompt(tokenizer, rows[-1].prompt_tokens), urls, procs,
-                            args.profile_reps, tmpdir)
+                            args.profile_reps, out_dir)
         finally:
             stack.stop()
     load_end = os.getloadavg()
@@ -206,11 +209,11 @@ def measure(tokens: int, prompt: str, urls: dict[str, str], reps: int, log_dir: 
                prefill_step_ms=med(steps), tail_ms=med(tails))
 
 
-def profile(row: Row, prompt: str, urls: dict[str, str], procs: dict[str, int], reps: int, tmpdir: Path) -> None:
+def profile(row: Row, prompt: str, urls: dict[str, str], procs: dict[str, int], reps: int, out_dir: Path) -> None:
     """py-spy on each target's vLLM worker during ``reps`` untimed requests at this length."""
     for name in ("PD", "alone"):
         (worker,) = vllm_workers(procs[name])
-        with sampled(worker, tmpdir / f"profile-{name}.txt") as result:
+        with sampled(worker, out_dir / f"profile-{name}-{row.prompt_tokens}.txt") as result:
             for rep in range(reps):
                 stream_once(urls[name], prompt, f"profile-{name}-{rep}-{uuid.uuid4().hex[:8]}")
         prof: Profile = result[0].per(reps)
@@ -246,11 +249,20 @@ def report(rows: list[Row], reps: int, started: str, load_start: tuple[float, ..
     print(f"goal TTFT PD/alone <= {TTFT_GOAL} at {last.prompt_tokens} tokens: "
           f"{'met' if last.ttft_ratio <= TTFT_GOAL else 'NOT met'} ({last.ttft_ratio:.3f})")
     if last.profile:
-        mtp = last.profile["PD"]["MTP drafter"]
-        rest = last.ttft_ms["PD"] - mtp
-        print(f"  PD TTFT without the MTP drafter's {mtp:.0f} ms of prefill: {rest:.0f} ms = "
+        share, drafter = drafter_share(last)
+        rest = last.ttft_ms["PD"] - drafter
+        print(f"  the MTP drafter is {share:.1%} of the PD prefill worker's busy time, ~{drafter:.0f} ms of its "
+              f"{last.prefill_step_ms:.0f} ms step; PD TTFT without it: {rest:.0f} ms = "
               f"{rest / last.ttft_ms['alone']:.3f}x vLLM alone "
               f"({'within' if rest / last.ttft_ms['alone'] <= TTFT_GOAL else 'NOT within'} {TTFT_GOAL}x)")
+
+
+def drafter_share(row: Row) -> tuple[float, float]:
+    """(share of the PD prefill worker's busy samples in the MTP drafter, that share of the
+    PD prefill step in ms): the drafter's part of PD's TTFT."""
+    prof = row.profile["PD"]
+    share = prof["MTP drafter"] / prof["busy"] if prof["busy"] else 0.0
+    return share, share * row.prefill_step_ms
 
 
 if __name__ == "__main__":

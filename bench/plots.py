@@ -52,14 +52,16 @@ def plot_e2e(rows: Sequence[Row], path: Path, subtitle: str) -> None:
     alone, pd = last.ttft_ms["alone"], last.ttft_ms["PD"]
     ax.bar(["vLLM alone", "PD"], [alone, 0], color="tab:blue", label="vLLM alone's TTFT")
     if last.profile:
-        mtp = last.profile["PD"]["MTP drafter"]
+        from bench.e2e import drafter_share
+
+        _, mtp = drafter_share(last)
         ax.bar(["PD"], [pd - mtp], color="tab:green", label="PD without the MTP drafter")
-        ax.bar(["PD"], [mtp], bottom=[pd - mtp], color="tab:orange", label="MTP drafter (py-spy)")
+        ax.bar(["PD"], [mtp], bottom=[pd - mtp], color="tab:orange", label="MTP drafter (py-spy share of the step)")
     else:
         ax.bar(["PD"], [pd], color="tab:green", label="PD")
     ax.axhline(alone * TTFT_GOAL, color="red", linestyle="--", linewidth=1, label=f"{TTFT_GOAL:g}x vLLM alone")
     ax.set_title(f"TTFT at {last.prompt_tokens} tokens (ms)", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"bench/e2e.py: PD stack vs vLLM alone, same model and numerics ({subtitle})", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
