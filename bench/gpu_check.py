@@ -54,9 +54,9 @@ from connector.layout import (  # noqa: E402
     gather_tokens,
     glm5_fp8_ds_mla_layout,
     layer_views,
-    quantize_fp8_ds_mla,
 )
 from decode_server.engine.tilert_kv import INDEX_HEAD_DIM, convert_layers, hadamard_matrix  # noqa: E402
+from tests.fakes.vllm_fp8 import quantize_fp8_ds_mla  # noqa: E402
 
 
 class Skip(Exception):
@@ -189,8 +189,7 @@ def nixl_receiver(device: str, seed: int, timeout: float) -> int:
     layout = glm5_fp8_ds_mla_layout(NIXL_LAYOUT["layers"], NIXL_LAYOUT["mtp"])
 
     async def run() -> dict:
-        receiver = KVReceiver(ReceiverSettings(layout=layout, max_tokens=NIXL_TOKENS, transport="nixl",
-                                               device=device))
+        receiver = KVReceiver(ReceiverSettings(layout=layout, max_tokens=NIXL_TOKENS, device=device))
         try:
             await receiver.start()
         except Exception as exc:  # noqa: BLE001 - reported as "NIXL's CUDA support did not load"
@@ -245,7 +244,7 @@ def check_nixl_vram(ctx: Context) -> str:
             raise Skip(f"NIXL's CUDA support did not load (receiver: {first[12:]})")
         endpoint = first.removeprefix("ENDPOINT ")
         try:
-            sender = KVSender("gpu-check-sender", layout, NIXL_TOKENS, transport="nixl", device=str(device))
+            sender = KVSender("gpu-check-sender", layout, NIXL_TOKENS, device=str(device))
         except Exception as exc:  # noqa: BLE001
             raise Skip(f"NIXL's CUDA support did not load (sender: {type(exc).__name__}: {exc})") from exc
         try:

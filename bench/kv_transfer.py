@@ -86,7 +86,7 @@ def run_size(tokens: int, reps: int, layer_ms: float, tmp: Path, lanes: int = 2)
     sent, complete, tails, copies, copies2 = [], [], [], [], []
     memcpy = Memcpy(nbytes)
     with remote_receiver(tmp, *args) as rr:
-        sender = KVSender(f"bench-{tokens}", LAYOUT, tokens, transport="nixl", staging_slots=1, lanes=lanes)
+        sender = KVSender(f"bench-{tokens}", LAYOUT, tokens, staging_slots=1, lanes=lanes)
         try:
             sender.connect(rr.endpoint, timeout=10)
             sender.staging_buffer.random_(0, 256)

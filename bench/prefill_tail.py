@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 import httpx
 
 from decode_server.tiny_model import VLLM_CPU_EXACT_ARGS
-from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
+from pd_deploy.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
 from tests.procs import free_port, python_argv, server
 
 RECEIVER = REPO / "tests" / "connector" / "vllm" / "kv_dump_receiver.py"

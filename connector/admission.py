@@ -23,11 +23,12 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from connector.control import ABORT_TIMEOUT_S, ControlClient
-from connector.errors import ControlChannelError
+from connector.kv_errors import ControlChannelError
 from connector.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -39,7 +40,7 @@ from connector.protocol import (
     Refused,
     Reject,
     Welcome,
-    fingerprint_mismatch,
+    handshake_mismatch,
 )
 
 log = logging.getLogger(__name__)
@@ -251,8 +252,11 @@ class _Channel:
             if isinstance(reply, Reject):
                 raise _Rejected(f"decode server {self.endpoint} rejected the KV handshake: {reply.message}")
             if not isinstance(reply, Welcome):
-                raise ControlChannelError(f"{self.endpoint} answered Hello with {reply.type!r}")
-            bad = fingerprint_mismatch(reply.fingerprint, self.owner.fingerprint)
+                raise ControlChannelError(f"{self.endpoint} answered Hello with {type(reply).__name__}")
+            bad = handshake_mismatch(decode_version=reply.protocol_version, decode_transport=reply.transport,
+                                     decode_fingerprint=reply.fingerprint, prefill_version=PROTOCOL_VERSION,
+                                     prefill_transport=self.owner.transport,
+                                     prefill_fingerprint=self.owner.fingerprint)
             if bad is not None:
                 raise _Rejected(f"decode server {self.endpoint}: {bad[0]} mismatch: decode expects {bad[1]}, "
                                 f"this prefill has {bad[2]}")

@@ -6,34 +6,27 @@ Example (the part under ``kv_connector_extra_config`` of ``--kv-transfer-config`
      "handshake_timeout_s": 10, "admission_timeout_s": 5, "transfer_timeout_s": 30}
 
 Unknown keys are rejected (a typo must not silently fall back to a default). A bad
-value raises :class:`ConnectorConfigError` whose message names the option, the value
-and the reason, so vLLM refuses to start with an actionable error.
+value raises :class:`ConnectorConfigError` in the project's one settings error format
+(:mod:`pd_settings.problems`): ``kv_connector_extra_config.<option>=<value>: <reason>``
+for each problem, so vLLM refuses to start with an actionable error. vLLM hands the
+connector this dict, so there is no command line or environment to read here.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from connector.control import parse_endpoint
+from pd_settings.problems import SettingsError, validate_mapping
 
 ProfileName = Literal["auto", "tiny", "glm5.1"]
+PREFIX = "kv_connector_extra_config."
 
 
-class ConnectorConfigError(ValueError):
-    """An invalid ``kv_connector_extra_config``: names option, value and reason."""
-
-    def __init__(self, option: str, value: Any, reason: str) -> None:
-        super().__init__(f"kv_connector_extra_config.{option}={value!r}: {reason}")
-        self.option = option
-        self.value = value
-        self.reason = reason
-
-
-def _check_endpoint(endpoint: str) -> str:
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected 'host:port' with a port in 1..65535, got {endpoint!r}")
-    return endpoint
+class ConnectorConfigError(SettingsError):
+    """An invalid ``kv_connector_extra_config``: names each option, value and reason."""
 
 
 class ConnectorSettings(BaseModel):
@@ -90,21 +83,10 @@ class ConnectorSettings(BaseModel):
     @classmethod
     def _endpoints_format(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for endpoint in value:
-            _check_endpoint(endpoint)
+            parse_endpoint(endpoint)
         return value
 
 
 def load_settings(extra_config: dict[str, Any] | None) -> ConnectorSettings:
-    """Validate ``kv_connector_extra_config``; raise :class:`ConnectorConfigError` on the first problem."""
-    raw = dict(extra_config or {})
-    try:
-        return ConnectorSettings.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        option = ".".join(str(p) for p in first["loc"]) or "<root>"
-        top = first["loc"][0] if first["loc"] else None
-        value = raw.get(top, first.get("input")) if isinstance(top, str) else first.get("input")
-        reason = first["msg"]
-        if first["type"] == "extra_forbidden":
-            reason = f"unknown option (known: {', '.join(sorted(ConnectorSettings.model_fields))})"
-        raise ConnectorConfigError(option, value, reason) from None
+    """Validate ``kv_connector_extra_config``; raise :class:`ConnectorConfigError` listing every problem."""
+    return validate_mapping(ConnectorSettings, extra_config, PREFIX, ConnectorConfigError)

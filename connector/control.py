@@ -14,11 +14,11 @@ import select
 import socket
 import struct
 import threading
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from connector.errors import ControlChannelError
+from connector.kv_errors import ControlChannelError
 from connector.protocol import ControlMessage
 
 MAX_FRAME = 1 << 20
@@ -120,7 +120,7 @@ class ControlServer:
                 if reply is not None:
                     writer.write(encode_frame(reply))
                     await asyncio.wait_for(writer.drain(), self._frame_timeout)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             return
         finally:
             if task is not None:
@@ -173,7 +173,7 @@ class ControlClient:
                 if size > MAX_FRAME:
                     raise ControlChannelError(f"{self.endpoint} sent a {size}-byte frame (max {MAX_FRAME})")
                 return decode_body(self._recv_exact(size))
-            except socket.timeout as exc:
+            except TimeoutError as exc:
                 self._broken = True
                 raise ControlChannelError(
                     f"no reply from the KV control endpoint {self.endpoint} within {timeout:.1f}s") from exc

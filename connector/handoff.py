@@ -1,10 +1,14 @@
 """The sender side's view of one handoff (see :mod:`connector.sender`).
 
-The caller fills ``staging(layer)`` and calls ``post_layer(layer)``; the KVSender's
-thread writes it and calls back ``_on_written``; ``status`` / ``wait`` / ``abort``
-report and end it (``abort`` never waits: the decode server is told in the background).
-Thread-safe; the staging buffer goes back to the KVSender's pool only once no WRITE
-reads it any more.
+The caller fills ``staging(layer)`` and calls ``post_layer(layer)``; the KVSender's lane
+threads write the layers and report back through the public sender-side methods
+(``begin_write``, ``written``, ``fail``); ``status`` / ``wait`` / ``abort`` report and end
+it (``abort`` never waits: the decode server is told in the background). Thread-safe; the
+staging buffer goes back to the pool only once no WRITE reads it any more.
+
+What a handoff needs from the KVSender that made it is the :class:`StagingPool`
+protocol below: this module imports nothing of :mod:`connector.sender`, and neither side
+touches the other's private state.
 """
 
 from __future__ import annotations
@@ -12,53 +16,87 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from connector.layout import layer_views
+from connector.control import ControlClient
+from connector.layout import KVLayout, layer_views
+from connector.protocol import Welcome
+from connector.transport import Region
 
 if TYPE_CHECKING:
     import torch
 
-    from connector.sender import KVSender, _Peer
-
-
-
 log = logging.getLogger(__name__)
 
+HandoffStatus = Literal["pending", "sent", "failed"]
 
-class Handoff:
+
+@dataclass
+class Peer:
+    """A decode server this sender handshook with: its control connection, its transport
+    agent and its receive buffer's region."""
+
+    endpoint: str
+    client: ControlClient
+    welcome: Welcome
+    agent: str
+    region: Region
+    stale: bool = False  # a WRITE to it failed: handshake again before the next handoff
+
+
+class StagingPool(Protocol):
+    """What an :class:`OutgoingHandoff` uses of the :class:`connector.sender.KVSender` that opened it."""
+
+    layout: KVLayout
+    plan_layers: tuple[int, ...]
+    slot_bytes: int
+    staging_buffer: torch.Tensor
+    staging_region: Region
+
+    def enqueue(self, items: list[tuple[OutgoingHandoff, int]]) -> None: ...
+
+    def release_staging(self, slot: int) -> None: ...
+
+    def abort_soon(self, handoff: OutgoingHandoff, reason: str) -> None: ...
+
+    def forget(self, handoff: OutgoingHandoff) -> None: ...
+
+
+class OutgoingHandoff:
     """One prompt's KV on its way to one decode server. Create with :meth:`KVSender.open`
     (or :meth:`KVSender.begin`)."""
 
-    def __init__(self, sender: "KVSender", peer: _Peer, handoff_id: str, offsets: list[list[int]],
+    def __init__(self, pool: StagingPool, peer: Peer, handoff_id: str, offsets: list[list[int]],
                  num_tokens: int, staging: int, deadline: float) -> None:
-        self._sender = sender
-        self._peer = peer
+        self._pool = pool
+        self.peer = peer
         self.handoff_id = handoff_id
         self.num_tokens = num_tokens
         self.offsets = offsets
         self.deadline = deadline  # time.monotonic(): not fully written by then -> aborted
         self._t_last_post = 0.0
         self._staging_slot = staging
-        self._layers = sender.plan_layers
+        self._layers = pool.plan_layers
         self._index = {layer: i for i, layer in enumerate(self._layers)}
         self._posted: set[int] = set()
         self._sent: set[int] = set()
         self._inflight = 0
-        self._status: Literal["pending", "sent", "failed"] = "pending" if self._layers else "sent"
+        self._status: HandoffStatus = "pending" if self._layers else "sent"
         self.error: str | None = None
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when no WRITE is in flight
         self._done = threading.Event()
         if not self._layers:
             self._done.set()
-            sender._release_staging(staging)
+            pool.release_staging(staging)
         self._staging_held = bool(self._layers)
 
     # -- caller side ------------------------------------------------------------------
 
-    def staging(self, layer: int) -> dict[str, "torch.Tensor"]:
+    def staging(self, layer: int) -> dict[str, torch.Tensor]:
         start, size = self._local_span(layer)
-        return layer_views(self._sender.staging_buffer[start:start + size], self._sender.layout, self.num_tokens)
+        return layer_views(self._pool.staging_buffer[start:start + size], self._pool.layout, self.num_tokens)
 
     def post_layer(self, layer: int) -> None:
         self.post_layers([layer])
@@ -77,9 +115,9 @@ class Handoff:
             self._t_last_post = time.perf_counter()
             if self._status != "pending":
                 return
-        self._sender._queue.put_many([(self, layer) for layer in layers])
+        self._pool.enqueue([(self, layer) for layer in layers])
 
-    def status(self) -> Literal["pending", "sent", "failed"]:
+    def status(self) -> HandoffStatus:
         return self._status
 
     def wait(self, timeout: float) -> Literal["sent", "failed"]:
@@ -90,24 +128,19 @@ class Handoff:
     def abort(self, reason: str) -> None:
         """Stop sending; the receiver is told in the background (after in-flight WRITEs
         landed); the staging buffer is freed once no WRITE reads it."""
-        if self._fail(f"aborted: {reason}"):
-            self._sender._abort_soon(self, reason)
+        if self.fail(f"aborted: {reason}"):
+            self._pool.abort_soon(self, reason)
 
     def progress(self) -> str:
         return f"{len(self._sent)}/{len(self._layers)} layers sent, {len(self._posted)} posted"
 
-    # -- sender-thread side -----------------------------------------------------------
+    # -- sender-lane side -------------------------------------------------------------
 
-    def _local_span(self, layer: int) -> tuple[int, int]:
-        if layer not in self._index:
-            raise ValueError(f"layer {layer} is not sent by this rank (plan: {self._layers})")
-        size = self._sender.layout.bytes_per_layer(self.num_tokens)
-        return self._staging_slot * self._sender.slot_bytes + self._index[layer] * size, size
-
-    def _pieces(self, layers: list[int]) -> list[tuple[int, int, int]]:
-        base_local = self._sender.staging_region.addr
-        base_remote = self._peer.region.addr
-        sizes = [p.nbytes(self.num_tokens) for p in self._sender.layout.planes]
+    def pieces(self, layers: list[int]) -> list[tuple[int, int, int]]:
+        """The ``(local, remote, nbytes)`` pieces of one WRITE of these layers."""
+        base_local = self._pool.staging_region.addr
+        base_remote = self.peer.region.addr
+        sizes = [p.nbytes(self.num_tokens) for p in self._pool.layout.planes]
         pieces = []
         for layer in layers:
             local, _ = self._local_span(layer)
@@ -116,7 +149,29 @@ class Handoff:
                 local += size
         return pieces
 
-    def _fail(self, error: str) -> bool:
+    def begin_write(self) -> None:
+        """A WRITE reading this handoff's staging is about to be posted; :meth:`written` ends it."""
+        with self._lock:
+            self._inflight += 1
+
+    def written(self, layers: list[int]) -> None:
+        """A WRITE begun with :meth:`begin_write` ended; ``layers`` landed (empty: it failed)."""
+        with self._lock:
+            self._inflight -= 1
+            self._sent.update(layers)
+            landed = self._status == "pending" and len(self._sent) == len(self._layers)
+            if landed:
+                self._status = "sent"
+                self._done.set()
+            if not self._inflight:
+                self._idle.notify_all()
+        if landed:  # parsed by bench/prefill_tail.py
+            log.info("TileRT handoff %s: all %d layers landed, tail %.3f ms after the last post", self.handoff_id,
+                     len(self._layers), (time.perf_counter() - self._t_last_post) * 1e3)
+        self._maybe_free()
+
+    def fail(self, error: str) -> bool:
+        """Mark it failed (no effect once it ended); True when this call failed it."""
         with self._lock:
             if self._status != "pending":
                 return False
@@ -125,18 +180,18 @@ class Handoff:
         self._maybe_free()
         return True
 
-    def _on_written(self, layers: list[int]) -> None:
-        with self._lock:
-            self._inflight -= 1
-            self._sent.update(layers)
-            landed = self._status == "pending" and len(self._sent) == len(self._layers)
-            if landed:
-                self._status = "sent"
-                self._done.set()
-        if landed:  # parsed by bench/prefill_tail.py
-            log.info("TileRT handoff %s: all %d layers landed, tail %.3f ms after the last post", self.handoff_id,
-                     len(self._layers), (time.perf_counter() - self._t_last_post) * 1e3)
-        self._maybe_free()
+    def wait_writes(self, timeout: float) -> bool:
+        """Wait until no WRITE of this handoff is in flight; False if some still are after ``timeout``."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout)
+
+    # -- internals --------------------------------------------------------------------
+
+    def _local_span(self, layer: int) -> tuple[int, int]:
+        if layer not in self._index:
+            raise ValueError(f"layer {layer} is not sent by this rank (plan: {self._layers})")
+        size = self._pool.layout.bytes_per_layer(self.num_tokens)
+        return self._staging_slot * self._pool.slot_bytes + self._index[layer] * size, size
 
     def _maybe_free(self) -> None:
         with self._lock:
@@ -144,5 +199,5 @@ class Handoff:
             if free:
                 self._staging_held = False
         if free:
-            self._sender._forget(self)
-            self._sender._release_staging(self._staging_slot)
+            self._pool.forget(self)
+            self._pool.release_staging(self._staging_slot)

@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import Protocol
 
-from connector.errors import HandshakeRejected
+from connector.kv_errors import HandshakeRejected
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,8 @@ router import it); the packing helpers at the end import torch when called:
   512 fp8 e4m3 + 4 fp32 scales + 64 bf16 rope): :func:`gather_fp8_ds_mla` -> ``kv``
   ``[n, 528]`` and ``rope`` ``[n, 64]``; the DSA indexer cache (64-token blocks of
   64x128 fp8 then 64 fp32 scales) -> ``indexer`` pages ``[pages, 8448]`` with
-  :func:`gather_pages`; reference (de)quantization :func:`quantize_fp8_ds_mla`,
-  :func:`dequantize_fp8_ds_mla`, :func:`dequantize_indexer` (tests only; the decode side's
-  conversion is :mod:`decode_server.engine.tilert_kv`).
+  :func:`gather_pages`. The fp8 values are moved as bytes; the decode side's conversion
+  (dequantization) is :mod:`decode_server.engine.tilert_kv`.
 
 The gathers accept a cache and a staging view on different devices (a CUDA cache, host
 staging): they gather on the cache's device and copy once (:func:`gather_layer`: one
@@ -27,8 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from connector.protocol import LayoutFingerprint, PlaneSpec
 
@@ -74,9 +74,13 @@ class KVLayout:
         return f"{self.profile}-{self.num_layers}L-" + hashlib.sha256(blob).hexdigest()[:16]
 
 
+# Bytes per value of the model dtypes an MLA cache may hold (vLLM's CPU MLA: its --dtype).
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
 def cpu_mla_layout(num_main_layers: int, num_mtp_layers: int, dtype: str = "bfloat16") -> KVLayout:
     """vLLM's CPU MLA cache: 512 latent + 64 rope values per token, model dtype."""
-    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+    itemsize = DTYPE_BYTES[dtype]
     plane = Plane(name="kv", dtype=dtype, width=576, bytes_per_token=576 * itemsize)
     return KVLayout("tiny-mla", num_main_layers, num_mtp_layers, (plane,))
 
@@ -90,9 +94,10 @@ ROPE_DIM = 64  # bf16 rope values per token
 INDEX_HEAD_DIM = 128  # fp8 indexer key values per token, one fp32 scale each token
 INDEX_PAGE_TOKENS = 64  # tokens per indexer page = vLLM block
 INDEX_PAGE_BYTES = INDEX_PAGE_TOKENS * (INDEX_HEAD_DIM + 4)  # 8448: all keys, then all scales
+GLM5_MAIN_LAYERS = 78  # GLM-5.1's main layers (+1 MTP layer)
 
 
-def glm5_fp8_ds_mla_layout(num_main_layers: int = 78, num_mtp_layers: int = 1) -> KVLayout:
+def glm5_fp8_ds_mla_layout(num_main_layers: int = GLM5_MAIN_LAYERS, num_mtp_layers: int = 1) -> KVLayout:
     """GLM-5.1 decode-side layout: vLLM's 656-byte fp8_ds_mla row split into ``kv`` and
     ``rope``, and the indexer cache's pages."""
     planes = (
@@ -158,7 +163,7 @@ class SenderPlan:
 # ------------------------------------------------------------------ packing helpers
 
 
-def torch_dtype(name: str) -> "torch.dtype":
+def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     dtype = getattr(torch, name, None)
@@ -167,8 +172,8 @@ def torch_dtype(name: str) -> "torch.dtype":
     return dtype
 
 
-def layer_views(block: "torch.Tensor", layout: KVLayout, num_tokens: int,
-                offsets: Sequence[int] | None = None) -> dict[str, "torch.Tensor"]:
+def layer_views(block: torch.Tensor, layout: KVLayout, num_tokens: int,
+                offsets: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """Typed per-plane views of one layer inside the uint8 tensor ``block``.
 
     ``offsets`` are the planes' byte offsets in ``block`` (default: packed, as
@@ -183,8 +188,8 @@ def layer_views(block: "torch.Tensor", layout: KVLayout, num_tokens: int,
     return views
 
 
-def packed_layers_views(block: "torch.Tensor", layout: KVLayout, num_tokens: int,
-                        num_layers: int) -> list[dict[str, "torch.Tensor"]]:
+def packed_layers_views(block: torch.Tensor, layout: KVLayout, num_tokens: int,
+                        num_layers: int) -> list[dict[str, torch.Tensor]]:
     """:func:`layer_views` of ``num_layers`` packed layer blocks one after the other in
     ``block`` (layer-major, planes packed as :func:`plane_offsets`), made with a few view
     operations per plane instead of a few per layer and plane (79 layers: ~0.1 ms
@@ -199,19 +204,19 @@ def packed_layers_views(block: "torch.Tensor", layout: KVLayout, num_tokens: int
     return [dict(zip(names, views)) for views in zip(*per_plane)]
 
 
-def _block_ids(block_ids: Sequence[int], count: int, device: "torch.device") -> "torch.Tensor":
+def _block_ids(block_ids: Sequence[int], count: int, device: torch.device) -> torch.Tensor:
     import torch
 
     return torch.as_tensor(list(block_ids[:count]), dtype=torch.long, device=device)
 
 
-def _deliver(src: "torch.Tensor", out: "torch.Tensor") -> None:
+def _deliver(src: torch.Tensor, out: torch.Tensor) -> None:
     """``out.copy_(src)``: one copy, also across devices (a CUDA cache into host staging is
     one device-to-host copy, blocking, so the bytes are there when this returns)."""
     out.copy_(src)
 
 
-def _token_rows(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int) -> "torch.Tensor":
+def _token_rows(cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
     """The first ``num_tokens`` rows of a request, ``[num_tokens, row]``, on the cache's device."""
     import torch
 
@@ -227,8 +232,8 @@ def _token_rows(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def gather_tokens(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int,
-                  out: "torch.Tensor") -> "torch.Tensor":
+def gather_tokens(cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int,
+                  out: torch.Tensor) -> torch.Tensor:
     """Copy the first ``num_tokens`` token rows of a request out of a paged cache.
 
     ``cache`` is ``[num_blocks, block_size, row]`` (vLLM's per-layer MLA cache);
@@ -256,15 +261,15 @@ def gather_tokens(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: i
     return out
 
 
-def _pages(cache: "torch.Tensor", block_ids: Sequence[int], num_pages: int) -> "torch.Tensor":
+def _pages(cache: torch.Tensor, block_ids: Sequence[int], num_pages: int) -> torch.Tensor:
     import torch
 
     flat = cache.reshape(cache.shape[0], -1)
     return torch.index_select(flat, 0, _block_ids(block_ids, num_pages, cache.device))
 
 
-def gather_pages(cache: "torch.Tensor", block_ids: Sequence[int], num_pages: int,
-                 out: "torch.Tensor") -> "torch.Tensor":
+def gather_pages(cache: torch.Tensor, block_ids: Sequence[int], num_pages: int,
+                 out: torch.Tensor) -> torch.Tensor:
     """Copy whole blocks (pages) of a paged cache: ``out[i] = cache[block_ids[i]]`` flattened
     (``out`` on any device, as :func:`gather_tokens`)."""
     import torch
@@ -280,7 +285,7 @@ def gather_pages(cache: "torch.Tensor", block_ids: Sequence[int], num_pages: int
     return out
 
 
-def _packed_span(parts: Sequence["torch.Tensor"]) -> "torch.Tensor | None":
+def _packed_span(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The uint8 run of memory ``parts`` cover when they lie back to back (contiguous, in
     order, on one device), as :func:`layer_views` lays out one layer; else None."""
     import torch
@@ -295,8 +300,8 @@ def _packed_span(parts: Sequence["torch.Tensor"]) -> "torch.Tensor | None":
     return torch.as_strided(base, (pos - first.data_ptr(),), (1,), base.storage_offset())
 
 
-def gather_layer(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int,
-                 views: dict[str, "torch.Tensor"], indexer: "torch.Tensor | None" = None) -> None:
+def gather_layer(cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int,
+                 views: dict[str, torch.Tensor], indexer: torch.Tensor | None = None) -> None:
     """One layer of a request into its staging ``views`` (:func:`layer_views`), whatever the
     devices: CPU MLA (``views`` = ``kv``) or fp8_ds_mla (``kv``, ``rope``, ``indexer``
     from the ``indexer`` cache). Across devices (a CUDA cache, host staging) the planes are
@@ -328,62 +333,19 @@ def gather_layer(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: in
         _deliver(src.view(dst.dtype).view(dst.shape), dst)
 
 
-def split_cpu_mla(kv: "torch.Tensor", kv_lora_rank: int = 512) -> tuple["torch.Tensor", "torch.Tensor"]:
+def split_cpu_mla(kv: torch.Tensor, kv_lora_rank: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU MLA ``kv`` plane ``[n, 576]`` -> (latent ``[n, 512]``, rope ``[n, 64]``) views."""
     return kv[:, :kv_lora_rank], kv[:, kv_lora_rank:]
 
 
-FP8_MAX = 448.0
-_TILE = KV_QUANT_BLOCK
-_LATENT = KV_LORA_RANK
-
-
-def gather_fp8_ds_mla(cache: "torch.Tensor", block_ids: Sequence[int], num_tokens: int,
-                      out_kv: "torch.Tensor", out_rope: "torch.Tensor") -> None:
+def gather_fp8_ds_mla(cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int,
+                      out_kv: torch.Tensor, out_rope: torch.Tensor) -> None:
     """vLLM fp8_ds_mla cache ``[num_blocks, block_size, 656]`` uint8 -> ``kv`` ``[n, 528]``
     (fp8 latent + 4 fp32 scales, bytes as stored) and ``rope`` ``[n, 64]`` bf16 (on any
     device: the rows are gathered on the cache's device, then copied)."""
     import torch
 
     rows = _token_rows(cache, block_ids, num_tokens)
-    split = _LATENT + 4 * (_LATENT // _TILE)
+    split = KV_ROW_BYTES
     out_kv.copy_(rows[:, :split])
     out_rope.copy_(rows[:, split:].contiguous().view(torch.bfloat16))
-
-
-def quantize_fp8_ds_mla(latent: "torch.Tensor") -> "torch.Tensor":
-    """Latent ``[n, 512]`` -> ``kv`` bytes ``[n, 528]``: per 128-value tile, scale =
-    amax / 448 (fp32), values = latent / scale as fp8 e4m3, then the 4 scales."""
-    import torch
-
-    n = latent.shape[0]
-    tiles = latent.float().view(n, _LATENT // _TILE, _TILE)
-    scale = (tiles.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-10)
-    q = (tiles / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    out = torch.empty((n, _LATENT + 4 * scale.shape[1]), dtype=torch.uint8)
-    out[:, :_LATENT].copy_(q.view(n, _LATENT).view(torch.uint8))
-    out[:, _LATENT:].copy_(scale.contiguous().view(torch.uint8).view(n, -1))
-    return out
-
-
-def dequantize_fp8_ds_mla(kv: "torch.Tensor") -> "torch.Tensor":
-    """``kv`` bytes ``[n, 528]`` -> latent ``[n, 512]`` float32."""
-    import torch
-
-    n = kv.shape[0]
-    values = kv[:, :_LATENT].contiguous().view(torch.float8_e4m3fn).float().view(n, -1, _TILE)
-    scales = kv[:, _LATENT:].contiguous().view(torch.float32)
-    return (values * scales.unsqueeze(-1)).view(n, _LATENT)
-
-
-def dequantize_indexer(pages: "torch.Tensor", num_tokens: int, page_tokens: int = 64,
-                       head_dim: int = 128) -> "torch.Tensor":
-    """Indexer pages ``[pages, page_tokens*(head_dim+4)]`` uint8 (each page: all fp8 keys,
-    then one fp32 scale per token) -> keys ``[num_tokens, head_dim]`` float32."""
-    import torch
-
-    p = pages.shape[0]
-    keys = pages[:, :page_tokens * head_dim].contiguous().view(torch.float8_e4m3fn).float()
-    scales = pages[:, page_tokens * head_dim:].contiguous().view(torch.float32)
-    out = keys.view(p, page_tokens, head_dim) * scales.view(p, page_tokens, 1)
-    return out.view(p * page_tokens, head_dim)[:num_tokens]

@@ -20,10 +20,9 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from connector.layout import KVLayout, cpu_mla_layout, glm5_fp8_ds_mla_layout
+from connector.layout import DTYPE_BYTES, GLM5_MAIN_LAYERS, KVLayout, cpu_mla_layout, glm5_fp8_ds_mla_layout
 
 MTP_FLAG = """--speculative-config '{"method":"mtp","num_speculative_tokens":1}'"""
-GLM5_MAIN_LAYERS = 78
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -59,10 +58,9 @@ class LayerMap:
 
 
 def _itemsize(dtype: str) -> int:
-    sizes = {"bfloat16": 2, "float16": 2, "float32": 4}
-    if dtype not in sizes:
-        raise ProfileMismatch(f"the tiny profile supports model dtypes {sorted(sizes)}, not {dtype!r}")
-    return sizes[dtype]
+    if dtype not in DTYPE_BYTES:
+        raise ProfileMismatch(f"the tiny profile supports model dtypes {sorted(DTYPE_BYTES)}, not {dtype!r}")
+    return DTYPE_BYTES[dtype]
 
 
 def tiny_profile(num_main_layers: int, dtype: str) -> ModelProfile:

@@ -18,7 +18,7 @@ connector issue.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -87,6 +87,17 @@ class HandoffResult(BaseModel):
 # --------------------------------------------------------------------------------------
 
 
+class PeerStatus(BaseModel):
+    """A prefill connector that performed the KV handshake with a decode server's receiver
+    (reported by the decode server's capabilities, read by the router's readiness)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    peer: str = Field(description="the connector's agent name")
+    state: Literal["ok", "rejected"]
+    reason: str | None = Field(default=None, description="why it was rejected")
+
+
 class PlaneSpec(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -129,6 +140,20 @@ def fingerprint_mismatch(expected: LayoutFingerprint, received: LayoutFingerprin
     return None
 
 
+def handshake_mismatch(*, decode_version: int, decode_transport: str, decode_fingerprint: LayoutFingerprint,
+                       prefill_version: int, prefill_transport: str,
+                       prefill_fingerprint: LayoutFingerprint) -> tuple[str, str, str] | None:
+    """The one handshake check, made by the receiver on a Hello and by the senders on a
+    Welcome: the first difference between what the decode side has (expected) and what the
+    prefill side announces (received), as ``(field, expected, received)``: protocol
+    version, data transport kind, then the layout fingerprint field by field. None: compatible."""
+    if decode_version != prefill_version:
+        return "protocol_version", str(decode_version), str(prefill_version)
+    if decode_transport != prefill_transport:
+        return "transport", decode_transport, prefill_transport
+    return fingerprint_mismatch(decode_fingerprint, prefill_fingerprint)
+
+
 class Hello(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -150,7 +175,7 @@ class Welcome(BaseModel):
     protocol_version: int
     agent_name: str
     fingerprint: LayoutFingerprint
-    transport: str = Field(description="'nixl' or 'memory'; both sides must use the same")
+    transport: str = Field(description="the receiver's data transport kind ('nixl'); both sides must use the same")
     agent_metadata: str = Field(description="base64 of the receiver's transport agent metadata")
     buffer_descs: str = Field(description="base64 of the receive-buffer regions (see connector.transport)")
     max_tokens: int = Field(ge=1)
@@ -217,7 +242,7 @@ class Aborted(BaseModel):
 
 
 ControlMessage = Annotated[
-    Union[Hello, Welcome, Reject, Admit, Admitted, Refused, Abort, Aborted],
+    Hello | Welcome | Reject | Admit | Admitted | Refused | Abort | Aborted,
     Field(discriminator="type"),
 ]
 
@@ -243,4 +268,4 @@ class Revoked(BaseModel):
     reason: str
 
 
-Notification = Annotated[Union[LayersDone, Revoked], Field(discriminator="type")]
+Notification = Annotated[LayersDone | Revoked, Field(discriminator="type")]

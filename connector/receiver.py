@@ -25,12 +25,13 @@ import base64
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Coroutine
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
 from connector.control import ControlConnection, ControlServer
-from connector.errors import HandoffFailed, HandoffTimeout, ReceiverError
+from connector.kv_errors import HandoffFailed, HandoffTimeout, ReceiverError
 from connector.layout import layout_fingerprint, packed_layers_views, plane_offsets
 from connector.protocol import (
     PROTOCOL_VERSION,
@@ -40,22 +41,23 @@ from connector.protocol import (
     Admitted,
     Hello,
     LayersDone,
+    PeerStatus,
     Refused,
     Reject,
     Revoked,
     Welcome,
-    fingerprint_mismatch,
+    handshake_mismatch,
 )
 from connector.receiver_state import HandoffState, ReceivedKV, ReceiverSettings
 from connector.transport import (
     NotificationPump,
     Transport,
     TransportError,
-    create_transport,
+    TransportFactory,
     encode_regions,
     host_tensor,
+    nixl_transport,
 )
-from pd_router.contract import PeerStatus
 
 if TYPE_CHECKING:
     import torch
@@ -64,17 +66,19 @@ __all__ = ["HandoffFailed", "HandoffTimeout", "KVReceiver", "ReceivedKV", "Recei
 
 log = logging.getLogger(__name__)
 
-DISCONNECT_GRACE_S = 2.0  # notifications may trail a sender's closed control connection
-
 
 class KVReceiver:
-    def __init__(self, settings: ReceiverSettings) -> None:
+    """``transport`` makes this receiver's data-transport agent (NIXL unless a test injects
+    another); senders must use the same kind (the handshake checks it)."""
+
+    def __init__(self, settings: ReceiverSettings, transport: TransportFactory = nixl_transport) -> None:
         self._s = settings
+        self._make_transport = transport
         self._layout = settings.layout
         self._agent_name = settings.agent_name or f"kv-recv-{uuid.uuid4().hex[:12]}"
         self._slot_bytes = self._layout.bytes_per_layer(settings.max_tokens) * self._layout.num_layers
         self._transport: Transport | None = None
-        self._buffer: "torch.Tensor | None" = None
+        self._buffer: torch.Tensor | None = None
         self._buffer_owner: object = None
         self._welcome_parts: tuple[str, str] = ("", "")
         self._server = ControlServer(settings.host, settings.port, self._on_message, self._on_disconnect)
@@ -92,23 +96,24 @@ class KVReceiver:
         self._aborted_tries: dict[tuple[str, str, str], float] = {}  # (group, handoff, attempt) -> when
         self._live: dict[str, int] = {}  # open control connections per sender agent
         self._tasks: set[asyncio.Future] = set()
-        self._timers: list[asyncio.TimerHandle] = []
+        self._orphan_checks: set[asyncio.Task[None]] = set()  # senders' disconnect graces running
 
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Condition()
-        self._transport, self._buffer = await asyncio.to_thread(self._allocate)
-        region = self._transport.register(self._buffer)
-        self._welcome_parts = (base64.b64encode(self._transport.metadata()).decode(), encode_regions([region]))
+        transport, buffer = await asyncio.to_thread(self._allocate)
+        self._transport, self._buffer = transport, buffer
+        region = transport.register(buffer)
+        self._welcome_parts = (base64.b64encode(transport.metadata()).decode(), encode_regions([region]))
         await self._server.start()
-        self._pump = NotificationPump(self._transport, self._loop, self._deliver, self._expecting_kv)
+        self._pump = NotificationPump(transport, self._loop, self._deliver, self._expecting_kv)
         self._pump.start()
         self._reaper = asyncio.create_task(self._reap_unclaimed())
 
-    def _allocate(self) -> tuple[Transport, "torch.Tensor"]:
-        transport = create_transport(self._s.transport, self._agent_name)
+    def _allocate(self) -> tuple[Transport, torch.Tensor]:
+        transport = self._make_transport(self._agent_name, 1)
         buffer, self._buffer_owner = host_tensor(self._s.slots * self._slot_bytes, self._s.device)
         return transport, buffer
 
@@ -117,8 +122,9 @@ class KVReceiver:
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
-        for timer in self._timers:
-            timer.cancel()
+        for check in self._orphan_checks:
+            check.cancel()
+        await asyncio.gather(*self._orphan_checks, return_exceptions=True)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._pump is not None:
@@ -151,6 +157,15 @@ class KVReceiver:
     def peers(self) -> list[PeerStatus]:
         return list(self._peers.values())
 
+    def connections(self, agent: str) -> int:
+        """Open control connections of the sender agent ``agent`` (after its Hello)."""
+        return self._live.get(agent, 0)
+
+    async def settled(self) -> None:
+        """Return once every disconnect grace under way has run out and its check ran (tests)."""
+        while self._orphan_checks:
+            await asyncio.gather(*list(self._orphan_checks), return_exceptions=True)
+
     def busy_slots(self) -> int:
         return self._s.slots - len(self._free)
 
@@ -180,7 +195,7 @@ class KVReceiver:
                         break
                     try:
                         await asyncio.wait_for(changed.wait(), remaining)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
         finally:
             if counted is not None:
@@ -207,7 +222,7 @@ class KVReceiver:
             self._background(self._revoke(h, h.error))
         self._free_slot(h)
 
-    def _background(self, coro: "Coroutine[Any, Any, None]") -> None:
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -290,12 +305,9 @@ class KVReceiver:
 
     async def _on_hello(self, conn: ControlConnection, hello: Hello) -> BaseModel:
         mine = layout_fingerprint(self._layout, hello.fingerprint.sender_world_size)
-        if hello.protocol_version != PROTOCOL_VERSION:
-            bad = ("protocol_version", str(PROTOCOL_VERSION), str(hello.protocol_version))
-        elif hello.transport != self._s.transport:
-            bad = ("transport", self._s.transport, hello.transport)
-        else:
-            bad = fingerprint_mismatch(mine, hello.fingerprint)
+        bad = handshake_mismatch(decode_version=PROTOCOL_VERSION, decode_transport=self._need_transport().kind,
+                                 decode_fingerprint=mine, prefill_version=hello.protocol_version,
+                                 prefill_transport=hello.transport, prefill_fingerprint=hello.fingerprint)
         if bad is not None:
             fld, expected, received = bad
             message = (f"KV handshake rejected by decode agent {self._agent_name}: {fld} mismatch: "
@@ -319,7 +331,7 @@ class KVReceiver:
         self._peers[hello.agent_name] = PeerStatus(peer=hello.agent_name, state="ok")
         md, descs = self._welcome_parts
         return Welcome(protocol_version=PROTOCOL_VERSION, agent_name=self._agent_name, fingerprint=mine,
-                       transport=self._s.transport, agent_metadata=md, buffer_descs=descs,
+                       transport=self._need_transport().kind, agent_metadata=md, buffer_descs=descs,
                        max_tokens=self._s.max_tokens, slots=self._s.slots)
 
     async def _on_admit(self, peer: str, admit: Admit) -> BaseModel:
@@ -360,15 +372,16 @@ class KVReceiver:
         return Admitted(handoff_id=hid, slot=slot, offsets=offsets)
 
     def _on_disconnect(self, conn: ControlConnection) -> None:
-        if conn.peer is None or self._loop is None:
+        if conn.peer is None or self._loop is None or self._stopped:
             return
         peer = conn.peer
         self._live[peer] -= 1
-        self._timers = [t for t in self._timers if not t.cancelled() and t.when() > self._loop.time()]
-        self._timers.append(
-            self._loop.call_later(DISCONNECT_GRACE_S, lambda: self._background(self._fail_orphans(peer))))
+        check = asyncio.ensure_future(self._fail_orphans(peer))
+        self._orphan_checks.add(check)
+        check.add_done_callback(self._orphan_checks.discard)
 
     async def _fail_orphans(self, peer: str) -> None:
+        await asyncio.sleep(self._s.disconnect_grace_s)  # a grace period, not a synchronisation
         if self._live.get(peer, 0) > 0:  # it reconnected (e.g. a retried Admit): its handoffs live on
             return
         group = self._group_of.get(peer, peer)

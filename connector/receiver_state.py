@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from connector.layout import KVLayout
-from connector.transport import TRANSPORT_KINDS
 
 if TYPE_CHECKING:
     import torch
@@ -17,7 +16,7 @@ if TYPE_CHECKING:
 class ReceivedKV:
     handoff_id: str
     num_tokens: int
-    layers: list[dict[str, "torch.Tensor"]]
+    layers: list[dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -27,8 +26,10 @@ class ReceiverSettings:
     slots: int = 1
     host: str = "127.0.0.1"
     port: int = 0  # 0: ephemeral
-    transport: str = "nixl"  # or "memory" (unit tests)
     unclaimed_timeout_s: float = 30.0  # an admitted/completed handoff nobody claims is freed after this
+    # after a sender's last control connection closed, its incomplete handoffs fail after
+    # this grace (its notifications may trail the closed connection; it may reconnect)
+    disconnect_grace_s: float = 2.0
     agent_name: str | None = None
     device: str = "cpu"  # where the receive buffer lives ("cuda:0" registers VRAM)
 
@@ -37,8 +38,8 @@ class ReceiverSettings:
             ("max_tokens", self.max_tokens, self.max_tokens >= 1, "must be >= 1"),
             ("slots", self.slots, self.slots >= 1, "must be >= 1"),
             ("port", self.port, 0 <= self.port < 65536, "must be in 0..65535 (0: ephemeral)"),
-            ("transport", self.transport, self.transport in TRANSPORT_KINDS, f"must be one of {TRANSPORT_KINDS}"),
             ("unclaimed_timeout_s", self.unclaimed_timeout_s, self.unclaimed_timeout_s > 0, "must be > 0"),
+            ("disconnect_grace_s", self.disconnect_grace_s, self.disconnect_grace_s >= 0, "must be >= 0"),
         ]
         for name, value, ok, reason in checks:
             if not ok:
@@ -62,4 +63,4 @@ class HandoffState:
     since: float = field(default_factory=time.monotonic)
     # the per-layer views handed to the engine, made at admission (off the path from the
     # last notification to wait_for returning)
-    views: list[dict[str, "torch.Tensor"]] = field(default_factory=list)
+    views: list[dict[str, torch.Tensor]] = field(default_factory=list)

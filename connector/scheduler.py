@@ -46,7 +46,7 @@ from pydantic import ValidationError
 
 from connector.admission import Admission, Admissions
 from connector.metadata import ReportInbox, RequestWork, SendReport, StepPlan
-from connector.protocol import FailureReason, HandoffResult, HandoffTarget
+from connector.protocol import FailureReason, HandoffResult, HandoffStatus, HandoffTarget
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class ConnectorScheduler:
             if report.status == "failed" and report.req_id in self._held:  # failed after the answer
                 self._release_admission(tracked, report.error or "the KV transfer failed")
 
-    def _outcome(self, req_id: str) -> tuple[str, str | None, FailureReason | None, int | None, int | None]:
+    def _outcome(self, req_id: str) -> tuple[HandoffStatus, str | None, FailureReason | None, int | None, int | None]:
         """(status, error, reason, layers early, layers late) from the reports already there."""
         self._collect_reports()
         reports = self._early_reports.get(req_id, {})
@@ -289,12 +289,12 @@ class ConnectorScheduler:
             return "failed", error, failed[0].reason or "internal", None, None
         if len(reports) < self.world_size:  # a rank's report is late: say nothing we don't know
             return "pending", None, None, None, None
-        status = "sent" if all(r.status == "sent" for r in reports.values()) else "pending"
+        status: HandoffStatus = "sent" if all(r.status == "sent" for r in reports.values()) else "pending"
         return (status, None, None, sum(r.layers_early for r in reports.values()),
                 sum(r.layers_late for r in reports.values()))
 
     @staticmethod
-    def _result(request: Any, tracked: _Tracked, status: str, error: str | None,
+    def _result(request: Any, tracked: _Tracked, status: HandoffStatus, error: str | None,
                 reason: FailureReason | None = None, layers_early: int | None = None,
                 layers_late: int | None = None) -> dict[str, Any] | None:
         outputs = list(request.output_token_ids)
@@ -311,7 +311,7 @@ class ConnectorScheduler:
             reason=reason if status == "failed" else None,
             layers_early=layers_early,
             layers_late=layers_late,
-        )  # type: ignore[arg-type]
+        )
         return result.model_dump(exclude_none=True)
 
 

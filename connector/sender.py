@@ -30,11 +30,10 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from connector.control import ABORT_TIMEOUT_S, ControlClient
-from connector.errors import AdmissionRefused, ControlChannelError, HandshakeRejected, TransportError
-from connector.handoff import Handoff
+from connector.handoff import OutgoingHandoff, Peer
+from connector.kv_errors import AdmissionRefused, ControlChannelError, HandshakeRejected, TransportError
 from connector.lanes import LaneQueue
 from connector.layout import KVLayout, SenderPlan, layout_fingerprint
 from connector.protocol import (
@@ -48,11 +47,11 @@ from connector.protocol import (
     Reject,
     Revoked,
     Welcome,
-    fingerprint_mismatch,
+    handshake_mismatch,
 )
-from connector.transport import Region, XferHandle, create_transport, decode_regions, host_tensor
+from connector.transport import TransportFactory, XferHandle, decode_regions, host_tensor, nixl_transport
 
-__all__ = ["AdmissionRefused", "Handoff", "HandshakeRejected", "KVSender", "SenderPlan"]
+__all__ = ["AdmissionRefused", "HandshakeRejected", "KVSender", "OutgoingHandoff", "SenderPlan"]
 
 log = logging.getLogger(__name__)
 
@@ -77,19 +76,10 @@ def lane_cpus(lanes: int, device: str) -> list[int]:
     return cpus if len(cpus) >= lanes else []
 
 
-@dataclass
-class _Peer:
-    endpoint: str
-    client: ControlClient
-    welcome: Welcome
-    agent: str
-    region: Region
-    stale: bool = False
-
-
 class KVSender:
     def __init__(self, agent_name: str, layout: KVLayout, max_tokens: int,
-                 sender_plan: SenderPlan | None = None, transport: str = "nixl", staging_slots: int = 2,
+                 sender_plan: SenderPlan | None = None, transport: TransportFactory = nixl_transport,
+                 staging_slots: int = 2,
                  device: str = "cpu", lanes: int = 2, pin_lanes: bool = True, group: str = "",
                  control_timeout_s: float = 10.0) -> None:
         if max_tokens < 1:
@@ -107,20 +97,20 @@ class KVSender:
         self.plan_layers = self.plan.layers(layout.num_layers)
         self.slot_bytes = max(1, len(self.plan_layers)) * layout.bytes_per_layer(max_tokens)
         self._fingerprint = layout_fingerprint(layout, self.plan.world_size)
-        self._transport_kind = transport
-        self._transport = create_transport(transport, agent_name, workers=lanes)
+        self._transport = transport(agent_name, lanes)
+        self._transport_kind = self._transport.kind
         self.staging_buffer, self._staging_owner = host_tensor(staging_slots * self.slot_bytes, device)
         self.staging_region = self._transport.register(self.staging_buffer)
         self._free_staging = list(range(staging_slots))
         self._staging_cv = threading.Condition()
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, Peer] = {}
         self._peers_lock = threading.Lock()  # the dicts only: never held across network I/O
         self._handshake_locks: dict[str, threading.Lock] = {}
         self._connecting: set[str] = set()
         self._connect_errors: dict[str, str] = {}  # endpoint -> why its last background handshake failed
         self._control = ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix=f"{agent_name}-kv-control")
-        self._queue: LaneQueue[tuple[Handoff, int]] = LaneQueue()
-        self._active: dict[str, Handoff] = {}  # pending handoffs by id, for Revoked
+        self._queue: LaneQueue[tuple[OutgoingHandoff, int]] = LaneQueue()
+        self._active: dict[str, OutgoingHandoff] = {}  # pending handoffs by id, for Revoked
         self._active_lock = threading.Lock()
         self._closed = False
         self._revocation_lock = threading.Lock()
@@ -143,14 +133,14 @@ class KVSender:
         and the handshake keeper)."""
         self._peer(endpoint, timeout)
 
-    def _ready_peer(self, endpoint: str) -> _Peer | None:
+    def _ready_peer(self, endpoint: str) -> Peer | None:
         with self._peers_lock:
             peer = self._peers.get(endpoint)
         if peer is None or peer.stale or peer.client.broken:
             return None
         return peer
 
-    def _peer(self, endpoint: str, timeout: float) -> _Peer:
+    def _peer(self, endpoint: str, timeout: float) -> Peer:
         with self._peers_lock:
             lock = self._handshake_locks.setdefault(endpoint, threading.Lock())
         with lock:  # one handshake per endpoint at a time; other endpoints are not held up
@@ -187,7 +177,7 @@ class KVSender:
                 if error is not None:
                     self._connect_errors[endpoint] = error
 
-    def _handshake(self, endpoint: str, timeout: float) -> _Peer:
+    def _handshake(self, endpoint: str, timeout: float) -> Peer:
         client = ControlClient(endpoint, timeout)
         try:
             hello = Hello(protocol_version=PROTOCOL_VERSION, agent_name=self.agent_name,
@@ -198,7 +188,7 @@ class KVSender:
                 raise HandshakeRejected(reply.field, reply.expected, reply.received,
                                         f"decode server {endpoint}: {reply.message}")
             if not isinstance(reply, Welcome):
-                raise ControlChannelError(f"{endpoint} answered Hello with {reply.type!r}")
+                raise ControlChannelError(f"{endpoint} answered Hello with {type(reply).__name__}")
             self._check_welcome(endpoint, reply)
             self._transport.remove_peer(reply.agent_name)  # a restarted peer may reuse its name
             agent = self._transport.add_peer(base64.b64decode(reply.agent_metadata))
@@ -210,13 +200,12 @@ class KVSender:
         except BaseException:
             client.close()
             raise
-        return _Peer(endpoint, client, reply, agent, regions[0])
+        return Peer(endpoint, client, reply, agent, regions[0])
 
     def _check_welcome(self, endpoint: str, welcome: Welcome) -> None:
-        checks = [("protocol_version", str(welcome.protocol_version), str(PROTOCOL_VERSION)),
-                  ("transport", welcome.transport, self._transport_kind)]
-        bad = next((c for c in checks if c[1] != c[2]), None) or fingerprint_mismatch(welcome.fingerprint,
-                                                                                     self._fingerprint)
+        bad = handshake_mismatch(decode_version=welcome.protocol_version, decode_transport=welcome.transport,
+                                 decode_fingerprint=welcome.fingerprint, prefill_version=PROTOCOL_VERSION,
+                                 prefill_transport=self._transport_kind, prefill_fingerprint=self._fingerprint)
         if bad is not None:
             field, expected, received = bad
             raise HandshakeRejected(field, expected, received,
@@ -226,7 +215,7 @@ class KVSender:
     # ----------------------------------------------------------------- handoffs
 
     def open(self, endpoint: str, handoff_id: str, num_tokens: int, offsets: list[list[int]] | tuple,
-             deadline: float) -> Handoff | None:
+             deadline: float) -> OutgoingHandoff | None:
         """The handoff of a slot admitted elsewhere (the connector's scheduler side), or None
         when it cannot start yet (no staging buffer free, or ``endpoint`` not handshaken: a
         handshake starts in the background; if that fails, the next ``open`` for the
@@ -248,7 +237,7 @@ class KVSender:
         return self._start(peer, handoff_id, num_tokens, offsets, slot, deadline)
 
     def begin(self, endpoint: str, handoff_id: str, num_tokens: int, timeout: float,
-              transfer_timeout: float = 30.0) -> Handoff:
+              transfer_timeout: float = 30.0) -> OutgoingHandoff:
         """Admit the handoff over this sender's own control connection, then open it
         (blocking, up to ``timeout``); for callers outside vLLM."""
         self._check_open(handoff_id, num_tokens)
@@ -267,7 +256,7 @@ class KVSender:
             if not isinstance(reply, Admitted) or reply.handoff_id != handoff_id:
                 raise ControlChannelError(f"{endpoint} answered Admit with {reply!r:.200}")
         except BaseException:
-            self._release_staging(slot)
+            self.release_staging(slot)
             raise
         return self._start(peer, handoff_id, num_tokens, reply.offsets, slot, time.monotonic() + transfer_timeout)
 
@@ -278,20 +267,20 @@ class KVSender:
             raise AdmissionRefused(handoff_id, "too_long", f"handoff {handoff_id}: {num_tokens} prompt tokens "
                                    f"exceed this prefill's KV staging size max_tokens={self.max_tokens}")
 
-    def _start(self, peer: _Peer, handoff_id: str, num_tokens: int, offsets: list[list[int]] | tuple, slot: int,
-               deadline: float) -> Handoff:
+    def _start(self, peer: Peer, handoff_id: str, num_tokens: int, offsets: list[list[int]] | tuple, slot: int,
+               deadline: float) -> OutgoingHandoff:
         try:
             self._check_offsets(peer, offsets, num_tokens)
         except BaseException:
-            self._release_staging(slot)
+            self.release_staging(slot)
             raise
-        handoff = Handoff(self, peer, handoff_id, [list(o) for o in offsets], num_tokens, slot, deadline)
+        handoff = OutgoingHandoff(self, peer, handoff_id, [list(o) for o in offsets], num_tokens, slot, deadline)
         if handoff.status() == "pending":
             with self._active_lock:
                 self._active[handoff_id] = handoff
         return handoff
 
-    def _check_offsets(self, peer: _Peer, offsets: list[list[int]] | tuple, num_tokens: int) -> None:
+    def _check_offsets(self, peer: Peer, offsets: list[list[int]] | tuple, num_tokens: int) -> None:
         sizes = [p.nbytes(num_tokens) for p in self.layout.planes]
         ok = len(offsets) == self.layout.num_layers and all(
             len(offs) == len(sizes) and all(0 <= o and o + s <= peer.region.nbytes for o, s in zip(offs, sizes))
@@ -308,24 +297,26 @@ class KVSender:
                 self._staging_cv.wait(remaining)
             return self._free_staging.pop(0)
 
-    def _release_staging(self, slot: int) -> None:
+    def release_staging(self, slot: int) -> None:
         with self._staging_cv:
             self._free_staging.append(slot)
             self._staging_cv.notify()
 
-    def _abort_soon(self, handoff: Handoff, reason: str) -> None:
+    def enqueue(self, items: list[tuple[OutgoingHandoff, int]]) -> None:
+        """Layers of handoffs to write (called by :meth:`OutgoingHandoff.post_layers`)."""
+        self._queue.put_many(items)
+
+    def abort_soon(self, handoff: OutgoingHandoff, reason: str) -> None:
         """Tell the decode server, in the background, once the handoff's in-flight WRITEs landed."""
         try:
             self._control.submit(self._send_abort, handoff, reason)
         except RuntimeError:  # closing: the receiver frees what this sender held when it goes away
             pass
 
-    def _send_abort(self, handoff: Handoff, reason: str) -> None:
-        deadline = time.monotonic() + ABORT_TIMEOUT_S
-        while handoff._inflight and time.monotonic() < deadline:  # in-flight WRITEs land before Abort
-            time.sleep(0.001)
+    def _send_abort(self, handoff: OutgoingHandoff, reason: str) -> None:
+        handoff.wait_writes(ABORT_TIMEOUT_S)  # in-flight WRITEs land before the Abort
         with self._peers_lock:  # the connection may have been made again since the handoff began
-            current = self._peers.get(handoff._peer.endpoint, handoff._peer)
+            current = self._peers.get(handoff.peer.endpoint, handoff.peer)
         try:
             current.client.request(Abort(handoff_id=handoff.handoff_id, reason=reason), ABORT_TIMEOUT_S)
         except ControlChannelError as exc:
@@ -349,10 +340,10 @@ class KVSender:
             with self._active_lock:
                 pending = list(self._active.values())
             for handoff in pending:
-                handoff._fail(f"the KV sender thread died: {type(exc).__name__}: {exc}")
+                handoff.fail(f"the KV sender thread died: {type(exc).__name__}: {exc}")
 
     def _send_loop(self) -> None:
-        inflight: list[tuple[Handoff, XferHandle, list[int]]] = []
+        inflight: list[tuple[OutgoingHandoff, XferHandle, list[int]]] = []
         while True:
             waiting = bool(self._active)
             # due every 10 ms while handoffs are pending, also while layers keep coming
@@ -369,18 +360,18 @@ class KVSender:
                     continue
                 self._transport.release(xfer)
                 if state == "done":
-                    handoff._on_written(layers)
+                    handoff.written(layers)
                 else:
-                    self._on_transport_error(handoff, f"KV WRITE of layers {layers} to {handoff._peer.endpoint} "
+                    self._on_transport_error(handoff, f"KV WRITE of layers {layers} to {handoff.peer.endpoint} "
                                                       "failed (decode server unreachable or gone?)")
-                    handoff._on_written([])
+                    handoff.written([])
             inflight = still
             if stop:
                 break
         for handoff, xfer, _ in inflight:
             self._transport.release(xfer)
-            handoff._fail("the KV sender closed")
-            handoff._on_written([])
+            handoff.fail("the KV sender closed")
+            handoff.written([])
 
     def _maybe_check_revocations(self, every_s: float) -> None:
         if time.monotonic() - self._last_revocation_check < every_s or self._posting:
@@ -396,8 +387,8 @@ class KVSender:
         finally:
             self._revocation_lock.release()
 
-    def _post(self, batch: list[tuple[Handoff, int]]) -> list[tuple[Handoff, XferHandle, list[int]]]:
-        grouped: dict[int, tuple[Handoff, list[int]]] = {}
+    def _post(self, batch: list[tuple[OutgoingHandoff, int]]) -> list[tuple[OutgoingHandoff, XferHandle, list[int]]]:
+        grouped: dict[int, tuple[OutgoingHandoff, list[int]]] = {}
         for handoff, layer in batch:
             grouped.setdefault(id(handoff), (handoff, []))[1].append(layer)
         posted = []
@@ -405,17 +396,16 @@ class KVSender:
             if handoff.status() != "pending":
                 continue
             notif = LayersDone(handoff_id=handoff.handoff_id, layers=layers).model_dump_json().encode()
-            with handoff._lock:
-                handoff._inflight += 1
+            handoff.begin_write()
             with self._lanes_lock:
                 self._posting += 1
             try:
-                xfer = self._transport.write(handoff._peer.agent, handoff._pieces(layers), notif,
-                                             handoff._peer.region)
+                xfer = self._transport.write(handoff.peer.agent, handoff.pieces(layers), notif,
+                                             handoff.peer.region)
             except TransportError as exc:
                 self._on_transport_error(handoff, f"KV WRITE of layers {layers} to decode server "
-                                                  f"{handoff._peer.endpoint} failed: {exc}")
-                handoff._on_written([])
+                                                  f"{handoff.peer.endpoint} failed: {exc}")
+                handoff.written([])
                 continue
             finally:
                 with self._lanes_lock:
@@ -436,8 +426,8 @@ class KVSender:
                 continue
             with self._active_lock:
                 handoff = self._active.get(revoked.handoff_id)
-            if handoff is not None and handoff._peer.agent == peer:
-                handoff._fail(f"revoked by the decode server {handoff._peer.endpoint}: {revoked.reason}")
+            if handoff is not None and handoff.peer.agent == peer:
+                handoff.fail(f"revoked by the decode server {handoff.peer.endpoint}: {revoked.reason}")
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
@@ -446,14 +436,14 @@ class KVSender:
         for handoff in late:
             handoff.abort(f"not all layers were written by the transfer deadline ({handoff.progress()})")
 
-    def _forget(self, handoff: Handoff) -> None:
+    def forget(self, handoff: OutgoingHandoff) -> None:
         with self._active_lock:
             if self._active.get(handoff.handoff_id) is handoff:
                 del self._active[handoff.handoff_id]
 
-    def _on_transport_error(self, handoff: Handoff, error: str) -> None:
-        handoff._peer.stale = True  # handshake again (and re-add the agent) next time
-        handoff._fail(error)
+    def _on_transport_error(self, handoff: OutgoingHandoff, error: str) -> None:
+        handoff.peer.stale = True  # handshake again (and re-add the agent) next time
+        handoff.fail(error)
 
     def close(self) -> None:
         if self._closed:
@@ -466,7 +456,7 @@ class KVSender:
         with self._active_lock:
             pending = list(self._active.values())
         for handoff in pending:  # nothing will write them any more
-            handoff._fail("the KV sender closed")
+            handoff.fail("the KV sender closed")
         with self._staging_cv:
             self._staging_cv.notify_all()
         self._control.shutdown(wait=True, cancel_futures=True)

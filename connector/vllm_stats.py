@@ -75,4 +75,4 @@ class TileRTPromMetrics(KVConnectorPromMetrics):
         for key, child in children.items():
             value = int(transfer_stats_data.get(key, 0))
             if value:
-                child.inc(value)
+                child.inc(value)  # type: ignore[union-attr]  # counters, made by vLLM's _counter_cls

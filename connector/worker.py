@@ -39,8 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from connector.errors import AdmissionRefused, ControlChannelError, HandshakeRejected
 from connector.keeper import HandshakeKeeper
+from connector.kv_errors import AdmissionRefused, ControlChannelError, HandshakeRejected
 from connector.layout import KVLayout, SenderPlan, gather_layer
 from connector.metadata import RequestWork, SendReport, StepPlan
 from connector.profiles import (
@@ -375,9 +375,10 @@ class ConnectorWorker:
         if send.error is not None:
             status = "failed"
         else:
-            status = send.handoff.status() if send.handoff is not None else "pending"
-            if status == "failed":
-                send.error, send.reason = send.handoff.error or "the KV transfer failed", "transfer"
+            handoff = send.handoff
+            status = handoff.status() if handoff is not None else "pending"
+            if handoff is not None and status == "failed":
+                send.error, send.reason = handoff.error or "the KV transfer failed", "transfer"
         if status == send.reported or send.reported == "failed":
             return
         early = len(send.early)
@@ -461,5 +462,5 @@ def nixl_sender_factory(agent_name: str, layout: KVLayout, max_tokens: int, plan
                         control_timeout_s: float = 10.0) -> Any:
     from connector.sender import KVSender
 
-    return KVSender(agent_name, layout, max_tokens, sender_plan=plan, transport="nixl", device=device, lanes=lanes,
+    return KVSender(agent_name, layout, max_tokens, sender_plan=plan, device=device, lanes=lanes,
                     pin_lanes=pin_lanes, group=group, control_timeout_s=control_timeout_s)

@@ -30,8 +30,7 @@ def receiver_factory(settings: DecodeServerSettings):
         from connector.receiver import KVReceiver, ReceiverSettings
 
         return KVReceiver(ReceiverSettings(layout=layout, max_tokens=max_tokens, slots=slots, host=settings.kv_host,
-                                           port=settings.kv_port, transport=settings.kv_transport,
-                                           device=settings.kv_device))
+                                           port=settings.kv_port, device=settings.kv_device))
     return build
 
 

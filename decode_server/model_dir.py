@@ -20,13 +20,18 @@ runs it on the fresh conversion) and checks the result; ``check`` only checks.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
+
+from pydantic import BaseModel, Field
+from pydantic_settings import CliPositionalArg, CliSubCommand, SettingsConfigDict
+
+from pd_settings.loader import EntrySettings, load, subcommand
+from pd_settings.problems import SettingsError
 
 Engine = Literal["reference", "tilert"]
 CHAT_TEMPLATE = "chat_template.jinja"
@@ -112,28 +117,47 @@ def _report(model_dir: Path, engine: str) -> int:
     return 0
 
 
+class _Target(BaseModel):
+    model_dir: CliPositionalArg[Path]
+    engine: Engine = Field("tilert", description="the decode engine the directory is for")
+
+
+class Check(_Target):
+    """check that the directory holds what the engine's decode server reads"""
+
+
+class Complete(_Target):
+    """copy from the checkpoint what the converter did not write, then check"""
+
+    source: Path = Field(description="the checkpoint the weights came from")
+    files: str | None = Field(None, description="space-separated files to copy (default: the engine's)")
+
+
+class ModelDirCommand(EntrySettings):
+    """The decode server's model directory: check it, or complete a converted one."""
+
+    model_config = SettingsConfigDict(env_prefix="PD_MODEL_DIR_", cli_prog_name="python -m decode_server.model_dir")
+
+    check: CliSubCommand[Check]
+    complete: CliSubCommand[Complete]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m decode_server.model_dir", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("check", "complete"):
-        cmd = sub.add_parser(name)
-        cmd.add_argument("model_dir", type=Path)
-        cmd.add_argument("--engine", choices=sorted(MODEL_FILES), default="tilert")
-        if name == "complete":
-            cmd.add_argument("--source", type=Path, required=True, help="the checkpoint the weights came from")
-            cmd.add_argument("--files", default=None,
-                             help="space-separated files to copy (default: the engine's)")
-    args = parser.parse_args(argv)
-    if args.cmd == "complete":
-        files = args.files.split() if args.files is not None else list(MODEL_FILES[args.engine])
-        provided, unavailable = complete(args.model_dir, args.source, files)
+    try:
+        cmd = subcommand(load(ModelDirCommand, sys.argv[1:] if argv is None else argv))
+    except SettingsError as exc:
+        print(f"decode_server.model_dir: {exc}", file=sys.stderr)
+        return 2
+    if isinstance(cmd, Complete):
+        files = cmd.files.split() if cmd.files is not None else list(MODEL_FILES[cmd.engine])
+        provided, unavailable = complete(cmd.model_dir, cmd.source, files)
         if provided:
-            print(f"{args.model_dir}: copied from {args.source}: {', '.join(provided)}")
+            print(f"{cmd.model_dir}: copied from {cmd.source}: {', '.join(provided)}")
         if unavailable:
-            print(f"{args.model_dir}: {', '.join(unavailable)}: in neither the conversion output nor {args.source}",
+            print(f"{cmd.model_dir}: {', '.join(unavailable)}: in neither the conversion output nor {cmd.source}",
                   file=sys.stderr)
             return 1
-    return _report(args.model_dir, args.engine)
+    return _report(cmd.model_dir, cmd.engine)
 
 
 if __name__ == "__main__":

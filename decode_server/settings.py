@@ -1,33 +1,35 @@
-"""Decode server settings: command line, then ``DECODE_SERVER_<OPTION>`` environment
-variables, then defaults; validated once at start-up. An invalid value stops the
-server with a message naming the option, the value and the reason."""
+"""Decode server settings: one pydantic-settings model (:mod:`pd_settings.loader`): the
+command line, ``PD_DECODE_<OPTION>`` environment variables and a YAML file (``--config``),
+validated once at start-up. An invalid value stops the server with exit status 2 and a
+message naming the option as it was given, the value and the reason."""
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
 
 from decode_server.model_dir import missing_files
+from pd_settings.loader import EntrySettings, load
+from pd_settings.problems import SettingsError
 
-ENV_PREFIX = "DECODE_SERVER_"
-TILERT_NUM_MTP = (0, 3)  # TileRT's GLM-5 MTP verifies 3 drafts per step (or runs without MTP)
+ENV_PREFIX = "PD_DECODE_"
 # Where each engine receives KV by default: TileRT (GPU hosts) into VRAM, where its conversion
 # (dequantization + Hadamard) then runs; the reference engine computes on the CPU.
 DEFAULT_KV_DEVICE = {"tilert": "cuda:0", "reference": "cpu"}
 
-
-class SettingsError(ValueError):
-    """Invalid settings; the message names option, value and reason."""
+__all__ = ["DEFAULT_KV_DEVICE", "ENV_PREFIX", "DecodeServerSettings", "SettingsError", "load_settings"]
 
 
-class DecodeServerSettings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class DecodeServerSettings(EntrySettings):
+    """PD decode server: OpenAI completions/chat over KV received from vLLM prefill."""
 
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, cli_prog_name="decode_server")
+
+    # engine comes first: the checks of later fields depend on it
     engine: Literal["reference", "tilert"] = Field(description="decode engine")
     model: Path = Field(description="model directory (weights, config.json, tokenizer.json)")
     host: str = Field("127.0.0.1", min_length=1, description="HTTP address to listen on")
@@ -43,27 +45,12 @@ class DecodeServerSettings(BaseModel):
         "none", description="glm45: split <think>..</think> into reasoning_content (chat)")
     tool_call_parser: Literal["none", "glm45"] = Field(
         "none", description="glm45: parse <tool_call>..</tool_call> into tool_calls (chat, when tools are given)")
-    kv_transport: Literal["nixl", "memory"] = Field("nixl", description="KV transport (memory: single-process tests)")
     kv_device: str = Field("cpu", pattern=r"^(cpu|cuda:\d+)$",
                            description="where the KV receive buffer lives: cpu, or cuda:N (tilert) to receive into "
                                        "VRAM (default: cuda:0 for tilert, cpu for reference)")
     kv_dtype: Literal["bfloat16", "float32", "float16"] | None = Field(
         None, description="reference engine: dtype of the received KV (default: the model's torch_dtype)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
-
-    @field_validator("model")
-    @classmethod
-    def _model_dir(cls, value: Path) -> Path:
-        if not value.is_dir():
-            raise ValueError(f"{str(value)!r} is not a directory")
-        if not (value / "tokenizer.json").is_file():
-            raise ValueError(f"{str(value)!r} has no tokenizer.json")
-        return value.resolve()
-
-    @field_validator("log_level", mode="before")
-    @classmethod
-    def _lower(cls, value: object) -> object:
-        return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="before")
     @classmethod
@@ -72,19 +59,44 @@ class DecodeServerSettings(BaseModel):
             data = {**data, "kv_device": DEFAULT_KV_DEVICE[data["engine"]]}
         return data
 
-    @model_validator(mode="after")
-    def _engine_rules(self) -> DecodeServerSettings:
-        if self.engine == "reference" and self.kv_device != "cpu":
-            raise ValueError(f"kv_device={self.kv_device!r}: the reference engine runs on the CPU; use cpu")
-        if self.engine == "tilert" and self.num_mtp not in TILERT_NUM_MTP:
-            raise ValueError(f"num_mtp={self.num_mtp}: TileRT's GLM-5 MTP drafts 3 tokens per step; use 3 or 0")
-        missing = missing_files(self.model, self.engine)
+    @field_validator("model")
+    @classmethod
+    def _model_dir(cls, value: Path, info: ValidationInfo) -> Path:
+        if not value.is_dir():
+            raise ValueError(f"{str(value)!r} is not a directory")
+        if not (value / "tokenizer.json").is_file():
+            raise ValueError(f"{str(value)!r} has no tokenizer.json")
+        engine = info.data.get("engine")
+        missing = missing_files(value, engine) if engine else []
         if missing:
             raise ValueError(
-                f"model={str(self.model)!r} lacks {', '.join(missing)}, which the {self.engine} decode server reads "
-                "from its model directory: convert with deploy/slurm/setup_deps.sh (it copies them from the "
-                "checkpoint), or run `python -m decode_server.model_dir complete --source CHECKPOINT DIR`")
-        return self
+                f"lacks {', '.join(missing)}, which the {engine} decode server reads from its model directory: "
+                "convert with deploy/slurm/setup_deps.sh (it copies them from the checkpoint), or run "
+                "`python -m decode_server.model_dir complete --source CHECKPOINT DIR`")
+        return value.resolve()
+
+    @field_validator("num_mtp")
+    @classmethod
+    def _tilert_mtp(cls, value: int, info: ValidationInfo) -> int:
+        if info.data.get("engine") == "tilert":
+            from decode_server.engine.tilert import TILERT_NUM_MTP  # torch: only for that engine
+
+            if value not in (0, TILERT_NUM_MTP):
+                raise ValueError(f"TileRT's GLM-5 MTP drafts {TILERT_NUM_MTP} tokens per step; use "
+                                 f"{TILERT_NUM_MTP} or 0")
+        return value
+
+    @field_validator("kv_device")
+    @classmethod
+    def _device_of_the_engine(cls, value: str, info: ValidationInfo) -> str:
+        if info.data.get("engine") == "reference" and value != "cpu":
+            raise ValueError("the reference engine runs on the CPU; use cpu")
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
 
     @property
     def effective_slots(self) -> int:
@@ -95,40 +107,9 @@ class DecodeServerSettings(BaseModel):
         return self.served_model_name or self.model.name
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="decode_server",
-        description="PD decode server: OpenAI completions/chat over KV received from vLLM prefill. Every option "
-                    f"can also be set as {ENV_PREFIX}<OPTION> (e.g. {ENV_PREFIX}KV_TIMEOUT=60); the command line wins.")
-    for name, field in DecodeServerSettings.model_fields.items():
-        default = "required" if field.is_required() else f"default: {field.default}"
-        parser.add_argument(_flag(name), dest=name, default=None,
-                            help=f"{field.description} ({default}; env {ENV_PREFIX}{name.upper()})")
-    return parser
-
-
 def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> DecodeServerSettings:
-    """Parse and validate; raises :class:`SettingsError` naming option, value and reason."""
-    env = os.environ if env is None else env
-    args = vars(build_parser().parse_args(argv))
-    values: dict[str, Any] = {}
-    for name in DecodeServerSettings.model_fields:
-        if args.get(name) is not None:
-            values[name] = args[name]
-        elif f"{ENV_PREFIX}{name.upper()}" in env:
-            values[name] = env[f"{ENV_PREFIX}{name.upper()}"]
-    try:
-        return DecodeServerSettings.model_validate(values)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors(include_url=False):
-            name = str(err["loc"][0]) if err.get("loc") else ""
-            if name:
-                problems.append(f"{_flag(name)} {values.get(name)!r}: {err['msg']}")
-            else:
-                problems.append(err["msg"])
-        raise SettingsError("invalid settings: " + "; ".join(problems)) from exc
+    """Settings from ``argv`` (default ``sys.argv[1:]``), ``env`` (default ``os.environ``)
+    and the ``--config`` file; raises :class:`SettingsError` naming option, value and reason."""
+    import sys
+
+    return load(DecodeServerSettings, sys.argv[1:] if argv is None else argv, env)

@@ -1,10 +1,30 @@
-"""pd_router: the OpenAI-compatible prefill/decode router (see docs/router.md)."""
+"""pd_router: the OpenAI-compatible prefill/decode router (see docs/router.md).
 
-from pd_router.app import RouterApp, create_app
-from pd_router.errors import RouterError
-from pd_router.settings import RouterSettings, SettingsError, load_settings
-from pd_router.wire import ErrorBody, ModelList, ReadinessReport
+The public names below are imported on first use (PEP 562), so importing a submodule such
+as :mod:`pd_router.wire` does not load the app, FastAPI or the HTTP clients.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pd_router.app import RouterApp, create_app
+    from pd_router.errors import RouterError
+    from pd_router.settings import RouterSettings, load_settings
+    from pd_router.wire import ErrorBody, ModelList, ReadinessReport
+
+_EXPORTS = {
+    "ErrorBody": "pd_router.wire",
+    "ModelList": "pd_router.wire",
+    "ReadinessReport": "pd_router.wire",
+    "RouterApp": "pd_router.app",
+    "RouterError": "pd_router.errors",
+    "RouterSettings": "pd_router.settings",
+    "create_app": "pd_router.app",
+    "load_settings": "pd_router.settings",
+}
 __all__ = [
     "ErrorBody",
     "ModelList",
@@ -12,7 +32,13 @@ __all__ = [
     "RouterApp",
     "RouterError",
     "RouterSettings",
-    "SettingsError",
     "create_app",
     "load_settings",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pd_router' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

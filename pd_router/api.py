@@ -95,7 +95,7 @@ VLLM_REMOTE_DECODE_PARAMS: Mapping[str, Any] = MappingProxyType(
 
 
 def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: Mapping[str, Any]) -> bytes:
-    """The prefill leg's body (FACTS.md §1): one token, not streamed, with the handoff target."""
+    """The prefill leg's body (docs/facts.md §1): one token, not streamed, with the handoff target."""
     out = dict(body)
     out["stream"] = False
     out.pop("stream_options", None)

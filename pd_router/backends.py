@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from connector.protocol import PROTOCOL_VERSION
-from pd_router.contract import DecodeCapabilities
+from decode_server.contract import DecodeCapabilities
 from pd_router.upstream import Target
 from pd_router.wire import DecodeStatus, PrefillStatus, ReadinessReport
 

@@ -106,7 +106,7 @@ class RouterMetrics:
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(*labels)
-        return found  # type: ignore[no-any-return]
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

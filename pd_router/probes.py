@@ -14,8 +14,8 @@ from collections.abc import Callable
 import httpx
 from pydantic import ValidationError
 
+from decode_server.contract import CAPABILITIES_PATH, DecodeCapabilities
 from pd_router.backends import Backends, DecodeBackend, PrefillBackend
-from pd_router.contract import CAPABILITIES_PATH, DecodeCapabilities
 
 log = logging.getLogger("pd_router.probes")
 

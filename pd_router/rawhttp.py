@@ -4,7 +4,7 @@ asyncio protocols, responses parsed by httptools.
 Why not aiohttp/httpx here: per relayed token the router does one recv and one send;
 everything else is overhead, and a general client's per-chunk machinery (stream
 readers, timers rescheduled per packet, payload objects) costs as much as the kernel
-work (FACTS.md §7). This client does only what the router needs: POST a JSON body,
+work (docs/facts.md §3). This client does only what the router needs: POST a JSON body,
 wait for the status and headers, then read the body whole or as it arrives.
 
 Errors (mapped to :mod:`pd_router.errors` by :mod:`pd_router.upstream`):

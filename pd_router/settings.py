@@ -1,32 +1,37 @@
-"""Router settings: one pydantic object, filled from the command line and from
-``PD_ROUTER_<OPTION>`` environment variables (the command line wins), validated once
-at start-up. Errors name the option, the value and the reason."""
+"""Router settings: one pydantic-settings model (:mod:`pd_settings.loader`): the command
+line, ``PD_ROUTER_<OPTION>`` environment variables (lists comma-separated) and a YAML file
+(``--config``), validated once at start-up. Errors name the option as it was given, the
+value and the reason (:class:`pd_settings.problems.SettingsError`)."""
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
+
+from pd_settings.loader import EntrySettings, load, split_list, validate
+from pd_settings.problems import SettingsError
 
 ENV_PREFIX = "PD_ROUTER_"
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
-
-class SettingsError(ValueError):
-    """Invalid settings; the message names option, value and reason."""
+__all__ = ["ENV_PREFIX", "RouterSettings", "SettingsError", "load_settings", "validate_settings"]
 
 
-class RouterSettings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class RouterSettings(EntrySettings):
+    """OpenAI-compatible prefill/decode router."""
 
-    prefill: tuple[str, ...] = Field(
-        min_length=1, description="base URL of a vLLM prefill server (repeatable)"
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, cli_prog_name="pd_router")
+
+    prefill: Annotated[tuple[str, ...], NoDecode] = Field(
+        min_length=1, description="base URL of a vLLM prefill server (repeatable, or comma-separated)"
     )
-    decode: tuple[str, ...] = Field(min_length=1, description="base URL of a decode server (repeatable)")
+    decode: Annotated[tuple[str, ...], NoDecode] = Field(
+        min_length=1, description="base URL of a decode server (repeatable, or comma-separated)"
+    )
     host: str = Field("127.0.0.1", min_length=1, description="address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="port to listen on")
     api_key: str | None = Field(
@@ -60,6 +65,8 @@ class RouterSettings(BaseModel):
     )
     log_level: LogLevel = Field("info", description="log level")
 
+    _split = field_validator("prefill", "decode", mode="before")(split_list)
+
     @field_validator("prefill", "decode")
     @classmethod
     def _urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
@@ -85,76 +92,14 @@ class RouterSettings(BaseModel):
         return value.lower() if isinstance(value, str) else value
 
 
-def _option(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pd_router",
-        description="OpenAI-compatible prefill/decode router. Every option can also be set with the "
-        f"environment variable {ENV_PREFIX}<OPTION> (e.g. {ENV_PREFIX}MAX_QUEUE=64; list options "
-        "separated by commas); the command line wins.",
-    )
-    for name, field in RouterSettings.model_fields.items():
-        env = ENV_PREFIX + name.upper()
-        default = field.default
-        help_text = f"{field.description} [env {env}]"
-        if name in ("prefill", "decode"):
-            parser.add_argument(_option(name), action="append", metavar="URL", help=help_text)
-        elif field.annotation is bool:
-            parser.add_argument(
-                _option(name),
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=f"{help_text} (default: {default})",
-            )
-        else:
-            parser.add_argument(
-                _option(name),
-                default=None,
-                help=f"{help_text} (default: {default})",
-                choices=["critical", "error", "warning", "info", "debug"] if name == "log_level" else None,
-            )
-    return parser
-
-
-def _from_env(env: Mapping[str, str]) -> dict[str, object]:
-    values: dict[str, object] = {}
-    for name in RouterSettings.model_fields:
-        raw = env.get(ENV_PREFIX + name.upper())
-        if raw is None:
-            continue
-        if name in ("prefill", "decode"):
-            values[name] = tuple(u for u in raw.replace(" ", ",").split(",") if u)
-        else:
-            values[name] = raw
-    return values
-
-
 def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> RouterSettings:
-    """Settings from ``argv`` and ``env`` (defaults: ``sys.argv[1:]``, ``os.environ``).
+    """Settings from ``argv`` (default ``sys.argv[1:]``), ``env`` (default ``os.environ``)
+    and the ``--config`` file; raises :class:`SettingsError`."""
+    import sys
 
-    Raises :class:`SettingsError` naming option, value and reason; argparse handles
-    ``--help`` and unknown options itself (SystemExit)."""
-    args = build_parser().parse_args(argv)
-    values = _from_env(os.environ if env is None else env)
-    for name, value in vars(args).items():
-        if value is not None:
-            values[name] = tuple(value) if isinstance(value, list) else value
-    return validate_settings(values)
+    return load(RouterSettings, sys.argv[1:] if argv is None else argv, env)
 
 
 def validate_settings(values: Mapping[str, object]) -> RouterSettings:
-    try:
-        return RouterSettings.model_validate(dict(values))
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            name = str(err["loc"][0]) if err["loc"] else "?"
-            value = values.get(name, "<missing>")
-            reason = err["msg"].removeprefix("Value error, ")
-            problems.append(
-                f"option {_option(name)} (env {ENV_PREFIX}{name.upper()}), value {value!r}: {reason}"
-            )
-        raise SettingsError("invalid settings:\n  " + "\n  ".join(problems)) from None
+    """Settings from a mapping of option names to values (tests, embedding); raises :class:`SettingsError`."""
+    return validate(RouterSettings, values)

@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 
+from decode_server.contract import CANCEL_PATH, CancelRequest
 from pd_router.backends import Backends, DecodeBackend, PrefillBackend
-from pd_router.contract import CANCEL_PATH, CancelRequest
 from pd_router.errors import RouterError, UpstreamRejected
 from pd_router.metrics import RouterMetrics
 from pd_router.probes import Prober

@@ -14,7 +14,7 @@ import json
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-from pd_router.contract import REQUEST_ID_HEADER
+from decode_server.contract import REQUEST_ID_HEADER
 from pd_router.errors import BadUpstream, RouterError, UpstreamRejected, UpstreamTimeout
 from pd_router.rawhttp import ConnectFailed, ConnectionPool, Origin, ReadTimeout, Response, UpstreamError
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from pd_router.contract import PeerStatus
+from connector.protocol import PeerStatus
 
 
 class ErrorDetail(BaseModel):

@@ -7,8 +7,8 @@ alternatives; nothing after that position is compared.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
 
-from pd_router.stack.process import ManagedProcess
+from pd_deploy.stack.process import ManagedProcess
 
 REPO = Path(__file__).resolve().parents[1]
 

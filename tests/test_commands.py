@@ -1,6 +1,6 @@
 import json
 
-from pd_router.stack.commands import PrefillSpec, vllm_prefill_argv
+from pd_deploy.commands import PrefillSpec, vllm_prefill_argv
 
 
 def test_prefill_argv_carries_one_speculative_config_with_the_draft_count():

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from pd_router.stack.launcher import StackConfig
-from pd_router.stack.ports import PortInUse, PortNeed, check_free
-from pd_router.stack.process import ManagedProcess, NotOurServer
+from pd_deploy.stack.launcher import StackConfig
+from pd_deploy.stack.ports import PortInUse, PortNeed, check_free
+from pd_deploy.stack.process import ManagedProcess, NotOurServer
 from tests.procs import REPO, free_port
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.integration]  # integration: real process trees, kill -9, the reaper
 
 
 def _alive(pid: int) -> bool:
@@ -80,7 +80,7 @@ def test_a_probe_answered_by_a_process_not_its_own_does_not_pass(tmp_path):
 LAUNCHER = """
 import json, sys, time
 from pathlib import Path
-from pd_router.stack.process import ManagedProcess, Reaper
+from pd_deploy.stack.process import ManagedProcess, Reaper
 
 IGNORE_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
 SPAWNER = ("import subprocess, sys, time; "

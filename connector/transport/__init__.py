@@ -1,8 +1,17 @@
-"""Data transports for KV handoffs: the interface, NIXL, and an in-memory fake."""
+"""Data transports for KV handoffs: the interface (:mod:`.base`), NIXL (:mod:`.nixl`),
+registered host buffers (:mod:`.hostmem`) and the notification pump (:mod:`.pump`).
+
+A :class:`connector.sender.KVSender` or :class:`connector.receiver.KVReceiver` is given a
+:data:`TransportFactory`; :func:`nixl_transport` is the one every process of the stack
+uses. Tests inject their own (``tests/fakes/memory_transport.py``: an in-process fake
+whose agents meet on a fabric the test creates).
+"""
 
 from __future__ import annotations
 
-from connector.errors import TransportError
+from collections.abc import Callable
+
+from connector.kv_errors import TransportError
 from connector.transport.base import (
     Piece,
     Region,
@@ -14,42 +23,21 @@ from connector.transport.base import (
     merge_pieces,
 )
 from connector.transport.hostmem import HostBuffer, host_tensor
-from connector.transport.memory import MemoryFabric, MemoryTransport
 from connector.transport.pump import NotificationPump
 
-TRANSPORT_KINDS = ("nixl", "memory")
+# (agent name, workers) -> a new transport agent. ``workers``: independent progress
+# contexts, so that as many threads can move bytes at once (NIXL: UCX workers).
+TransportFactory = Callable[[str, int], Transport]
 
 
-class TransportFactory:
-    """Creates transports by kind. The "memory" kind attaches to ``fabric`` (one per
-    factory), so agents made by one factory can reach each other."""
+def nixl_transport(name: str, workers: int = 1) -> Transport:
+    """A NIXL agent (imported on first use: the scheduler side and the router never need it)."""
+    from connector.transport.nixl import NixlTransport
 
-    def __init__(self, fabric: MemoryFabric | None = None) -> None:
-        self.fabric = fabric or MemoryFabric()
-
-    def create(self, kind: str, name: str, workers: int = 1) -> Transport:
-        """``workers``: independent progress contexts, so that as many threads can move
-        bytes at once (NIXL: UCX workers; the in-memory fake has no use for it)."""
-        if kind == "nixl":
-            from connector.transport.nixl import NixlTransport
-
-            return NixlTransport(name, workers)
-        if kind == "memory":
-            return MemoryTransport(name, self.fabric)
-        raise ValueError(f"transport={kind!r}: must be one of {', '.join(TRANSPORT_KINDS)}")
-
-
-# The process's shared fake network: what "memory" transports created by name use
-# (the in-memory fake's stand-in for the real network; NIXL needs none).
-SHARED_FACTORY = TransportFactory()
-
-
-def create_transport(kind: str, name: str, workers: int = 1) -> Transport:
-    return SHARED_FACTORY.create(kind, name, workers)
+    return NixlTransport(name, workers)
 
 
 __all__ = [
-    "HostBuffer", "MemoryFabric", "MemoryTransport", "NotificationPump", "Piece", "Region", "SHARED_FACTORY",
-    "TRANSPORT_KINDS", "Transport", "TransportError", "TransportFactory", "XferHandle", "XferState",
-    "create_transport", "decode_regions", "encode_regions", "host_tensor", "merge_pieces",
+    "HostBuffer", "NotificationPump", "Piece", "Region", "Transport", "TransportError", "TransportFactory",
+    "XferHandle", "XferState", "decode_regions", "encode_regions", "host_tensor", "merge_pieces", "nixl_transport",
 ]

@@ -1,9 +1,10 @@
 """The data-transport interface: one-sided WRITEs from registered local memory into a
 peer's registered memory, each carrying a notification for the peer.
 
-Two implementations: :class:`connector.transport.nixl.NixlTransport` (UCX over NIXL;
-DRAM on CPU, VRAM on GPU) and :class:`connector.transport.memory.MemoryTransport`
-(an in-process fake for unit tests, same semantics and checks).
+Implementations: :class:`connector.transport.nixl.NixlTransport` (UCX over NIXL; DRAM on
+CPU, VRAM on GPU) and, in the tests, ``tests/fakes/memory_transport.py`` (an in-process
+fake, same semantics and checks). ``kind`` names the implementation; both ends of a
+handoff must use the same (checked by the handshake).
 
 Contract:
 
@@ -28,8 +29,9 @@ from __future__ import annotations
 import base64
 import struct
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -87,8 +89,8 @@ def merge_pieces(pieces: Sequence[Piece]) -> list[Piece]:
     return merged
 
 
-class XferHandle(ABC):
-    """One posted WRITE."""
+class XferHandle:
+    """One posted WRITE (each transport subclasses it)."""
 
 
 class Transport(ABC):
@@ -99,7 +101,7 @@ class Transport(ABC):
     def name(self) -> str: ...
 
     @abstractmethod
-    def register(self, tensor: "torch.Tensor") -> Region: ...
+    def register(self, tensor: torch.Tensor) -> Region: ...
 
     @abstractmethod
     def metadata(self) -> bytes: ...

@@ -34,11 +34,11 @@ class HostBuffer:
                 pass
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
         skip = -whole.data_ptr() % HUGE_PAGE
-        self.tensor: "torch.Tensor" = whole[skip:skip + nbytes]
+        self.tensor: torch.Tensor = whole[skip:skip + nbytes]
         self.tensor.fill_(0)  # fault every page in now, not during the first WRITE
 
 
-def host_tensor(nbytes: int, device: str = "cpu") -> "tuple[torch.Tensor, HostBuffer | None]":
+def host_tensor(nbytes: int, device: str = "cpu") -> tuple[torch.Tensor, HostBuffer | None]:
     """A zeroed uint8 buffer for transport registration: THP-backed on the host, plain
     ``torch.zeros`` on a GPU. Returns the tensor and its owner (None on GPU)."""
     import torch

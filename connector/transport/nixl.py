@@ -10,10 +10,13 @@ transport is created, so modules using this one import without NIXL installed.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from connector.errors import TransportError
+from connector.kv_errors import TransportError
 from connector.transport.base import Piece, Region, Transport, XferHandle, XferState, merge_pieces
+
+_STATES: dict[str, XferState] = {"DONE": "done", "PROC": "pending"}  # NIXL's transfer states; else "error"
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +64,7 @@ class NixlTransport(Transport):
         self._name = name
         self._lock = threading.Lock()  # guards the Python-side lists below
         self._registrations: list[Any] = []
-        self._buffers: list["torch.Tensor"] = []
+        self._buffers: list[torch.Tensor] = []
         self._mem_type, self._device = "DRAM", 0
         self._closed = False
 
@@ -69,7 +72,7 @@ class NixlTransport(Transport):
     def name(self) -> str:
         return self._name
 
-    def register(self, tensor: "torch.Tensor") -> Region:
+    def register(self, tensor: torch.Tensor) -> Region:
         if not tensor.is_contiguous():
             raise TransportError("NIXL transport: can only register contiguous tensors")
         device = tensor.get_device()
@@ -150,7 +153,7 @@ class NixlTransport(Transport):
             state = self._agent.check_xfer_state(handle.handle)
         except Exception:  # e.g. nixlRemoteDisconnectError
             return "error"
-        return {"DONE": "done", "PROC": "pending"}.get(state, "error")
+        return _STATES.get(state, "error")
 
     def release(self, handle: XferHandle) -> None:
         if not isinstance(handle, _NixlXfer):

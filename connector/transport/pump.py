@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from connector.transport.base import Transport
 

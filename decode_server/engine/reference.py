@@ -17,9 +17,10 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -206,7 +207,7 @@ class ReferenceEngine(Engine):
     def kv_layout(self) -> KVLayout:
         return self._layout
 
-    def _validate(self, kv: "ReceivedKV", handoff: "HandoffResult") -> None:
+    def _validate(self, kv: ReceivedKV, handoff: HandoffResult) -> None:
         cfg, t = self._model.cfg, handoff.num_prompt_tokens
         # Without MTP decoding, KV that still carries the MTP layer (prefill ran with MTP) is accepted.
         if len(kv.layers) not in (self._layout.num_layers, self._model.num_layers):
@@ -231,7 +232,7 @@ class ReferenceEngine(Engine):
         with self._lock:
             self._free.append(buffer)
 
-    def start(self, kv: "ReceivedKV", handoff: "HandoffResult", params: SamplingParams) -> ReferenceSession:
+    def start(self, kv: ReceivedKV, handoff: HandoffResult, params: SamplingParams) -> ReferenceSession:
         self._validate(kv, handoff)
         with self._lock:
             if not self._free:

@@ -30,8 +30,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from connector.layout import KVLayout, glm5_fp8_ds_mla_layout
-from connector.profiles import GLM5_MAIN_LAYERS
+from connector.layout import GLM5_MAIN_LAYERS, KVLayout, glm5_fp8_ds_mla_layout
 from decode_server.engine.base import (
     Cancelled,
     DecodeSession,
@@ -47,7 +46,7 @@ if TYPE_CHECKING:
     from connector.protocol import HandoffResult
     from connector.receiver import ReceivedKV
 
-TILERT_NUM_MTP = 3
+TILERT_NUM_MTP = 3  # TileRT's GLM-5 MTP verifies 3 drafts per step (--num-mtp 3, or 0: no MTP)
 TOP_K_POOL = 256  # TileRT's sampling kernel: top-k over at most 256 candidates; 256 means off
 TILERT_VERSION = "0.1.6.post3"  # the TileRT release this adapter was written and oracle-tested against
 MISSING_TILERT = (f"the tilert engine needs the `tilert` package (PyPI tilert=={TILERT_VERSION}: Python 3.12, CUDA 13, "

@@ -65,7 +65,7 @@ class ModelConfig:
         return self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else None
         _require(arch in SUPPORTED_ARCHITECTURES, "architectures", archs,

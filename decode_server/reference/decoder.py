@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -125,7 +125,7 @@ class _MoE:
 
     @classmethod
     def of(cls, moe: MoE) -> _MoE:
-        experts: list[MLP] = list(moe.experts)
+        experts = [cast(MLP, e) for e in moe.experts]
         widths = [e.gate_proj.weight.shape[0] for e in experts]
         if moe.cfg.n_shared_experts:
             experts.append(moe.shared_experts)
@@ -177,7 +177,7 @@ class Decoder:
         weight = model.lm_head.weight
         self._dtype, self._device = weight.dtype, weight.device
         layers = model.model.layers
-        self._main = [_Block.of(layers[i]) for i in range(cfg.num_hidden_layers)]
+        self._main = [_Block.of(cast(DecoderBlock, layers[i])) for i in range(cfg.num_hidden_layers)]
         self._embed = model.model.embed_tokens.weight.detach()
         self._final_norm = _Norm.of(model.model.norm)
         self._lm_head = _t(weight)

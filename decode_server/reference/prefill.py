@@ -12,7 +12,8 @@ as layer ``N``; a decoder continues at position ``T`` with ``t[T]`` as its input
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 

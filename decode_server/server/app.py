@@ -24,8 +24,8 @@ from connector.layout import KVLayout
 from decode_server.engine.base import Engine
 from decode_server.server.generation import GenerationContext, Receiver
 from decode_server.server.metrics import DecodeMetrics
-from decode_server.server.sampling import ServerLimits
-from decode_server.server.slots import SlotManager
+from decode_server.server.request_plan import ServerLimits
+from decode_server.server.slot_table import SlotManager
 from decode_server.server.text import GenerationDefaults, TextTokenizer
 
 log = logging.getLogger(__name__)

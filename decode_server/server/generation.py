@@ -18,24 +18,25 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import MutableMapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.responses import Response
 
-from connector.errors import HandoffFailed as KVHandoffFailed
-from connector.errors import HandoffTimeout, ReceiverError
+from connector.kv_errors import HandoffFailed as KVHandoffFailed
+from connector.kv_errors import HandoffTimeout, ReceiverError
 from connector.protocol import HandoffResult
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import Cancelled as EngineCancelled
 from decode_server.engine.base import DecodeSession, Engine, EngineError, TokenOut
-from decode_server.server.errors import ApiError, Cancelled, EngineFailure, HandoffFailed, KVTimeout
+from decode_server.server.api_errors import ApiError, Cancelled, EngineFailure, HandoffFailed, KVTimeout
 from decode_server.server.metrics import DecodeMetrics
+from decode_server.server.request_plan import Plan
 from decode_server.server.responses import DONE, dumps, renderer_for, sse
-from decode_server.server.sampling import Plan
 from decode_server.server.sequence import Delta, SequenceProcessor
-from decode_server.server.slots import Slot, SlotManager
+from decode_server.server.slot_table import Slot, SlotManager
 from decode_server.server.text import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class Job:
         """Wait (bounded) until the slot and the KV handoff are free; False on timeout."""
         try:
             await asyncio.wait_for(self._given_back.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 
@@ -237,7 +238,7 @@ class Job:
         the final token the worker only closes the engine session."""
         try:
             await asyncio.wait_for(self._worker_done.wait(), SLOT_RETURN_WAIT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("request %s: engine session still closing after %.1fs", self.request_id,
                         SLOT_RETURN_WAIT_S)
 
@@ -369,7 +370,7 @@ class GenerationResponse(Response):
         self.status_code = 200
         self.background = None
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         watcher = asyncio.ensure_future(self._watch(receive))
         try:
             await self.job.run(self._safe_send(send), self._extra_headers)

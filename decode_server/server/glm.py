@@ -72,8 +72,9 @@ def parse_tool_call(body: str, param_types: dict[str, dict[str, str]]) -> ToolCa
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        return ToolCall(call_id, obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+        given = obj.get("arguments", obj.get("parameters", {}))
+        text_args = given if isinstance(given, str) else json.dumps(given, ensure_ascii=False)
+        return ToolCall(call_id, obj["name"], text_args)
     cut = text.find("<arg_key>")
     name = (text if cut < 0 else text[:cut]).strip()
     if not name or "<" in name or "\n" in name:

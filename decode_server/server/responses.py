@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from decode_server.server.glm import ChatPiece, GlmChatParser, ToolCall
-from decode_server.server.sampling import Plan
+from decode_server.server.request_plan import Plan
 from decode_server.server.sequence import MIN_LOGPROB, Delta, TokenLogprob
 
 DONE = b"data: [DONE]\n\n"

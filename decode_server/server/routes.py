@@ -1,4 +1,4 @@
-"""HTTP routes of the decode server (contract: :mod:`pd_router.contract`)."""
+"""HTTP routes of the decode server (contract: :mod:`decode_server.contract`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import ValidationError
 
 from connector.protocol import PROTOCOL_VERSION
-from decode_server.server.app import DecodeState
-from decode_server.server.errors import ApiError, Busy, InvalidRequest, NotReady, validation_message
-from decode_server.server.generation import GenerationResponse, Job
-from decode_server.server.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
-from decode_server.server.sampling import build_plan
-from pd_router.contract import (
+from decode_server.contract import (
     CANCEL_PATH,
     CAPABILITIES_PATH,
     REQUEST_ID_HEADER,
@@ -23,6 +18,11 @@ from pd_router.contract import (
     CancelResponse,
     DecodeCapabilities,
 )
+from decode_server.server.api_errors import ApiError, Busy, InvalidRequest, NotReady, validation_message
+from decode_server.server.app import DecodeState
+from decode_server.server.generation import GenerationResponse, Job
+from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest, Endpoint
+from decode_server.server.request_plan import build_plan
 
 router = APIRouter()
 MAX_HANDOFF_ID = 256  # as connector.protocol.HandoffResult allows
@@ -124,7 +124,8 @@ async def capabilities(request: Request) -> Response:
     cfg, receiver = state.config, state.receiver
     caps = DecodeCapabilities(
         protocol_version=PROTOCOL_VERSION, model=cfg.served_model_name, engine=cfg.engine, slots=cfg.slots,
-        busy_slots=state.slots.busy, kv_busy_slots=receiver.busy_slots(), max_seq_len=cfg.max_seq_len, num_mtp=cfg.num_mtp,
+        busy_slots=state.slots.busy, kv_busy_slots=receiver.busy_slots(), max_seq_len=cfg.max_seq_len,
+        num_mtp=cfg.num_mtp,
         kv_endpoint=receiver.endpoint, layout_fingerprint=receiver.fingerprint, peers=receiver.peers(),
     )
     return Response(caps.model_dump_json(), media_type="application/json")

@@ -1,4 +1,4 @@
-"""config.json and generation_config.json of the tiny GLM-family model (FACTS.md §8 shape)."""
+"""config.json and generation_config.json of the tiny GLM-family model (docs/facts.md §4 shape)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -43,6 +43,8 @@ def generate(out: Path, seed: int = 0, layers: int = 2, settings: TrainSettings 
         eos_ids = stop_token_ids(tok)
         eos = tok.token_to_id(EOS_TOKEN)
         bos = tok.token_to_id("[gMASK]")
+        if eos is None or bos is None:
+            raise ValueError(f"the trained tokenizer lacks {EOS_TOKEN!r} or '[gMASK]'")
         raw_cfg = hf_config(layers, tok.get_vocab_size(), bos, eos_ids, eos)
         gen = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)

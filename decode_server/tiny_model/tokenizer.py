@@ -77,4 +77,8 @@ def write_tokenizer(tok: Tokenizer, out: Path, max_len: int) -> None:
 
 
 def stop_token_ids(tok: Tokenizer) -> list[int]:
-    return [tok.token_to_id(t) for t in STOP_TOKENS]
+    ids = [tok.token_to_id(t) for t in STOP_TOKENS]
+    missing = [t for t, i in zip(STOP_TOKENS, ids) if i is None]
+    if missing:
+        raise ValueError(f"the tokenizer lacks the stop tokens {missing}")
+    return [i for i in ids if i is not None]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,7 @@ class TrainSettings:
 def init_weights(model: MlaMoeModel, gen: torch.Generator, std: float = 0.02) -> None:
     """Normal(0, std) for matrices, ones for norms, a small fixed spread for the routing bias."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() == 1:
                 p.fill_(1.0)
             else:

@@ -5,7 +5,7 @@
 #   entrypoint.sh wait-ready URL...                 until every URL answers 200 (init containers)
 #
 # The role's settings come from PD_* environment variables (listed in
-# pd_router/deploy_recipe/launch.py and docs/deploy.md); the command is built by the same
+# pd_deploy/launch.py and docs/deploy.md); the command is built by the same
 # code as the Slurm plan and the local launcher, then replaces this shell.
 set -euo pipefail
 
@@ -14,4 +14,4 @@ case ${1:-} in
     *) echo "usage: entrypoint.sh {prefill|decode|router} [extra server args...] | wait-ready URL..." >&2
        exit 2 ;;
 esac
-exec "${PD_LAUNCH_PYTHON:-python3}" -m pd_router.deploy_recipe.launch "$@"
+exec "${PD_LAUNCH_PYTHON:-python3}" -m pd_deploy.launch "$@"

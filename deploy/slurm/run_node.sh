@@ -4,7 +4,7 @@
 #   run_node.sh JOB_DIR STEP_ID
 #
 # Reads JOB_DIR/plan/STEP_ID.argv and .env (NUL-separated, written by
-# `python -m pd_router.deploy_recipe render`), replaces @HOSTi@ by the i-th line of
+# `python -m pd_deploy.recipe render`), replaces @HOSTi@ by the i-th line of
 # JOB_DIR/hosts and @JOBDIR@ by JOB_DIR, exports the environment and execs the command,
 # appending its output to JOB_DIR/logs/STEP_ID.log. The exec keeps the process tree
 # simple: Slurm's signal reaches the server itself.

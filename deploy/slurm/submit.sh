@@ -4,7 +4,7 @@
 #   submit.sh [--job-dir DIR] [--dry-run] [--sbatch-arg ARG]... RECIPE
 #
 # On the login node: validates the recipe and renders its plan into DIR/plan
-# (`python -m pd_router.deploy_recipe render`, with $PYTHON, default python3), copies
+# (`python -m pd_deploy.recipe render`, with $PYTHON, default python3), copies
 # these scripts into DIR/bin and submits DIR/bin/submit.sh --in-job DIR with sbatch.
 # DIR (default ./pd-runs/<recipe>-<UTC time>) must be on a filesystem every node sees.
 #
@@ -41,7 +41,7 @@ submit() {
     [[ -n $recipe ]] || die "usage: submit.sh [--job-dir DIR] [--dry-run] [--sbatch-arg ARG]... RECIPE"
     local py=${PYTHON:-python3}
     if [[ $dry_run -eq 1 ]]; then
-        exec "$py" -m pd_router.deploy_recipe dry-run "$recipe"
+        exec "$py" -m pd_deploy.recipe dry-run "$recipe"
     fi
     local name
     name=$("$py" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["name"])' "$recipe") \
@@ -49,7 +49,7 @@ submit() {
     job_dir=${job_dir:-$PWD/pd-runs/$name-$(date -u +%Y%m%dT%H%M%SZ)}
     mkdir -p "$job_dir/bin" "$job_dir/logs"
     job_dir=$(cd "$job_dir" && pwd)
-    "$py" -m pd_router.deploy_recipe render "$recipe" --job-dir "$job_dir" >/dev/null
+    "$py" -m pd_deploy.recipe render "$recipe" --job-dir "$job_dir" >/dev/null
     local here
     here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
     cp "$here/submit.sh" "$here/run_node.sh" "$here/setup_deps.sh" "$job_dir/bin/"

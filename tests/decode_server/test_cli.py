@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from pd_router.stack.commands import DecodeSpec, decode_server_argv
+from pd_deploy.commands import DecodeSpec, decode_server_argv
 from tests.procs import REPO, free_port
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.integration]  # integration: the decode server as a process
 
 
 def _run(argv: list[str], timeout: float = 90, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -25,7 +25,7 @@ def test_help_lists_every_option_and_env():
     out = _run([sys.executable, "-m", "decode_server", "--help"])
     assert out.returncode == 0
     for flag in ("--engine", "--model", "--kv-port", "--slots", "--max-seq-len", "--num-mtp", "--kv-timeout",
-                 "--served-model-name", "DECODE_SERVER_KV_TIMEOUT"):
+                 "--served-model-name", "PD_DECODE_KV_TIMEOUT", "--config"):
         assert flag in out.stdout
 
 
@@ -34,8 +34,8 @@ def test_invalid_settings_exit_2_naming_option_value_reason(model_dir, tmp_path)
     assert out.returncode == 2
     assert "--model" in out.stderr and "none" in out.stderr and "not a directory" in out.stderr
     out = _run([sys.executable, "-m", "decode_server", "--engine", "reference", "--model", str(model_dir)],
-               env={"DECODE_SERVER_SLOTS": "0"})
-    assert out.returncode == 2 and "--slots '0'" in out.stderr and "greater than or equal to 1" in out.stderr
+               env={"PD_DECODE_SLOTS": "0"})
+    assert out.returncode == 2 and "PD_DECODE_SLOTS='0': Input should be greater than or equal to 1" in out.stderr
 
 
 def test_tilert_engine_missing_fails_clearly(model_dir):

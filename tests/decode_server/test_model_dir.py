@@ -13,8 +13,8 @@ import pytest
 from decode_server.model_dir import MODEL_FILES, check, complete, main
 from decode_server.server.text import GenerationDefaults, TextTokenizer
 from decode_server.settings import SettingsError, load_settings
-from tests.fakes.fake_glm51_checkpoint import write_fake_glm51_checkpoint
 from tests.fakes.fake_glm51_checkpoint import token_ids as ids
+from tests.fakes.fake_glm51_checkpoint import write_fake_glm51_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pd_router.contract import CANCEL_PATH
+from decode_server.contract import CANCEL_PATH
 from tests.decode_server.helpers import handoff, sse_events
 from tests.fakes.fake_engine import FakeEngineConfig
 

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from pd_router.contract import CANCEL_PATH
+from decode_server.contract import CANCEL_PATH
 from tests.decode_server.helpers import client, handoff, script_for
 from tests.fakes.fake_engine import FakeEngineConfig
 
@@ -272,15 +272,22 @@ def test_duplicate_in_flight_request_id_409(make_server):
 
 
 def test_cancel_while_the_engine_injects_kv(make_server):
-    srv = make_server(FakeEngineConfig(script=[], filler_token=5, start_delay=0.5), slots=1)
+    """The cancel comes while engine.start() injects the KV (held until the server has taken
+    the cancel); the request ends 499 without a single step and the session is closed."""
+    srv = make_server(FakeEngineConfig(script=[], filler_token=5, hold_start=True), slots=1)
     result: dict = {}
     t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
         srv.url + "/v1/completions", json=_body(stream=True), headers={"X-Request-Id": "inj"}, timeout=30)))
     t.start()
-    _wait(lambda: srv.receiver.waits)
-    time.sleep(0.1)  # inside engine.start now
-    assert httpx.post(srv.url + CANCEL_PATH, json={"request_id": "inj"}).json()["cancelled"] is True
-    t.join(10)
+    assert srv.engine.in_start.wait(15), "the engine never started injecting"
+    cancel = threading.Thread(target=lambda: result.setdefault("cancel", httpx.post(
+        srv.url + CANCEL_PATH, json={"request_id": "inj"}, timeout=30)))
+    cancel.start()
+    _wait(lambda: (job := srv.state.slots.job("inj")) is not None and job.abort_reason == "cancelled")
+    srv.engine.release_start.set()  # start() returns into a cancelled request
+    cancel.join(15)
+    t.join(15)
+    assert result["cancel"].json()["cancelled"] is True
     assert result["r"].status_code == 499
     srv.wait_idle(10.0)  # the slot comes back once start() returned and the session closed
     assert srv.engine.steps == 0 and srv.engine.closed == 1

@@ -16,9 +16,9 @@ from decode_server.server import (
     TextTokenizer,
     parse_tool_call,
 )
-from decode_server.server.errors import HandoffFailed, InvalidRequest
-from decode_server.server.protocol import ChatCompletionRequest, CompletionRequest
-from decode_server.server.sampling import ServerLimits, build_plan, prefill_logprob
+from decode_server.server.api_errors import HandoffFailed, InvalidRequest
+from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest
+from decode_server.server.request_plan import ServerLimits, build_plan, prefill_logprob
 from decode_server.server.text import GenerationDefaults
 from decode_server.settings import SettingsError, load_settings
 from tests.decode_server.helpers import handoff
@@ -152,18 +152,34 @@ def test_handoff_result_round_trip():
 
 def test_settings_cli_env_and_errors(model_dir, tmp_path):
     s = load_settings(["--engine", "reference", "--model", str(model_dir), "--slots", "3"],
-                      env={"DECODE_SERVER_KV_TIMEOUT": "12.5", "DECODE_SERVER_SLOTS": "9"})
+                      env={"PD_DECODE_KV_TIMEOUT": "12.5", "PD_DECODE_SLOTS": "9"})
     assert (s.slots, s.kv_timeout, s.model_name) == (3, 12.5, "fake-model")
-    with pytest.raises(SettingsError, match=r"--port '0'"):
+    with pytest.raises(SettingsError, match=r"^--port='0': Input should be greater than or equal to 1$"):
         load_settings(["--engine", "reference", "--model", str(model_dir), "--port", "0"], env={})
-    with pytest.raises(SettingsError, match=r"--model .*not a directory"):
+    with pytest.raises(SettingsError, match=r"^--model='.*nope': '.*nope' is not a directory$"):
         load_settings(["--engine", "reference", "--model", str(tmp_path / "nope")], env={})
-    with pytest.raises(SettingsError, match="num_mtp=1"):
+    with pytest.raises(SettingsError, match=r"--num-mtp / PD_DECODE_NUM_MTP=1: TileRT's GLM-5 MTP drafts 3"):
         load_settings(["--engine", "tilert", "--model", str(model_dir)], env={})
     s = load_settings(["--engine", "tilert", "--model", str(model_dir), "--num-mtp", "3", "--slots", "4"], env={})
     assert s.effective_slots == 1
-    with pytest.raises(SettingsError, match="--engine"):
+    with pytest.raises(SettingsError, match="--engine='vllm': Input should be 'reference' or 'tilert'"):
         load_settings(["--engine", "vllm", "--model", str(model_dir)], env={})
+
+
+def test_settings_from_a_config_file_under_env_and_command_line(model_dir, tmp_path):
+    config = tmp_path / "decode.yaml"
+    config.write_text(f"engine: reference\nmodel: {model_dir}\nslots: 5\nkv_timeout: 7\nport: 8300\n")
+    s = load_settings(["--config", str(config), "--port", "8400"], env={"PD_DECODE_SLOTS": "6"})
+    assert (s.engine, s.model, s.slots, s.kv_timeout, s.port) == ("reference", model_dir.resolve(), 6, 7.0, 8400)
+    s = load_settings([], env={"PD_DECODE_CONFIG": str(config)})
+    assert (s.slots, s.port) == (5, 8300)
+    config.write_text("engine: reference\nslot: 5\n")
+    with pytest.raises(SettingsError) as info:
+        load_settings(["--config", str(config)], env={})
+    assert f"{config}: slot=5: unknown option" in str(info.value)
+    assert "--model / PD_DECODE_MODEL=<unset>: Field required" in str(info.value)
+    with pytest.raises(SettingsError, match="no such file"):
+        load_settings(["--config", str(tmp_path / "absent.yaml")], env={})
 
 
 def test_infinite_logprobs_are_clamped(text_tok):

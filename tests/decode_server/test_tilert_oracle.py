@@ -23,7 +23,6 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from connector.layout import quantize_fp8_ds_mla
 from connector.protocol import HandoffResult
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import SamplingParams
@@ -37,6 +36,7 @@ from decode_server.engine.tilert_kv import (
     hadamard_matrix,
 )
 from tests.fakes.fake_tilert import FakeGLM5Generator
+from tests.fakes.vllm_fp8 import quantize_fp8_ds_mla
 from tests.tilert_oracle import load_mla_nsa
 
 pytestmark = pytest.mark.timeout(600)  # the first run downloads the 8 MB wheel

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import stat
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
 
-from tests.deploy.slurm_cluster import SlurmCluster, ensure_installed
+from tests.deploy.slurm_cluster import SlurmCluster, require_installed
 from tests.fakes.fake_glm51_checkpoint import write_fake_glm51_checkpoint
 from tests.procs import REPO
 
@@ -56,7 +57,7 @@ def fake_checkpoint(path: Path, shards: int = 1, **kw: Any) -> Path:
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    ensure_installed()
+    require_installed()
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     try:
         cluster.start()

@@ -78,7 +78,7 @@ def test_probes_and_router_service() -> None:
     assert router["command"] == ["/usr/local/bin/pd-entrypoint", "router"]
     svc = _get("Service", "router")
     assert svc["spec"]["selector"] == _get("Deployment", "router")["spec"]["template"]["metadata"]["labels"]
-    assert svc["spec"]["ports"][0]["port"] == int(_env(router)["PD_PORT"])
+    assert svc["spec"]["ports"][0]["port"] == int(_env(router)["PD_ROUTER_PORT"])
 
 
 def test_exactly_one_prefill_and_wiring_between_roles() -> None:
@@ -89,22 +89,43 @@ def test_exactly_one_prefill_and_wiring_between_roles() -> None:
     router_env = _env(_container("Deployment", "router"))
     replicas = decode["spec"]["replicas"]
     # prefill handshakes with exactly the endpoint strings the decode pods advertise
-    advertised = [decode_env["PD_KV_HOST"].replace("$(POD_NAME)", f"decode-{i}") + f":{decode_env['PD_KV_PORT']}"
-                  for i in range(replicas)]
-    assert prefill_env["PD_DECODE_KV_ENDPOINTS"].split(",") == advertised
-    assert router_env["PD_DECODE_URLS"].split(",") == [f"http://decode-{i}.decode:{decode_env['PD_PORT']}"
-                                                       for i in range(replicas)]
-    assert router_env["PD_PREFILL_URLS"] == f"http://prefill:{prefill_env['PD_PORT']}"
-    assert prefill_env["PD_SERVED_MODEL_NAME"] == decode_env["PD_SERVED_MODEL_NAME"]
-    assert "$(POD_NAME).decode" in decode_env["PD_KV_HOST"]
-    assert decode_env["PD_KV_DEVICE"] == "cuda:0"  # TileRT receives KV into VRAM
+    advertised = [decode_env["PD_DECODE_KV_HOST"].replace("$(POD_NAME)", f"decode-{i}")
+                  + f":{decode_env['PD_DECODE_KV_PORT']}" for i in range(replicas)]
+    assert prefill_env["PD_PREFILL_DECODE_KV_ENDPOINTS"].split(",") == advertised
+    assert router_env["PD_ROUTER_DECODE"].split(",") == [f"http://decode-{i}.decode:{decode_env['PD_DECODE_PORT']}"
+                                                         for i in range(replicas)]
+    assert router_env["PD_ROUTER_PREFILL"] == f"http://prefill:{prefill_env['PD_PREFILL_PORT']}"
+    assert prefill_env["PD_PREFILL_SERVED_MODEL_NAME"] == decode_env["PD_DECODE_SERVED_MODEL_NAME"]
+    assert "$(POD_NAME).decode" in decode_env["PD_DECODE_KV_HOST"]
+    assert decode_env["PD_DECODE_KV_DEVICE"] == "cuda:0"  # TileRT receives KV into VRAM
     # prefill starts only once every decode server is ready (its KV endpoint listens)
     (wait,) = _get("Deployment", "prefill")["spec"]["template"]["spec"]["initContainers"]
     assert wait["command"][:2] == ["/usr/local/bin/pd-entrypoint", "wait-ready"]
-    assert wait["command"][2:] == [u + "/ready" for u in router_env["PD_DECODE_URLS"].split(",")]
+    assert wait["command"][2:] == [u + "/ready" for u in router_env["PD_ROUTER_DECODE"].split(",")]
     (init,) = decode["spec"]["template"]["spec"]["initContainers"]
-    assert _env(init)["CONVERT_DST"] == decode_env["PD_MODEL"]
-    assert _env(init)["CONVERT_SRC"] == prefill_env["PD_MODEL"]
+    assert _env(init)["CONVERT_DST"] == decode_env["PD_DECODE_MODEL"]
+    assert _env(init)["CONVERT_SRC"] == prefill_env["PD_PREFILL_MODEL"]
+
+
+def test_every_pd_variable_is_an_option_of_its_component() -> None:
+    """The manifests set the servers' own settings (``PD_<COMPONENT>_<OPTION>``): a misspelt
+    or renamed variable would be ignored silently, so each must name a field."""
+    from decode_server.settings import DecodeServerSettings
+    from pd_deploy.launch import PrefillLaunchSettings
+    from pd_router.settings import RouterSettings
+
+    models = {"PD_DECODE_": DecodeServerSettings, "PD_PREFILL_": PrefillLaunchSettings,
+              "PD_ROUTER_": RouterSettings}
+    seen = 0
+    for kind, name in (("Deployment", "prefill"), ("StatefulSet", "decode"), ("Deployment", "router")):
+        for var in _env(_container(kind, name)):
+            if not var.startswith("PD_"):
+                continue
+            prefix = next((p for p in models if var.startswith(p)), None)
+            assert prefix is not None, f"{name}: {var} is not PD_<COMPONENT>_<OPTION>"
+            assert var.removeprefix(prefix).lower() in models[prefix].model_fields, f"{name}: {var} is no option"
+            seen += 1
+    assert seen >= 15
 
 
 def test_init_container_conversion_command_runs(tmp_path: Path) -> None:
@@ -142,6 +163,6 @@ def test_manifests_use_the_recipes_images_and_ports() -> None:
     assert _container("Deployment", "prefill")["image"] == recipe["prefill"]["image"]
     assert _container("StatefulSet", "decode")["image"] == recipe["decode"]["image"]
     assert _container("Deployment", "router")["image"] == recipe["router"]["image"]
-    assert int(_env(_container("StatefulSet", "decode"))["PD_KV_PORT"]) == recipe["decode"]["kv_port"]
-    assert _env(_container("Deployment", "prefill"))["PD_MODEL"] == recipe["model"]["source"]
-    assert _env(_container("StatefulSet", "decode"))["PD_MODEL"] == recipe["model"]["converted"]
+    assert int(_env(_container("StatefulSet", "decode"))["PD_DECODE_KV_PORT"]) == recipe["decode"]["kv_port"]
+    assert _env(_container("Deployment", "prefill"))["PD_PREFILL_MODEL"] == recipe["model"]["source"]
+    assert _env(_container("StatefulSet", "decode"))["PD_DECODE_MODEL"] == recipe["model"]["converted"]

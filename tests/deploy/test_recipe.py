@@ -4,25 +4,28 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
 
-from pd_router.deploy_recipe import RecipeError, build_plan, conversion_env, parse_recipe, write_plan
-from pd_router.stack.commands import DecodeSpec, decode_server_argv
+from pd_deploy.recipe import RecipeError, build_plan, conversion_env, parse_recipe, write_plan
 from tests.deploy.conftest import DEPLOY, dump_recipe, load_recipe_dict
 from tests.procs import REPO
+
+pytestmark = pytest.mark.integration  # the recipe command and submit.sh as subprocesses
 
 GLM = "glm5.1-fp8-b200.yaml"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pd_router.deploy_recipe", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pd_deploy.recipe", *args], capture_output=True,
                           text=True, timeout=60, cwd=REPO)
 
 
@@ -136,11 +139,11 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
     assert kv["kv_connector_extra_config"] == {"profile": "glm5.1", "decode_endpoints": ["dc0:8300"]}
     assert router == ["python3", "-m", "pd_router", "--host", "0.0.0.0", "--port", "8000",
                       "--prefill", "http://pf0:8100", "--decode", "http://dc0:8200"]
-    assert decode == decode_server_argv(DecodeSpec(
-        model="/shared/models/GLM-5.1-FP8-tilert", port=8200, kv_port=8300, host="0.0.0.0", engine="tilert",
-        slots=1, max_seq_len=16384, num_mtp=3, python="python3", served_model_name="GLM-5.1-FP8",
-        kv_device="cuda:0", extra_args=("--kv-host", "dc0")))
-    assert decode[decode.index("--kv-device") + 1] == "cuda:0"  # KV lands in VRAM, converted there
+    # written out from the recipe by hand: TileRT, one slot, 3 MTP drafts, KV lands in VRAM
+    assert decode == ["python3", "-m", "decode_server", "--engine", "tilert", "--model",
+                      "/shared/models/GLM-5.1-FP8-tilert", "--host", "0.0.0.0", "--port", "8200", "--kv-port", "8300",
+                      "--slots", "1", "--max-seq-len", "16384", "--num-mtp", "3", "--kv-device", "cuda:0",
+                      "--served-model-name", "GLM-5.1-FP8", "--kv-host", "dc0"]
     assert convert[-4:] == ["--model_dir", "/shared/models/GLM-5.1-FP8", "--save_dir", "{dst}"]
     assert "into: /shared/models/GLM-5.1-FP8-tilert (once, under /shared/models/GLM-5.1-FP8-tilert.lock" in node1
     # the converted directory is a complete model directory for the decode server
@@ -150,7 +153,16 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
     assert all("/shared/run1/bench/" in " ".join(b) for b in bench)
     assert "gate: http://pf0:8100/health" in node0 and "gate: http://pf0:8000/ready" in node0
     assert "gate: http://dc0:8200/ready" in node1
-    assert "HF_TOKEN" not in text or "HF_TOKEN=***" in text
+    assert "HF_TOKEN" not in text  # the shipped recipe sets none (see the next test for one that does)
+
+
+def test_dry_run_masks_tokens_in_the_environment_it_prints(tmp_path: Path) -> None:
+    data = load_recipe_dict(GLM)
+    data["prefill"]["env"]["HF_TOKEN"] = "hf_do_not_print_me"
+    out = _cli("dry-run", str(dump_recipe(data, tmp_path / "with-token.yaml")), "--hosts", "pf0,dc0")
+    assert out.returncode == 0, out.stderr
+    assert "hf_do_not_print_me" not in out.stdout
+    assert "HF_TOKEN=***" in out.stdout  # the variable is still shown: the process gets it
 
 
 def test_dry_run_host_count_must_match() -> None:
@@ -199,7 +211,8 @@ def test_render_writes_what_the_slurm_scripts_read(tmp_path: Path) -> None:
 
 def test_submit_dry_run_prints_the_plan_without_submitting(tmp_path: Path) -> None:
     recipe = str(DEPLOY / "recipes" / GLM)
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}  # no sbatch on PATH: nothing can be submitted
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable,  # no sbatch on PATH: nothing can be submitted
+           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}  # the python under test imports this checkout
     out = subprocess.run([str(DEPLOY / "slurm" / "submit.sh"), "--dry-run", recipe], capture_output=True,
                          text=True, timeout=60, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr

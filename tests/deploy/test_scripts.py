@@ -11,6 +11,8 @@ import pytest
 
 from tests.procs import REPO
 
+pytestmark = pytest.mark.integration  # shellcheck
+
 SHELLCHECK = Path(sys.executable).parent / "shellcheck"
 SCRIPTS = sorted([*(REPO / "deploy").rglob("*.sh"),
                   *(p for p in (REPO / "tests" / "fakes" / "fake_slurm").iterdir() if p.suffix != ".md")])

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from tests.deploy.conftest import dump_recipe, load_recipe_dict
-from tests.deploy.slurm_cluster import SlurmCluster
 from tests.deploy.jobs import submit_job, wait_state
+from tests.deploy.slurm_cluster import SlurmCluster
 from tests.procs import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -69,13 +69,17 @@ def test_cpu_stack_as_a_slurm_job(slurm_cluster: SlurmCluster, tmp_path: Path, t
         assert smoke["choices"][0]["message"]["role"] == "assistant"
 
         client = openai.OpenAI(base_url=f"{router}/v1", api_key="unused", timeout=120)
+        # what a generated model says depends on the CPU that trained it (it may end its turn at
+        # once): check the answers, not the text (the equivalence tests check the text)
         reply = client.chat.completions.create(model=name, max_tokens=16, temperature=0,
                                                messages=[{"role": "user", "content": "Tell me a story."}])
-        assert reply.choices[0].message.content
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert isinstance(reply.choices[0].message.content, str)
         assert reply.usage.completion_tokens > 0 and reply.usage.prompt_tokens > 0
         stream = client.chat.completions.create(model=name, max_tokens=8, temperature=0, stream=True,
                                                 messages=[{"role": "user", "content": "Hello"}])
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        chunks = [c for c in stream if c.choices]
+        assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length")
         # the weights the decode server loaded were converted once, in the job, and validated
         assert (Path(data["model"]["converted"]) / ".tilert-pd-complete").exists()
 

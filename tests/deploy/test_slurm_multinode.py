@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from pd_router.deploy_recipe import build_plan, parse_recipe
+from pd_deploy.recipe import build_plan, parse_recipe
 from tests.deploy.conftest import SLURM_DIR, dump_recipe, fake_checkpoint, load_recipe_dict, write_exe
 from tests.deploy.jobs import alive
 from tests.procs import REPO, free_port
 
-pytestmark = pytest.mark.timeout(180)
+# integration: jobs through a fake Slurm, stand-in servers as processes
+pytestmark = [pytest.mark.timeout(180), pytest.mark.integration]
 
 FAKE_SLURM = REPO / "tests" / "fakes" / "fake_slurm"
 HOSTS = ["127.0.0.1", "localhost"]  # node 0 (prefill + router), node 1 (decode)

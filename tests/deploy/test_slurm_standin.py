@@ -17,9 +17,13 @@ from typing import Any
 import openai
 import pytest
 
-from pd_router.deploy_recipe import build_plan, parse_recipe
+from pd_deploy.recipe import build_plan, parse_recipe
 from tests.deploy.conftest import (
-    dump_recipe, fake_checkpoint, load_recipe_dict, read_records, recording_stub,
+    dump_recipe,
+    fake_checkpoint,
+    load_recipe_dict,
+    read_records,
+    recording_stub,
 )
 from tests.deploy.jobs import alive, submit_job, wait_state
 from tests.deploy.slurm_cluster import SlurmCluster
@@ -62,7 +66,7 @@ def test_job_orders_gates_serves_and_stops(slurm_cluster: SlurmCluster, tmp_path
 
     rec = {r: json.loads((records / f"{r}.json").read_text()) for r in ("prefill", "decode", "router")}
     plan = build_plan(parse_recipe(data))
-    # every server got exactly the command the plan (pd_router.stack.commands) built
+    # every server got exactly the command the plan (pd_deploy.commands) built
     for step in plan.workers + [plan.router]:
         assert rec[step.role]["argv"] == step.argv[1:], step.id
     # the conversion ran once, before the servers, into a validated directory

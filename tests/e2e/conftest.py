@@ -3,15 +3,15 @@ second vLLM serving the same model alone, both on loopback, once per session."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
 
-from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
-from pd_router.stack.launcher import Stack, StackConfig
+from pd_deploy.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
+from pd_deploy.stack.launcher import Stack, StackConfig
 from tests.procs import free_port, server
 
 

@@ -5,12 +5,12 @@ gathered late, in ``wait_for_save``. Greedy output must still equal vLLM alone's
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from pd_router.stack.launcher import Stack
+from pd_deploy.stack.launcher import Stack
 from tests.e2e.conftest import make_stack_config, running_stack
 from tests.e2e.test_equivalence import assert_matches_vllm_alone
 

@@ -1,4 +1,6 @@
-"""Greedy output through the PD stack against vLLM alone (issue 5)."""
+"""Greedy output through the PD stack against vLLM alone (issue 5): identical tokens on every
+prompt, log-probabilities equal to float32 noise, as docs/decode_server.md states (both vLLMs
+and the decode server in float32 with vLLM's PyTorch rope: the stack's CPU settings)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from tests.equivalence import judge, steps_from_chat_logprobs, steps_from_comple
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 32
 TOP = 5
+MAX_LOGPROB_DIFF = 1e-4  # measured 4.2e-6 (docs/decode_server.md); a one-token shift is > 1e-2
 
 
 def _completion(url: str, model: str, prompt: str) -> dict:
@@ -41,7 +44,8 @@ def assert_matches_vllm_alone(router: str, vllm_alone: str, model_name: str) -> 
         b = steps_from_completion_logprobs(alone["choices"][0]["logprobs"])
         assert len(a) == MAX_TOKENS and pd["usage"]["completion_tokens"] == MAX_TOKENS
         assert pd["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
-        verdicts.append((f"completion {prompt[:30]!r} ({alone['usage']['prompt_tokens']} tokens)", judge(a, b, "pd", "vllm")))
+        verdicts.append((f"completion {prompt[:30]!r} ({alone['usage']['prompt_tokens']} tokens)",
+                         judge(a, b, "pd", "vllm")))
     for messages in CHAT_PROMPTS:
         pd, alone = _chat(router, model_name, messages), _chat(vllm_alone, model_name, messages)
         a = steps_from_chat_logprobs(pd["choices"][0]["logprobs"])
@@ -53,9 +57,10 @@ def assert_matches_vllm_alone(router: str, vllm_alone: str, model_name: str) -> 
     assert any(alone_tokens > 1000 for alone_tokens in
                (int(name.rsplit("(", 1)[1].split()[0]) for name, _ in verdicts)), "no prompt over 1k tokens"
     identical = sum(v.identical for _, v in verdicts)
-    print(f"\nPD vs vLLM alone: {identical}/{len(verdicts)} fully identical "
-          f"({100 * identical / len(verdicts):.0f}%, goal >= 90%)")
+    print(f"\nPD vs vLLM alone: {identical}/{len(verdicts)} fully identical")
     for name, v in verdicts:
         print(f"  {name}: {v.detail}; max |dlogprob| before divergence {v.max_logprob_diff:.2e}")
-    bad = [f"{name}: {v.detail}" for name, v in verdicts if not v.ok]
-    assert not bad, "\n".join(bad)
+    bad = [f"{name}: {v.detail}" for name, v in verdicts if not v.identical]
+    assert not bad, f"{len(bad)}/{len(verdicts)} not identical:\n" + "\n".join(bad)
+    worst = max(verdicts, key=lambda nv: nv[1].max_logprob_diff)
+    assert worst[1].max_logprob_diff < MAX_LOGPROB_DIFF, f"{worst[0]}: |dlogprob| {worst[1].max_logprob_diff:.2e}"

@@ -45,7 +45,7 @@ def _alive(pid: int) -> bool:
 
 def test_launcher_prints_calls_that_work_and_ctrl_c_stops_everything(tiny_model_dir, tmp_path):
     router, prefill, decode, kv = _ports(4)
-    argv = [sys.executable, "-m", "pd_router.stack", "--model-dir", str(tiny_model_dir),
+    argv = [sys.executable, "-m", "pd_deploy.stack", "--model-dir", str(tiny_model_dir),
             "--served-model-name", MODEL_NAME, "--log-dir", str(tmp_path / "logs"),
             "--router-port", str(router), "--prefill-port", str(prefill), "--decode-port", str(decode),
             "--kv-port", str(kv)]

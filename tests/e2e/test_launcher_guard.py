@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 def _launcher_argv(model_dir: Path, log_dir: Path, ports: list[int]) -> list[str]:
     router, prefill, decode, kv = ports
-    return [sys.executable, "-m", "pd_router.stack", "--model-dir", str(model_dir), "--served-model-name", MODEL_NAME,
+    return [sys.executable, "-m", "pd_deploy.stack", "--model-dir", str(model_dir), "--served-model-name", MODEL_NAME,
             "--log-dir", str(log_dir), "--router-port", str(router), "--prefill-port", str(prefill),
             "--decode-port", str(decode), "--kv-port", str(kv)]
 

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from pd_router.contract import CAPABILITIES_PATH
+from decode_server.contract import CAPABILITIES_PATH
 from tests.e2e.conftest import vllm_kv_usage
 
 pytestmark = pytest.mark.slow
@@ -35,6 +35,21 @@ async def _queue_depth(http: httpx.AsyncClient, router_url: str) -> int:
     text = (await http.get(f"{router_url}/metrics")).text
     return int(float(next(line.split()[-1] for line in text.splitlines()
                           if line.startswith("pd_router_queue_depth "))))
+
+
+def _decode_aborts(router_url: str) -> float:
+    """pd_router_client_aborts_total{stage="decode"}: clients that left during the decode leg."""
+    text = httpx.get(f"{router_url}/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("pd_router_client_aborts_total{") and 'stage="decode"' in line)
+
+
+def _assert_decode_aborts(router_url: str, expected: float, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while (got := _decode_aborts(router_url)) != expected:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{got} client aborts at the decode stage after {within_s}s, not {expected}")
+        time.sleep(0.02)
 
 
 async def test_16_concurrent_clients_one_slot_first_come_first_served(pd_stack, model_name):
@@ -78,10 +93,15 @@ async def test_16_concurrent_clients_one_slot_first_come_first_served(pd_stack, 
 
 
 async def test_client_disconnect_mid_stream_frees_slot_and_prefill_kv(pd_stack, model_name):
+    """The only decode slot is held while the client reads (2000 tokens take far longer than
+    the test); once the client leaves, the router counts the abort at the decode stage and the
+    slot and vLLM's KV are free within a second, long before the generation would end."""
+    router, decode = pd_stack.config.router_url, pd_stack.config.decode_urls[0]
+    aborts_before = _decode_aborts(router)
     body = {"model": model_name, "prompt": "Errors should never pass silently.", "max_tokens": 2000,
             "temperature": 0, "stream": True, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=120) as http:
-        async with http.stream("POST", f"{pd_stack.config.router_url}/v1/completions", json=body) as r:
+        async with http.stream("POST", f"{router}/v1/completions", json=body) as r:
             assert r.status_code == 200
             seen = 0
             async for line in r.aiter_lines():
@@ -89,5 +109,6 @@ async def test_client_disconnect_mid_stream_frees_slot_and_prefill_kv(pd_stack, 
                     seen += 1
                 if seen >= 3:
                     break  # leave mid-stream: closing the stream drops the connection
-    assert _busy_slots(pd_stack.config.decode_urls[0]) in (0, 1)
+            assert _busy_slots(decode) == 1, "the slot must be held while the client still reads"
     _assert_idle(pd_stack, within_s=1.0)
+    _assert_decode_aborts(router, aborts_before + 1, within_s=1.0)  # counted as the router's handler ends

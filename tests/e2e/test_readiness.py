@@ -8,8 +8,9 @@ import time
 import httpx
 import pytest
 
-from pd_router.stack.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv
-from pd_router.stack.process import ManagedProcess
+from pd_deploy.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv
+from pd_deploy.stack.process import ManagedProcess
+from pd_router.wire import ReadinessReport
 from tests.e2e.conftest import make_stack_config
 
 pytestmark = pytest.mark.slow
@@ -40,7 +41,13 @@ def test_router_not_ready_until_workers_and_handshake_and_after_a_decode_restart
         router.wait_http(f"{cfg.router_url}/health", 60)
         r = _ready(cfg.router_url)
         assert r.status_code == 503, r.text
-        assert "error" in r.json() or "backends" in r.json() or r.json()
+        report = ReadinessReport.model_validate_json(r.text)  # says which backend is down, and why
+        assert not report.ready and [p.url for p in report.prefill] == [cfg.prefill_url]
+        assert [d.url for d in report.decode] == cfg.decode_urls
+        assert not any(p.healthy for p in report.prefill) and not any(d.healthy for d in report.decode)
+        assert len(report.problems) == 2, report.problems
+        assert any(p.startswith(f"prefill {cfg.prefill_url}: ") for p in report.problems), report.problems
+        assert any(p.startswith(f"decode {cfg.decode_urls[0]}: ") for p in report.problems), report.problems
 
         decode_spec = cfg.decode_specs()[0]
         decode = ManagedProcess("decode", decode_server_argv(decode_spec), tmp_path / "decode.log", env=VLLM_CPU_ENV)

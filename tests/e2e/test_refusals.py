@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pd_router.contract import CAPABILITIES_PATH
-from pd_router.stack.commands import RouterSpec, router_argv
-from pd_router.stack.launcher import Stack
-from pd_router.stack.process import ManagedProcess
+from decode_server.contract import CAPABILITIES_PATH
+from pd_deploy.commands import RouterSpec, router_argv
+from pd_deploy.stack.launcher import Stack
+from pd_deploy.stack.process import ManagedProcess
 from tests.e2e.conftest import MODEL_NAME, make_stack_config
 from tests.e2e.test_lifecycle import _assert_idle
 from tests.procs import free_port

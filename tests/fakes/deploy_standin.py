@@ -1,7 +1,7 @@
 """Stand-in for the PD stack's servers in deploy tests: ``deploy_standin.py -m MODULE ARGS``.
 
 The deploy tests point a recipe's ``python`` at a wrapper running this file, so the exact
-argv built by ``pd_router.stack.commands`` reaches it. It records that argv, its
+argv built by ``pd_deploy.commands`` reaches it. It records that argv, its
 environment and when it started and became ready into ``$STANDIN_DIR/<role>.json``, then
 serves on ``--host``/``--port``:
 

@@ -8,7 +8,7 @@ are changed and their records read over HTTP (``POST /fake/config``, ``GET
 /fake/records``, ``POST /fake/release``), so a test drives them the same way in both
 modes.
 
-FakePrefill checks the router's prefill rewrite (FACTS.md §1) and answers 400 naming
+FakePrefill checks the router's prefill rewrite (docs/facts.md §1) and answers 400 naming
 the violation; FakeDecode checks ``kv_transfer_params`` and slot limits and streams
 ``tokens`` OpenAI SSE chunks ``token_delay`` seconds apart.
 """

@@ -11,16 +11,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from connector.protocol import PROTOCOL_VERSION, HandoffResult
-from pd_router.asgi import Receive, Scope, Send, read_body, respond
-from pd_router.contract import (
+from connector.protocol import PROTOCOL_VERSION, HandoffResult, PeerStatus
+from decode_server.contract import (
     CANCEL_PATH,
     CAPABILITIES_PATH,
     CancelRequest,
     CancelResponse,
     DecodeCapabilities,
-    PeerStatus,
 )
+from pd_router.asgi import Receive, Scope, Send, read_body, respond
 from tests.fakes.fake_common import FakeBase, error_body
 
 

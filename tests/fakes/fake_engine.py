@@ -38,7 +38,7 @@ class FakeEngineConfig:
     fail_start: str | None = None  # EngineError message raised by start()
     fail_at_step: int | None = None  # EngineError raised by this step (1-based)
     filler_token: int = 0  # emitted once the script is exhausted
-    start_delay: float = 0.0  # seconds start() takes (KV injection)
+    hold_start: bool = False  # start() (KV injection) waits for engine.release_start; engine.in_start says it began
     close_delay: float = 0.0  # seconds close() takes (engine state reset)
 
 
@@ -100,6 +100,8 @@ class FakeEngine(Engine):
         self.closed = 0
         self.steps = 0
         self.scripts: dict[str, list[int]] = {}  # per handoff id, overrides config.script
+        self.in_start = threading.Event()  # a start() began
+        self.release_start = threading.Event()  # with hold_start: lets start() return
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -115,7 +117,9 @@ class FakeEngine(Engine):
             raise EngineError(f"KV of {kv.handoff_id!r} given for handoff {handoff.handoff_id!r}")
         if self.config.fail_start:
             raise EngineError(self.config.fail_start)
-        time.sleep(self.config.start_delay)
+        self.in_start.set()
+        if self.config.hold_start and not self.release_start.wait(30):
+            raise EngineError("start() held for 30 s: the test never released it")
         session = FakeSession(self, params, list(self.scripts.get(handoff.handoff_id, self.config.script)))
         with self._lock:
             self.live.add(session)

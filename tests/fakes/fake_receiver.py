@@ -11,10 +11,10 @@ import asyncio
 import threading
 import time
 
-from connector.errors import HandoffFailed, HandoffTimeout
+from connector.kv_errors import HandoffFailed, HandoffTimeout
 from connector.layout import KVLayout
+from connector.protocol import PeerStatus
 from connector.receiver import ReceivedKV
-from pd_router.contract import PeerStatus
 
 
 class FakeReceiver:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from connector.errors import AdmissionRefused, ControlChannelError, HandshakeRejected
+from connector.kv_errors import AdmissionRefused, ControlChannelError, HandshakeRejected
 from connector.layout import KVLayout, SenderPlan, layer_views
 
 
@@ -83,7 +83,6 @@ class FakeKVSender:
         layout: KVLayout,
         max_tokens: int,
         sender_plan: SenderPlan | None = None,
-        transport: str = "nixl",
     ) -> None:
         self.agent_name = agent_name
         self.layout = layout

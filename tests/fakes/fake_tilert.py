@@ -62,7 +62,8 @@ class FakeDecodeLayer:
         row = [int(v) for v in draft[0].tolist()]
         self.calls.append(("show_hands", row, ar_steps))
         if not self._primed:
-            assert row == [self._gen.last_prompt_token] * 4, f"first MTP call must prime with the last prompt token: {row}"
+            assert row == [self._gen.last_prompt_token] * 4, (
+                f"first MTP call must prime with the last prompt token: {row}")
             self._primed = True
             self._emit([], [])
             return

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from decode_server.reference import ModelConfig, load_model
-from decode_server.tiny_model import TrainSettings, ensure_tiny_model, generate
+from decode_server.tiny_model import TrainSettings, ensure_tiny_model
+from decode_server.tiny_model.generate import generate
 from tests.procs import REPO
 
 pytestmark = pytest.mark.timeout(900)  # the tiny_model_dir fixture may train the model first
@@ -89,15 +90,16 @@ def test_tokenizer_and_chat_template(tiny_model_dir: Path) -> None:
 @pytest.mark.slow
 def test_ensure_reuses_a_complete_model(tiny_model_dir: Path) -> None:
     before = (tiny_model_dir / "model.safetensors").stat().st_mtime_ns
+    marker = json.loads((tiny_model_dir / "tiny-model.json").read_text())
     t0 = time.monotonic()
-    again = ensure_tiny_model(tiny_model_dir.parent, seed=0, layers=2)
+    again = ensure_tiny_model(tiny_model_dir.parent, seed=marker["seed"], layers=marker["layers"])
     assert again == tiny_model_dir
     assert time.monotonic() - t0 < 5
     assert (tiny_model_dir / "model.safetensors").stat().st_mtime_ns == before
 
 
-@pytest.mark.parametrize(("args", "message"), [(["--layers", "0"], "--layers=0"),
-                                               (["--seed", "x"], "--seed")])
+@pytest.mark.parametrize(("args", "message"), [(["--layers", "0"], "--layers='0': Input should be greater than"),
+                                               (["--seed", "x"], "--seed='x': Input should be a valid integer")])
 def test_cli_refuses_bad_options(tmp_path: Path, args: list[str], message: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "decode_server.tiny_model", "--out", str(tmp_path / "m"), *args],
                           capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -10,8 +10,8 @@ move; the reference prefill's KV equals what vLLM caches, MTP layer included.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import openai
@@ -22,7 +22,7 @@ from decode_server.engine.base import SamplingParams
 from decode_server.engine.reference import ReferenceEngine
 from decode_server.reference import MlaMoeModel, load_model, prefill
 from decode_server.tiny_model import VLLM_CPU_EXACT_ARGS
-from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
+from pd_deploy.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
 from tests.equivalence import Verdict, judge, steps_from_chat_logprobs, steps_from_completion_logprobs
 from tests.procs import free_port, server
 from tests.reference.helpers import as_steps, generate_greedy, handoff_for, received
@@ -94,7 +94,8 @@ def _vllm_runs(url: str, model_name: str) -> list[tuple[str, list[int], list]]:
                                                   "add_generation_prompt": True}, timeout=30).json()["tokens"]
         r = client.chat.completions.create(model=model_name, messages=messages, max_tokens=N_TOKENS, temperature=0,
                                            logprobs=True, top_logprobs=5, extra_body=extra)
-        runs.append((f"chat {messages[-1]['content']!r}", ids, steps_from_chat_logprobs(r.choices[0].logprobs.model_dump())))
+        runs.append((f"chat {messages[-1]['content']!r}", ids,
+                     steps_from_chat_logprobs(r.choices[0].logprobs.model_dump())))
     return runs
 
 

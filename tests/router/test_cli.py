@@ -8,13 +8,13 @@ import sys
 import pytest
 from openai import OpenAI
 
+from pd_deploy.commands import RouterSpec, router_argv
 from pd_router.settings import RouterSettings, SettingsError, load_settings
-from pd_router.stack.commands import RouterSpec, router_argv
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
 from tests.procs import REPO, free_port, server
 from tests.router.conftest import MODEL
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.integration]  # integration: the router as a process
 
 
 def test_help_documents_every_option():
@@ -24,6 +24,7 @@ def test_help_documents_every_option():
     assert out.returncode == 0
     for name in RouterSettings.model_fields:
         assert "--" + name.replace("_", "-") in out.stdout and f"PD_ROUTER_{name.upper()}" in out.stdout, name
+    assert "config" in RouterSettings.model_fields
     assert "--no-require-handshake" in out.stdout
 
 
@@ -46,8 +47,8 @@ def test_invalid_settings_name_option_value_and_reason():
         timeout=30,
     )
     assert out.returncode == 2
-    assert "--prefill" in out.stderr and "'localhost:8100'" in out.stderr and "http://" in out.stderr
-    assert "--queue-timeout" in out.stderr and "'-3'" in out.stderr and "greater than 0" in out.stderr
+    assert "--prefill='localhost:8100': 'localhost:8100' is not an http:// or https:// URL" in out.stderr
+    assert "--queue-timeout='-3': Input should be greater than 0" in out.stderr
 
 
 def test_env_vars_and_command_line_precedence():
@@ -62,7 +63,7 @@ def test_env_vars_and_command_line_precedence():
     s = load_settings(["--max-queue", "9"], env)
     assert s.prefill == ("http://a:1", "http://b:2") and s.decode == ("http://c:3",)
     assert (s.max_queue, s.require_handshake, s.log_level, s.decode_slots) == (9, False, "debug", 4)
-    with pytest.raises(SettingsError, match=r"--decode-slots.*'0'.*greater than or equal to 1"):
+    with pytest.raises(SettingsError, match=r"^PD_ROUTER_DECODE_SLOTS='0': Input should be greater than or equal to 1"):
         load_settings(["--prefill", "http://a:1", "--decode", "http://b:1"], {"PD_ROUTER_DECODE_SLOTS": "0"})
     with pytest.raises(SettingsError, match="given twice"):
         load_settings(["--prefill", "http://a:1", "--prefill", "http://a:1/", "--decode", "http://b:1"], {})

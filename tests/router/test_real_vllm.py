@@ -12,7 +12,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
+from pd_deploy.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
 from tests.procs import free_port, server
 

@@ -13,7 +13,7 @@ import pytest
 
 from connector.admission import Admission, AdmissionClient
 from connector.layout import layout_fingerprint
-from tests.connector.transport.helpers import SMALL, assert_no_leaks, eventually, make_sender, running_receiver
+from tests.connector.transport.helpers import SMALL, assert_no_leaks, eventually
 from tests.connector.transport.synthetic import fill, layer_bytes, mismatches
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,9 +32,9 @@ async def _result(client: AdmissionClient, handoff_id: str, timeout: float = 10.
     return result
 
 
-async def test_admitted_in_the_background_and_written_by_the_groups_worker():
-    async with running_receiver(max_tokens=64) as receiver:
-        client, sender = _client(), make_sender(group=GROUP)
+async def test_admitted_in_the_background_and_written_by_the_groups_worker(kv):
+    async with kv.running_receiver(max_tokens=64) as receiver:
+        client, sender = _client(), kv.make_sender(group=GROUP)
         try:
             waiter = asyncio.create_task(receiver.wait_for("h", 10))
             client.start("h", receiver.endpoint, 40)  # returns at once: the channel thread admits
@@ -56,8 +56,8 @@ async def test_admitted_in_the_background_and_written_by_the_groups_worker():
             sender.close()
 
 
-async def test_busy_refusal_and_abort_free_the_slot():
-    async with running_receiver(max_tokens=64, slots=1) as receiver:
+async def test_busy_refusal_and_abort_free_the_slot(kv):
+    async with kv.running_receiver(max_tokens=64, slots=1) as receiver:
         client = _client()
         try:
             client.start("a", receiver.endpoint, 10)
@@ -75,9 +75,9 @@ async def test_busy_refusal_and_abort_free_the_slot():
             client.close()
 
 
-async def test_only_the_admitting_group_may_write_or_abort():
-    async with running_receiver(max_tokens=64) as receiver:
-        client, stranger = _client(), make_sender(group="someone-else")
+async def test_only_the_admitting_group_may_write_or_abort(kv):
+    async with kv.running_receiver(max_tokens=64) as receiver:
+        client, stranger = _client(), kv.make_sender(group="someone-else")
         try:
             client.start("h", receiver.endpoint, 8)
             admission = await _result(client, "h")
@@ -93,7 +93,7 @@ async def test_only_the_admitting_group_may_write_or_abort():
             stranger.close()
 
 
-async def test_a_hung_decode_server_delays_only_its_own_requests():
+async def test_a_hung_decode_server_delays_only_its_own_requests(kv):
     """A listener that accepts and never answers (a SIGSTOPped decode server looks the same
     from the network): its admission fails after the timeout, the healthy server's is answered
     meanwhile."""
@@ -102,7 +102,7 @@ async def test_a_hung_decode_server_delays_only_its_own_requests():
     accepted: list[socket.socket] = []
     acceptor = threading.Thread(target=lambda: accepted.append(hung.accept()[0]), daemon=True)
     acceptor.start()
-    async with running_receiver(max_tokens=64) as receiver:
+    async with kv.running_receiver(max_tokens=64) as receiver:
         client = _client(timeout_s=1.5)
         try:
             t0 = time.monotonic()
@@ -128,11 +128,13 @@ class _ThreadedReceiver:
 
     def __init__(self, slots: int) -> None:
         from connector.receiver import KVReceiver, ReceiverSettings
+        from tests.fakes.memory_transport import MemoryFabric
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.receiver = KVReceiver(ReceiverSettings(layout=SMALL, max_tokens=64, slots=slots, transport="memory"))
+        self.receiver = KVReceiver(ReceiverSettings(layout=SMALL, max_tokens=64, slots=slots),
+                                   MemoryFabric().transport)
         self._call(self.receiver.start())
         self._gate = threading.Event()
 

@@ -10,17 +10,10 @@ import pytest
 import torch
 
 from connector.control import ControlClient, decode_body, encode_frame, parse_endpoint
-from connector.errors import ControlChannelError, TransportError
+from connector.kv_errors import ControlChannelError, TransportError
 from connector.protocol import Abort, Aborted, Admitted
-from connector.transport import (
-    MemoryFabric,
-    MemoryTransport,
-    Region,
-    decode_regions,
-    encode_regions,
-    merge_pieces,
-)
-from tests.connector.transport.helpers import running_receiver
+from connector.transport import Region, decode_regions, encode_regions, merge_pieces
+from tests.fakes.memory_transport import MemoryFabric, MemoryTransport
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -48,8 +41,8 @@ def test_regions_encode_decode_and_merge():
     assert merge_pieces([(100, 900, 10), (0, 800, 100), (110, 950, 5)]) == [(0, 800, 110), (110, 950, 5)]
 
 
-async def test_garbage_and_oversized_frames_close_only_that_connection():
-    async with running_receiver() as receiver:
+async def test_garbage_and_oversized_frames_close_only_that_connection(kv):
+    async with kv.running_receiver() as receiver:
         host, port = parse_endpoint(receiver.endpoint)
         for payload in (struct.pack(">I", 5) + b"nope!", struct.pack(">I", 1 << 30)):
             with socket.create_connection((host, port), timeout=5) as sock:

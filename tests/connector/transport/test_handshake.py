@@ -9,10 +9,10 @@ import pytest
 
 from connector import sender as sender_module
 from connector.control import ControlClient
-from connector.errors import AdmissionRefused, ControlChannelError, HandshakeRejected
+from connector.kv_errors import AdmissionRefused, ControlChannelError, HandshakeRejected
 from connector.layout import cpu_mla_layout, glm5_fp8_ds_mla_layout, layout_fingerprint
 from connector.protocol import PROTOCOL_VERSION, Admit, Hello, Refused, Reject
-from tests.connector.transport.helpers import assert_no_leaks, make_sender, running_receiver
+from tests.connector.transport.helpers import assert_no_leaks
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,9 +28,9 @@ async def _rejected(receiver, sender) -> HandshakeRejected:
 
 
 @pytest.mark.parametrize("transport", ["memory", "nixl"])
-async def test_78_layer_prefill_against_79_layer_decode(transport):
-    async with running_receiver(glm5_fp8_ds_mla_layout(78, 1), 128, transport) as receiver:
-        sender = make_sender(glm5_fp8_ds_mla_layout(78, 0), 128, transport)
+async def test_78_layer_prefill_against_79_layer_decode(kv, transport):
+    async with kv.running_receiver(glm5_fp8_ds_mla_layout(78, 1), 128, transport) as receiver:
+        sender = kv.make_sender(glm5_fp8_ds_mla_layout(78, 0), 128, transport)
         try:
             err = await _rejected(receiver, sender)
         finally:
@@ -39,9 +39,9 @@ async def test_78_layer_prefill_against_79_layer_decode(transport):
     assert "num_layers mismatch: decode expects 79" in str(err) and "sent 78" in str(err)
 
 
-async def test_plane_dtype_mismatch_names_the_plane():
-    async with running_receiver(cpu_mla_layout(2, 1, "bfloat16")) as receiver:
-        sender = make_sender(cpu_mla_layout(2, 1, "float32"))
+async def test_plane_dtype_mismatch_names_the_plane(kv):
+    async with kv.running_receiver(cpu_mla_layout(2, 1, "bfloat16")) as receiver:
+        sender = kv.make_sender(cpu_mla_layout(2, 1, "float32"))
         try:
             err = await _rejected(receiver, sender)
         finally:
@@ -50,10 +50,10 @@ async def test_plane_dtype_mismatch_names_the_plane():
     assert (err.expected, err.received) == ("bfloat16", "float32")
 
 
-async def test_protocol_version_mismatch(monkeypatch):
+async def test_protocol_version_mismatch(kv, monkeypatch):
     monkeypatch.setattr(sender_module, "PROTOCOL_VERSION", 99)
-    async with running_receiver() as receiver:
-        sender = make_sender()
+    async with kv.running_receiver() as receiver:
+        sender = kv.make_sender()
         try:
             err = await _rejected(receiver, sender)
         finally:
@@ -61,12 +61,12 @@ async def test_protocol_version_mismatch(monkeypatch):
     assert (err.field, err.expected, err.received) == ("protocol_version", str(PROTOCOL_VERSION), "99")
 
 
-async def test_transport_kind_mismatch():
-    async with running_receiver(transport="memory") as receiver:
+async def test_transport_kind_mismatch(kv):
+    async with kv.running_receiver(transport="memory") as receiver:
         client = await asyncio.to_thread(ControlClient, receiver.endpoint, 5)
         try:
-            hello = Hello(protocol_version=PROTOCOL_VERSION, agent_name="p", fingerprint=layout_fingerprint(cpu_mla_layout(2, 1)),
-                          transport="nixl")
+            hello = Hello(protocol_version=PROTOCOL_VERSION, agent_name="p",
+                          fingerprint=layout_fingerprint(cpu_mla_layout(2, 1)), transport="nixl")
             reply = await asyncio.to_thread(client.request, hello, 5)
         finally:
             client.close()
@@ -74,9 +74,9 @@ async def test_transport_kind_mismatch():
     assert (reply.expected, reply.received) == ("memory", "nixl")
 
 
-async def test_sequence_too_long_is_refused_by_the_receiver_and_checked_by_the_sender():
-    async with running_receiver(max_tokens=64) as receiver:
-        sender = make_sender(max_tokens=128)
+async def test_sequence_too_long_is_refused_by_the_receiver_and_checked_by_the_sender(kv):
+    async with kv.running_receiver(max_tokens=64) as receiver:
+        sender = kv.make_sender(max_tokens=128)
         try:
             with pytest.raises(AdmissionRefused) as info:
                 await asyncio.to_thread(sender.begin, receiver.endpoint, "long", 100, 5)
@@ -89,8 +89,8 @@ async def test_sequence_too_long_is_refused_by_the_receiver_and_checked_by_the_s
             sender.close()
 
 
-async def test_admit_without_hello_is_refused():
-    async with running_receiver() as receiver:
+async def test_admit_without_hello_is_refused(kv):
+    async with kv.running_receiver() as receiver:
         client = await asyncio.to_thread(ControlClient, receiver.endpoint, 5)
         try:
             reply = await asyncio.to_thread(client.request, Admit(handoff_id="x", num_tokens=1), 5)
@@ -100,8 +100,8 @@ async def test_admit_without_hello_is_refused():
         assert receiver.busy_slots() == 0
 
 
-async def test_unreachable_endpoint_fails_fast_with_its_address():
-    sender = make_sender()
+async def test_unreachable_endpoint_fails_fast_with_its_address(kv):
+    sender = kv.make_sender()
     try:
         with pytest.raises(ControlChannelError, match="127.0.0.1:1"):
             await asyncio.to_thread(sender.connect, "127.0.0.1:1", 2)
@@ -109,9 +109,9 @@ async def test_unreachable_endpoint_fails_fast_with_its_address():
         sender.close()
 
 
-async def test_connect_is_cached_per_endpoint():
-    async with running_receiver() as receiver:
-        sender = make_sender()
+async def test_connect_is_cached_per_endpoint(kv):
+    async with kv.running_receiver() as receiver:
+        sender = kv.make_sender()
         try:
             await asyncio.to_thread(sender.connect, receiver.endpoint, 5)
             first = sender._peers[receiver.endpoint].client

@@ -8,18 +8,18 @@ import asyncio
 
 import pytest
 
-from connector.errors import ControlChannelError, HandshakeRejected
 from connector.keeper import HandshakeKeeper
-from tests.connector.transport.helpers import eventually, make_sender, running_receiver
+from connector.kv_errors import ControlChannelError, HandshakeRejected
+from tests.connector.transport.helpers import eventually
 from tests.procs import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
 
-async def test_control_client_sees_the_endpoint_close_the_connection():
-    sender = make_sender()
+async def test_control_client_sees_the_endpoint_close_the_connection(kv):
+    sender = kv.make_sender()
     try:
-        async with running_receiver() as receiver:
+        async with kv.running_receiver() as receiver:
             await asyncio.to_thread(sender.connect, receiver.endpoint, 5)
             client = sender._peers[receiver.endpoint].client
             assert not client.broken  # idle and open
@@ -29,16 +29,16 @@ async def test_control_client_sees_the_endpoint_close_the_connection():
         sender.close()
 
 
-async def test_keeper_handshakes_a_receiver_started_later_and_again_after_a_restart():
+async def test_keeper_handshakes_a_receiver_started_later_and_again_after_a_restart(kv):
     port = free_port()
-    sender = make_sender()
+    sender = kv.make_sender()
     keeper = HandshakeKeeper(sender, (f"127.0.0.1:{port}",), interval_s=0.1, timeout_s=2)
     keeper.start()
     try:
         await asyncio.sleep(0.3)
         assert keeper.state()[f"127.0.0.1:{port}"].startswith("unreachable")
         for _ in range(2):  # first start, then a restart on the same port
-            async with running_receiver(port=port) as receiver:
+            async with kv.running_receiver(port=port) as receiver:
                 await eventually(lambda: [p.state for p in receiver.peers()] == ["ok"], timeout=5)
                 assert keeper.state()[receiver.endpoint] == "ok"
     finally:

@@ -11,7 +11,7 @@ import pytest
 from connector.lanes import LaneQueue
 from connector.layout import glm5_fp8_ds_mla_layout
 from connector.sender import lane_cpus
-from tests.connector.transport.helpers import assert_no_leaks, eventually, make_sender, running_receiver
+from tests.connector.transport.helpers import assert_no_leaks, eventually
 from tests.connector.transport.synthetic import fill, layer_bytes, mismatches
 
 pytestmark = pytest.mark.timeout(60)
@@ -75,9 +75,9 @@ def test_close_delivers_what_is_queued_then_stops():
 
 
 @pytest.mark.parametrize("transport", ["memory", "nixl"])
-async def test_a_burst_of_layers_is_written_by_both_lanes(transport):
+async def test_a_burst_of_layers_is_written_by_both_lanes(kv, transport):
     layout, tokens = glm5_fp8_ds_mla_layout(6, 1), 256
-    sender = make_sender(layout, max_tokens=tokens, transport=transport, lanes=2)
+    sender = kv.make_sender(layout, max_tokens=tokens, transport=transport, lanes=2)
     writers: list[tuple[str, int]] = []
     write = sender._transport.write
     both = threading.Barrier(2, timeout=5)  # a lane that took both runs would wait here in vain
@@ -89,7 +89,7 @@ async def test_a_burst_of_layers_is_written_by_both_lanes(transport):
 
     sender._transport.write = recording_write  # type: ignore[method-assign]
     try:
-        async with running_receiver(layout, max_tokens=tokens, transport=transport) as receiver:
+        async with kv.running_receiver(layout, max_tokens=tokens, transport=transport) as receiver:
             handoff = await asyncio.to_thread(sender.begin, receiver.endpoint, "burst", tokens, 5)
             for layer in range(layout.num_layers):
                 fill(handoff.staging(layer), layer_bytes(layout, layer, tokens, 3))
@@ -108,9 +108,9 @@ async def test_a_burst_of_layers_is_written_by_both_lanes(transport):
         sender.close()
 
 
-async def test_posting_a_layer_twice_is_refused():
-    async with running_receiver() as receiver:
-        sender = make_sender(lanes=1)
+async def test_posting_a_layer_twice_is_refused(kv):
+    async with kv.running_receiver() as receiver:
+        sender = kv.make_sender(lanes=1)
         try:
             handoff = await asyncio.to_thread(sender.begin, receiver.endpoint, "twice", 8, 5)
             with pytest.raises(ValueError, match="layer 0 posted twice"):
@@ -129,18 +129,18 @@ async def test_posting_a_layer_twice_is_refused():
             sender.close()
 
 
-def test_lanes_are_validated():
+def test_lanes_are_validated(kv):
     with pytest.raises(ValueError, match="lanes=0"):
-        make_sender(lanes=0)
+        kv.make_sender(lanes=0)
     with pytest.raises(ValueError, match="lanes=9"):
-        make_sender(lanes=9)
+        kv.make_sender(lanes=9)
 
 
-def test_lanes_pin_to_distinct_cpus_when_there_are_enough():
+def test_lanes_pin_to_distinct_cpus_when_there_are_enough(kv):
     import os
 
     cpus = sorted(os.sched_getaffinity(0))
-    sender = make_sender(lanes=2)
+    sender = kv.make_sender(lanes=2)
     try:
         pinned = [os.sched_getaffinity(t.native_id) for t in sender._threads]
         if len(cpus) >= 2:
@@ -150,7 +150,7 @@ def test_lanes_pin_to_distinct_cpus_when_there_are_enough():
             assert all(p == set(cpus) for p in pinned)
     finally:
         sender.close()
-    unpinned = make_sender(lanes=2, pin_lanes=False)
+    unpinned = kv.make_sender(lanes=2, pin_lanes=False)
     try:
         assert all(os.sched_getaffinity(t.native_id) == set(cpus) for t in unpinned._threads)
     finally:
@@ -161,13 +161,13 @@ def test_lanes_pin_to_distinct_cpus_when_there_are_enough():
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
-async def test_a_revocation_is_seen_while_layers_keep_coming(lanes):
+async def test_a_revocation_is_seen_while_layers_keep_coming(kv, lanes):
     """A decode server that gives up on a handoff mid-prefill stops its WRITEs at once, not
     after the model's last layer: lanes read Revoked even while every take() finds work."""
     layout, tokens = glm5_fp8_ds_mla_layout(78, 1), 16
-    sender = make_sender(layout, max_tokens=tokens, lanes=lanes)
+    sender = kv.make_sender(layout, max_tokens=tokens, lanes=lanes)
     try:
-        async with running_receiver(layout, max_tokens=tokens) as receiver:
+        async with kv.running_receiver(layout, max_tokens=tokens) as receiver:
             handoff = await asyncio.to_thread(sender.begin, receiver.endpoint, "revoked", tokens, 5)
             posted: list[float] = []
 

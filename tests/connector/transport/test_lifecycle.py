@@ -8,10 +8,9 @@ import asyncio
 import pytest
 import torch
 
-from connector.errors import AdmissionRefused, HandoffFailed, HandoffTimeout
+from connector.kv_errors import AdmissionRefused, HandoffFailed, HandoffTimeout
 from connector.layout import SenderPlan, glm5_fp8_ds_mla_layout
-from connector.receiver import DISCONNECT_GRACE_S
-from tests.connector.transport.helpers import SMALL, assert_no_leaks, eventually, make_sender, running_receiver
+from tests.connector.transport.helpers import SMALL, assert_no_leaks, eventually
 from tests.connector.transport.synthetic import fill, layer_bytes, mismatches
 
 pytestmark = pytest.mark.timeout(60)
@@ -26,9 +25,9 @@ def _send(sender, endpoint, hid, tokens, layers, seed=1, layout=SMALL):
 
 
 @pytest.mark.parametrize("transport", ["memory", "nixl"])
-async def test_complete_handoff_waited_before_admission(transport):
-    async with running_receiver(transport=transport) as receiver:
-        sender = make_sender(transport=transport)
+async def test_complete_handoff_waited_before_admission(kv, transport):
+    async with kv.running_receiver(transport=transport) as receiver:
+        sender = kv.make_sender(transport=transport)
         try:
             waiter = asyncio.create_task(receiver.wait_for("h", 10))
             await asyncio.sleep(0.05)
@@ -47,9 +46,9 @@ async def test_complete_handoff_waited_before_admission(transport):
 
 
 @pytest.mark.parametrize("transport", ["memory", "nixl"])
-async def test_sender_never_completes_receiver_times_out_and_frees_the_slot(transport):
-    async with running_receiver(transport=transport) as receiver:
-        sender = make_sender(transport=transport)
+async def test_sender_never_completes_receiver_times_out_and_frees_the_slot(kv, transport):
+    async with kv.running_receiver(transport=transport) as receiver:
+        sender = kv.make_sender(transport=transport)
         try:
             handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "partial", 10, [0])
             with pytest.raises(HandoffTimeout, match="1/3 layers arrived"):
@@ -67,9 +66,9 @@ async def test_sender_never_completes_receiver_times_out_and_frees_the_slot(tran
 
 
 @pytest.mark.parametrize("transport", ["memory", "nixl"])
-async def test_abort_releases_the_receiver(transport):
-    async with running_receiver(transport=transport) as receiver:
-        sender = make_sender(transport=transport)
+async def test_abort_releases_the_receiver(kv, transport):
+    async with kv.running_receiver(transport=transport) as receiver:
+        sender = kv.make_sender(transport=transport)
         try:
             handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "ab", 10, [0, 1])
             waiter = asyncio.create_task(receiver.wait_for("ab", 10))
@@ -83,9 +82,9 @@ async def test_abort_releases_the_receiver(transport):
             sender.close()
 
 
-async def test_busy_when_all_slots_are_taken_then_free_again():
-    async with running_receiver(slots=1) as receiver:
-        sender = make_sender()
+async def test_busy_when_all_slots_are_taken_then_free_again(kv):
+    async with kv.running_receiver(slots=1) as receiver:
+        sender = kv.make_sender()
         try:
             first = await asyncio.to_thread(_send, sender, receiver.endpoint, "a", 8, range(3))
             with pytest.raises(AdmissionRefused) as info:
@@ -103,9 +102,9 @@ async def test_busy_when_all_slots_are_taken_then_free_again():
             sender.close()
 
 
-async def test_unclaimed_handoff_is_freed():
-    async with running_receiver(unclaimed_timeout_s=0.3) as receiver:
-        sender = make_sender()
+async def test_unclaimed_handoff_is_freed(kv):
+    async with kv.running_receiver(unclaimed_timeout_s=0.3) as receiver:
+        sender = kv.make_sender()
         try:
             handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "lost", 8, range(3))
             assert await asyncio.to_thread(handoff.wait, 5) == "sent"
@@ -116,9 +115,9 @@ async def test_unclaimed_handoff_is_freed():
             sender.close()
 
 
-async def test_sender_that_disappears_fails_its_incomplete_handoffs():
-    async with running_receiver() as receiver:
-        sender = make_sender()
+async def test_sender_that_disappears_fails_its_incomplete_handoffs(kv):
+    async with kv.running_receiver() as receiver:
+        sender = kv.make_sender()
         handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "orphan", 8, [0])
         waiter = asyncio.create_task(receiver.wait_for("orphan", 10))
         await asyncio.to_thread(sender.close)
@@ -129,9 +128,9 @@ async def test_sender_that_disappears_fails_its_incomplete_handoffs():
         assert_no_leaks(receiver)
 
 
-async def test_sender_wait_timeout_aborts():
-    async with running_receiver() as receiver:
-        sender = make_sender()
+async def test_sender_wait_timeout_aborts(kv):
+    async with kv.running_receiver() as receiver:
+        sender = kv.make_sender()
         try:
             handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "slow", 8, [0])
             assert await asyncio.to_thread(handoff.wait, 0.2) == "failed"
@@ -155,11 +154,11 @@ def test_sender_plan_spreads_layers_round_robin():
         SenderPlan(world_size=2, rank=2)
 
 
-async def test_tensor_parallel_ranks_complete_one_handoff_together():
+async def test_tensor_parallel_ranks_complete_one_handoff_together(kv):
     layout = glm5_fp8_ds_mla_layout(6, 1)
-    async with running_receiver(layout, 130) as receiver:
+    async with kv.running_receiver(layout, 130) as receiver:
         # the ranks of one prefill instance share a sender group: each may admit, all write
-        senders = [make_sender(layout, 130, sender_plan=SenderPlan(3, r), group="prefill-tp") for r in range(3)]
+        senders = [kv.make_sender(layout, 130, sender_plan=SenderPlan(3, r), group="prefill-tp") for r in range(3)]
         try:
             waiter = asyncio.create_task(receiver.wait_for("tp", 10))
             handoffs = []
@@ -183,14 +182,14 @@ async def test_tensor_parallel_ranks_complete_one_handoff_together():
                 sender.close()
 
 
-async def test_stop_ends_every_wait_and_wait_before_start_is_an_error():
-    from connector.errors import ReceiverError
+async def test_stop_ends_every_wait_and_wait_before_start_is_an_error(kv):
+    from connector.kv_errors import ReceiverError
     from connector.receiver import KVReceiver, ReceiverSettings
 
     with pytest.raises(ReceiverError, match="not running"):
-        await KVReceiver(ReceiverSettings(layout=SMALL, max_tokens=8, transport="memory")).wait_for("x", 1)
-    async with running_receiver() as receiver:
-        sender = make_sender()
+        await KVReceiver(ReceiverSettings(layout=SMALL, max_tokens=8), kv.transport("memory")).wait_for("x", 1)
+    async with kv.running_receiver() as receiver:
+        sender = kv.make_sender()
         try:
             await asyncio.to_thread(_send, sender, receiver.endpoint, "admitted", 8, [0])
             waiters = [asyncio.create_task(receiver.wait_for(hid, 30)) for hid in ("admitted", "never-seen")]
@@ -209,13 +208,13 @@ def test_settings_errors_name_option_value_and_reason():
 
     with pytest.raises(ValueError, match=r"ReceiverSettings.slots=0: must be >= 1"):
         ReceiverSettings(layout=SMALL, max_tokens=8, slots=0)
-    with pytest.raises(ValueError, match=r"ReceiverSettings.transport='tcp': must be one of"):
-        ReceiverSettings(layout=SMALL, max_tokens=8, transport="tcp")
+    with pytest.raises(ValueError, match=r"ReceiverSettings.port=70000: must be in 0..65535"):
+        ReceiverSettings(layout=SMALL, max_tokens=8, port=70000)
 
 
-async def test_one_sender_two_decode_servers():
-    async with running_receiver() as first, running_receiver() as second:
-        sender = make_sender()
+async def test_one_sender_two_decode_servers(kv):
+    async with kv.running_receiver() as first, kv.running_receiver() as second:
+        sender = kv.make_sender()
         try:
             a = await asyncio.to_thread(_send, sender, first.endpoint, "to-first", 20, range(3), 5)
             b = await asyncio.to_thread(_send, sender, second.endpoint, "to-second", 30, range(3), 6)
@@ -230,9 +229,9 @@ async def test_one_sender_two_decode_servers():
             sender.close()
 
 
-async def test_release_before_completion_revokes_and_release_before_admission_cancels():
-    async with running_receiver() as receiver:
-        sender = make_sender()
+async def test_release_before_completion_revokes_and_release_before_admission_cancels(kv):
+    async with kv.running_receiver() as receiver:
+        sender = kv.make_sender()
         try:
             early = await asyncio.to_thread(_send, sender, receiver.endpoint, "early", 8, [0])
             receiver.release("early")  # e.g. the client went away while prefill was still sending
@@ -248,16 +247,18 @@ async def test_release_before_completion_revokes_and_release_before_admission_ca
             sender.close()
 
 
-async def test_a_retried_connection_keeps_the_senders_handoffs():
-    async with running_receiver() as receiver:
-        sender = make_sender()
+async def test_a_retried_connection_keeps_the_senders_handoffs(kv):
+    async with kv.running_receiver(disconnect_grace_s=0.3) as receiver:
+        sender = kv.make_sender()
         try:
             handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "kept", 8, [0])
             old = sender._peers[receiver.endpoint]
             # a new connection of the same sender (as a retried Admit makes), then the old one breaks
             sender._peers[receiver.endpoint] = await asyncio.to_thread(sender._handshake, receiver.endpoint, 5)
             old.client.close()
-            await asyncio.sleep(DISCONNECT_GRACE_S + 0.5)
+            # the receiver saw the old connection go, and its disconnect grace ran out and was acted on
+            await eventually(lambda: receiver.connections(sender.agent_name) == 1)
+            await receiver.settled()
             for layer in (1, 2):
                 handoff.post_layer(layer)
             assert await asyncio.to_thread(handoff.wait, 5) == "sent"
@@ -268,9 +269,9 @@ async def test_a_retried_connection_keeps_the_senders_handoffs():
             sender.close()
 
 
-async def test_a_crashing_sender_thread_fails_its_handoffs_instead_of_hanging():
-    async with running_receiver() as receiver:
-        sender = make_sender()
+async def test_a_crashing_sender_thread_fails_its_handoffs_instead_of_hanging(kv):
+    async with kv.running_receiver() as receiver:
+        sender = kv.make_sender()
         try:
             handoff = await asyncio.to_thread(sender.begin, receiver.endpoint, "crash", 8, 5)
 

@@ -7,8 +7,6 @@ import torch
 
 from connector.layout import (
     cpu_mla_layout,
-    dequantize_fp8_ds_mla,
-    dequantize_indexer,
     gather_fp8_ds_mla,
     gather_pages,
     gather_tokens,
@@ -16,9 +14,10 @@ from connector.layout import (
     layer_views,
     packed_layers_views,
     plane_offsets,
-    quantize_fp8_ds_mla,
     split_cpu_mla,
 )
+from decode_server.engine.tilert_kv import dequant_indexer, dequant_latent
+from tests.fakes.vllm_fp8 import quantize_fp8_ds_mla
 
 BLOCKS = [5, 2, 7, 0]  # a request's blocks, deliberately out of order
 
@@ -63,7 +62,7 @@ def test_fp8_ds_mla_quantization_matches_reference_and_roundtrips():
     kv = quantize_fp8_ds_mla(latent)
     assert kv.shape == (9, 528) and kv.dtype == torch.uint8
     assert torch.equal(kv, _reference_quantize(latent))
-    back = dequantize_fp8_ds_mla(kv)
+    back = dequant_latent(kv).float()  # the decode side's dequantization (bf16)
     rel = ((back - latent).abs() / latent.abs().clamp(min=1e-3)).median()
     assert rel < 0.07  # e4m3 keeps 3 mantissa bits
 
@@ -104,10 +103,11 @@ def test_indexer_pages_gather_and_dequantize_against_reference():
     assert pages.shape == (2, 8448)
     gather_pages(cache, BLOCKS, 2, pages)
     assert torch.equal(pages[0], cache[5]) and torch.equal(pages[1], cache[2])
-    got = dequantize_indexer(pages, num_tokens)
+    # the decode side's dequantization (bf16; the identity instead of the Hadamard rotation)
+    got = dequant_indexer(pages, num_tokens, torch.eye(128))
     ref = torch.stack([q[BLOCKS[t // page] * page + t % page].float() * scales[BLOCKS[t // page] * page + t % page]
                        for t in range(num_tokens)])
-    assert got.shape == (num_tokens, 128) and torch.equal(got, ref)
+    assert got.shape == (num_tokens, 128) and torch.equal(got, ref.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("layout", [glm5_fp8_ds_mla_layout(3, 1), cpu_mla_layout(2, 1, "bfloat16"),

@@ -9,11 +9,13 @@ import time
 
 import pytest
 
-from connector.errors import ControlChannelError
+from connector.kv_errors import ControlChannelError
 from connector.layout import glm5_fp8_ds_mla_layout
 from connector.sender import KVSender
 from tests.connector.transport.remote import remote_receiver
 from tests.connector.transport.synthetic import fill, layer_bytes
+
+pytestmark = pytest.mark.integration  # two processes over real NIXL
 
 LAYOUT = glm5_fp8_ds_mla_layout(78, 1)
 TOKENS = 2048
@@ -23,7 +25,7 @@ TOKENS = 2048
 def test_glm5_kv_79_layers_2k_tokens_arrive_byte_identical(tmp_path):
     seed = 7
     with remote_receiver(tmp_path, "--max-tokens", str(TOKENS), "--handoff", "glm-2k", "--seed", str(seed)) as rr:
-        sender = KVSender("prefill-rank0", LAYOUT, TOKENS, transport="nixl")
+        sender = KVSender("prefill-rank0", LAYOUT, TOKENS)
         try:
             sender.connect(rr.endpoint, timeout=10)
             handoff = sender.begin(rr.endpoint, "glm-2k", TOKENS, timeout=10)
@@ -47,7 +49,7 @@ def test_receiver_killed_mid_transfer_fails_the_handoff_quickly_then_a_restart_w
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
-    sender = KVSender("prefill-kill", LAYOUT, tokens, transport="nixl", staging_slots=1)
+    sender = KVSender("prefill-kill", LAYOUT, tokens, staging_slots=1)
     try:
         with remote_receiver(first, "--max-tokens", str(tokens), "--handoff", "doomed", "--timeout", "60",
                              "--agent-name", "decode-0") as rr:

@@ -17,7 +17,7 @@ import pytest
 
 from connector.protocol import HandoffResult
 from decode_server.tiny_model import VLLM_CPU_EXACT_ARGS
-from pd_router.stack.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
+from pd_deploy.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
 from tests.procs import ServerProcess, free_port, python_argv, server
 
 HERE = Path(__file__).resolve().parent
@@ -155,6 +155,7 @@ def receiver(
     layers: int = N_MAIN,
     unclaimed_timeout: float = 30.0,
     slots: int = 1,
+    admit_delay: float = 0.0,
 ) -> Iterator[Receiver]:
     out, endpoint_file = tmp_path / "received", tmp_path / "endpoint"
     argv = python_argv(
@@ -178,6 +179,8 @@ def receiver(
         argv += ["--handoff", hid]
     if die_on_admit:
         argv.append("--die-on-admit")
+    if admit_delay:
+        argv += ["--admit-delay", str(admit_delay)]
     with server(argv, tmp_path / "receiver.log", env=RECEIVER_ENV) as proc:
         deadline = time.monotonic() + 60
         while not endpoint_file.is_file():

@@ -5,7 +5,7 @@ engine, not vLLM).
 Main layers: transformers' forward with a ``DynamicCache``; its MLA cache keeps, per
 layer, the normalized latent (keys, ``[T, 512]``) and the rotated rope key (values,
 ``[T, 64]``, in transformers' de-interleaved order). MTP layer (index N): the same
-attention module class built for layer N and fed as vLLM's MTP does (FACTS.md §8):
+attention module class built for layer N and fed as vLLM's MTP does (docs/facts.md §4):
 ``eh_proj(cat[enorm(embed(next token)), hnorm(final-normed hidden)])``, the embedding
 zeroed at position 0, the next token of the last position being the sampled first token.
 """

@@ -3,7 +3,9 @@
 Writes its endpoint to ``--endpoint-file``; mirrors ``peers()`` to ``OUT/peers.json``;
 writes ``OUT/admitted`` when a handoff first holds a slot (and with ``--die-on-admit``
 SIGKILLs itself right then: a receiver dying mid-transfer) and ``OUT/released`` when no
-slot is held any more after that. For each ``--handoff`` in
+slot is held any more after that. With ``--admit-delay S`` it answers each Admit S seconds
+late (a slow decode server), writing ``OUT/admit-seen`` when the Admit comes in. The
+receiver logs (WARNING, to the log file) every handoff it frees because nobody claimed it. For each ``--handoff`` in
 order it waits (``--timeout``), dumps every layer's ``kv`` plane to
 ``OUT/<handoff>/layer<i>.npy`` (float32), releases it, and appends one JSON line to
 ``OUT/results.jsonl`` (error, busy slots after release).
@@ -19,8 +21,10 @@ import signal
 from pathlib import Path
 
 import numpy as np
+from pydantic import BaseModel
 
 from connector.layout import cpu_mla_layout
+from connector.protocol import Admit
 from connector.receiver import KVReceiver, ReceiverError, ReceiverSettings
 
 
@@ -58,9 +62,18 @@ async def main(args: argparse.Namespace) -> None:
             unclaimed_timeout_s=args.unclaimed_timeout,
         )
     )
-    await receiver.start()
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before serving
+    if args.admit_delay:
+        on_admit = receiver._on_admit
+
+        async def late_admit(peer: str, admit: Admit) -> BaseModel:
+            _write(out / "admit-seen", admit.handoff_id)
+            await asyncio.sleep(args.admit_delay)  # the decode server is slow to answer
+            return await on_admit(peer, admit)
+
+        receiver._on_admit = late_admit  # type: ignore[method-assign]
+    await receiver.start()
     watcher = asyncio.create_task(watch(receiver, out, args.die_on_admit))
     _write(args.endpoint_file, receiver.endpoint)
     try:
@@ -97,6 +110,7 @@ if __name__ == "__main__":
     ap.add_argument("--handoff", action="append", default=[])
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--die-on-admit", action="store_true")
+    ap.add_argument("--admit-delay", type=float, default=0.0, help="answer each Admit this many seconds late")
     ap.add_argument("--no-dump", dest="dump", action="store_false", help="only wait and release")
     ap.add_argument("--unclaimed-timeout", type=float, default=30.0)
     ap.add_argument("--linger", type=float, default=3600.0)

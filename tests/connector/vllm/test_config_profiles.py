@@ -9,8 +9,8 @@ import pytest
 from connector.config import ConnectorConfigError, load_settings
 from connector.profiles import (
     MTP_FLAG,
-    cache_row_hint,
     ProfileMismatch,
+    cache_row_hint,
     check_layers,
     glm51_profile,
     observed_layout,
@@ -46,7 +46,7 @@ def test_bad_settings_name_option_value_and_reason(extra, option, words):
     with pytest.raises(ConnectorConfigError) as info:
         load_settings(extra)
     message = str(info.value)
-    assert info.value.option.startswith(option)
+    assert info.value.option == f"kv_connector_extra_config.{option}"
     assert f"kv_connector_extra_config.{option}" in message and words in message
 
 

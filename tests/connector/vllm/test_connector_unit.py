@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from connector.config import ConnectorSettings
-from connector.errors import HandshakeRejected
+from connector.kv_errors import HandshakeRejected
 from connector.metadata import ReportOutbox, report_address
 from connector.profiles import MTP_FLAG, ProfileMismatch, tiny_profile
 from connector.scheduler import ConnectorScheduler

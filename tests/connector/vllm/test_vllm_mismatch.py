@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from connector.profiles import MTP_FLAG
-from pd_router.stack.commands import VLLM_CPU_ENV, vllm_prefill_argv
+from pd_deploy.commands import VLLM_CPU_ENV, vllm_prefill_argv
 from tests.connector.vllm.conftest import prefill_spec, receiver
 from tests.procs import ServerProcess, free_port
 

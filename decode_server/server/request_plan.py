@@ -11,8 +11,8 @@ from typing import Any
 
 from connector.protocol import PROTOCOL_VERSION, HandoffResult
 from decode_server.engine.base import SamplingParams
-from decode_server.server.errors import HandoffFailed, InvalidRequest
-from decode_server.server.protocol import ChatCompletionRequest, CompletionRequest, Endpoint
+from decode_server.server.api_errors import HandoffFailed, InvalidRequest
+from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest, Endpoint
 from decode_server.server.sequence import MIN_LOGPROB, StopSpec, TokenLogprob
 from decode_server.server.text import GenerationDefaults
 
@@ -145,10 +145,10 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
     )
     chat = isinstance(req, ChatCompletionRequest)
     tools = None
-    if chat and limits.tool_call_parser and req.tools and req.tool_choice != "none":
+    if isinstance(req, ChatCompletionRequest) and limits.tool_call_parser and req.tools and req.tool_choice != "none":
         tools = req.tools
     thinking = True
-    if chat and req.chat_template_kwargs:
+    if isinstance(req, ChatCompletionRequest) and req.chat_template_kwargs:
         for key in ("enable_thinking", "thinking"):
             if req.chat_template_kwargs.get(key) is False:
                 thinking = False

@@ -8,6 +8,7 @@ mapped to these at one boundary, :mod:`decode_server.server.generation`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -87,7 +88,7 @@ class KVTimeout(ApiError):
     error_type = "kv_timeout"
 
 
-def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
     """Turn pydantic's error list into one message and the offending parameter."""
     first = errors[0]
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
-from pd_router.deploy_recipe.plan import Plan, Step, build_plan, gsm8k_task_yaml, host_placeholder
-from pd_router.deploy_recipe.schema import Recipe, load_recipe_text
-from pd_router.deploy_recipe.topology import RecipeError, RecipeProblem, topology_problems
+from pd_deploy.recipe.plan import Plan, Step, build_plan, gsm8k_task_yaml, host_placeholder
+from pd_deploy.recipe.schema import Recipe, load_recipe_text
+from pd_deploy.recipe.topology import RecipeError, RecipeProblem, topology_problems
 
 
-def parse_recipe(data: dict, source: str = "<recipe>") -> Recipe:
+def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     """Validate ``data`` (schema, then topology); raise :class:`RecipeError` listing every problem."""
     try:
         recipe = Recipe.model_validate(data)

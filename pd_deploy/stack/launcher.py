@@ -16,11 +16,12 @@ counts only an answer from the process it started (:class:`NotOurServer` otherwi
 
 Every process runs in its own process group with its log under ``--log-dir``; stopping
 the stack (Ctrl-C, SIGTERM, or an error at any step) stops all of them, and none outlives
-the launcher, even one killed by SIGKILL (:mod:`pd_router.stack.process`).
+the launcher, even one killed by SIGKILL (:mod:`pd_deploy.stack.process`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,8 +29,8 @@ from pathlib import Path
 
 import httpx
 
-from pd_router.contract import CAPABILITIES_PATH, DecodeCapabilities
-from pd_router.stack.commands import (
+from decode_server.contract import CAPABILITIES_PATH, DecodeCapabilities
+from pd_deploy.commands import (
     VLLM_CPU_ENV,
     DecodeSpec,
     PrefillSpec,
@@ -39,8 +40,8 @@ from pd_router.stack.commands import (
     served_name,
     vllm_prefill_argv,
 )
-from pd_router.stack.ports import PortNeed, check_free
-from pd_router.stack.process import ManagedProcess, Reaper
+from pd_deploy.stack.ports import PortNeed, check_free
+from pd_deploy.stack.process import ManagedProcess, Reaper
 
 log = logging.getLogger("pd_stack")
 KV_HOST = "127.0.0.1"  # where the decode servers' KV control endpoints listen (their default)
@@ -72,7 +73,7 @@ class StackConfig:
 
     def prefill_extra_args(self) -> tuple[str, ...]:
         # CPU MLA runs without chunked prefill: a batch must hold the longest prompt
-        args = ("--max-num-batched-tokens", str(self.max_seq_len))
+        args: tuple[str, ...] = ("--max-num-batched-tokens", str(self.max_seq_len))
         if self.cpu_exact:
             from decode_server.tiny_model import VLLM_CPU_EXACT_ARGS
 
@@ -162,7 +163,7 @@ class Stack:
         prefill.wait_http(f"{cfg.prefill_url}/health", cfg.start_timeout_s)
         log.info("prefill ready (%.0fs)", time.monotonic() - t0)
         for proc, url in zip(decoders, cfg.decode_urls):
-            proc.wait_until(lambda url=url: self._handshake_ok(url), 60.0, "the KV handshake with prefill")
+            proc.wait_until(functools.partial(self._handshake_ok, url), 60.0, "the KV handshake with prefill")
             log.info("%s: KV handshake with prefill ok", proc.name)
         router = self._spawn("router", router_argv(cfg.router_spec()))
         router.wait_http(f"{cfg.router_url}/ready", 60.0)

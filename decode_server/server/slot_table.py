@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from decode_server.server.errors import Busy, Conflict
+from decode_server.server.api_errors import Busy, Conflict
 
 
 @dataclass(eq=False)

@@ -1,4 +1,6 @@
-"""The decode-server HTTP contract, shared by the router and every decode server.
+"""The decode-server HTTP contract: what a decode server serves and its clients (the
+router, the local launcher) read. Wire types only: this module imports pydantic and
+:mod:`connector.protocol` (the KV handoff's wire types), nothing else of ours.
 
 A decode server speaks the OpenAI API itself:
 
@@ -19,23 +21,13 @@ A decode server speaks the OpenAI API itself:
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field
+
+from connector.protocol import PeerStatus
 
 CAPABILITIES_PATH = "/v1/pd/capabilities"
 CANCEL_PATH = "/v1/pd/cancel"
 REQUEST_ID_HEADER = "X-Request-Id"
-
-
-class PeerStatus(BaseModel):
-    """A prefill connector that performed the KV handshake with this decode server."""
-
-    model_config = ConfigDict(frozen=True)
-
-    peer: str = Field(description="the connector's agent name")
-    state: Literal["ok", "rejected"]
-    reason: str | None = Field(default=None, description="why it was rejected")
 
 
 class DecodeCapabilities(BaseModel):

@@ -3,7 +3,8 @@
 Kubernetes has no start order across workloads; the prefill pod's init container uses
 this to wait for every decode server's ``/ready`` (engine loaded, KV endpoint listening),
 because vLLM's connector handshakes with the decode KV endpoints as it starts.
-``PD_WAIT_TIMEOUT`` (seconds, default 0: no limit) and ``PD_WAIT_INTERVAL`` (default 5).
+``PD_WAIT_TIMEOUT`` (seconds, default 0: no limit) and ``PD_WAIT_INTERVAL`` (default 5)
+(:class:`WaitSettings`).
 """
 
 from __future__ import annotations
@@ -12,13 +13,26 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Mapping
+from collections.abc import Mapping
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from pd_settings.loader import EntrySettings, load
+from pd_settings.problems import SettingsError
+
+
+class WaitSettings(EntrySettings):
+    model_config = SettingsConfigDict(env_prefix="PD_WAIT_")
+
+    timeout: float = Field(0.0, ge=0, description="seconds to wait at most (0: no limit)")
+    interval: float = Field(5.0, gt=0, description="seconds between two rounds of requests")
 
 
 def _status(url: str) -> int | str:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - URLs come from the manifest
-            return resp.status
+            return int(resp.status)
     except urllib.error.HTTPError as exc:
         return exc.code
     except (OSError, ValueError) as exc:
@@ -30,11 +44,11 @@ def wait_ready(urls: list[str], environ: Mapping[str, str]) -> int:
         print(f"wait-ready: expected http(s) URLs, got {urls!r}", file=sys.stderr)
         return 2
     try:
-        timeout = float(environ.get("PD_WAIT_TIMEOUT", "0"))
-        interval = float(environ.get("PD_WAIT_INTERVAL", "5"))
-    except ValueError as exc:
-        print(f"wait-ready: PD_WAIT_TIMEOUT / PD_WAIT_INTERVAL must be numbers: {exc}", file=sys.stderr)
+        settings = load(WaitSettings, None, environ)
+    except SettingsError as exc:
+        print(f"wait-ready: {exc}", file=sys.stderr)
         return 2
+    timeout, interval = settings.timeout, settings.interval
     deadline = time.monotonic() + timeout if timeout > 0 else None
     pending = list(urls)
     while True:

@@ -1,6 +1,6 @@
 """From a recipe to the exact processes of a deployment, node by node.
 
-Every server command comes from :mod:`pd_router.stack.commands` (the builders the local
+Every server command comes from :mod:`pd_deploy.commands` (the builders the local
 launcher and the tests use), so what is tested is what is deployed. Host names are
 unknown until Slurm allocates the nodes: a plan refers to node ``i`` as
 :func:`host_placeholder` ``(i)`` and the job substitutes the real names.
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from decode_server.settings import DEFAULT_KV_DEVICE
-from pd_router.deploy_recipe.schema import Recipe
-from pd_router.deploy_recipe.topology import conversion_env
-from pd_router.stack.commands import (
+from pd_deploy.commands import (
+    DECODE_ENV,
+    PREFILL_ENV,
     DecodeSpec,
     PrefillSpec,
     RouterSpec,
@@ -23,10 +23,9 @@ from pd_router.stack.commands import (
     router_argv,
     vllm_prefill_argv,
 )
+from pd_deploy.recipe.schema import Recipe
+from pd_deploy.recipe.topology import conversion_env
 
-# Environment every vLLM prefill process gets (local checkpoints, quiet NIXL).
-PREFILL_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NIXL_LOG_LEVEL": "WARN"}
-DECODE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NIXL_LOG_LEVEL": "WARN"}
 OFFLINE_CLIENT_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 

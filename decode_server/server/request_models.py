@@ -4,7 +4,7 @@ The body is the client's original OpenAI request plus ``kv_transfer_params``
 (a :class:`connector.protocol.HandoffResult`). Unknown fields are accepted and
 ignored, as the router forwards the client's body untouched. Fields this server
 cannot honour with a non-default value are rejected with a 400 (see
-:func:`decode_server.server.sampling.build_plan`).
+:func:`decode_server.server.request_plan.build_plan`).
 """
 
 from __future__ import annotations

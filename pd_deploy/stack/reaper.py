@@ -9,7 +9,7 @@ or when it closes the pipe after a normal stop. It then sends SIGTERM to every g
 engine-core process) and SIGKILL to whatever is left after ``GRACE_S``.
 
 The children also get SIGTERM from the kernel when the launcher dies (parent-death
-signal, :mod:`pd_router.stack.process`); the reaper covers their own children, which do
+signal, :mod:`pd_deploy.stack.process`); the reaper covers their own children, which do
 not inherit that signal, and children that ignore or survive SIGTERM.
 """
 

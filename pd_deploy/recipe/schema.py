@@ -4,13 +4,13 @@ A recipe names the model (checkpoint and converted-weights paths), one prefill n
 (stock vLLM, TP over its GPUs), one or more decode nodes (one decode server each),
 the router, the images of every role, the weight conversion, the benchmark and the
 Slurm settings. Field-level rules live here (pydantic); rules that relate several
-fields (the topology) live in :mod:`pd_router.deploy_recipe.topology`.
+fields (the topology) live in :mod:`pd_deploy.recipe.topology`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -166,7 +166,7 @@ class Recipe(_Strict):
         return self.model.converted or self.model.source
 
 
-def load_recipe_text(path: Path) -> dict:
+def load_recipe_text(path: Path) -> dict[str, Any]:
     import yaml
 
     data = yaml.safe_load(path.read_text())

@@ -1,9 +1,9 @@
 """An in-process fake of the data transport, for unit tests.
 
-Agents meet on a :class:`MemoryFabric` (the fake's network); ``create_transport
-("memory", name)`` uses the process's shared fabric, so a ``KVSender`` and a
-``KVReceiver`` created by name in one test process find each other as they would over
-NIXL. Writes are checked like NIXL's: both ranges must lie inside registered regions
+Agents meet on a :class:`MemoryFabric` (the fake's network), which a test creates and
+injects: ``KVSender(..., transport=fabric.transport)`` and ``KVReceiver(settings,
+transport=fabric.transport)`` made with the same fabric find each other as they would
+over NIXL. Writes are checked like NIXL's: both ranges must lie inside registered regions
 and the peer must be known and alive, else :class:`TransportError`. Data is copied
 synchronously; the notification is delivered after the copy.
 """
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from connector.errors import TransportError
+from connector.kv_errors import TransportError
 from connector.transport.base import Piece, Region, Transport, XferHandle, XferState, merge_pieces
 
 if TYPE_CHECKING:
@@ -28,20 +29,24 @@ class MemoryFabric:
         self._lock = threading.Lock()
         self._agents: dict[str, MemoryTransport] = {}
 
-    def attach(self, agent: "MemoryTransport") -> None:
+    def attach(self, agent: MemoryTransport) -> None:
         with self._lock:
             if agent.name in self._agents:
                 raise TransportError(f"memory transport: agent name {agent.name!r} already in use")
             self._agents[agent.name] = agent
 
-    def detach(self, agent: "MemoryTransport") -> None:
+    def detach(self, agent: MemoryTransport) -> None:
         with self._lock:
             if self._agents.get(agent.name) is agent:
                 del self._agents[agent.name]
 
-    def lookup(self, name: str) -> "MemoryTransport | None":
+    def lookup(self, name: str) -> MemoryTransport | None:
         with self._lock:
             return self._agents.get(name)
+
+    def transport(self, name: str, workers: int = 1) -> MemoryTransport:
+        """A :data:`connector.transport.TransportFactory` on this fabric (``workers`` unused)."""
+        return MemoryTransport(name, self)
 
 
 class _Done(XferHandle):
@@ -56,7 +61,7 @@ class MemoryTransport(Transport):
         self._fabric = fabric
         self._lock = threading.Lock()
         self._regions: list[Region] = []
-        self._buffers: list["torch.Tensor"] = []  # keep registered memory alive
+        self._buffers: list[torch.Tensor] = []  # keep registered memory alive
         self._peers: set[str] = set()
         self._inbox: list[tuple[str, bytes]] = []
         self._closed = False
@@ -66,7 +71,7 @@ class MemoryTransport(Transport):
     def name(self) -> str:
         return self._name
 
-    def register(self, tensor: "torch.Tensor") -> Region:
+    def register(self, tensor: torch.Tensor) -> Region:
         if not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise TransportError("memory transport: can only register contiguous host tensors")
         region = Region(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
@@ -91,7 +96,7 @@ class MemoryTransport(Transport):
     def connect(self, peer: str) -> None:
         self._live_peer(peer)
 
-    def _live_peer(self, peer: str) -> "MemoryTransport":
+    def _live_peer(self, peer: str) -> MemoryTransport:
         with self._lock:
             known = peer in self._peers
         target = self._fabric.lookup(peer) if known else None
