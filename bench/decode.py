@@ -13,12 +13,13 @@ products over the cache, the other matrix products, and the rest (elementwise op
 norms, rope, copies: mostly dispatch), per step.
 
     .venv/bin/python bench/decode.py [--model DIR] [--tokens 128] [--repeats 3] [--threads 1]
-        [--context 1024 8192] [--profile]
+        [--context 1024 8192] [--profile [--top N]]
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -84,8 +85,10 @@ def model_dir_for(base: Path, length: int, tmp: Path) -> Path:
     return base if length <= limit else long_context_view(base, length, tmp / base.name)
 
 
-def profile_steps(engine: ReferenceEngine, ids: list[int], kv: list[torch.Tensor], first: int) -> dict[str, float]:
-    """ms per MTP decode step in: attention products over the cache, other products, the rest."""
+def profile_steps(engine: ReferenceEngine, ids: list[int], kv: list[torch.Tensor], first: int, top: int = 0
+                  ) -> tuple[dict[str, float], list[tuple[str, float, float]]]:
+    """ms per MTP decode step in: attention products over the cache, other products, the
+    rest; and the ``top`` ops by self CPU time (name and input shapes, calls and ms per step)."""
     from torch.profiler import ProfilerActivity, profile
 
     session = engine.start(ReceivedKV("b", len(ids), [{"kv": t} for t in kv]), _handoff(ids, first),
@@ -103,13 +106,16 @@ def profile_steps(engine: ReferenceEngine, ids: list[int], kv: list[torch.Tensor
         groups[_group(event.key, event.input_shapes)] += event.self_cpu_time_total / 1e3
     out = {k: v / PROFILE_STEPS for k, v in groups.items()}
     out["wall per step (profiled)"] = wall / PROFILE_STEPS * 1e3
-    return out
+    out["profiler events per step"] = sum(e.count for e in prof.key_averages()) / PROFILE_STEPS
+    ops = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)[:top]
+    return out, [(f"{e.key} {e.input_shapes}", e.count / PROFILE_STEPS, e.self_cpu_time_total / 1e3 / PROFILE_STEPS)
+                 for e in ops]
 
 
 def _group(name: str, shapes: list) -> str:
     if name in ("aten::mm", "aten::bmm", "aten::addmm"):
         a, b = (shapes + [[], []])[:2]
-        over_cache = len(a) == 2 and len(b) == 2 and (a[1] == 576 or (a[1] > 1024 and b[1] == 512))
+        over_cache = len(a) == 2 and len(b) == 2 and (a[1] == 576 or (a[1] >= 1024 and b[1] == 512))
         return "attention products (over the cache)" if over_cache else "weight products"
     if name in ("aten::softmax", "aten::_softmax", "aten::exp_", "aten::amax"):
         return "softmax"
@@ -124,6 +130,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--context", type=int, nargs="+", default=None, help="prompt lengths (tokens)")
     ap.add_argument("--profile", action="store_true", help="where an MTP step's time goes, per context")
+    ap.add_argument("--top", type=int, default=0, help="with --profile: the N ops taking the most time")
     args = ap.parse_args()
     base = args.model or ensure_tiny_model(Path(os.environ.get("PD_TINY_MODEL_ROOT") or REPO / ".cache" / "tiny-model"))
     tok = Tokenizer.from_file(str(base / "tokenizer.json"))
@@ -132,7 +139,11 @@ def main() -> int:
         model_dir = model_dir_for(base, longest, Path(tmp))
         model = load_model(model_dir)
         max_len = max(4096, longest)
-        engines = {name: ReferenceEngine(model_dir, model=model, num_mtp=mtp, threads=args.threads, max_seq_len=max_len)
+        torch.set_num_threads(args.threads)
+        # threads=None: the process-wide setting above (an engine without the option, e.g. an
+        # older one profiled for comparison, is built without it)
+        knobs = {"threads": None} if "threads" in inspect.signature(ReferenceEngine).parameters else {}
+        engines = {name: ReferenceEngine(model_dir, model=model, num_mtp=mtp, max_seq_len=max_len, **knobs)
                    for name, mtp in (("no_mtp", 0), ("mtp1", 1))}
         prompts = context_prompts(tok, args.context) if args.context else [tok.encode(p).ids for p in PROMPTS]
         inputs = []
@@ -145,9 +156,13 @@ def main() -> int:
             run_group(engines, group, args)
         if args.profile:
             for ids, kv, first in inputs:
-                prof = profile_steps(engines["mtp1"], ids, kv, first)
-                print(f"profile, MTP decode step after {len(ids)} prompt tokens (ms per step, self CPU): "
+                prof, top = profile_steps(engines["mtp1"], ids, kv, first, args.top)
+                events = prof.pop("profiler events per step")
+                print(f"profile, MTP decode step after {len(ids)} prompt tokens "
+                      f"({events:.0f} profiler events per step; ms per step, self CPU): "
                       + ", ".join(f"{k} {v:.2f}" for k, v in sorted(prof.items(), key=lambda kv: -kv[1])))
+                for name, calls, ms in top:
+                    print(f"  {ms:7.3f} ms/step {calls:6.1f} calls/step  {name}")
     return 0
 
 
