@@ -1,12 +1,16 @@
 """Router overhead: a fake decode server called directly vs through pd_router.
 
-One run, same fakes: for concurrency 1, 16 and 64, streaming /v1/completions with a
-~1k-token prompt, 64 output tokens, 3.19 ms between tokens (TileRT on B200). Prints
-the router's added TTFT p50/p99, added inter-token latency p50/p99, throughput
-ratio (router/direct) and router CPU microseconds per output token (from the router
-process's CPU time), and writes them to docs/benchmarks.md under "## Router overhead".
+One run, same fakes, both OpenAI endpoints: for concurrency 1, 16 and 64, streaming
+requests with ``stream_options.include_usage``, 64 output tokens, 3.19 ms between tokens
+(TileRT on B200); ``/v1/completions`` with a ~1k-token prompt, ``/v1/chat/completions``
+with a system and a user message of ~1k tokens together (English text). Prints the
+router's added TTFT p50/p99, added inter-token latency p50/p99, throughput ratio
+(router/direct) and router CPU microseconds per output token (from the router process's
+CPU time) per endpoint, each goal as met or not, writes them to docs/benchmarks.md under
+"## Router overhead" and draws docs/img/router_overhead.png.
 
-    .venv/bin/python bench/router_overhead.py [--requests-per-client C1 C16 C64] [--rounds N] [--no-write]
+    .venv/bin/python bench/router_overhead.py [--requests-per-client C1 C16 C64] [--rounds N]
+        [--endpoints completions chat] [--no-write] [--plot FILE | --no-plot]
 """
 
 from __future__ import annotations
@@ -29,10 +33,32 @@ sys.path.insert(0, str(REPO))
 
 from connector.protocol import HandoffResult  # noqa: E402
 from pd_deploy.commands import RouterSpec, router_argv  # noqa: E402
+from tests.e2e.prompts import long_prompt  # noqa: E402
 from tests.procs import free_port, python_argv, server  # noqa: E402
 
 TOKENS, TOKEN_DELAY, PROMPT = 64, 0.00319, " ".join(f"w{i % 97}" for i in range(1000))
 CONCURRENCY = (1, 16, 64)
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+DEFAULT_PLOT = REPO / "docs" / "img" / "router_overhead.png"
+
+
+def chat_messages() -> list[dict[str, str]]:
+    """A system prompt and a question about a document: ~1k tokens of English together."""
+    text = long_prompt(3800)
+    return [{"role": "system", "content": "You are a careful assistant. Answer from the document the user "
+                                          "gives, cite the passage you rely on, and say so when it does not "
+                                          "contain the answer. " + text[:600]},
+            {"role": "user", "content": f"Document:\n{text[600:]}\n\nWhat does the document say about "
+                                        "decoding errors, and which function should I use for streams?"}]
+
+
+def request_body(endpoint: str) -> dict:
+    body: dict = {"model": "tiny", "max_tokens": TOKENS, "stream": True, "stream_options": {"include_usage": True}}
+    if endpoint == "chat":
+        body["messages"] = chat_messages()
+    else:
+        body["prompt"] = PROMPT
+    return body
 
 
 @dataclass
@@ -60,8 +86,9 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def _one(session: aiohttp.ClientSession, url: str, direct: bool, rid: str, phase: Phase) -> None:
-    body: dict = {"model": "tiny", "prompt": PROMPT, "max_tokens": TOKENS, "stream": True}
+async def _one(session: aiohttp.ClientSession, url: str, endpoint: str, direct: bool, rid: str,
+               phase: Phase) -> None:
+    body = request_body(endpoint)
     if direct:  # what the router would add: the handoff prefill returned
         body["kv_transfer_params"] = HandoffResult(
             handoff_id=rid,
@@ -77,7 +104,7 @@ async def _one(session: aiohttp.ClientSession, url: str, direct: bool, rid: str,
         assert resp.status == 200, await resp.text()
         async for chunk in resp.content.iter_any():
             now = time.perf_counter()
-            n = chunk.count(b"data: {")
+            n = chunk.count(b'"choices": [{')  # token chunks (not the usage chunk)
             if not n:
                 continue
             if prev:
@@ -90,19 +117,20 @@ async def _one(session: aiohttp.ClientSession, url: str, direct: bool, rid: str,
 
 
 async def _phase(
-    url: str, direct: bool, concurrency: int, per_client: int, pid: int | None, tag: str
+    url: str, endpoint: str, direct: bool, concurrency: int, per_client: int, pid: int | None, tag: str
 ) -> Phase:
     phase = Phase()
     connector = aiohttp.TCPConnector(limit=0)
+    url += ENDPOINTS[endpoint]
     async with aiohttp.ClientSession(connector=connector) as session:
-        await _one(session, url, direct, f"warm-{tag}", Phase())
+        await _one(session, url, endpoint, direct, f"warm-{tag}", Phase())
 
         async def client(c: int) -> None:
             # spread the clients' starts over one request's duration; identical requests
             # started together would stay in lock-step and measure bursts, not a steady load
             await asyncio.sleep(c * TOKENS * TOKEN_DELAY / concurrency)
             for i in range(per_client):
-                await _one(session, url, direct, f"{tag}-{c}-{i}", phase)
+                await _one(session, url, endpoint, direct, f"{tag}-{c}-{i}", phase)
 
         cpu0 = _cpu_seconds(pid) if pid else 0.0
         t0 = time.perf_counter()
@@ -124,49 +152,67 @@ def _merge(phases: list[Phase]) -> Phase:
 
 
 async def _measure(
-    decode_url: str, router_url: str, router_pid: int, per_client: dict[int, int], rounds: int
+    decode_url: str, router_url: str, router_pid: int, per_client: dict[int, int], rounds: int,
+    endpoints: list[str],
 ) -> list[dict]:
     rows = []
     for c in CONCURRENCY:
-        directs, routeds = [], []
-        for r in range(rounds):  # alternate, so that drifting machine load hits both alike
-            n = per_client[c]
-            directs.append(await _phase(decode_url + "/v1/completions", True, c, n, None, f"d{c}.{r}"))
-            routeds.append(await _phase(router_url + "/v1/completions", False, c, n, router_pid, f"r{c}.{r}"))
-        direct, routed = _merge(directs), _merge(routeds)
-        rows.append(
-            {
-                "concurrency": c,
-                "requests": c * per_client[c] * rounds,
-                "ttft_p50_ms": (_pct(routed.ttft, 0.5) - _pct(direct.ttft, 0.5)) * 1e3,
-                "ttft_p99_ms": (_pct(routed.ttft, 0.99) - _pct(direct.ttft, 0.99)) * 1e3,
-                "itl_p50_ms": (_pct(routed.itl, 0.5) - _pct(direct.itl, 0.5)) * 1e3,
-                "itl_p99_ms": (_pct(routed.itl, 0.99) - _pct(direct.itl, 0.99)) * 1e3,
-                "throughput_ratio": (routed.tokens / routed.wall) / (direct.tokens / direct.wall),
-                "router_cpu_us_per_token": routed.cpu / routed.tokens * 1e6,
-                "direct_tok_s": direct.tokens / direct.wall,
-                "routed_tok_s": routed.tokens / routed.wall,
-                "direct_ttft_p50_ms": _pct(direct.ttft, 0.5) * 1e3,
-            }
-        )
+        for endpoint in endpoints:
+            directs, routeds = [], []
+            for r in range(rounds):  # alternate, so that drifting machine load hits both alike
+                n, tag = per_client[c], f"{endpoint[:4]}{c}.{r}"
+                directs.append(await _phase(decode_url, endpoint, True, c, n, None, f"d-{tag}"))
+                routeds.append(await _phase(router_url, endpoint, False, c, n, router_pid, f"r-{tag}"))
+            rows.append(_row(endpoint, c, per_client[c] * rounds, _merge(directs), _merge(routeds)))
     return rows
 
 
-GOALS = (
-    "goals: added TTFT p50 <= 1 ms (C=1); added ITL p99 <= 0.25 ms (C=16); throughput >= 0.95 (C=64); "
-    "router CPU <= 20 us/token"
-)
+def _row(endpoint: str, c: int, per_client: int, direct: Phase, routed: Phase) -> dict:
+    return {
+        "endpoint": endpoint,
+        "concurrency": c,
+        "requests": c * per_client,
+        "ttft_p50_ms": (_pct(routed.ttft, 0.5) - _pct(direct.ttft, 0.5)) * 1e3,
+        "ttft_p99_ms": (_pct(routed.ttft, 0.99) - _pct(direct.ttft, 0.99)) * 1e3,
+        "itl_p50_ms": (_pct(routed.itl, 0.5) - _pct(direct.itl, 0.5)) * 1e3,
+        "itl_p99_ms": (_pct(routed.itl, 0.99) - _pct(direct.itl, 0.99)) * 1e3,
+        "throughput_ratio": (routed.tokens / routed.wall) / (direct.tokens / direct.wall),
+        "router_cpu_us_per_token": routed.cpu / routed.tokens * 1e6,
+        "direct_tok_s": direct.tokens / direct.wall,
+        "routed_tok_s": routed.tokens / routed.wall,
+        "direct_ttft_p50_ms": _pct(direct.ttft, 0.5) * 1e3,
+    }
+
+
+GOALS = {  # key: (concurrency it is judged at, limit, direction, wording)
+    "ttft_p50_ms": (1, 1.0, "<=", "added TTFT p50 <= 1 ms at C=1"),
+    "itl_p99_ms": (16, 0.25, "<=", "added ITL p99 <= 0.25 ms at C=16"),
+    "throughput_ratio": (64, 0.95, ">=", "throughput ratio >= 0.95 at C=64"),
+    "router_cpu_us_per_token": (64, 20.0, "<=", "router CPU <= 20 us per token at C=64"),
+}
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """One line per endpoint and goal: met or not, with the value."""
+    out = []
+    for endpoint in dict.fromkeys(r["endpoint"] for r in rows):
+        for key, (c, limit, op, wording) in GOALS.items():
+            value = next(r[key] for r in rows if r["endpoint"] == endpoint and r["concurrency"] == c)
+            met = value <= limit if op == "<=" else value >= limit
+            out.append(f"goal {wording}, {endpoint}: {'met' if met else 'NOT met'} ({value:.3f})")
+    return out
 
 
 def _table(rows: list[dict]) -> str:
     lines = [
-        "| concurrency | requests | added TTFT p50 / p99 (ms) | added ITL p50 / p99 (ms) | throughput ratio "
-        "| router CPU us/token | direct tok/s |",
-        "|---|---|---|---|---|---|---|",
+        "| endpoint | concurrency | requests | added TTFT p50 / p99 (ms) | added ITL p50 / p99 (ms) "
+        "| throughput ratio | router CPU us/token | direct tok/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['concurrency']} | {r['requests']} | {r['ttft_p50_ms']:.2f} / {r['ttft_p99_ms']:.2f} "
+            f"| {r['endpoint']} | {r['concurrency']} | {r['requests']} "
+            f"| {r['ttft_p50_ms']:.2f} / {r['ttft_p99_ms']:.2f} "
             f"| {r['itl_p50_ms']:.3f} / {r['itl_p99_ms']:.3f} | {r['throughput_ratio']:.3f} "
             f"| {r['router_cpu_us_per_token']:.1f} | {r['direct_tok_s']:.0f} |"
         )
@@ -192,8 +238,12 @@ def main() -> None:
         "--requests-per-client", type=int, nargs=3, default=[20, 4, 2], metavar=("C1", "C16", "C64")
     )
     parser.add_argument("--rounds", type=int, default=3, help="direct/routed alternations per concurrency")
+    parser.add_argument("--endpoints", nargs="+", choices=sorted(ENDPOINTS), default=list(ENDPOINTS))
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="the figure (docs/img/router_overhead.png)")
+    parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
+    started, load_start = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()[0]
     per_client = dict(zip(CONCURRENCY, args.requests_per_client, strict=True))
     ports = {name: free_port() for name in ("prefill", "decode", "router")}
     logs = Path(tempfile.mkdtemp(prefix="router-bench-"))
@@ -228,22 +278,36 @@ def main() -> None:
         ) as router,
     ):
         t0 = time.perf_counter()
-        rows = uvloop.run(_measure(urls["decode"], urls["router"], router.proc.pid, per_client, args.rounds))
+        rows = uvloop.run(_measure(urls["decode"], urls["router"], router.proc.pid, per_client, args.rounds,
+                                   args.endpoints))
         took = time.perf_counter() - t0
     table = _table(rows)
     load = os.getloadavg()[0]
+    goals = "\n".join(verdicts(rows))
     print(table)
-    print(GOALS)
-    print(f"({took:.0f} s; load average at the end {load:.1f} on {os.cpu_count()} CPUs; logs in {logs})")
+    print(goals)
+    print(f"({started}, {took:.0f} s; load average {load_start:.1f} at the start, {load:.1f} at the end, "
+          f"{os.cpu_count()} CPUs; logs in {logs})")
+    figure = ""
+    if not args.no_plot:
+        from bench.plots import plot_router
+
+        plot_router(rows, {k: v[1] for k, v in GOALS.items()}, args.plot,
+                    f"{started}, load {load_start:.1f} -> {load:.1f}")
+        print(f"figure: {args.plot}")
+        figure = f"\n![router overhead per endpoint](img/{args.plot.name})\n"
     if not args.no_write:
         _write_section(
             "## Router overhead\n\n"
             f"`.venv/bin/python bench/router_overhead.py` (fake prefill + fake decode as processes, "
-            f"{TOKENS} tokens, ~1k-token prompts, {TOKEN_DELAY * 1e3:.2f} ms between tokens; the router "
+            f"{TOKENS} tokens, {TOKEN_DELAY * 1e3:.2f} ms between tokens, streaming with "
+            "`stream_options.include_usage`; `/v1/completions` with a ~1k-token prompt, "
+            "`/v1/chat/completions` with a system + user message of ~1k tokens together; the router "
             f"process's CPU time from /proc; clients' starts spread over one request). Added = through the "
-            f"router minus direct to the fake decode, same run, {args.rounds} alternations pooled. Machine: "
-            f"{os.cpu_count()} CPUs, load average {load:.1f} at the end.\n\n"
-            f"{table}\n\n{GOALS}.\n{_caveat(load)}"
+            f"router minus direct to the fake decode, same run, {args.rounds} alternations pooled. "
+            f"{started}, {took:.0f} s; machine: {os.cpu_count()} CPUs, load average {load_start:.1f} at the "
+            f"start, {load:.1f} at the end.\n\n"
+            f"{table}\n\n```\n{goals}\n```\n{figure}{_caveat(load)}"
         )
 
 

@@ -14,8 +14,11 @@ hidden state of the last prompt position does not travel with the KV.
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +34,7 @@ from decode_server.engine.base import (
     SamplingParams,
     TokenOut,
 )
+from decode_server.reference.decoder import Decoder
 from decode_server.reference.model import DTYPES, MlaMoeModel, load_model
 from decode_server.reference.sampling import choose, token_out
 
@@ -38,19 +42,22 @@ if TYPE_CHECKING:
     from connector.protocol import HandoffResult
     from connector.receiver import ReceivedKV
 
+DEFAULT_THREADS = 1  # PyTorch intra-op threads of a process decoding with this engine (see ReferenceEngine)
+
 
 class ReferenceSession(DecodeSession):
-    def __init__(self, model: MlaMoeModel, caches: list[torch.Tensor], num_prompt_tokens: int,
-                 first_token_id: int, params: SamplingParams, num_mtp: int, release: Callable[[], None]) -> None:
-        self._model = model
-        self._caches = caches  # per layer [1, capacity, 576]
-        self._capacity = caches[0].shape[1]
+    def __init__(self, decoder: Decoder, caches: torch.Tensor, num_prompt_tokens: int, first_token_id: int,
+                 params: SamplingParams, num_mtp: int, capacity: int, release: Callable[[], None]) -> None:
+        self._decoder = decoder
+        self._caches = list(caches)  # per layer [rows, 576]: main layers, then the MTP layer when drafting
+        self._num_main = decoder.cfg.num_hidden_layers
+        self._capacity = capacity
         self._len = num_prompt_tokens  # positions whose main KV is valid
         self._pending = first_token_id  # emitted, not yet run through the main model
         self._drafts: list[int] = []
         self._params = params
         self._num_mtp = num_mtp
-        self._device = caches[0].device
+        self._device = caches.device
         self._gen = torch.Generator(device=self._device)
         if params.seed is None:
             self._gen.seed()
@@ -82,65 +89,79 @@ class ReferenceSession(DecodeSession):
 
     def step(self) -> list[TokenOut]:
         self._check()
-        model, n_main = self._model, self._model.num_main_layers
         tokens = [self._pending, *self._drafts]
         if self._len + len(tokens) + self._num_mtp > self._capacity:
             raise EngineError(f"sequence too long: position {self._len + len(tokens)} "
                               f"reaches the session's capacity of {self._capacity} tokens")
-        positions = torch.arange(self._len, self._len + len(tokens), device=self._device)
         with torch.inference_mode():
-            hidden, logits = model.forward_main(torch.tensor([tokens], device=self._device), positions,
-                                                self._caches[:n_main])
+            hidden, logits = self._decoder.forward_main(torch.tensor(tokens, device=self._device), self._len,
+                                                        self._caches[:self._num_main])
         self._check()
-        logits = logits[0]
+        greedy = logits.argmax(-1).tolist() if self._params.greedy else None
         out: list[TokenOut] = []
         accepted = 0
         for i, draft in enumerate(self._drafts):
-            tok = choose(logits[i], self._params, self._gen, draft)
+            tok = greedy[i] if greedy is not None else choose(logits[i], self._params, self._gen, draft)
             out.append(token_out(logits[i], tok, self._params))
             if tok != draft:
                 break
             accepted += 1
         else:
-            tok = choose(logits[-1], self._params, self._gen)
+            tok = greedy[-1] if greedy is not None else choose(logits[-1], self._params, self._gen)
             out.append(token_out(logits[-1], tok, self._params))
         self._stats.steps += 1
         self._stats.drafted += len(self._drafts)
         self._stats.accepted += accepted
         new_len = self._len + 1 + accepted
         if self._num_mtp:
-            self._drafts = self._propose(tokens[1:1 + accepted] + [out[-1].token_id],
-                                         hidden[:, :1 + accepted], self._len)
+            self._drafts = self._propose(tokens[1:1 + accepted] + [out[-1].token_id], hidden[:1 + accepted],
+                                         self._len)
         self._len, self._pending = new_len, out[-1].token_id
         return out
 
     def _propose(self, next_ids: list[int], hidden: torch.Tensor, start: int) -> list[int]:
         """Run the MTP layer at ``start..start+len(next_ids)-1`` and chain ``num_mtp`` drafts."""
-        cache = self._caches[self._model.num_main_layers]
+        cache = self._caches[self._num_main]
         drafts: list[int] = []
-        ids = torch.tensor([next_ids], device=self._device)
-        positions = torch.arange(start, start + len(next_ids), device=self._device)
+        ids = torch.tensor(next_ids, device=self._device)
         with torch.inference_mode():
             for _ in range(self._num_mtp):
-                mtp_hidden, mtp_logits = self._model.forward_mtp(ids, hidden, positions, cache, last_only=True)
-                drafts.append(int(mtp_logits[0, -1].argmax()))
-                ids = torch.tensor([[drafts[-1]]], device=self._device)
-                hidden = mtp_hidden[:, -1:]
-                positions = positions[-1:] + 1
+                mtp_hidden, mtp_logits = self._decoder.forward_mtp(ids, hidden, start, cache, last_only=True)
+                drafts.append(int(mtp_logits[-1].argmax()))
+                start += ids.shape[0]
+                ids = torch.tensor([drafts[-1]], device=self._device)
+                hidden = mtp_hidden[-1:]
         return drafts
 
 
 class ReferenceEngine(Engine):
-    """``slots`` concurrent sessions, each with its own copy of the injected KV.
+    """``slots`` concurrent sessions, each decoding in its own preallocated KV buffer (one
+    per slot, ``layers x max_seq_len x 576``, allocated lazily by the OS on first touch)
+    into which ``start`` copies the injected KV.
 
     The engine computes in float32, on ``device`` (the CPU in the decode server; a GPU in
     bench/gpu_check.py, which compares the two). ``kv_dtype`` is the dtype of the KV it receives, i.e.
     the dtype vLLM runs the model in: by default the checkpoint's (``bfloat16`` for the
     tiny model, vLLM's default); ``float32`` when vLLM runs with ``--dtype float32`` (the
-    closest agreement with vLLM)."""
+    closest agreement with vLLM).
+
+    ``threads`` sets PyTorch's intra-op threads for the whole process (``None`` leaves them
+    as they are). One by default: a decode step is a chain of small products, which gain
+    nothing from splitting, and on a shared machine an OpenMP team waits at every op for
+    a thread the OS has descheduled: measured on 2 cores, 2 threads decode 7-10x slower
+    than 1 at load average 5 (docs/benchmarks.md, "Decode engine").
+
+    ``split_attention`` (default: on a CPU with more than one core) gives the engine one
+    helper thread that takes the older half of every attention over 512+ cache rows; the
+    decoding thread computes the other half and, if the helper has not started its half
+    when it is done (its core busy elsewhere), that one too, so a busy machine costs a
+    queued task, never a wait for a descheduled thread."""
 
     def __init__(self, model_dir: Path | str, *, slots: int = 1, max_seq_len: int = 4096, num_mtp: int = 1,
-                 kv_dtype: str | None = None, model: MlaMoeModel | None = None, device: str = "cpu") -> None:
+                 kv_dtype: str | None = None, model: MlaMoeModel | None = None, device: str = "cpu",
+                 threads: int | None = DEFAULT_THREADS, split_attention: bool | None = None) -> None:
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads={threads}: must be >= 1 (or None: leave PyTorch's setting)")
         self._model = model if model is not None else load_model(model_dir, device=device)
         cfg = self._model.cfg
         if slots < 1:
@@ -153,11 +174,20 @@ class ReferenceEngine(Engine):
         self._kv_dtype = kv_dtype or cfg.dtype
         if self._kv_dtype not in DTYPES:
             raise ValueError(f"kv_dtype={self._kv_dtype!r}: must be one of {sorted(DTYPES)}")
+        if threads is not None:
+            torch.set_num_threads(threads)
         self._name = Path(model_dir).name
         self._slots, self._max_seq_len, self._num_mtp = slots, max_seq_len, num_mtp
-        self._busy = 0
         self._lock = threading.Lock()
         self._layout = cpu_mla_layout(cfg.num_hidden_layers, 1 if num_mtp else 0, self._kv_dtype)
+        if split_attention is None:
+            split_attention = device == "cpu" and (os.cpu_count() or 1) > 1
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="attention-helper") if split_attention else None
+        self._decoder = Decoder(self._model, max_positions=max_seq_len, helper=self._helper)
+        weight = self._model.lm_head.weight
+        layers = cfg.num_hidden_layers + (1 if num_mtp else 0)
+        self._free = [torch.empty(layers, max_seq_len, cfg.kv_width, dtype=weight.dtype, device=weight.device)
+                      for _ in range(slots)]
 
     @property
     def model(self) -> MlaMoeModel:
@@ -165,7 +195,8 @@ class ReferenceEngine(Engine):
 
     @property
     def busy_slots(self) -> int:
-        return self._busy
+        with self._lock:
+            return self._slots - len(self._free)
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -193,30 +224,28 @@ class ReferenceEngine(Engine):
                 shape = None if plane is None else tuple(plane.shape)
                 raise EngineError(f"KV layer {i}: expected plane 'kv' of shape {(t, cfg.kv_width)}, got {shape}")
 
-    def _release(self) -> None:
+    def shutdown(self) -> None:
+        if self._helper is not None:
+            self._helper.shutdown(wait=True, cancel_futures=True)
+
+    def _release(self, buffer: torch.Tensor) -> None:
         with self._lock:
-            self._busy -= 1
+            self._free.append(buffer)
 
     def start(self, kv: ReceivedKV, handoff: HandoffResult, params: SamplingParams) -> ReferenceSession:
         self._validate(kv, handoff)
         with self._lock:
-            if self._busy >= self._slots:
+            if not self._free:
                 raise EngineError(f"all {self._slots} decode slots are busy")
-            self._busy += 1
+            buffer = self._free.pop()
         try:
             t = handoff.num_prompt_tokens
             capacity = min(self._max_seq_len, t + max(params.max_tokens, 1) + self._num_mtp + 1)
-            dtype = self._model.lm_head.weight.dtype
-            caches = []
-            for layer in kv.layers:
-                cache = torch.empty(1, capacity, self._model.cfg.kv_width, dtype=dtype,
-                                    device=self._model.lm_head.weight.device)
-                cache[0, :t] = layer["kv"]
-                caches.append(cache)
-            if not self._num_mtp and len(caches) > self._model.num_main_layers:
-                caches = caches[:self._model.num_main_layers]
-            return ReferenceSession(self._model, caches, t, handoff.first_token_id, params, self._num_mtp,
-                                    self._release)
+            with torch.inference_mode():
+                for cache, layer in zip(buffer, kv.layers):  # without MTP decoding, a received MTP layer is left out
+                    cache[:t] = layer["kv"]
+            return ReferenceSession(self._decoder, buffer, t, handoff.first_token_id, params, self._num_mtp,
+                                    capacity, functools.partial(self._release, buffer))
         except BaseException:
-            self._release()
+            self._release(buffer)
             raise
