@@ -97,6 +97,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         if not state.ready or state.context is None or state.limits is None:
             raise NotReady(f"decode server not ready: {state.not_ready_reason()}")
         plan = build_plan(endpoint, req, request_id, state.limits, state.defaults)
+        obs.stage = "slot"
         job = Job(state.context, plan, label, obs)
         job.slot = state.slots.acquire(request_id, job)
     except ApiError as err:
