@@ -11,6 +11,8 @@ from decode_server.engine.base import Engine
 from decode_server.server import AppConfig, create_app
 from decode_server.settings import DecodeServerSettings, SettingsError, load_settings
 from pd_http.drain import DrainingServer
+from pd_http.logs import configure_logging
+from pd_http.tracing import Tracing, otlp_tracing
 
 
 def engine_factory(settings: DecodeServerSettings):
@@ -36,6 +38,16 @@ def receiver_factory(settings: DecodeServerSettings):
     return build
 
 
+def decode_tracing(settings: DecodeServerSettings) -> Tracing | None:
+    """The decode server's tracer, exporting to ``--otlp-traces-endpoint``; None (off) without one."""
+    if settings.otlp_traces_endpoint is None:
+        return None
+    from pd_build.versions import dist_version
+
+    return otlp_tracing(settings.otlp_traces_endpoint, settings.otlp_traces_protocol, "pd-decode-server",
+                        {"service.version": dist_version("tilert-pd") or "absent"})
+
+
 def app_config(settings: DecodeServerSettings) -> AppConfig:
     return AppConfig(model_dir=settings.model, served_model_name=settings.model_name, engine=settings.engine,
                      slots=settings.effective_slots, max_seq_len=settings.max_seq_len, num_mtp=settings.num_mtp,
@@ -51,8 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format)
     log = logging.getLogger("decode_server")
     if settings.engine == "tilert" and settings.slots != 1:
         log.warning("--slots %d ignored: the tilert engine decodes one sequence at a time", settings.slots)
@@ -64,8 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(app_config(settings), engine_factory(settings), receiver_factory(settings), on_fatal)
+    app = create_app(app_config(settings), engine_factory(settings), receiver_factory(settings), on_fatal,
+                     decode_tracing(settings))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
                             loop="uvloop", http="httptools", access_log=False, timeout_graceful_shutdown=5)
     state = app.state.decode
     server = DrainingServer(config, lambda: state.drain(settings.drain_timeout))  # SIGTERM: drain, then stop

@@ -13,6 +13,8 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from decode_server.model_dir import missing_files
+from pd_http.logs import LogFormat
+from pd_http.tracing import OtlpProtocol, check_endpoint
 from pd_settings.loader import EntrySettings, load
 from pd_settings.problems import SettingsError
 from pd_settings.secrets import is_loopback, read_secret
@@ -55,6 +57,13 @@ class DecodeServerSettings(EntrySettings):
     kv_dtype: Literal["bfloat16", "float32", "float16"] | None = Field(
         None, description="reference engine: dtype of the received KV (default: the model's torch_dtype)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
+    log_format: LogFormat = Field(
+        "text", description="text, or json: one JSON object per line, request lines with request_id and trace_id")
+    otlp_traces_endpoint: str | None = Field(
+        None, description="send OpenTelemetry traces (spans per request: KV wait, engine start, generation) to "
+        "this OTLP endpoint, e.g. http://127.0.0.1:4317; tracing is off without it")
+    otlp_traces_protocol: OtlpProtocol = Field(
+        "grpc", description="OTLP transport of --otlp-traces-endpoint: grpc, or http/protobuf")
     # Secrets by reference only (a file, or the name of an environment variable), never on the command line.
     api_key_env: str | None = Field(None, min_length=1, description="name of an environment variable holding the "
                                     "HTTP API key (clients send 'Authorization: Bearer KEY')")
@@ -109,6 +118,11 @@ class DecodeServerSettings(EntrySettings):
         if info.data.get("engine") == "reference" and value != "cpu":
             raise ValueError("the reference engine runs on the CPU; use cpu")
         return value
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _otlp(cls, value: str | None) -> str | None:
+        return None if value is None else check_endpoint(value)
 
     @field_validator("api_key_file")
     @classmethod

@@ -6,6 +6,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from pd_http.logs import configure_logging
 from pd_router.app import create_app
 from pd_router.serve import router_server
 from pd_router.settings import SettingsError, load_settings
@@ -17,9 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"pd_router: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.log_level, settings.log_format)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
     app = create_app(settings)
     router_server(app, settings).run()

@@ -12,6 +12,7 @@ import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,9 @@ from pd_router.settings import RouterSettings
 from pd_router.state import RouterState
 from pd_router.versions import version_report
 from pd_router.wire import ModelCard, ModelList, VersionReport
+
+if TYPE_CHECKING:
+    from pd_http.tracing import Tracing
 
 _ROUTES = MappingProxyType({e.value: e for e in Endpoint})
 
@@ -112,8 +116,8 @@ async def _method_not_allowed(request: Request) -> Response:
 class RouterApp:
     """The ASGI callable uvicorn serves; ``.state`` is this app's :class:`RouterState`."""
 
-    def __init__(self, settings: RouterSettings) -> None:
-        self.state = RouterState(settings)
+    def __init__(self, settings: RouterSettings, tracing: Tracing | None = None) -> None:
+        self.state = RouterState(settings, tracing)
         self.control = _control_app(self.state)
         self.completions = CompletionHandler(self.state)
 
@@ -125,5 +129,6 @@ class RouterApp:
         await self.control(scope, receive, send)
 
 
-def create_app(settings: RouterSettings) -> RouterApp:
-    return RouterApp(settings)
+def create_app(settings: RouterSettings, tracing: Tracing | None = None) -> RouterApp:
+    """``tracing``: the app's tracer; default: one exporting to ``--otlp-traces-endpoint``, if set."""
+    return RouterApp(settings, tracing)

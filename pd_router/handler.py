@@ -21,6 +21,7 @@ import logging
 import re
 import uuid
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from connector.protocol import HandoffResult, HandoffTarget
+from pd_http.logs import bind_request
+from pd_http.tracing import Span, SpanKind, Tracing, fail, span_ids
 from pd_router import upstream
 from pd_router.api import (
     VLLM_REMOTE_DECODE_PARAMS,
@@ -57,12 +60,15 @@ from pd_router.rawhttp import Response, UpstreamError
 from pd_router.slots import Lease, Requeue
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
     from pd_router.state import RouterState
 
 log = logging.getLogger("pd_router.requests")
 _DONE = b"data: [DONE]"
 BUSY_RETRY_S = 2.0  # how long a decode server may answer 429 for a slot this router counts as free
 _REQUEST_ID = re.compile(rb"[\x21-\x7e]+")  # visible ASCII: it goes into headers and the KV handoff id
+_NO_SPAN: AbstractContextManager[None] = nullcontext()  # tracing off: no span object at all
 
 
 class HandoffFailed(BadUpstream):
@@ -101,6 +107,8 @@ class _Ctx:
     disconnected: bool = False
     cut_off: bool = False  # ended by the router's drain (--drain-timeout passed)
     raw: bytes = b""  # the client's body as received
+    span: Span | None = None  # the request's root span (tracing on)
+    trace: Context | None = None  # its context: the parent of the stage spans
 
     async def fail(self, err: RouterError) -> None:
         self.status, self.error_type = err.status, err.type
@@ -141,6 +149,10 @@ class CompletionHandler:
         rid = rid_raw.decode("latin-1")[:256] if rid_raw else uuid.uuid4().hex
         ctx = _Ctx(endpoint, rid, perf_counter(), send)
         state = self.state
+        if state.tracing is None:
+            bind_request(rid)
+        else:
+            self._start_trace(state.tracing, ctx, scope)
         metrics = state.metrics
         metrics.in_flight.inc()
         me = asyncio.current_task()
@@ -187,7 +199,10 @@ class CompletionHandler:
                 ctx.status, ctx.error_type = 499, "client_disconnected"
                 metrics.child(metrics.client_aborts, ctx.stage).inc()
             metrics.child(metrics.requests, endpoint.label, str(ctx.status), ctx.error_type).inc()
-            metrics.child(metrics.e2e, endpoint.label).observe(perf_counter() - ctx.start)
+            latency = perf_counter() - ctx.start
+            metrics.child(metrics.e2e, endpoint.label).observe(latency)
+            if ctx.span is not None:
+                self._end_trace(ctx)
             log.info(
                 "request_id=%s %s status=%d%s stage=%s %.1fms",
                 rid,
@@ -195,8 +210,38 @@ class CompletionHandler:
                 ctx.status,
                 f" error={ctx.error_type}" if ctx.error_type else "",
                 ctx.stage,
-                (perf_counter() - ctx.start) * 1e3,
+                latency * 1e3,
+                extra={"fields": {"event": "access", "endpoint": endpoint.value, "status": ctx.status,
+                                  "error_type": ctx.error_type or None, "stage": ctx.stage,
+                                  "latency_ms": round(latency * 1e3, 3)}},
             )
+
+    @staticmethod
+    def _start_trace(tracing: Tracing, ctx: _Ctx, scope: Scope) -> None:
+        """The request's root span, continuing the client's trace when it sent a ``traceparent``."""
+        span = tracing.start(f"POST {ctx.endpoint.value}", tracing.extract(scope["headers"]), SpanKind.SERVER,
+                             {"http.request.method": "POST", "url.path": ctx.endpoint.value,
+                              "pd.request_id": ctx.request_id})
+        ctx.span, ctx.trace = span, tracing.context(span)
+        bind_request(ctx.request_id, span_ids(span)[0])
+
+    @staticmethod
+    def _end_trace(ctx: _Ctx) -> None:
+        span = ctx.span
+        assert span is not None
+        span.set_attributes({"http.response.status_code": ctx.status, "pd.stage": ctx.stage})
+        if ctx.error_type:
+            span.set_attribute("error.type", ctx.error_type)
+        if ctx.status >= 500 or ctx.status == 0:
+            fail(span, RuntimeError(ctx.error_type or "no answer"), ctx.error_type or None)
+        span.end()
+
+    def _span(self, ctx: _Ctx, name: str, kind: SpanKind = SpanKind.INTERNAL) -> AbstractContextManager[Span | None]:
+        """A stage's span under the request's root span; with tracing off a shared no-op."""
+        tracing = self.state.tracing
+        if tracing is None or ctx.trace is None:
+            return _NO_SPAN
+        return tracing.span(name, ctx.trace, kind)
 
     @staticmethod
     def _cut_off(ctx: _Ctx, task: asyncio.Task[Any]) -> None:
@@ -230,16 +275,19 @@ class CompletionHandler:
             ctx.stage = "queued"
             t_queue = perf_counter()
             remaining = state.settings.queue_timeout - (t_queue - t_start)
-            try:
-                lease = await state.pool.lease(request.model, timeout=remaining, requeue=attempt > 0)
-            except Overloaded as err:
-                if not busy:
-                    raise
-                raise Overloaded(
-                    f"{err.message}; the decode servers were busy for {busy} earlier attempt(s) "
-                    "(their slots taken outside this router's count)",
-                    retry_after=err.retry_after,
-                ) from None
+            with self._span(ctx, "queue") as span:
+                try:
+                    lease = await state.pool.lease(request.model, timeout=remaining, requeue=attempt > 0)
+                except Overloaded as err:
+                    if not busy:
+                        raise
+                    raise Overloaded(
+                        f"{err.message}; the decode servers were busy for {busy} earlier attempt(s) "
+                        "(their slots taken outside this router's count)",
+                        retry_after=err.retry_after,
+                    ) from None
+                if span is not None:
+                    span.set_attributes({"pd.attempt": attempt, "pd.decode.backend": lease.backend.url})
             state.metrics.queue_wait.observe(perf_counter() - t_queue)
             try:
                 await self._attempt(ctx, lease, body, request, attempt_handoff_id(ctx.request_id, attempt))
@@ -275,7 +323,14 @@ class CompletionHandler:
             ctx.stage = "prefill"
             kv_params = await self._prefill(ctx, lease, body, request, handoff_id)
             ctx.stage = "decode"
-            if await self._decode(ctx, lease, body, request, kv_params):
+            with self._span(ctx, "decode", SpanKind.CLIENT) as span:
+                trace = None
+                if span is not None:
+                    span.set_attributes({"pd.decode.backend": lease.backend.url, "pd.handoff_id": handoff_id,
+                                         "pd.stream": request.stream})
+                    trace = Tracing.headers(span)
+                clean = await self._decode(ctx, lease, body, request, kv_params, trace)
+            if clean:
                 outcome = "clean"
         except Requeue as again:
             outcome = "busy" if again.busy else "aborted"
@@ -310,32 +365,42 @@ class CompletionHandler:
         t0 = perf_counter()
         failed: upstream.Unreachable | None = None
         failed_backend = None
-        for attempt in (0, 1):
-            backend = state.backends.pick_prefill(request.model, exclude=failed_backend)
-            if backend is None:
-                if failed is not None:
-                    raise failed
-                raise NoHealthyBackend(f"no healthy prefill server for model {request.model!r}")
-            backend.in_flight += 1
-            try:
-                answer = await upstream.prefill(state.upstream, backend.target, ctx.endpoint.value, data,
-                                                ctx.request_id, state.settings.prefill_timeout)
-                break
-            except upstream.Unreachable as err:
-                state.upstream_failed("prefill", backend, err, mark_down=True)
-                if attempt:
+        with self._span(ctx, "prefill", SpanKind.CLIENT) as span:
+            trace = None
+            if span is not None:
+                span.set_attribute("pd.handoff_id", handoff_id)
+                trace = Tracing.headers(span)  # vLLM parents its request span on it
+            for attempt in (0, 1):
+                backend = state.backends.pick_prefill(request.model, exclude=failed_backend)
+                if backend is None:
+                    if failed is not None:
+                        raise failed
+                    raise NoHealthyBackend(f"no healthy prefill server for model {request.model!r}")
+                if span is not None:
+                    span.set_attributes({"pd.prefill.backend": backend.url, "pd.prefill.tries": attempt + 1})
+                backend.in_flight += 1
+                try:
+                    answer = await upstream.prefill(state.upstream, backend.target, ctx.endpoint.value, data,
+                                                    ctx.request_id, state.settings.prefill_timeout, trace)
+                    break
+                except upstream.Unreachable as err:
+                    state.upstream_failed("prefill", backend, err, mark_down=True)
+                    if attempt:
+                        raise
+                    failed, failed_backend = err, backend
+                except RouterError as err:  # a lost connection: the server is down until a probe says otherwise
+                    state.upstream_failed("prefill", backend, err,
+                                          mark_down=isinstance(err, upstream.ConnectionLost))
                     raise
-                failed, failed_backend = err, backend
-            except RouterError as err:  # a lost connection: the server is down until a probe says otherwise
-                state.upstream_failed("prefill", backend, err, mark_down=isinstance(err, upstream.ConnectionLost))
-                raise
-            finally:
-                backend.in_flight -= 1
+                finally:
+                    backend.in_flight -= 1
         state.metrics.prefill_latency.observe(perf_counter() - t0)
-        return self._handoff(lease, answer, request, handoff_id)
+        with self._span(ctx, "handoff") as span:
+            return self._handoff(lease, answer, request, handoff_id, span)
 
     def _handoff(
-        self, lease: Lease, answer: dict[str, Any], request: OpenAIRequest, handoff_id: str
+        self, lease: Lease, answer: dict[str, Any], request: OpenAIRequest, handoff_id: str,
+        span: Span | None = None,
     ) -> dict[str, Any]:
         """The ``kv_transfer_params`` for decode, from the prefill answer."""
         params = answer.get("kv_transfer_params")
@@ -352,6 +417,8 @@ class CompletionHandler:
                 f"prefill returned invalid kv_transfer_params: {exc.errors()[0]['msg']} "
                 f"at {'.'.join(map(str, exc.errors()[0]['loc']))}"
             ) from None
+        if span is not None:
+            span.set_attributes(_handoff_attributes(result))
         if result.status == "failed":
             if result.reason == "busy":  # no free KV receive slot: wait for one, not a client error
                 raise Requeue("kv_receive_slot", f"KV handoff to {result.kv_endpoint} refused: {result.error}")
@@ -380,9 +447,10 @@ class CompletionHandler:
         return result.model_dump()
 
     async def _decode(
-        self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest, kv_params: dict[str, Any]
+        self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest, kv_params: dict[str, Any],
+        trace: Mapping[str, str] | None = None,
     ) -> bool:
-        """Relay the decode answer; True when it ended cleanly."""
+        """Relay the decode answer; True when it ended cleanly. ``trace``: the ``traceparent`` header."""
         state = self.state
         backend = lease.backend
         data = decode_body(ctx.raw, body, kv_params)
@@ -391,7 +459,7 @@ class CompletionHandler:
         while True:
             try:
                 resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.value, data,
-                                                  ctx.request_id, state.settings.decode_timeout)
+                                                  ctx.request_id, state.settings.decode_timeout, trace)
                 break
             except UpstreamRejected as err:
                 # 429: the server has not yet taken back the slot this router counts as free
@@ -480,3 +548,16 @@ class CompletionHandler:
         return upstream.map_error(
             "decode", backend.target, exc, f"--decode-timeout {self.state.settings.decode_timeout:g}s"
         )
+
+
+def _handoff_attributes(result: HandoffResult) -> dict[str, str | int]:
+    """What prefill said of the KV handoff, as span attributes."""
+    attrs: dict[str, str | int] = {"pd.handoff.status": result.status, "pd.handoff.kv_endpoint": result.kv_endpoint,
+                                   "pd.handoff.prompt_tokens": result.num_prompt_tokens}
+    if result.reason is not None:
+        attrs["pd.handoff.reason"] = result.reason
+    if result.layers_early is not None:
+        attrs["pd.handoff.layers_early"] = result.layers_early
+    if result.layers_late is not None:
+        attrs["pd.handoff.layers_late"] = result.layers_late
+    return attrs

@@ -35,6 +35,7 @@ def uvicorn_config(app: RouterApp, settings: RouterSettings) -> uvicorn.Config:
         loop="uvloop",
         http=limited_protocol(http_limits(settings), error_body),
         log_level=settings.log_level,
+        log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,  # json: to the root's
         access_log=False,
         lifespan="on",
         timeout_keep_alive=max(1, round(settings.keep_alive_timeout)),

@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from pd_http.logs import LogFormat
+from pd_http.tracing import OtlpProtocol, check_endpoint
 from pd_settings.loader import EntrySettings, load, split_list, validate
 from pd_settings.problems import SettingsError
 from pd_settings.secrets import read_secret
@@ -88,6 +90,17 @@ class RouterSettings(EntrySettings):
         "handshook with it",
     )
     log_level: LogLevel = Field("info", description="log level")
+    log_format: LogFormat = Field(
+        "text", description="text, or json: one JSON object per line, request lines with request_id and trace_id"
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="send OpenTelemetry traces (one per request) to this OTLP endpoint, e.g. http://127.0.0.1:4317; "
+        "tracing is off without it",
+    )
+    otlp_traces_protocol: OtlpProtocol = Field(
+        "grpc", description="OTLP transport of --otlp-traces-endpoint: grpc, or http/protobuf"
+    )
     # the decode servers' API key (their --api-key-file), by reference only: never on the command line
     decode_api_key_env: str | None = Field(
         None, min_length=1, description="name of an environment variable holding the decode servers' API key"
@@ -118,6 +131,11 @@ class RouterSettings(EntrySettings):
         if len(set(out)) != len(out):
             raise ValueError("the same URL is given twice")
         return tuple(out)
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _otlp(cls, value: str | None) -> str | None:
+        return None if value is None else check_endpoint(value)
 
     @field_validator("decode_api_key_file")
     @classmethod

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -22,15 +22,19 @@ from pd_router.rawhttp import ConnectionPool
 from pd_router.settings import RouterSettings
 from pd_router.slots import Lease, SlotPool
 
+if TYPE_CHECKING:
+    from pd_http.tracing import Tracing
+
 log = logging.getLogger("pd_router")
 CANCEL_TIMEOUT_S = 5.0
 
 
 class RouterState:
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings, tracing: Tracing | None = None) -> None:
         self.settings = settings
         self.build = collect("router")
         self.metrics = RouterMetrics(self.build)
+        self.tracing = tracing if tracing is not None else router_tracing(settings, self.build.version)
         self.backends = Backends.from_urls(
             settings.prefill, settings.decode, settings.decode_slots, settings.require_handshake,
             settings.decode_api_key(),
@@ -81,6 +85,8 @@ class RouterState:
             self._pool.close()
         if self._client is not None:
             await self._client.aclose()
+        if self.tracing is not None:  # exports what is still queued
+            await asyncio.to_thread(self.tracing.shutdown)
 
     def request_ended(self, task: asyncio.Task[Any]) -> None:
         self.live.pop(task, None)
@@ -194,4 +200,14 @@ class RouterState:
         return {k: v for k, v in counts.items() if v}
 
 
-__all__ = ["RouterState"]
+def router_tracing(settings: RouterSettings, version: str) -> Tracing | None:
+    """The router's tracer, exporting to ``--otlp-traces-endpoint``; None (tracing off) without one."""
+    if settings.otlp_traces_endpoint is None:
+        return None
+    from pd_http.tracing import otlp_tracing
+
+    return otlp_tracing(settings.otlp_traces_endpoint, settings.otlp_traces_protocol, "pd-router",
+                        {"service.version": version})
+
+
+__all__ = ["RouterState", "router_tracing"]

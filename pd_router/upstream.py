@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -75,12 +76,17 @@ async def _check_status(resp: Response, role: str, target: Target) -> None:
 
 
 async def prefill(
-    pool: ConnectionPool, target: Target, path: str, body: bytes, request_id: str, timeout_s: float
+    pool: ConnectionPool, target: Target, path: str, body: bytes, request_id: str, timeout_s: float,
+    trace: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """POST the rewritten request to a prefill server; its JSON answer."""
+    """POST the rewritten request to a prefill server; its JSON answer. ``trace``: the
+    ``traceparent`` header when tracing is on."""
+    headers = {REQUEST_ID_HEADER: request_id}
+    if trace:
+        headers.update(trace)
     try:
         async with asyncio.timeout(timeout_s):
-            resp = await pool.post(target.origin, target.prefix + path, body, {REQUEST_ID_HEADER: request_id})
+            resp = await pool.post(target.origin, target.prefix + path, body, headers)
             await _check_status(resp, "prefill", target)
             try:
                 data = await resp.read()
@@ -100,16 +106,18 @@ async def prefill(
 
 
 async def open_decode(
-    pool: ConnectionPool, target: Target, path: str, body: bytes, request_id: str, timeout_s: float
+    pool: ConnectionPool, target: Target, path: str, body: bytes, request_id: str, timeout_s: float,
+    trace: Mapping[str, str] | None = None,
 ) -> Response:
     """POST to the leased decode server; the open response (status 200 checked).
-    ``timeout_s`` bounds the wait for the answer and for each later chunk."""
+    ``timeout_s`` bounds the wait for the answer and for each later chunk. ``trace``: the
+    ``traceparent`` header when tracing is on."""
     try:
         resp = await pool.post(
             target.origin,
             target.prefix + path,
             body,
-            {REQUEST_ID_HEADER: request_id, **dict(target.auth)},
+            {REQUEST_ID_HEADER: request_id, **dict(target.auth), **(trace or {})},
             read_timeout=timeout_s,
         )
         await _check_status(resp, "decode", target)

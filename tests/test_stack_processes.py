@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from pd_deploy.commands import decode_server_argv, router_argv, vllm_prefill_argv
 from pd_deploy.stack.launcher import StackConfig
 from pd_deploy.stack.ports import PortInUse, PortNeed, check_free
 from pd_deploy.stack.process import ManagedProcess, NotOurServer
@@ -125,3 +126,15 @@ def test_nothing_outlives_a_launcher_killed_by_sigkill(tmp_path):
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+def test_one_otlp_endpoint_reaches_every_process():
+    cfg = StackConfig(model_dir=Path("/m"), log_dir=Path("/l"), num_decode=2,
+                      otlp_traces_endpoint="http://127.0.0.1:4317")
+    argvs = [vllm_prefill_argv(cfg.prefill_spec()), router_argv(cfg.router_spec()),
+             *(decode_server_argv(d) for d in cfg.decode_specs())]
+    for argv in argvs:
+        i = argv.index("--otlp-traces-endpoint")
+        assert argv[i + 1] == "http://127.0.0.1:4317", argv
+    plain = StackConfig(model_dir=Path("/m"), log_dir=Path("/l"))
+    assert "--otlp-traces-endpoint" not in router_argv(plain.router_spec())

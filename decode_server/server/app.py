@@ -28,6 +28,7 @@ from decode_server.server.request_plan import ServerLimits
 from decode_server.server.slot_table import SlotManager
 from decode_server.server.text import GenerationDefaults, TextTokenizer
 from pd_build.info import BuildInfo, collect
+from pd_http.tracing import Tracing
 
 log = logging.getLogger(__name__)
 DRAIN_ABORT_WAIT_S = 5.0  # after the drain timeout: how long aborted generations may take to end
@@ -88,6 +89,7 @@ class DecodeState:
     load_error: str | None = None
     executor: ThreadPoolExecutor | None = None
     draining: bool = False
+    tracing: Tracing | None = None  # None: tracing off
 
     @property
     def ready(self) -> bool:
@@ -121,7 +123,7 @@ class DecodeState:
                                    reasoning_parser=cfg.reasoning_parser, tool_call_parser=cfg.tool_call_parser)
         self.context = GenerationContext(engine=self.engine, receiver=receiver, tokenizer=self.tokenizer,
                                          slots=self.slots, metrics=self.metrics, executor=self.executor,
-                                         kv_timeout=cfg.kv_timeout)
+                                         kv_timeout=cfg.kv_timeout, tracing=self.tracing)
         log.info("decode server ready: engine=%s slots=%d kv_endpoint=%s", caps.engine, cfg.slots, receiver.endpoint)
 
     async def drain(self, timeout: float) -> None:
@@ -151,6 +153,8 @@ class DecodeState:
             self.executor.shutdown(wait=False, cancel_futures=True)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
+        if self.tracing is not None:  # exports what is still queued
+            await asyncio.to_thread(self.tracing.shutdown)
 
 
 def build_info(config: AppConfig, kv_layout: str | None = None) -> BuildInfo:
@@ -159,7 +163,9 @@ def build_info(config: AppConfig, kv_layout: str | None = None) -> BuildInfo:
 
 
 def create_app(config: AppConfig, engine_factory: EngineFactory, receiver_factory: ReceiverFactory,
-               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_fatal: Callable[[BaseException], None] | None = None, tracing: Tracing | None = None) -> FastAPI:
+    """``tracing``: this app's tracer (:func:`pd_http.tracing.otlp_tracing`), shut down with the app;
+    None: tracing off."""
     from decode_server.server.auth import RequireApiKey
     from decode_server.server.routes import router
 
@@ -167,7 +173,8 @@ def create_app(config: AppConfig, engine_factory: EngineFactory, receiver_factor
     slots = SlotManager(config.slots)
     state = DecodeState(config=config, tokenizer=tokenizer,
                         defaults=GenerationDefaults.from_model_dir(config.model_dir, tokenizer),
-                        slots=slots, metrics=DecodeMetrics(lambda: slots.busy, config.slots, build_info(config)))
+                        slots=slots, metrics=DecodeMetrics(lambda: slots.busy, config.slots, build_info(config)),
+                        tracing=tracing)
 
     async def load() -> None:
         try:

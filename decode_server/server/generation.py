@@ -15,6 +15,7 @@ loop through ``call_soon_threadsafe``; the loop only renders and sends.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 import time
@@ -33,11 +34,13 @@ from decode_server.engine.base import Cancelled as EngineCancelled
 from decode_server.engine.base import DecodeSession, Engine, EngineError, TokenOut
 from decode_server.server.api_errors import ApiError, Cancelled, EngineFailure, HandoffFailed, KVTimeout
 from decode_server.server.metrics import DecodeMetrics
+from decode_server.server.observe import RequestObservation
 from decode_server.server.request_plan import Plan
 from decode_server.server.responses import DONE, dumps, renderer_for, sse
 from decode_server.server.sequence import Delta, SequenceProcessor
 from decode_server.server.slot_table import Slot, SlotManager
 from decode_server.server.text import TextTokenizer
+from pd_http.tracing import Span, Tracing, fail
 
 log = logging.getLogger(__name__)
 SLOT_RETURN_WAIT_S = 5.0
@@ -64,6 +67,7 @@ class GenerationContext:
     metrics: DecodeMetrics
     executor: Executor
     kv_timeout: float
+    tracing: Tracing | None = None  # None: tracing off
 
 
 class _Started:
@@ -81,11 +85,13 @@ def error_response_parts(err: ApiError, extra_headers: list[tuple[bytes, bytes]]
 
 
 class Job:
-    def __init__(self, ctx: GenerationContext, plan: Plan, endpoint_label: str) -> None:
+    def __init__(self, ctx: GenerationContext, plan: Plan, endpoint_label: str,
+                 observation: RequestObservation | None = None) -> None:
         self.ctx = ctx
         self.plan = plan
         self.endpoint_label = endpoint_label
         self.request_id = plan.request_id
+        self.obs = observation or RequestObservation(None, endpoint_label, plan.request_id, ())
         self.slot: Slot | None = None
         self.arrived = time.monotonic()
         self.abort_reason: str | None = None
@@ -170,7 +176,24 @@ class Job:
 
     # ---- KV wait --------------------------------------------------------------------
     async def _wait_kv(self) -> ReceivedKV:
+        self.obs.stage = "kv_wait"
+        span = self.obs.stage_span("kv_wait")
+        try:
+            kv = await self._wait_kv_traced(span)
+        except BaseException as exc:
+            if span is not None:
+                fail(span, exc, getattr(exc, "error_type", None))
+            raise
+        finally:
+            if span is not None:
+                span.end()
+        return kv
+
+    async def _wait_kv_traced(self, span: Span | None) -> ReceivedKV:
         handoff = self.plan.handoff
+        if span is not None:
+            span.set_attributes({"pd.handoff_id": handoff.handoff_id,
+                                 "pd.handoff.prompt_tokens": handoff.num_prompt_tokens})
         wait = asyncio.ensure_future(self.ctx.receiver.wait_for(handoff.handoff_id, self.ctx.kv_timeout))
         aborted = asyncio.ensure_future(self._aborted.wait())
         try:
@@ -197,27 +220,47 @@ class Job:
 
     def _work(self, kv: ReceivedKV) -> None:
         session: DecodeSession | None = None
+        span: Span | None = None
         try:
+            span = self.obs.stage_span("engine_start")
             try:
                 session = self.ctx.engine.start(kv, self.plan.handoff, self.plan.sampling)
+            except BaseException as exc:
+                if span is not None:
+                    fail(span, exc)
+                raise
             finally:
                 self._from_worker(self._release_kv)  # the engine copied the KV (or failed)
+                if span is not None:
+                    span.end()
+                span = None
             with self._lock:
                 self._session = session
             if self._stop.is_set():
                 session.cancel()
             self._post(_Started())
-            self._decode(session, self.plan.handoff)
+            span = self.obs.stage_span("generation")
+            self._decode(session, self.plan.handoff, span)
         except EngineCancelled:
             pass
         except ApiError as exc:
             self._post(exc)
+            if span is not None:
+                fail(span, exc, exc.error_type)
         except EngineError as exc:
             self._post(EngineFailure(f"decode engine error: {exc}"))
+            if span is not None:
+                fail(span, exc, EngineFailure.error_type)
         except Exception as exc:  # report it; never let the worker die silently
             log.exception("request %s: engine failure", self.request_id)
             self._post(EngineFailure(f"decode engine failure: {type(exc).__name__}: {exc}"))
+            if span is not None:
+                fail(span, exc, EngineFailure.error_type)
         finally:
+            if span is not None:  # the generation's, ended here also when it failed or was cancelled
+                if self.abort_reason is not None:
+                    span.set_attribute("pd.abort_reason", self.abort_reason)
+                span.end()
             if session is not None:
                 try:
                     session.close()
@@ -242,26 +285,39 @@ class Job:
             log.warning("request %s: engine session still closing after %.1fs", self.request_id,
                         SLOT_RETURN_WAIT_S)
 
-    def _decode(self, session: DecodeSession, handoff: HandoffResult) -> None:
-        plan, metrics = self.plan, self.ctx.metrics
+    def _decode(self, session: DecodeSession, handoff: HandoffResult, span: Span | None = None) -> None:
+        plan = self.plan
         proc = SequenceProcessor(self.ctx.tokenizer, plan.stop, [handoff.last_prompt_token_id],
                                  plan.logprobs, plan.tokens_as_ids)
         delta = proc.feed([TokenOut(handoff.first_token_id)], plan.first_logprob)
-        metrics.first_token()
+        self.ctx.metrics.first_token()
         self._post(delta)
-        drafted = accepted = 0
-        while not proc.finished and not self._stop.is_set():
-            t0 = time.perf_counter()
-            tokens = session.step()
-            dt = time.perf_counter() - t0
-            if not tokens:
-                raise EngineError("the engine step produced no token")
-            delta = proc.feed(tokens)
-            metrics.step(len(delta.token_ids), dt)
-            stats = session.stats
-            metrics.spec(stats.drafted - drafted, stats.accepted - accepted)
-            drafted, accepted = stats.drafted, stats.accepted
-            self._post(delta)
+        drafted = accepted = steps = 0
+        try:
+            while not proc.finished and not self._stop.is_set():
+                drafted, accepted = self._step(session, proc, drafted, accepted)
+                steps += 1
+        finally:
+            if span is not None:  # however the loop ended
+                span.set_attributes({"pd.completion_tokens": proc.num_generated, "pd.steps": steps,
+                                     "pd.mtp.drafted": drafted, "pd.mtp.accepted": accepted})
+                if proc.finish_reason is not None:
+                    span.set_attribute("pd.finish_reason", proc.finish_reason)
+
+    def _step(self, session: DecodeSession, proc: SequenceProcessor, drafted: int, accepted: int) -> tuple[int, int]:
+        """One engine step; the session's (drafted, accepted) totals after it."""
+        metrics = self.ctx.metrics
+        t0 = time.perf_counter()
+        tokens = session.step()
+        dt = time.perf_counter() - t0
+        if not tokens:
+            raise EngineError("the engine step produced no token")
+        delta = proc.feed(tokens)
+        metrics.step(len(delta.token_ids), dt)
+        stats = session.stats
+        metrics.spec(stats.drafted - drafted, stats.accepted - accepted)
+        self._post(delta)
+        return stats.drafted, stats.accepted
 
     # ---- the response -------------------------------------------------------------------
     async def _first_event(self) -> None:
@@ -269,8 +325,9 @@ class Job:
         if self.abort_reason is not None:
             self._release_kv()
             raise Cancelled(f"request {self.request_id!r} was cancelled ({self.abort_reason})")
-        try:
-            self._loop.run_in_executor(self.ctx.executor, self._work, kv)
+        self.obs.stage = "generating"
+        try:  # the worker's log lines carry the request's ids too
+            self._loop.run_in_executor(self.ctx.executor, contextvars.copy_context().run, self._work, kv)
         except RuntimeError as exc:  # executor shut down: the server is stopping
             self._release_kv()
             raise EngineFailure(f"decode server is shutting down: {exc}") from exc
@@ -301,6 +358,7 @@ class Job:
                 await self._stream(send, renderer)
             else:
                 await self._full(send, renderer, headers)
+            self.obs.stage = "done"
         except Exception as exc:  # noqa: BLE001 - mapped (and logged) by _api_error; CancelledError passes
             err = self._api_error(exc)
             await self._give_back()  # before the answer: the next request finds the slot and KV free
@@ -311,6 +369,7 @@ class Job:
                     await send(start)
                     await send(body)
             elif self.abort_reason != "client_disconnected":
+                self.obs.answered(200, err.error_type)
                 self.ctx.metrics.errors.labels(err.error_type).inc()
                 await send({"type": "http.response.body", "body": sse(err.body().model_dump()) + DONE})
 
@@ -353,6 +412,7 @@ class Job:
         return delta
 
     def _count(self, status: int, err: ApiError | None = None) -> None:
+        self.obs.answered(status, err.error_type if err is not None else None)
         self.ctx.metrics.requests.labels(self.endpoint_label, str(status)).inc()
         if err is not None:
             self.ctx.metrics.errors.labels(err.error_type).inc()
@@ -377,6 +437,7 @@ class GenerationResponse(Response):
         finally:
             watcher.cancel()
             self.job.close()
+            self.job.obs.finish(self.job.abort_reason)
 
     def _safe_send(self, send: Any) -> Any:
         async def wrapped(message: dict) -> None:

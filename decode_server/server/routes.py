@@ -21,6 +21,7 @@ from decode_server.contract import (
 from decode_server.server.api_errors import ApiError, Busy, InvalidRequest, NotReady, validation_message
 from decode_server.server.app import DecodeState
 from decode_server.server.generation import GenerationResponse, Job
+from decode_server.server.observe import RequestObservation
 from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest, Endpoint
 from decode_server.server.request_plan import build_plan
 
@@ -88,6 +89,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     request_id = request.headers.get(REQUEST_ID_HEADER) or f"decode-{uuid.uuid4().hex}"
     headers = {REQUEST_ID_HEADER: request_id}
     label = "chat" if endpoint == "chat" else "completions"
+    obs = RequestObservation(state.tracing, request.url.path, request_id, request.scope["headers"])
     body: Any = None
     try:
         body = await _read_json(request)
@@ -95,7 +97,8 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         if not state.ready or state.context is None or state.limits is None:
             raise NotReady(f"decode server not ready: {state.not_ready_reason()}")
         plan = build_plan(endpoint, req, request_id, state.limits, state.defaults)
-        job = Job(state.context, plan, label)
+        obs.stage = "slot"
+        job = Job(state.context, plan, label, obs)
         job.slot = state.slots.acquire(request_id, job)
     except ApiError as err:
         # every refusal gives the KV back before answering, except "busy": the router
@@ -104,6 +107,8 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
             _release_refused(state, handoff_id_of(body))
         state.metrics.requests.labels(label, str(err.status)).inc()
         state.metrics.errors.labels(err.error_type).inc()
+        obs.answered(err.status, err.error_type)
+        obs.finish()
         return error_response(err, headers)
     return GenerationResponse(job, [(REQUEST_ID_HEADER.lower().encode(), request_id.encode())])
 

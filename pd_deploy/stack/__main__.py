@@ -21,6 +21,7 @@ from pydantic_settings import SettingsConfigDict
 
 from pd_deploy.stack.launcher import Stack, StackConfig, usage_text
 from pd_deploy.stack.ports import PortInUse, check_free
+from pd_http.tracing import check_endpoint
 from pd_settings.loader import EntrySettings, load
 from pd_settings.problems import SettingsError
 
@@ -54,6 +55,14 @@ class StackSettings(EntrySettings):
     max_seq_len: int = Field(4096, ge=1, description="longest prompt + output, in tokens")
     prefill_mtp: bool = Field(True, description="start vLLM with MTP (--no-prefill-mtp: see the handshake reject it)")
     start_timeout: float = Field(300.0, gt=0, description="seconds per readiness gate")
+    otlp_traces_endpoint: str | None = Field(
+        None, description="OTLP/gRPC collector (e.g. http://127.0.0.1:4317) the router, vLLM and the decode servers "
+        "send their spans to: one trace per request (docs/observability.md)")
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _otlp(cls, value: str | None) -> str | None:
+        return None if value is None else check_endpoint(value)
 
     @field_validator("decode_slots")
     @classmethod
@@ -79,7 +88,8 @@ def _config(args: StackSettings, model_dir: Path, served: str | None) -> StackCo
                        router_port=args.router_port, prefill_port=args.prefill_port, decode_port=args.decode_port,
                        kv_port=args.kv_port, num_decode=args.num_decode, engine=args.engine,
                        decode_slots=args.decode_slots, max_seq_len=args.max_seq_len, prefill_mtp=args.prefill_mtp,
-                       start_timeout_s=args.start_timeout, served_model_name=served)
+                       start_timeout_s=args.start_timeout, served_model_name=served,
+                       otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def main(argv: list[str] | None = None) -> int:

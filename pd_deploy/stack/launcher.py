@@ -70,6 +70,11 @@ class StackConfig:
     router_args: tuple[str, ...] = ()
     prefill_connector: tuple[str, str] = ("connector", "TileRTConnector")  # module path, class (tests)
     decode_args: tuple[str, ...] = ()  # appended to every decode server's command line (the last wins)
+    otlp_traces_endpoint: str | None = None  # OTLP/gRPC collector every process sends its spans to
+
+    def _tracing_args(self) -> tuple[str, ...]:
+        """The same flag for the router, the decode servers and vLLM (gRPC, every one's default)."""
+        return ("--otlp-traces-endpoint", self.otlp_traces_endpoint) if self.otlp_traces_endpoint else ()
 
     def prefill_extra_args(self) -> tuple[str, ...]:
         # CPU MLA runs without chunked prefill: a batch must hold the longest prompt
@@ -78,10 +83,11 @@ class StackConfig:
             from decode_server.tiny_model import VLLM_CPU_EXACT_ARGS
 
             args += VLLM_CPU_EXACT_ARGS
-        return args
+        return args + self._tracing_args()
 
     def decode_extra_args(self) -> tuple[str, ...]:
-        return ("--kv-dtype", "float32") if self.cpu_exact and self.engine == "reference" else ()
+        exact = ("--kv-dtype", "float32") if self.cpu_exact and self.engine == "reference" else ()
+        return exact + self._tracing_args()
 
     @property
     def model_name(self) -> str:
@@ -114,7 +120,7 @@ class StackConfig:
 
     def router_spec(self) -> RouterSpec:
         return RouterSpec(prefill_urls=(self.prefill_url,), decode_urls=tuple(self.decode_urls),
-                          host=self.host, port=self.router_port, extra_args=self.router_args)
+                          host=self.host, port=self.router_port, extra_args=self._tracing_args() + self.router_args)
 
     @property
     def prefill_url(self) -> str:

@@ -63,7 +63,8 @@ class FakePrefill(FakeBase[PrefillKnobs]):
             return await respond(send, 404, error_body("not found", 404))
         rid = self._rid(scope)
         body = json.loads(await read_body(scope, receive, 1 << 26))
-        self.records.requests.append({"request_id": rid, "path": path, "body": body})
+        traceparent = next((v.decode() for k, v in scope["headers"] if k == b"traceparent"), None)
+        self.records.requests.append({"request_id": rid, "path": path, "body": body, "traceparent": traceparent})
         problem = self._check(path, body)
         if problem:
             self.records.errors.append(problem)
