@@ -108,8 +108,8 @@ def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: M
             out["max_tokens"] = 1
     else:
         out["max_tokens"] = 1
-        if "max_completion_tokens" in body:  # not a completions field (passed through): one token all the same
-            out["max_completion_tokens"] = 1
+        if endpoint is Endpoint.COMPLETIONS:  # not a completions field: prefill must not see another limit
+            out.pop("max_completion_tokens", None)
     out["kv_transfer_params"] = dict(kv_transfer_params)
     return json.dumps(out).encode()
 

@@ -101,6 +101,10 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         if problem:
             rec.errors.append(problem)
             return await respond(send, 400, error_body(problem))
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            # as the real decode server: an invalid client field is the client's 400 (not a fake error)
+            return await respond(send, 400, error_body(f"invalid max tokens {limit!r}"))
         if k.busy or len(rec.active) >= (k.slots if not k.plain else 1 << 30):
             rec.busy.append(rid)  # as the real decode server: 429 until a slot is back
             return await respond(send, 429, error_body("all decode slots are busy; retry later", 429))
