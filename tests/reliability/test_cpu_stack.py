@@ -39,9 +39,10 @@ def _proc(stack: Stack, name: str):
     return next(p for p in stack.processes if p.name == name)
 
 
-def _completion(url: str, model: str, rid: str, stream: bool = False, max_tokens: int = 16) -> httpx.Response:
+def _completion(url: str, model: str, rid: str, stream: bool = False, max_tokens: int = 16,
+                **extra: object) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens,
-                                                      "temperature": 0, "stream": stream},
+                                                      "temperature": 0, "stream": stream, **extra},
                       headers={"X-Request-Id": rid}, timeout=120)
 
 
@@ -200,8 +201,9 @@ def test_sigterm_to_the_router_during_8_live_streams_loses_none(stack2):
         return total
 
     with ThreadPoolExecutor(8) as pool:
-        streams = [pool.submit(_completion, url, model, f"live-{i}", True, 48) for i in range(8)]
-        _wait(lambda: busy() + sum(s.done() for s in streams) >= 8, 120, "8 live streams")
+        # 400 tokens each, no early end: the streams are still running after every check below
+        streams = [pool.submit(_completion, url, model, f"live-{i}", True, 400, ignore_eos=True) for i in range(8)]
+        _wait(lambda: busy() == 8, 120, "8 live streams")
         router.proc.send_signal(signal.SIGTERM)
         _wait(lambda: httpx.get(url + "/ready", timeout=5).status_code == 503, 10, "/ready 503")
         refused = _completion(url, model, "late")

@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from connector.layout import cpu_mla_layout
-from connector.protocol import Admit
+from connector.protocol import Admit, Admitted
 from connector.receiver import KVReceiver, ReceiverError, ReceiverSettings
 
 
@@ -34,14 +34,14 @@ def _write(path: Path, text: str) -> None:
     tmp.rename(path)
 
 
-async def watch(receiver: KVReceiver, out: Path, die_on_admit: bool) -> None:
+async def watch(receiver: KVReceiver, out: Path, die_on_admit: bool, admitted_late: asyncio.Event) -> None:
     admitted, released, peers = False, False, None
     while True:
         current = [p.model_dump() for p in receiver.peers()]
         if current != peers:
             peers = current
             _write(out / "peers.json", json.dumps(peers))
-        if receiver.busy_slots() and not admitted:
+        if (receiver.busy_slots() or admitted_late.is_set()) and not admitted:
             admitted = True
             _write(out / "admitted", "1")
             if die_on_admit:
@@ -63,6 +63,7 @@ async def main(args: argparse.Namespace) -> None:
         )
     )
     out: Path = args.out
+    admitted_late = asyncio.Event()
     out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before serving
     if args.admit_delay:
         on_admit = receiver._on_admit
@@ -70,11 +71,14 @@ async def main(args: argparse.Namespace) -> None:
         async def late_admit(peer: str, admit: Admit) -> BaseModel:
             _write(out / "admit-seen", admit.handoff_id)
             await asyncio.sleep(args.admit_delay)  # the decode server is slow to answer
-            return await on_admit(peer, admit)
+            answer = await on_admit(peer, admit)
+            if isinstance(answer, Admitted):  # said here: an Abort queued behind the Admit may free
+                admitted_late.set()  # the slot before the 2 ms watcher sees it taken
+            return answer
 
         receiver._on_admit = late_admit  # type: ignore[method-assign]
     await receiver.start()
-    watcher = asyncio.create_task(watch(receiver, out, args.die_on_admit))
+    watcher = asyncio.create_task(watch(receiver, out, args.die_on_admit, admitted_late))
     _write(args.endpoint_file, receiver.endpoint)
     try:
         for hid in args.handoff:
