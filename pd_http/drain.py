@@ -20,6 +20,31 @@ import uvicorn
 log = logging.getLogger("pd_http.drain")
 
 
+async def wait_then_cut(
+    idle: Callable[[], Awaitable[object]],
+    in_flight: Callable[[], int],
+    cut: Callable[[], None],
+    timeout: float,
+    grace: float,
+    what: str,
+) -> None:
+    """The drain's waiting, for router and decode server alike: until ``idle()`` returns or
+    ``timeout`` seconds passed; then ``cut()`` ends what is still in flight (each with its
+    error) and ``idle()`` is awaited again for at most ``grace`` seconds. ``what`` names the
+    things counted by ``in_flight()`` in the log."""
+    log.warning("draining: %d %s in flight, up to %gs (--drain-timeout)", in_flight(), what, timeout)
+    try:
+        await asyncio.wait_for(idle(), timeout)
+    except TimeoutError:
+        log.warning("drain timeout: ending %d %s still in flight", in_flight(), what)
+        cut()
+        try:
+            await asyncio.wait_for(idle(), grace)
+        except TimeoutError:
+            log.error("%d %s did not end after the drain", in_flight(), what)
+    log.warning("drained")
+
+
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]) -> None:
         super().__init__(config)

@@ -14,6 +14,7 @@ import httpx
 
 from decode_server.contract import CANCEL_PATH, CancelRequest
 from pd_build.info import collect
+from pd_http.drain import wait_then_cut
 from pd_router.backends import Backends, DecodeBackend, PrefillBackend
 from pd_router.errors import RouterError, UpstreamRejected
 from pd_router.metrics import RouterMetrics
@@ -100,22 +101,16 @@ class RouterState:
         usual paths (a cancel on the decode server)."""
         self.draining = True
         self.metrics.draining.set(1)
-        timeout = self.settings.drain_timeout
-        log.warning("draining: %d request(s) in flight, up to %gs (--drain-timeout)", len(self.live), timeout)
-        self._idle = asyncio.Event()
+        idle = self._idle = asyncio.Event()
         if not self.live:
-            self._idle.set()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            log.warning("drain timeout: ending %d request(s) still in flight", len(self.live))
-            for cut in list(self.live.values()):
-                cut()
-            try:  # each ends with its error event; bounded in case one does not
-                await asyncio.wait_for(self._idle.wait(), CANCEL_TIMEOUT_S)
-            except TimeoutError:
-                log.error("%d request(s) did not end after the drain", len(self.live))
-        log.warning("drained")
+            idle.set()
+
+        def cut() -> None:
+            for end in list(self.live.values()):
+                end()
+
+        await wait_then_cut(idle.wait, lambda: len(self.live), cut, self.settings.drain_timeout,
+                            CANCEL_TIMEOUT_S, "request(s)")
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)

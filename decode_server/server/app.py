@@ -28,6 +28,7 @@ from decode_server.server.request_plan import ServerLimits
 from decode_server.server.slot_table import SlotManager
 from decode_server.server.text import GenerationDefaults, TextTokenizer
 from pd_build.info import BuildInfo, collect
+from pd_http.drain import wait_then_cut
 from pd_http.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -131,18 +132,13 @@ class DecodeState:
         router runs them on another decode server); generations in flight may finish for
         ``timeout`` seconds, then end with an error (as at shutdown)."""
         self.draining = True
-        log.warning("draining: %d generation(s) in flight, up to %gs (--drain-timeout)", self.slots.busy, timeout)
-        try:
-            await asyncio.wait_for(self.slots.wait_idle(), timeout)
-        except TimeoutError:
-            log.warning("drain timeout: ending %d generation(s)", self.slots.busy)
+
+        def cut() -> None:
             for job in self.slots.jobs():
                 job.abort("shutdown")
-            try:
-                await asyncio.wait_for(self.slots.wait_idle(), DRAIN_ABORT_WAIT_S)
-            except TimeoutError:
-                log.error("%d generation(s) did not end after the drain", self.slots.busy)
-        log.warning("drained")
+
+        await wait_then_cut(self.slots.wait_idle, lambda: self.slots.busy, cut, timeout, DRAIN_ABORT_WAIT_S,
+                            "generation(s)")
 
     async def shutdown(self) -> None:
         for job in self.slots.jobs():
