@@ -8,8 +8,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -20,7 +18,7 @@ from pd_http.logs import JsonFormatter
 from pd_http.tracing import otlp_tracing
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
 from tests.fakes.otlp_collector import OtlpCollector
-from tests.procs import free_port, server
+from tests.procs import free_port, server, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 KEYS = {"time", "level", "logger", "message"}
@@ -31,13 +29,6 @@ def _parse(text: str) -> list[dict[str, Any]]:
     records = [json.loads(line) for line in lines]  # every line, or the test fails here
     assert all(isinstance(r, dict) and KEYS <= r.keys() for r in records), records
     return records
-
-
-def _wait(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def _access(records: list[dict[str, Any]], rid: str) -> dict[str, Any]:
@@ -64,8 +55,8 @@ def test_router_json_logs_parse_line_by_line_and_join_the_trace(tmp_path, collec
             httpx.post(decode.url + "/fake/config", json={"fail": "status"}, timeout=5).raise_for_status()
             assert httpx.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "json-502"},
                               timeout=10).status_code == 502
-            _wait(lambda: "json-502" in httpx.get(decode.url + "/fake/records", timeout=5).json()["cancels"],
-                  "the router's cancel of json-502")
+            wait_until(lambda: "json-502" in httpx.get(decode.url + "/fake/records", timeout=5).json()["cancels"],
+                       10.0, "the router's cancel of json-502")
             proc.stop()  # SIGTERM: drains, flushes the spans, stops
             records = _parse(proc.log_path.read_text())
     finally:

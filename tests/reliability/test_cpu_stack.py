@@ -21,6 +21,7 @@ import pytest
 from decode_server.contract import CAPABILITIES_PATH
 from pd_deploy.stack.launcher import Stack
 from tests.e2e.conftest import make_stack_config, running_stack, vllm_kv_usage
+from tests.procs import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(600)]
 PROMPT = "The quick brown fox"
@@ -33,6 +34,10 @@ def stack2(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
                             router_args=("--probe-interval", "30"))
     with running_stack(cfg) as stack:
         yield stack
+
+
+def _wait_until(predicate, timeout: float, what: str) -> None:
+    wait_until(predicate, timeout, what, interval=0.05)
 
 
 def _proc(stack: Stack, name: str):
@@ -49,13 +54,6 @@ def _completion(url: str, model: str, rid: str, stream: bool = False, max_tokens
 def _metric(url: str, prefix: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
                if line.startswith(prefix))
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 async def _storm(url: str, model: str, n: int, concurrency: int) -> tuple[int, int]:
@@ -125,7 +123,7 @@ def test_a_decode_server_killed_before_its_first_token_costs_only_latency(stack2
     assert _metric(url, f'pd_router_decode_failovers_total{{backend="{cfg.decode_urls[0]}"') == 1
     ready = httpx.get(url + "/ready", timeout=5).json()
     assert [d["healthy"] for d in ready["decode"]] == [False, True]
-    _wait(lambda: vllm_kv_usage(cfg.prefill_url) == 0, 30, "vLLM's KV blocks freed")
+    _wait_until(lambda: vllm_kv_usage(cfg.prefill_url) == 0, 30, "vLLM's KV blocks freed")
     assert _metric(url, "pd_router_in_flight_requests") == 0
     print(f"4 requests after kill -9 of decode-0: {elapsed:.1f}s, 1 failover")
 
@@ -138,7 +136,7 @@ def test_a_decode_server_killed_mid_stream_then_restarted(stack2):
     decode1 = _proc(stack2, "decode-1")
     with ThreadPoolExecutor(1) as pool:
         stream = pool.submit(_completion, url, model, "victim", True, 2000)
-        _wait(lambda: httpx.get(cfg.decode_urls[1] + CAPABILITIES_PATH, timeout=5).json()["busy_slots"] == 1,
+        _wait_until(lambda: httpx.get(cfg.decode_urls[1] + CAPABILITIES_PATH, timeout=5).json()["busy_slots"] == 1,
               60, "the stream generating on decode-1")
         os.killpg(decode1.pid, signal.SIGKILL)
         answer = stream.result(60)
@@ -149,7 +147,7 @@ def test_a_decode_server_killed_mid_stream_then_restarted(stack2):
     restarted = [stack2.restart(name) for name in ("decode-0", "decode-1")]
     for proc, decode_url in zip(restarted, cfg.decode_urls, strict=True):
         proc.wait_http(decode_url + "/ready", 120)
-    _wait(lambda: httpx.get(url + "/ready", timeout=5).status_code == 200, 120, "the router ready again")
+    _wait_until(lambda: httpx.get(url + "/ready", timeout=5).status_code == 200, 120, "the router ready again")
     resp = _completion(url, model, "after-restart")
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"], resp.text
     print(f"decode servers restarted, router ready and serving in {time.monotonic() - t0:.1f}s")
@@ -167,7 +165,7 @@ def test_vllm_killed_mid_prefill_then_restarted(stack2):
     with ThreadPoolExecutor(4) as pool:
         calls = [pool.submit(httpx.post, url + "/v1/completions", timeout=120,
                              json={"model": model, "prompt": long_prompt, "max_tokens": 8}) for _ in range(4)]
-        _wait(lambda: running() > 0, 60, "a prefill under way in vLLM")
+        _wait_until(lambda: running() > 0, 60, "a prefill under way in vLLM")
         os.killpg(prefill.pid, signal.SIGKILL)
         answers = [c.result(120) for c in calls]
     failed = [a for a in answers if a.status_code != 200]
@@ -178,7 +176,7 @@ def test_vllm_killed_mid_prefill_then_restarted(stack2):
     t0 = time.monotonic()
     proc = stack2.restart("prefill")
     proc.wait_http(cfg.prefill_url + "/health", 300)
-    _wait(lambda: httpx.get(url + "/ready", timeout=5).status_code == 200, 120, "the router ready again")
+    _wait_until(lambda: httpx.get(url + "/ready", timeout=5).status_code == 200, 120, "the router ready again")
     resp = _completion(url, model, "after-vllm-restart")
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"], resp.text
     print(f"vLLM killed mid-prefill ({len(failed)} of 4 requests failed with 502); serving again "
@@ -203,9 +201,9 @@ def test_sigterm_to_the_router_during_8_live_streams_loses_none(stack2):
     with ThreadPoolExecutor(8) as pool:
         # 400 tokens each, no early end: the streams are still running after every check below
         streams = [pool.submit(_completion, url, model, f"live-{i}", True, 400, ignore_eos=True) for i in range(8)]
-        _wait(lambda: busy() == 8, 120, "8 live streams")
+        _wait_until(lambda: busy() == 8, 120, "8 live streams")
         router.proc.send_signal(signal.SIGTERM)
-        _wait(lambda: httpx.get(url + "/ready", timeout=5).status_code == 503, 10, "/ready 503")
+        _wait_until(lambda: httpx.get(url + "/ready", timeout=5).status_code == 503, 10, "/ready 503")
         refused = _completion(url, model, "late")
         assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
         answers = [s.result(300) for s in streams]
@@ -215,5 +213,5 @@ def test_sigterm_to_the_router_during_8_live_streams_loses_none(stack2):
         assert not [e for e in events[:-1] if "error" in json.loads(e)], events[-3:]
         assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
     assert router.proc.wait(30) == 0
-    _wait(lambda: vllm_kv_usage(cfg.prefill_url) == 0, 30, "vLLM's KV blocks freed")
+    _wait_until(lambda: vllm_kv_usage(cfg.prefill_url) == 0, 30, "vLLM's KV blocks freed")
     assert busy() == 0

@@ -16,7 +16,7 @@ from decode_server.settings import SettingsError, load_settings
 from pd_router.settings import validate_settings
 from tests.decode_server.helpers import handoff
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
-from tests.procs import free_port
+from tests.procs import free_port, wait_until
 from tests.router.conftest import raw_completion
 
 pytestmark = pytest.mark.timeout(60)
@@ -101,14 +101,15 @@ def test_router_sends_the_decode_key_on_every_call(tmp_path):
     router = ServerThread(app, port, loop="uvloop").start()
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait(lambda: httpx.get(url + "/ready", timeout=5).status_code == 200, "router ready (probes authorized)")
+        wait_until(lambda: httpx.get(url + "/ready", timeout=5).status_code == 200, 10.0,
+                   "router ready (probes authorized)")
         assert KEY not in httpx.get(url + "/ready", timeout=5).text
         # a request held by the fake, then dropped by its client: the router must cancel it
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True}
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(raw_completion("gone"))
-            _wait(lambda: "gone" in _records(decode)["active"], "the decode request arrived")
-        _wait(lambda: "gone" in _records(decode)["cancels"], "the cancel arrived with the key")
+            wait_until(lambda: "gone" in _records(decode)["active"], 10.0, "the decode request arrived")
+        wait_until(lambda: "gone" in _records(decode)["cancels"], 10.0, "the cancel arrived with the key")
         httpx.post(decode.url + "/fake/config", headers=_auth(KEY), json={"hold": False}, timeout=5)
         resp = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=10)
         assert resp.status_code == 200, resp.text
@@ -123,11 +124,3 @@ def test_router_sends_the_decode_key_on_every_call(tmp_path):
 def _records(server: ServerThread) -> dict:
     return json.loads(httpx.get(server.url + "/fake/records", headers=_auth(KEY), timeout=5).content)
 
-
-def _wait(predicate, what: str, timeout: float = 10.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
-        time.sleep(0.01)

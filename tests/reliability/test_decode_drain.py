@@ -5,7 +5,6 @@ generations in flight finish, and past --drain-timeout they end with an error ev
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -14,6 +13,7 @@ import pytest
 from tests.decode_server.conftest import start_server
 from tests.decode_server.helpers import handoff
 from tests.fakes.fake_engine import FakeEngineConfig
+from tests.procs import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,13 +26,6 @@ def _events(text: str) -> list[str]:
     return [e[6:] for e in text.split("\n\n") if e.startswith("data: ")]
 
 
-def _wait(predicate, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("drain_timeout", [30.0, 0.3])
 def test_the_decode_server_drains(model_dir, drain_timeout):
     cfg = FakeEngineConfig(script=[], filler_token=5, step_delay=0.02)
@@ -41,9 +34,9 @@ def test_the_decode_server_drains(model_dir, drain_timeout):
         with ThreadPoolExecutor(4) as pool:
             streams = [pool.submit(httpx.post, srv.url + "/v1/completions", json=_body(40),
                                    headers={"X-Request-Id": f"d{i}"}, timeout=30) for i in range(4)]
-            _wait(lambda: srv.state.slots.busy == 4)
+            wait_until(lambda: srv.state.slots.busy == 4, 15, "4 generations running")
             server.loop.call_soon_threadsafe(server.begin_drain)
-            _wait(lambda: srv.state.draining)
+            wait_until(lambda: srv.state.draining, 15, "the drain to begin")
             ready = httpx.get(srv.url + "/ready", timeout=5)
             assert ready.status_code == 503 and "draining" in ready.text and ready.headers["retry-after"] == "1"
             new = httpx.post(srv.url + "/v1/completions", json=_body(4), timeout=5)
