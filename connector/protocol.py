@@ -18,7 +18,7 @@ connector issue.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -264,12 +264,16 @@ class Admitted(BaseModel):
     offsets: list[list[int]]
 
 
+RefusalReason = Literal["busy", "too_long", "unknown_peer", "duplicate", "cancelled"]
+REFUSAL_REASONS: tuple[str, ...] = get_args(RefusalReason)
+
+
 class Refused(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     type: Literal["refused"] = "refused"
     handoff_id: str
-    reason: Literal["busy", "too_long", "unknown_peer", "duplicate", "cancelled"]
+    reason: RefusalReason
     message: str
 
 

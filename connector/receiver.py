@@ -54,7 +54,7 @@ from connector.protocol import (
     Welcome,
     handshake_mismatch,
 )
-from connector.receiver_state import HandoffState, ReceivedKV, ReceiverSettings
+from connector.receiver_state import HandoffState, ReceivedKV, ReceiverSettings, ReceiverStats
 from connector.transport import (
     NotificationPump,
     Transport,
@@ -68,7 +68,8 @@ from connector.transport import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HandoffFailed", "HandoffTimeout", "KVReceiver", "ReceivedKV", "ReceiverError", "ReceiverSettings"]
+__all__ = ["HandoffFailed", "HandoffTimeout", "KVReceiver", "ReceivedKV", "ReceiverError", "ReceiverSettings",
+           "ReceiverStats"]
 
 log = logging.getLogger(__name__)
 MAX_TOMBSTONES = 65536  # cancelled handoffs and aborted tries remembered (oldest forgotten first)
@@ -113,6 +114,7 @@ class KVReceiver:
         self._live: dict[str, int] = {}  # open control connections per sender agent
         self._tasks: set[asyncio.Future] = set()
         self._orphan_checks: set[asyncio.Task[None]] = set()  # senders' disconnect graces running
+        self.stats = ReceiverStats()
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -240,6 +242,7 @@ class KVReceiver:
             return
         if h.state == "admitted":
             h.state, h.error = "failed", "released by the decode server before all layers arrived"
+            self.stats.failed += 1
             self._background(self._revoke(h, h.error))
         self._free_slot(h)
 
@@ -263,6 +266,7 @@ class KVReceiver:
             return
         was_incomplete = h.state == "admitted"
         h.state, h.error = "failed", error
+        self.stats.failed += 1
         h.since = time.monotonic()
         self._free_slot(h)
         if revoke and was_incomplete:
@@ -303,11 +307,15 @@ class KVReceiver:
             return await self._on_hello(conn, msg)
         if conn.peer is None:
             if isinstance(msg, (Admit, Abort)):
+                self.stats.refused("unknown_peer")
                 return Refused(handoff_id=msg.handoff_id, reason="unknown_peer",
                                message="send Hello first: this connection has not completed the handshake")
             return None
         if isinstance(msg, Admit):
-            return await self._on_admit(conn.peer, msg)
+            reply = await self._on_admit(conn.peer, msg)
+            if isinstance(reply, Refused):
+                self.stats.refused(reply.reason)
+            return reply
         if isinstance(msg, Abort):
             group = self._group_of.get(conn.peer, conn.peer)
             h = self._handoffs.get(msg.handoff_id)
@@ -463,6 +471,8 @@ class KVReceiver:
             h.arrived.update(layer for layer in done.layers if 0 <= layer < self._layout.num_layers)
             if len(h.arrived) == self._layout.num_layers:
                 h.state, h.since = "complete", time.monotonic()
+                self.stats.completed += 1
+                self.stats.bytes_received += self._layout.bytes_per_layer(h.num_tokens) * self._layout.num_layers
                 changed = True
         if changed:
             await self._notify_all()

@@ -60,6 +60,20 @@ class ReceiverSettings:
 
 
 @dataclass
+class ReceiverStats:
+    """The receiver's counters since it started, read by the decode server's ``/metrics``
+    (``decode_server_kv_*``). Written only on the receiver's event loop."""
+
+    refusals: dict[str, int] = field(default_factory=dict)  # Admits refused, by reason (Refused.reason)
+    completed: int = 0  # handoffs whose every layer arrived
+    failed: int = 0  # admitted handoffs that failed (timed out, aborted, sender gone, released early)
+    bytes_received: int = 0  # KV bytes of the completed handoffs
+
+    def refused(self, reason: str) -> None:
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+
+
+@dataclass
 class HandoffState:
     """The receiver's record of one admitted handoff (private to the receiver)."""
 

@@ -9,6 +9,14 @@ server's ``/metrics`` next to ``vllm:*``:
 * ``vllm:tilert_kv_layers_total{path}``: layers gathered on the early path
   (``save_kv_layer``, as vLLM computed each) and on the late path (``wait_for_save`` or a
   later step; vLLM 0.32's CUDA path for GLM-5.1 is all late);
+* ``vllm:tilert_kv_posted_bytes_total``: KV bytes of the handoffs posted;
+* ``vllm:tilert_kv_failures_total{reason}``: handoffs the workers failed, by reason
+  (``FailureReason``: mostly ``transfer`` and ``internal``; an Admit refused never reaches
+  a worker and is counted by the decode server that refused it);
+* ``vllm:tilert_kv_post_seconds``: histogram, per handoff and rank, from the start of the
+  step computing the prompt's last token to its last layer posted (the tail the handoff
+  adds to prefill; the transfer itself lands on the decode server's
+  ``decode_server_kv_wait_seconds``);
 * ``vllm:tilert_build_info{<BuildInfo fields>}``: 1, labelled with what the prefill server
   runs (:class:`pd_build.info.BuildInfo`: tilert-pd and its git revision, vLLM, NIXL, UCX,
   torch, CUDA, the KV layout fingerprint, the served model and its config.json checksum),
@@ -20,16 +28,21 @@ Imports vLLM: loaded by :mod:`connector.tilert_connector` only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from connector.config import load_settings
 from connector.profiles import resolve_profile
+from connector.protocol import FailureReason
+from connector.worker import POST_SECONDS, STAT_COUNTERS
 from pd_build.info import BuildInfo, collect
 
-COUNTERS = ("handoffs_posted", "handoffs_failed", "layers_early", "layers_late")
 BUILD_INFO = "vllm:tilert_build_info"
+FAILURE_REASONS: tuple[str, ...] = get_args(FailureReason)
+# a step's start to its last layer posted: the prefill tail the handoff adds (ms on a GPU)
+POST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
+                2.5, 5.0, 10.0)
 
 
 def prefill_build_info(vllm_config: Any) -> BuildInfo:
@@ -51,32 +64,43 @@ class TileRTKVStats(KVConnectorStats):
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key in COUNTERS:
+        for key in STAT_COUNTERS:
             self.data[key] = int(self.data.get(key, 0)) + int(other.data.get(key, 0))
+        self.data[POST_SECONDS] = [*self.data.get(POST_SECONDS, ()), *other.data.get(POST_SECONDS, ())]
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {key: int(self.data.get(key, 0)) for key in COUNTERS}
+        reduced: dict[str, int | float] = {key: int(self.data.get(key, 0)) for key in STAT_COUNTERS}
+        posts = self.data.get(POST_SECONDS) or []
+        reduced["post_seconds_max"] = max(posts, default=0.0)
+        return reduced
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key) for key in COUNTERS)
+        return not any(self.data.get(key) for key in (*STAT_COUNTERS, POST_SECONDS))
 
 
 class TileRTPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        handoffs = self._counter_cls(
-            name="vllm:tilert_kv_handoffs",
-            documentation="KV handoffs to decode servers whose prompt was computed, by outcome at the end of "
-            "that step (posted: every layer on its way; failed)",
-            labelnames=[*labelnames, "outcome"],
-        )
-        layers = self._counter_cls(
-            name="vllm:tilert_kv_layers",
-            documentation="KV layers handed off, by gathering path: early (save_kv_layer, as vLLM computed "
-            "each layer) or late (wait_for_save or a later step)",
-            labelnames=[*labelnames, "path"],
+        def counter(name: str, doc: str, *extra: str) -> Any:
+            return self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, *extra])
+
+        handoffs = counter("vllm:tilert_kv_handoffs", "KV handoffs to decode servers whose prompt was computed, by "
+                           "outcome at the end of that step (posted: every layer on its way; failed)", "outcome")
+        layers = counter("vllm:tilert_kv_layers", "KV layers handed off, by gathering path: early (save_kv_layer, "
+                         "as vLLM computed each layer) or late (wait_for_save or a later step)", "path")
+        posted = counter("vllm:tilert_kv_posted_bytes", "KV bytes posted to decode servers (the layers of the "
+                         "handoffs posted)")
+        failures = counter("vllm:tilert_kv_failures", "KV handoffs that failed after admission, by reason "
+                           "(transfer, internal, ...; a refusal at admission is counted by the decode server that "
+                           "refused: decode_server_kv_refusals_total)", "reason")
+        post = self._histogram_cls(  # type: ignore[call-arg]  # a Histogram: vLLM's _histogram_cls
+            name="vllm:tilert_kv_post_seconds",
+            documentation="Per handoff and rank: from the start of the step computing the prompt's last token "
+            "to its last KV layer posted",
+            labelnames=labelnames,
+            buckets=POST_BUCKETS,
         )
         info = prefill_build_info(vllm_config).labels()
         build = self._gauge_cls(  # type: ignore[call-arg]  # a Gauge: vLLM's _gauge_cls
@@ -94,9 +118,12 @@ class TileRTPromMetrics(KVConnectorPromMetrics):
                 "handoffs_failed": handoffs.labels(*values, "failed"),
                 "layers_early": layers.labels(*values, "early"),
                 "layers_late": layers.labels(*values, "late"),
+                "bytes_posted": posted.labels(*values),
+                **{f"failed_{reason}": failures.labels(*values, reason) for reason in FAILURE_REASONS},
             }
             for idx, values in per_engine_labelvalues.items()
         }
+        self._post: dict[int, Any] = {idx: post.labels(*values) for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         children = self._children.get(engine_idx)
@@ -105,4 +132,6 @@ class TileRTPromMetrics(KVConnectorPromMetrics):
         for key, child in children.items():
             value = int(transfer_stats_data.get(key, 0))
             if value:
-                child.inc(value)  # type: ignore[union-attr]  # counters, made by vLLM's _counter_cls
+                child.inc(value)
+        for seconds in transfer_stats_data.get(POST_SECONDS) or ():
+            self._post[engine_idx].observe(seconds)

@@ -37,7 +37,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, get_args
 
 from connector.keeper import HandshakeKeeper
 from connector.kv_errors import AdmissionRefused, ControlChannelError, HandshakeRejected
@@ -95,6 +95,16 @@ class Reports(Protocol):
     def close(self) -> None: ...
 
 
+# vLLM's KV-connector stats (connector.vllm_stats): counters per step, summed over ranks and steps
+STAT_COUNTERS = ("handoffs_posted", "handoffs_failed", "layers_early", "layers_late", "bytes_posted",
+                 *(f"failed_{reason}" for reason in get_args(FailureReason)))
+POST_SECONDS = "post_seconds"  # per handoff this rank gathered: its last step's start to its last layer posted
+
+
+def empty_stats() -> dict[str, Any]:
+    return {**dict.fromkeys(STAT_COUNTERS, 0), POST_SECONDS: []}
+
+
 @dataclass
 class _Send:
     work: RequestWork
@@ -140,7 +150,8 @@ class ConnectorWorker:
         self._sends: dict[str, _Send] = {}
         self._active: list[_Send] = []
         self._keeper: HandshakeKeeper | None = None
-        self._stats = dict.fromkeys(("handoffs_posted", "handoffs_failed", "layers_early", "layers_late"), 0)
+        self._layout: KVLayout | None = None
+        self._stats = empty_stats()
 
     # -- start-up -----------------------------------------------------------------------
 
@@ -165,6 +176,7 @@ class ConnectorWorker:
         self._caches = [kv_caches[name] for name in layers.mla]
         self._indexer = {i: kv_caches[name] for i, name in enumerate(layers.indexer) if name is not None}
         self._my_layers = frozenset(self.plan.layers(layout.num_layers))
+        self._layout = layout
         self._keeper = HandshakeKeeper(self._sender, self.settings.decode_endpoints,
                                        self.settings.handshake_interval_s, self.settings.handshake_timeout_s)
         self._keeper.start()
@@ -284,11 +296,11 @@ class ConnectorWorker:
                 log.warning("closing the KV sender failed: %s", exc)
             self._sender = None
 
-    def take_stats(self) -> dict[str, int] | None:
+    def take_stats(self) -> dict[str, Any] | None:
         """Counters since the last call (vLLM's KV-connector stats), or None if nothing happened."""
         if not any(self._stats.values()):
             return None
-        taken, self._stats = self._stats, dict.fromkeys(self._stats, 0)
+        taken, self._stats = self._stats, empty_stats()
         return taken
 
     def pending(self) -> dict[str, str]:
@@ -338,6 +350,8 @@ class ConnectorWorker:
             return
         send.late.update(layers)
         send.gathered = True
+        if send.t_last_post:  # this rank posted layers
+            self._stats[POST_SECONDS].append(send.t_last_post - send.t_step)
         _log_step(send)
 
     def _progress_deferred(self) -> None:
@@ -387,9 +401,16 @@ class ConnectorWorker:
         early = len(send.early)
         late = len(send.late) if status == "failed" else len(self._my_layers) - early
         if not send.reported:  # vLLM's KV-connector stats: the outcome at the end of the last step
-            self._stats["handoffs_failed" if status == "failed" else "handoffs_posted"] += 1
-            self._stats["layers_early"] += early
-            self._stats["layers_late"] += late
+            stats = self._stats
+            if status == "failed":
+                stats["handoffs_failed"] += 1
+                stats["failed_" + send.reason] += 1
+            else:
+                stats["handoffs_posted"] += 1
+                if self._layout is not None:
+                    stats["bytes_posted"] += (early + late) * self._layout.bytes_per_layer(send.work.num_tokens)
+            stats["layers_early"] += early
+            stats["layers_late"] += late
         send.reported = status
         self._reports.send(
             SendReport(

@@ -100,6 +100,8 @@ class _Ctx:
     start: float
     send: Send
     stage: str = "validating"
+    model: str = ""  # the model_name label: set once the model is known to be served
+    prompt_tokens: int = 0  # as prefill counted them (our connector's handoff)
     status: int = 0
     error_type: str = ""
     started: bool = False  # response headers sent
@@ -198,9 +200,11 @@ class CompletionHandler:
             if ctx.disconnected:
                 ctx.status, ctx.error_type = 499, "client_disconnected"
                 metrics.child(metrics.client_aborts, ctx.stage).inc()
-            metrics.child(metrics.requests, endpoint.label, str(ctx.status), ctx.error_type).inc()
+            metrics.child(metrics.requests, endpoint.label, ctx.model, str(ctx.status), ctx.error_type).inc()
             latency = perf_counter() - ctx.start
-            metrics.child(metrics.e2e, endpoint.label).observe(latency)
+            metrics.child(metrics.e2e, endpoint.label, ctx.model).observe(latency)
+            if ctx.prompt_tokens:
+                metrics.child(metrics.prompt_tokens, endpoint.label, ctx.model).inc(ctx.prompt_tokens)
             if ctx.span is not None:
                 self._end_trace(ctx)
             log.info(
@@ -268,6 +272,7 @@ class CompletionHandler:
                 param="model",
                 code="model_not_found",
             )
+        ctx.model = request.model
         t_start = perf_counter()
         attempt = busy = 0
         failed_over = False
@@ -396,7 +401,10 @@ class CompletionHandler:
                     backend.in_flight -= 1
         state.metrics.prefill_latency.observe(perf_counter() - t0)
         with self._span(ctx, "handoff") as span:
-            return self._handoff(lease, answer, request, handoff_id, span)
+            params = self._handoff(lease, answer, request, handoff_id, span)
+        tokens = params.get("num_prompt_tokens")
+        ctx.prompt_tokens = tokens if isinstance(tokens, int) else 0
+        return params
 
     def _handoff(
         self, lease: Lease, answer: dict[str, Any], request: OpenAIRequest, handoff_id: str,
@@ -484,7 +492,7 @@ class CompletionHandler:
             except UpstreamError as exc:  # nothing reached the client: the caller may fail over
                 raise self._mid_answer_error(backend, exc) from None
             ctx.status, ctx.finished = 200, True
-            state.metrics.child(state.metrics.ttft, ctx.endpoint.label).observe(perf_counter() - ctx.start)
+            state.metrics.child(state.metrics.ttft, ctx.endpoint.label, ctx.model).observe(perf_counter() - ctx.start)
             await respond(
                 ctx.send,
                 200,
@@ -503,14 +511,17 @@ class CompletionHandler:
         state, send = self.state, ctx.send
         itl = state.metrics.itl
         prev = last = b""
-        t_prev = 0.0
+        t_prev = t_first = 0.0
+        chunks = 0
         try:
             async for chunk in resp:
                 now = perf_counter()
+                chunks += 1
                 if t_prev:
                     itl.observe(now - t_prev)
                 else:
-                    state.metrics.child(state.metrics.ttft, ctx.endpoint.label).observe(now - ctx.start)
+                    t_first = now
+                    state.metrics.child(state.metrics.ttft, ctx.endpoint.label, ctx.model).observe(now - ctx.start)
                     await send(
                         {
                             "type": "http.response.start",
@@ -541,6 +552,9 @@ class CompletionHandler:
             await ctx.fail(err2)
             return False
         ctx.finished = True
+        if chunks > 1:
+            state.metrics.child(state.metrics.tpot, ctx.endpoint.label, ctx.model).observe(
+                (t_prev - t_first) / (chunks - 1))
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return True
 

@@ -19,8 +19,12 @@ from pd_build import prometheus as build_prometheus
 from pd_build.info import BuildInfo
 
 PREFIX = "pd_router_"
-_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-_ITL = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5)
+# latencies of a request or a stage: steps of <= 25% around 50 ms (a TTFT SLO), wider beyond 1 s
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1,
+                   0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# time between tokens: steps of <= 0.5 ms around 3 ms (a TPOT target)
+TOKEN_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.0035, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02,
+                 0.03, 0.05, 0.1, 0.25, 1, 5)
 
 
 M = TypeVar("M", bound=MetricWrapperBase)
@@ -63,14 +67,22 @@ class RouterMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         build_prometheus.register(self.registry, PREFIX + "build_info", build)
-        self.requests = self._counter("requests", "Completed requests", ("endpoint", "status", "error_type"))
-        self.ttft = self._histogram(
-            "time_to_first_token_seconds", "Arrival to first decode byte", ("endpoint",)
-        )
+        em = ("endpoint", "model_name")  # model_name: a served model's name, "" before the model was known
+        self.requests = self._counter("requests", "Completed requests", (*em, "status", "error_type"))
+        self.ttft = self._histogram("time_to_first_token_seconds", "Arrival to first decode byte", em)
         self.itl = TokenHistogram(
-            PREFIX + "inter_token_latency_seconds", "Between two relayed decode chunks", _ITL, self.registry
+            PREFIX + "inter_token_latency_seconds", "Between two relayed decode chunks", TOKEN_BUCKETS, self.registry
         )
-        self.e2e = self._histogram("e2e_latency_seconds", "Request arrival to last byte", ("endpoint",))
+        self.tpot = self._histogram(
+            "time_per_output_chunk_seconds",
+            "Per streamed request: (last decode chunk - first) / (chunks - 1); the TPOT when each chunk "
+            "carries one token (one engine step without MTP)", em, TOKEN_BUCKETS,
+        )
+        self.e2e = self._histogram("e2e_latency_seconds", "Request arrival to last byte", em)
+        self.prompt_tokens = self._counter(
+            "prompt_tokens", "Prompt tokens of the requests prefilled (as prefill counted them), once per request",
+            em,
+        )
         self.queue_wait = self._histogram("queue_wait_seconds", "Time waiting for a decode slot")
         self.prefill_latency = self._histogram("prefill_latency_seconds", "Prefill request round trip")
         self.queue_depth = self._gauge("queue_depth", "Requests waiting for a decode slot")
@@ -105,7 +117,7 @@ class RouterMetrics:
         return Gauge(PREFIX + name, doc, labels, registry=self.registry)
 
     def _histogram(
-        self, name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = _LATENCY
+        self, name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS
     ) -> Histogram:
         return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI
 
 from connector.layout import KVLayout
+from connector.receiver_state import ReceiverStats
 from decode_server.engine.base import Engine
 from decode_server.server.generation import GenerationContext, Receiver
 from decode_server.server.metrics import DecodeMetrics
@@ -54,6 +55,9 @@ class ManagedReceiver(Receiver, Protocol):
     def peers(self) -> list[Any]: ...
 
     def busy_slots(self) -> int: ...
+
+    @property
+    def stats(self) -> ReceiverStats: ...
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,11 @@ def build_info(config: AppConfig, kv_layout: str | None = None) -> BuildInfo:
     return collect("decode", model=config.served_model_name, model_dir=config.model_dir, kv_layout=kv_layout)
 
 
+def receiver_stats(state: DecodeState) -> ReceiverStats | None:
+    """The KV receiver's counters once it runs (``decode_server_kv_*``)."""
+    return state.receiver.stats if state.receiver is not None else None
+
+
 def create_app(config: AppConfig, engine_factory: EngineFactory, receiver_factory: ReceiverFactory,
                on_fatal: Callable[[BaseException], None] | None = None, tracing: Tracing | None = None) -> FastAPI:
     """``tracing``: this app's tracer (:func:`pd_http.tracing.otlp_tracing`), shut down with the app;
@@ -169,7 +178,8 @@ def create_app(config: AppConfig, engine_factory: EngineFactory, receiver_factor
     slots = SlotManager(config.slots)
     state = DecodeState(config=config, tokenizer=tokenizer,
                         defaults=GenerationDefaults.from_model_dir(config.model_dir, tokenizer),
-                        slots=slots, metrics=DecodeMetrics(lambda: slots.busy, config.slots, build_info(config)),
+                        slots=slots, metrics=DecodeMetrics(lambda: slots.busy, config.slots, build_info(config),
+                                                           config.served_model_name, lambda: receiver_stats(state)),
                         tracing=tracing)
 
     async def load() -> None:

@@ -290,7 +290,7 @@ class Job:
         proc = SequenceProcessor(self.ctx.tokenizer, plan.stop, [handoff.last_prompt_token_id],
                                  plan.logprobs, plan.tokens_as_ids)
         delta = proc.feed([TokenOut(handoff.first_token_id)], plan.first_logprob)
-        self.ctx.metrics.first_token()
+        self.ctx.metrics.first_token(handoff.num_prompt_tokens)
         self._post(delta)
         drafted = accepted = steps = 0
         try:

@@ -12,12 +12,19 @@ from collections import deque
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from connector.protocol import REFUSAL_REASONS
+from connector.receiver_state import ReceiverStats
 from pd_build.info import LABELS, BuildInfo
 from pd_build.prometheus import DOC as BUILD_INFO_DOC
 
-_TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
-_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# steps of <= 0.5 ms around 3 ms (a TPOT target) and <= 25% around 50 ms (a TTFT budget)
+_TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.0025, 0.003, 0.0035, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03,
+                 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.15, 0.2, 0.25, 0.5, 1.0,
+                 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class _RecentRate:
@@ -45,24 +52,63 @@ class _RecentRate:
             self._events.popleft()
 
 
+class _ReceiverCollector(Collector):
+    """The KV receiver's counters (:class:`connector.receiver_state.ReceiverStats`), read at scrape."""
+
+    def __init__(self, stats: Callable[[], ReceiverStats | None], model: str) -> None:
+        self._stats, self._model = stats, model
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing at registration (the receiver starts later)
+
+    def collect(self) -> list[Metric]:
+        stats = self._stats()
+        if stats is None:
+            return []
+        labels = ["model_name"]
+        handoffs = CounterMetricFamily("decode_server_kv_handoffs", "KV handoffs received, by outcome (complete: "
+                                       "every layer arrived; failed: timed out, aborted, sender gone)",
+                                       labels=[*labels, "outcome"])
+        handoffs.add_metric([self._model, "complete"], stats.completed)
+        handoffs.add_metric([self._model, "failed"], stats.failed)
+        received = CounterMetricFamily("decode_server_kv_received_bytes", "KV bytes of the completed handoffs",
+                                       labels=labels)
+        received.add_metric([self._model], stats.bytes_received)
+        refusals = CounterMetricFamily("decode_server_kv_refusals", "KV handoffs refused at admission, by reason "
+                                       "(busy, too_long, duplicate, cancelled, unknown_peer)",
+                                       labels=[*labels, "reason"])
+        for reason in REFUSAL_REASONS:
+            refusals.add_metric([self._model, reason], stats.refusals.get(reason, 0))
+        return [handoffs, received, refusals]
+
+
 class DecodeMetrics:
-    def __init__(self, busy_slots: Callable[[], int], slots: int, build: BuildInfo) -> None:
+    """``model``: the served model name (the ``model_name`` label, as on vLLM's ``vllm:*``)."""
+
+    def __init__(self, busy_slots: Callable[[], int], slots: int, build: BuildInfo, model: str = "",
+                 receiver_stats: Callable[[], ReceiverStats | None] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        m = ["model_name"]
         self._build = Gauge("decode_server_build_info", BUILD_INFO_DOC, list(LABELS), registry=r)
         self.set_build(build)
         self.requests = Counter("decode_server_requests", "Requests by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
         self.errors = Counter("decode_server_errors", "Errors by type (the OpenAI error.type)", ["error_type"],
                               registry=r)
-        self.tokens = Counter("decode_server_generated_tokens", "Output tokens sent (the first token included)",
-                              registry=r)
+        self.tokens = Counter("decode_server_generation_tokens", "Output tokens sent (the first token included)",
+                              m, registry=r).labels(model)
+        self.prompt_tokens = Counter("decode_server_prompt_tokens", "Prompt tokens of the requests decoded here "
+                                     "(counted at their first token)", m, registry=r).labels(model)
         self.tpot = Histogram("decode_server_time_per_output_token_seconds",
-                              "Engine step time divided by the tokens it produced", buckets=_TPOT_BUCKETS, registry=r)
+                              "Engine step time divided by the tokens it produced", m, buckets=_TPOT_BUCKETS,
+                              registry=r).labels(model)
         self.kv_wait = Histogram("decode_server_kv_wait_seconds", "Time from request arrival until its KV was complete",
-                                 buckets=_WAIT_BUCKETS, registry=r)
-        self.drafted = Counter("decode_server_mtp_drafted_tokens", "MTP draft tokens proposed", registry=r)
-        self.accepted = Counter("decode_server_mtp_accepted_tokens", "MTP draft tokens accepted", registry=r)
+                                 m, buckets=_WAIT_BUCKETS, registry=r).labels(model)
+        self.drafted = Counter("decode_server_mtp_drafted_tokens", "MTP draft tokens proposed", m,
+                               registry=r).labels(model)
+        self.accepted = Counter("decode_server_mtp_accepted_tokens", "MTP draft tokens accepted", m,
+                                registry=r).labels(model)
         self.cancelled = Counter("decode_server_cancelled", "Generations stopped early, by reason", ["reason"],
                                  registry=r)
         self._rate = _RecentRate()
@@ -74,6 +120,7 @@ class DecodeMetrics:
               registry=r).set_function(self._acceptance)
         Gauge("decode_server_busy_slots", "Slots holding a sequence", registry=r).set_function(busy_slots)
         Gauge("decode_server_slots", "Configured slots", registry=r).set(slots)
+        r.register(_ReceiverCollector(receiver_stats, model))
 
     def set_build(self, build: BuildInfo) -> None:
         """Report ``build`` (replacing what was reported before)."""
@@ -91,8 +138,9 @@ class DecodeMetrics:
             self._rate.add(n_tokens)
             self.tpot.observe(seconds / n_tokens)
 
-    def first_token(self) -> None:
+    def first_token(self, prompt_tokens: int) -> None:
         self.tokens.inc()
+        self.prompt_tokens.inc(prompt_tokens)
         self._rate.add(1)
 
     def spec(self, drafted: int, accepted: int) -> None:

@@ -140,7 +140,11 @@ def test_mtp_steps_emit_several_tokens_and_metrics(make_server, tokenizer):
     srv.wait_idle()
     metrics = httpx.get(srv.url + "/metrics").text
     assert "decode_server_mtp_acceptance_rate 1.0" in metrics
-    assert f"decode_server_generated_tokens_total {len(rest) + 1}.0" in metrics
+    assert f'decode_server_generation_tokens_total{{model_name="fake-model"}} {len(rest) + 1}.0' in metrics
+    assert 'decode_server_prompt_tokens_total{model_name="fake-model"} 7.0' in metrics
+    # the KV receiver's counters (the fake receiver counts nothing)
+    assert 'decode_server_kv_refusals_total{model_name="fake-model",reason="busy"} 0.0' in metrics
+    assert 'decode_server_kv_received_bytes_total{model_name="fake-model"} 0.0' in metrics
     assert "decode_server_busy_slots 0.0" in metrics
     assert "decode_server_time_per_output_token_seconds_count" in metrics
 

@@ -14,7 +14,7 @@ import time
 from connector.kv_errors import HandoffFailed, HandoffTimeout
 from connector.layout import KVLayout
 from connector.protocol import PeerStatus
-from connector.receiver import ReceivedKV
+from connector.receiver import ReceivedKV, ReceiverStats
 
 
 class FakeReceiver:
@@ -32,6 +32,7 @@ class FakeReceiver:
         self.release_calls: list[str] = []  # every release(), also of handoffs it does not hold
         self.waits: list[str] = []
         self._listening = False
+        self.stats = ReceiverStats()  # what the decode server's /metrics reads: stays at zero here
 
     async def start(self) -> None:
         self._listening = True

@@ -160,9 +160,11 @@ def test_metrics_exposed(make_rig):
     httpx.post(rig.url + "/v1/completions", json={"model": "nope", "prompt": "a"})
     text = httpx.get(rig.url + "/metrics").text
     for needle in (
-        'pd_router_requests_total{endpoint="completions",error_type="",status="200"} 2.0',
-        'pd_router_requests_total{endpoint="completions",error_type="model_not_found",status="404"} 1.0',
-        "pd_router_time_to_first_token_seconds_count",
+        f'pd_router_requests_total{{endpoint="completions",error_type="",model_name="{MODEL}",status="200"}} 2.0',
+        'pd_router_requests_total{endpoint="completions",error_type="model_not_found",model_name="",status="404"} 1.0',
+        f'pd_router_time_to_first_token_seconds_count{{endpoint="completions",model_name="{MODEL}"}} 2.0',
+        "# TYPE pd_router_time_per_output_chunk_seconds histogram",
+        f'pd_router_prompt_tokens_total{{endpoint="completions",model_name="{MODEL}"}}',
         "pd_router_inter_token_latency_seconds_count",
         "pd_router_e2e_latency_seconds_count",
         "pd_router_queue_wait_seconds_count",

@@ -84,6 +84,7 @@ async def test_sequence_too_long_is_refused_by_the_receiver_and_checked_by_the_s
                 await asyncio.to_thread(sender.begin, receiver.endpoint, "long", 100, 5)
             assert info.value.reason == "too_long"
             assert "100 prompt tokens exceed the decode server's max_tokens 64" in str(info.value)
+            assert receiver.stats.refusals == {"too_long": 1}
             with pytest.raises(AdmissionRefused, match="exceed this prefill's KV staging size"):
                 await asyncio.to_thread(sender.begin, receiver.endpoint, "longer", 129, 5)
             assert_no_leaks(receiver, sender)
@@ -99,7 +100,7 @@ async def test_admit_without_hello_is_refused(kv):
         finally:
             client.close()
         assert isinstance(reply, Refused) and reply.reason == "unknown_peer"
-        assert receiver.busy_slots() == 0
+        assert receiver.busy_slots() == 0 and receiver.stats.refusals == {"unknown_peer": 1}
 
 
 async def test_unreachable_endpoint_fails_fast_with_its_address(kv):

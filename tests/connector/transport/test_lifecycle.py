@@ -61,6 +61,7 @@ async def test_sender_never_completes_receiver_times_out_and_frees_the_slot(kv, 
             with pytest.raises(HandoffTimeout, match="never admitted"):
                 await receiver.wait_for("nobody", 0.2)
             assert_no_leaks(receiver, sender)
+            assert (receiver.stats.completed, receiver.stats.failed, receiver.stats.bytes_received) == (0, 1, 0)
         finally:
             sender.close()
 
@@ -98,6 +99,10 @@ async def test_busy_when_all_slots_are_taken_then_free_again(kv):
             await receiver.wait_for("b", 5)
             receiver.release("b")
             assert_no_leaks(receiver, sender)
+            # the decode server's /metrics reads these (decode_server_kv_*)
+            stats = receiver.stats
+            assert (stats.refusals, stats.completed, stats.failed) == ({"busy": 1}, 2, 0)
+            assert stats.bytes_received == 2 * SMALL.num_layers * SMALL.bytes_per_layer(8)
         finally:
             sender.close()
 

@@ -73,6 +73,9 @@ def test_received_kv_matches_an_independent_recomputation(
     # the same counts on vLLM's own /metrics, through its KV-connector stats
     layers = checked_prefill.wait_metric('vllm:tilert_kv_layers_total{', lambda v: v.get("early", 0) >= N_MAIN + 1)
     assert layers.get("early", 0) >= N_MAIN + 1 and layers.get("late", 0) >= first.layers_late
+    posted = checked_prefill.wait_metric("vllm:tilert_kv_posted_bytes_total{", lambda v: sum(v.values()) > 0)
+    posts = checked_prefill.wait_metric("vllm:tilert_kv_post_seconds_count{", lambda v: sum(v.values()) >= 2)
+    assert sum(posted.values()) > 0 and sum(posts.values()) >= 2
     assert result.num_prompt_tokens == len(prompt) and result.last_prompt_token_id == prompt[-1]
     assert "error" not in got_result and got_result["num_tokens"] == len(prompt)
     assert_kv_matches_recomputation(recv.out, "kv-exact", prompt, result.first_token_id, tiny_model_dir)
