@@ -6,8 +6,10 @@ PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
-# Debian packages the Slurm tests run (a real single-node cluster); installed by `make system-deps`
-SYSTEM_PACKAGES = slurm-wlm munge
+# Debian packages some tests run, installed by `make system-deps`: a real single-node Slurm
+# cluster (the Slurm tests) and Prometheus with promtool (the dashboard and alert-rule tests)
+SLURM_PACKAGES = slurm-wlm munge
+SYSTEM_PACKAGES = $(SLURM_PACKAGES) prometheus
 
 # AIPerf, which the Slurm CPU-stack test's benchmark step runs: a venv of its own (as in the
 # decode image's /opt/bench), so that its dependencies cannot move the serving environment's
@@ -56,15 +58,15 @@ check: venv
 # apt-get (CI); otherwise named, and the tests that need them fail saying so.
 system-deps:
 	@missing=""; \
-	command -v /usr/sbin/slurmctld >/dev/null 2>&1 || missing="$(SYSTEM_PACKAGES)"; \
-	command -v /usr/sbin/munged >/dev/null 2>&1 || missing="$(SYSTEM_PACKAGES)"; \
+	{ command -v /usr/sbin/slurmctld && command -v /usr/sbin/munged; } >/dev/null 2>&1 || missing="$(SLURM_PACKAGES)"; \
+	{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo ">> apt-get install $$missing (the Slurm tests)"; \
+		echo ">> apt-get install $$missing (the Slurm and Prometheus tests)"; \
 		DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing >/dev/null; \
 	else \
-		echo ">> not installed: $$missing (Debian packages; run 'make system-deps' as root): the Slurm tests will fail"; \
+		echo ">> not installed: $$missing (Debian packages; run 'make system-deps' as root): the tests that run them will fail"; \
 	fi
 
 test: venv system-deps bench-tools check
