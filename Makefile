@@ -17,7 +17,7 @@ AIPERF_VENV = .cache/aiperf-venv
 AIPERF_PIN  = aiperf==0.13.0
 AIPERF_STAMP = $(AIPERF_VENV)/.installed-$(AIPERF_PIN)
 
-.PHONY: venv run check test test-fast system-deps bench bench-tools clean
+.PHONY: venv run check test test-fast system-deps bench bench-tools plots clean
 
 venv: $(STAMP)
 
@@ -83,6 +83,10 @@ bench: venv
 	$(PY) bench/kv_transfer.py
 	$(PY) bench/decode.py
 	$(PY) bench/e2e.py
+
+# docs/img/*.png from the benchmarks' data files (bench/results/*.json)
+plots: venv
+	$(PY) -m bench.plots
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -28,7 +28,9 @@ these requests are not timed. The drafter's share of the PD worker's busy sample
 the PD prefill step is the MTP layer's part of PD's TTFT; PD's TTFT without it is
 compared with vLLM alone's (raw samples kept next to ``--json``).
 
-Usage: ``.venv/bin/python bench/e2e.py [--tokens 1024 8192] [--reps 3] [--json FILE] [--plot FILE]``
+Usage: ``.venv/bin/python bench/e2e.py [--tokens 1024 8192] [--reps 3] [--json FILE] [--results DIR]
+[--img DIR | --no-plot]``: the rows go to bench/results/e2e.json and docs/img/e2e.png is
+drawn from them (``python -m bench.plots`` redraws it).
 Goals (issue 19): TPOT PD / alone <= 1.0 at every prompt length; TTFT PD / alone <= 1.15
 at the longest (8k); the part of PD's TTFT over vLLM alone's that is not the MTP layer.
 """
@@ -65,7 +67,6 @@ MODEL = "tiny-glm"
 OUTPUT_TOKENS = 32
 TPOT_GOAL = 1.0  # PD / alone, every prompt length
 TTFT_GOAL = 1.15  # PD / alone, longest prompt
-DEFAULT_PLOT = REPO / "docs" / "img" / "e2e.png"
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,9 @@ def main() -> None:
     ap.add_argument("--profile-reps", type=int, default=1, help="sampled requests per target (0: no profile)")
     ap.add_argument("--skip-alone-mtp", action="store_true", help="leave vLLM alone with MTP out")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
-    ap.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="the figure (docs/img/e2e.png)")
+    ap.add_argument("--results", type=Path, default=REPO / "bench" / "results",
+                    help="where e2e.json goes (python -m bench.plots draws from it)")
+    ap.add_argument("--img", type=Path, default=REPO / "docs" / "img", help="where e2e.png goes")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
     max_len = max(args.tokens) + 1024
@@ -182,11 +185,14 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"started": started, "load_start": load_start, "load_end": load_end,
                                          "reps": args.reps, "rows": [asdict(r) for r in rows]}, indent=1))
-    if not args.no_plot:
-        from bench.plots import plot_e2e
+    from bench.plots import render, write_result
 
-        plot_e2e(rows, args.plot, f"{started}, load {load_start[0]:.1f} -> {load_end[0]:.1f}")
-        print(f"figure: {args.plot}")
+    run = f"{started}, {os.cpu_count()} CPUs, load {load_start[0]:.1f} -> {load_end[0]:.1f}"
+    data = write_result("e2e", run, [asdict(r) for r in rows], args.results, reps=args.reps,
+                        goals={"ttft": TTFT_GOAL, "tpot": TPOT_GOAL})
+    print(f"data: {data}")
+    if not args.no_plot:
+        print(f"figure: {render('e2e', args.results, args.img)}")
 
 
 def measure(tokens: int, prompt: str, urls: dict[str, str], reps: int, log_dir: Path) -> Row:

@@ -20,7 +20,9 @@ For each size:
 ``done/memcpy`` is the median over reps of (memcpy time / push-to-complete time) of
 each push and the memcpy right after it; bandwidths are medians of ``--reps``. Usage:
 ``.venv/bin/python bench/kv_transfer.py [--tokens 1024 8192] [--reps 5] [--layer-ms 5] [--lanes 2]``
-(``--lanes 1``: one posting thread, as before the sender had lanes).
+(``--lanes 1``: one posting thread, as before the sender had lanes). The rows go to
+bench/results/kv_transfer.json and docs/img/kv_transfer.png is drawn from them
+(``python -m bench.plots`` redraws it).
 """
 
 from __future__ import annotations
@@ -136,8 +138,14 @@ def main() -> None:
     ap.add_argument("--layer-ms", type=float, default=5.0, help="simulated compute per layer for the tail")
     ap.add_argument("--lanes", type=int, nargs="+", default=[2],
                     help="sender lanes (posting threads) to compare")
+    ap.add_argument("--results", type=Path, default=REPO / "bench" / "results",
+                    help="where kv_transfer.json goes (python -m bench.plots draws from it)")
+    ap.add_argument("--img", type=Path, default=REPO / "docs" / "img", help="where kv_transfer.png goes")
+    ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
     began = time.monotonic()
+    started, load_start = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()[0]
+    rows: list[dict[str, float]] = []
     print(f"GLM-5.1 fp8_ds_mla, {LAYOUT.num_layers} layers, NIXL/UCX loopback, 2 processes; "
           f"medians of {args.reps}; GB/s = 1e9 B/s")
     print(f"{'tokens':>6} {'MiB':>7} {'lanes':>5} {'memcpy':>7} {'sent':>7} {'done':>7} {'done/memcpy':>11} "
@@ -149,11 +157,19 @@ def main() -> None:
                 break
             with tempfile.TemporaryDirectory() as tmp:
                 r = run_size(tokens, args.reps, args.layer_ms, Path(tmp), lanes)
+            rows.append({**r, "lanes": lanes})
             print(f"{r['tokens']:>6} {r['MiB']:>7.1f} {lanes:>5} {r['memcpy']:>7.2f} {r['sent']:>7.2f} "
                   f"{r['done']:>7.2f} {r['ratio']:>11.2f} {r['memcpy2']:>7.2f} {r['ratio2']:>12.2f} "
                   f"{r['tail_ms']:>8.2f} {r['tail_share']:>12.3f}")
     prefill_ms = LAYOUT.num_layers * args.layer_ms
     print(f"tail: layers posted every {args.layer_ms} ms (simulated prefill {prefill_ms:.0f} ms)")
+    from bench.plots import render, write_result
+
+    run = (f"{started}, {os.cpu_count()} CPUs, load {load_start:.1f} -> {os.getloadavg()[0]:.1f}; "
+           f"{LAYOUT.num_layers}-layer GLM-5.1 fp8_ds_mla, NIXL/UCX loopback, medians of {args.reps}")
+    print(f"data: {write_result('kv_transfer', run, rows, args.results)}")
+    if not args.no_plot and rows:
+        print(f"figure: {render('kv_transfer', args.results, args.img)}")
 
 
 if __name__ == "__main__":

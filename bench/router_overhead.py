@@ -7,10 +7,11 @@ with a system and a user message of ~1k tokens together (English text). Prints t
 router's added TTFT p50/p99, added inter-token latency p50/p99, throughput ratio
 (router/direct) and router CPU microseconds per output token (from the router process's
 CPU time) per endpoint, each goal as met or not, writes them to docs/benchmarks.md under
-"## Router overhead" and draws docs/img/router_overhead.png.
+"## Router overhead", its rows to bench/results/router_overhead.json and draws
+docs/img/router_overhead.png from them (``python -m bench.plots`` redraws it).
 
     .venv/bin/python bench/router_overhead.py [--requests-per-client C1 C16 C64] [--rounds N]
-        [--endpoints completions chat] [--no-write] [--plot FILE | --no-plot]
+        [--endpoints completions chat] [--no-write] [--results DIR] [--img DIR | --no-plot]
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from tests.procs import free_port, python_argv, server  # noqa: E402
 TOKENS, TOKEN_DELAY, PROMPT = 64, 0.00319, " ".join(f"w{i % 97}" for i in range(1000))
 CONCURRENCY = (1, 16, 64)
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-DEFAULT_PLOT = REPO / "docs" / "img" / "router_overhead.png"
 
 
 def chat_messages() -> list[dict[str, str]]:
@@ -240,7 +240,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="direct/routed alternations per concurrency")
     parser.add_argument("--endpoints", nargs="+", choices=sorted(ENDPOINTS), default=list(ENDPOINTS))
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
-    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="the figure (docs/img/router_overhead.png)")
+    parser.add_argument("--results", type=Path, default=REPO / "bench" / "results",
+                        help="where router_overhead.json goes (python -m bench.plots draws from it)")
+    parser.add_argument("--img", type=Path, default=REPO / "docs" / "img", help="where router_overhead.png goes")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
     started, load_start = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()[0]
@@ -288,14 +290,15 @@ def main() -> None:
     print(goals)
     print(f"({started}, {took:.0f} s; load average {load_start:.1f} at the start, {load:.1f} at the end, "
           f"{os.cpu_count()} CPUs; logs in {logs})")
+    from bench.plots import render, write_result
+
+    data = write_result("router_overhead", f"{started}, {os.cpu_count()} CPUs, load {load_start:.1f} -> {load:.1f}",
+                        rows, args.results, goals={k: [c, limit] for k, (c, limit, _, _) in GOALS.items()})
+    print(f"data: {data}")
     figure = ""
     if not args.no_plot:
-        from bench.plots import plot_router
-
-        plot_router(rows, {k: v[1] for k, v in GOALS.items()}, args.plot,
-                    f"{started}, load {load_start:.1f} -> {load:.1f}")
-        print(f"figure: {args.plot}")
-        figure = f"\n![router overhead per endpoint](img/{args.plot.name})\n"
+        print(f"figure: {render('router_overhead', args.results, args.img)}")
+        figure = "\n![router overhead by concurrency](img/router_overhead.png)\n"
     if not args.no_write:
         _write_section(
             "## Router overhead\n\n"
