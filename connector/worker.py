@@ -404,7 +404,8 @@ class ConnectorWorker:
             stats = self._stats
             if status == "failed":
                 stats["handoffs_failed"] += 1
-                stats["failed_" + send.reason] += 1
+                key = f"failed_{send.reason}"
+                stats[key] = stats.get(key, 0) + 1
             else:
                 stats["handoffs_posted"] += 1
                 if self._layout is not None:
