@@ -21,7 +21,8 @@ request:
 4. **Deferred**: a handoff that could not open (no staging buffer free, decode server not
    handshaken yet) is gathered in a later step, from the request's blocks, which vLLM
    holds until this worker reports the request in ``get_finished``; past
-   ``transfer_timeout_s`` it fails.
+   ``transfer_timeout_s`` (counted from the end of the last step's forward pass, like every
+   handoff's transfer deadline) it fails.
 5. ``get_finished``: a request vLLM finished is returned in the first set (vLLM frees
    its blocks) as soon as every layer of this rank is copied into staging (the WRITEs
    read staging, not vLLM's cache), or its handoff failed or was aborted.
@@ -34,6 +35,7 @@ reports, and the scheduler side answers "failed" if any rank failed.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +65,7 @@ log = logging.getLogger(__name__)
 
 class Handoff(Protocol):
     error: str | None
+    deadline: float  # time.monotonic(); the sender aborts a handoff not fully written by then
 
     def staging(self, layer: int) -> dict[str, torch.Tensor]: ...
 
@@ -224,7 +227,6 @@ class ConnectorWorker:
             if send is not None:
                 self._abort(send, "the request finished before its prompt was computed")
         self._active = []
-        now = time.monotonic()
         for work in plan.work:
             send = self._sends.get(work.req_id)
             if send is None:
@@ -232,7 +234,10 @@ class ConnectorWorker:
             send.work = work
             if work.last and not send.last_bound and send.error is None:
                 send.last_bound = True
-                send.deadline = now + self.settings.transfer_timeout_s
+                # the step's forward pass is not the transfer's to bound: the deadline starts
+                # when the pass has ended (wait_for_save); a long prompt's last step (an 8k
+                # prompt on a loaded CPU: tens of seconds) must not use it up
+                send.deadline = math.inf
                 send.t_step = time.perf_counter()
                 self._active.append(send)
                 self._open(send)
@@ -260,7 +265,11 @@ class ConnectorWorker:
         """The late path: every layer not posted yet, from the registered caches, in one burst;
         then report each handoff of this step without waiting for its WRITEs."""
         active, self._active = self._active, []
+        deadline = time.monotonic() + self.settings.transfer_timeout_s
         for send in active:
+            send.deadline = deadline
+            if send.handoff is not None:
+                send.handoff.deadline = deadline
             if send.error is None:
                 self._open(send)
                 self._gather_late(send)

@@ -381,6 +381,33 @@ def test_a_handoff_that_cannot_open_fails_after_the_transfer_timeout(rig):
     r.assert_no_leaks()
 
 
+def test_the_transfer_deadline_starts_when_the_last_steps_forward_pass_ends(rig):
+    """A long prompt's last step (8k tokens on a loaded CPU: tens of seconds) is compute, not
+    transfer: the handoff's deadline is counted from wait_for_save, not from bind."""
+    timeout = 0.05
+    t: dict[str, float] = {}
+
+    def slow_forward(layer: int) -> bool:
+        if layer == N_MAIN and "forward_end" not in t:  # the pass outlasts transfer_timeout_s
+            while time.monotonic() <= t["bind"] + 2 * timeout:  # the clock is what we wait for
+                time.sleep(0.01)
+            t["forward_end"] = time.monotonic()
+        return True
+
+    r = rig(transfer_timeout_s=timeout, saves_layer=slow_forward)
+    r.engine.add(request("a", 40, seed=3))
+    t["bind"] = time.monotonic()
+    r.engine.step()
+    handoff = r.handoff("h-a")
+    assert handoff.deadline >= t["forward_end"] + timeout  # given after the pass, to the sender too
+    assert r.workers[0]._sends["a"].deadline == handoff.deadline
+    assert r.engine.results["a"][1]["status"] != "failed" and handoff.abort_reason is None
+    r.engine.run_until_idle()
+    assert_kv(handoff, seed=3, n=40)
+    assert r.admissions.aborted == []
+    r.assert_no_leaks()
+
+
 def _caches(n_layers: int) -> dict[str, torch.Tensor]:
     return {
         f"model.layers.{i}.self_attn.attn": torch.zeros(8, 16, 576, dtype=torch.float32)
