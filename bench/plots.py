@@ -136,12 +136,17 @@ def plot_e2e(data: Data, path: Path) -> None:
     rows = sorted(data["rows"], key=lambda r: r["prompt_tokens"])
     goals = data.get("goals", {})
     labels = [f"{r['prompt_tokens']} tok" for r in rows]
-    targets = list(rows[0]["ttft_ms"])
+    ttfts = [dict(r["ttft_ms"]) for r in rows]
+    for r, values in zip(rows, ttfts, strict=True):
+        drafter = _drafter_ms(r)
+        if drafter is not None:  # bench/e2e.py's py-spy profile: the MTP drafter's part of PD's prefill step
+            values["PD without the MTP drafter (estimate)"] = r["ttft_ms"]["PD"] - drafter
+    targets = list(dict.fromkeys(t for values in ttfts for t in values))
     fig, (ttft, ratios) = plt.subplots(1, 2, figsize=(12, 4))
     width = 0.8 / len(targets)
     for i, target in enumerate(targets):
         xs = [x + (i - (len(targets) - 1) / 2) * width for x in range(len(rows))]
-        bars = ttft.bar(xs, [r["ttft_ms"][target] for r in rows], width, label=target)
+        bars = ttft.bar(xs, [values.get(target, 0.0) for values in ttfts], width, label=target)
         ttft.bar_label(bars, fmt="%.0f", fontsize=7)
     ttft.set_xticks(range(len(rows)), labels)
     ttft.set_yscale("log")
@@ -160,6 +165,15 @@ def plot_e2e(data: Data, path: Path) -> None:
     ratios.set_title("PD / vLLM alone (same model and numerics)", fontsize=9)
     ratios.legend(fontsize=7)
     _save(fig, plt, path, "bench/e2e.py: PD stack vs vLLM alone", data["run"])
+
+
+def _drafter_ms(row: Mapping[str, Any]) -> float | None:
+    """The MTP drafter's share of the PD prefill worker's busy samples times the PD prefill
+    step (bench/e2e.py's ``drafter_share``), when the row has a profile."""
+    prof = (row.get("profile") or {}).get("PD")
+    if not prof or not prof.get("busy"):
+        return None
+    return float(prof["MTP drafter"] / prof["busy"] * row["prefill_step_ms"])
 
 
 FIGURES: dict[str, Callable[[Data, Path], None]] = {

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.plots import FIGURES, RESULTS, render_all, write_result
+from bench.plots import FIGURES, RESULTS, _drafter_ms, render_all, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -29,8 +29,15 @@ def _sample(results: Path) -> None:
          "ratio": lanes / 3, "sent": 7.0, "ratio2": 0.5, "tail_ms": 1.2} for t in (1024, 8192) for lanes in (1, 2)],
         results)
     write_result("e2e", "sample", [
-        {"prompt_tokens": t, "ttft_ms": {"PD": t / 5, "alone": t / 6}, "tpot_ms": {"PD": 5.0, "alone": 4.5}}
+        {"prompt_tokens": t, "ttft_ms": {"PD": t / 5, "alone": t / 6}, "tpot_ms": {"PD": 5.0, "alone": 4.5},
+         "prefill_step_ms": t / 5.5, "profile": {"PD": {"busy": 100.0, "MTP drafter": 30.0}} if t > 1024 else {}}
         for t in (1024, 8192)], results, goals={"ttft": 1.15, "tpot": 1.0})
+
+
+def test_the_mtp_drafter_estimate_is_the_profiles_share_of_the_prefill_step():
+    row = {"prefill_step_ms": 1000.0, "profile": {"PD": {"busy": 200.0, "MTP drafter": 50.0}}}
+    assert _drafter_ms(row) == 250.0
+    assert _drafter_ms({"prefill_step_ms": 1000.0, "profile": {}}) is None
 
 
 def _pngs(paths: list[Path]) -> dict[str, int]:
