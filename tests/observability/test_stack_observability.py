@@ -7,14 +7,17 @@ server + router, real NIXL), one stack for both tests:
   grafana-dashboard.json and every alert's quantity returns series, every rule evaluates
   without error, and the connector's and the KV receiver's figures have counted the traffic;
 * every process sends its spans to one in-process OTLP collector: one request is one
-  trace with the router's spans, vLLM's ``llm_request`` and the decode server's spans.
+  trace with the router's spans, vLLM's ``llm_request`` and the decode server's spans;
+* last, the decode server killed: the no-ready-backend alert goes off for the decode role.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -222,3 +225,19 @@ def test_one_request_is_one_trace_across_router_vllm_and_decode_server(observed:
     assert dec["generation"].attributes["pd.completion_tokens"] == 6
     assert router["handoff"].attributes["pd.handoff.status"] in ("sent", "pending")
     assert {s.trace_id for s in spans} == {root.trace_id}
+
+
+@pytest.mark.slow
+def test_the_no_ready_backend_alert_goes_off_when_the_decode_server_dies(observed: Observed):
+    """Last in this module: it kills the stack's decode server. Its alert turns pending (its
+    expression holds) for the decode role only, within a few probes and evaluations."""
+    prom, stack = observed.prometheus, observed.stack
+    decode = next(p for p in stack.processes if p.name == "decode-0")
+    os.killpg(decode.pid, signal.SIGKILL)
+
+    def alerting() -> list[dict[str, Any]]:
+        alerts = httpx.get(f"{prom}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+        return [a for a in alerts if a["labels"]["alertname"] == "PDNoReadyBackend"]
+
+    wait_until(alerting, 60, "PDNoReadyBackend pending or firing")
+    assert [(a["labels"]["role"], a["state"] in ("pending", "firing")) for a in alerting()] == [("decode", True)]
