@@ -70,6 +70,29 @@ def test_promtool_accepts_the_config_and_the_rules():
         assert ALERT.fullmatch(rule["expr"].strip()), f"{rule['alert']}: not '(QUANTITY) OP THRESHOLD'"
 
 
+def test_the_dashboard_is_a_grafana_dashboard_over_one_datasource_variable():
+    dashboard = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource"]
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels), "panel ids are unique"
+    cells: set[tuple[int, int]] = set()
+    for p in panels:
+        g = p["gridPos"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert g["x"] + g["w"] <= 24 and not mine & cells, f"{p['title']} overlaps another panel"
+        cells |= mine
+        if p["type"] != "row":
+            assert p["description"] and p["fieldConfig"]["defaults"]["unit"] and p["targets"], p["title"]
+            for item in (p, *p["targets"]):
+                assert item["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+    titles = {p["title"] for p in panels}
+    assert {"TTFT at the router", "Slot occupancy per decode server", "Prefill load (vLLM)", "KV handoff time",
+            "KV bandwidth", "Failures by type", "Queue wait"} <= titles
+    described = (DEPLOY.parents[1] / "docs" / "metrics.md").read_text()
+    for p in panels:  # docs/metrics.md describes every panel, by its title
+        assert (f"**{p['title']}.**" if p["type"] == "row" else f"*{p['title']}*") in described, p["title"]
+
+
 @dataclass
 class Observed:
     stack: Stack
