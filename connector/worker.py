@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from connector.endpoints import DecodeEndpoints
 from connector.keeper import HandshakeKeeper
 from connector.kv_errors import AdmissionRefused, ControlChannelError, HandshakeRejected
 from connector.layout import KVLayout, SenderPlan, gather_layer
@@ -140,6 +141,7 @@ class ConnectorWorker:
         self._sends: dict[str, _Send] = {}
         self._active: list[_Send] = []
         self._keeper: HandshakeKeeper | None = None
+        self._endpoints = DecodeEndpoints(settings)
         self._stats = dict.fromkeys(("handoffs_posted", "handoffs_failed", "layers_early", "layers_late"), 0)
 
     # -- start-up -----------------------------------------------------------------------
@@ -165,8 +167,9 @@ class ConnectorWorker:
         self._caches = [kv_caches[name] for name in layers.mla]
         self._indexer = {i: kv_caches[name] for i, name in enumerate(layers.indexer) if name is not None}
         self._my_layers = frozenset(self.plan.layers(layout.num_layers))
-        self._keeper = HandshakeKeeper(self._sender, self.settings.decode_endpoints,
-                                       self.settings.handshake_interval_s, self.settings.handshake_timeout_s)
+        listed = self._endpoints.refresh if self._endpoints.dynamic else self.settings.decode_endpoints
+        self._keeper = HandshakeKeeper(self._sender, listed, self.settings.handshake_interval_s,
+                                       self.settings.handshake_timeout_s)
         self._keeper.start()
         log.info(
             "TileRTConnector worker rank %d: profile %s, %d layers (sends %d), layout %s",
@@ -191,7 +194,7 @@ class ConnectorWorker:
     def _handshake_all(self) -> ProfileMismatch | None:
         assert self._sender is not None
         first: ProfileMismatch | None = None
-        for endpoint in self.settings.decode_endpoints:
+        for endpoint in self._endpoints.refresh():
             try:
                 self._sender.connect(endpoint, self.settings.handshake_timeout_s)
                 log.info("KV handshake with %s: ok", endpoint)
