@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from connector.control import parse_endpoint
 from pd_settings.problems import SettingsError, validate_mapping
 from pd_settings.secrets import is_loopback, read_secret
-from pd_settings.servers import checked_servers_file, split_host_port
+from pd_settings.servers import checked_name_ports, checked_servers_file
 
 ProfileName = Literal["auto", "tiny", "glm5.1"]
 PREFIX = "kv_connector_extra_config."
@@ -120,12 +120,7 @@ class ConnectorSettings(BaseModel):
 
     _servers_file = field_validator("servers_file")(checked_servers_file)
 
-    @field_validator("decode_kv_dns")
-    @classmethod
-    def _dns(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for name_port in value:
-            split_host_port(name_port)
-        return value
+    _dns = field_validator("decode_kv_dns")(checked_name_ports)
 
     @field_validator("decode_endpoints", "decode_kv_dns", mode="before")
     @classmethod

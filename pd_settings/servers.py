@@ -66,6 +66,13 @@ def split_host_port(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def checked_name_ports(value: tuple[str, ...]) -> tuple[str, ...]:
+    """A pydantic validator for a list of ``NAME:PORT`` DNS targets."""
+    for name_port in value:
+        split_host_port(name_port)
+    return value
+
+
 def join_host_port(host: str, port: int) -> str:
     """``host:port``, an IPv6 address in brackets."""
     try:
