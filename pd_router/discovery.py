@@ -68,7 +68,10 @@ class Discovery:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:  # a bug: log it, keep the lists as they are, look again next time
+                log.exception("discovery failed; keeping the current servers")
 
     async def refresh(self) -> None:
         """Look at the servers file and the DNS names again, then apply what changed."""

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from pd_deploy.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv
+from pd_router.load import vllm_load
 from pd_router.wire import BackendList
 from tests.e2e.conftest import make_stack_config, vllm_kv_usage
 from tests.procs import server, wait_until
@@ -87,6 +88,8 @@ def test_decode_server_added_and_removed_at_runtime(stack: dict) -> None:
                60, "both listed decode servers ready")
     status, baseline = complete(router, model, "before")
     assert status == 200, baseline
+    # vLLM publishes the load gauges the router's least-loaded choice reads (running + waiting)
+    assert vllm_load(httpx.get(cfg.prefill_url + "/metrics", timeout=5).text) == 0.0
 
     # a third decode server, started now, listed in the file: no restart of router or vLLM
     stack["decode"](2)
