@@ -5,9 +5,11 @@ Three sources, the same the router reads (:mod:`pd_settings.servers`): the fixed
 every address the DNS names of ``decode_kv_dns`` (``NAME:PORT``) resolve to. The handshake
 keeper re-reads them every ``handshake_interval_s`` (:meth:`DecodeEndpoints.refresh`):
 a decode server added is handshaken within one interval, one removed is dropped. The
-scheduler side asks :meth:`DecodeEndpoints.allowed` for each request's ``kv_endpoint``; an
-endpoint it does not know yet triggers one early look (at most every
-:data:`MISS_REFRESH_S`), so a request routed to a server added a moment ago is not refused
+scheduler side (vLLM's engine-core process, which has no keeper) refreshes on a thread of
+its own (:meth:`DecodeEndpoints.start`) and asks :meth:`DecodeEndpoints.allowed` for each
+request's ``kv_endpoint``; an endpoint it does not know yet triggers an early re-read of the
+servers file (at most every :data:`MISS_REFRESH_S`; no DNS lookup there: it runs on vLLM's
+scheduling thread), so a request routed to a server added a moment ago is not refused
 because this process looked before the router did.
 
 A failed read of the file or a failed lookup keeps the endpoints found last (a DNS
@@ -38,6 +40,7 @@ class DecodeEndpoints:
         self._current: tuple[str, ...] = settings.decode_endpoints
         self._lock = threading.Lock()
         self._last = 0.0  # time.monotonic() of the last refresh
+        self._stop: threading.Event | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -47,8 +50,27 @@ class DecodeEndpoints:
     def current(self) -> tuple[str, ...]:
         return self._current
 
-    def refresh(self) -> tuple[str, ...]:
-        """Read the sources again; the endpoints now (static ones first, each once)."""
+    def start(self, interval_s: float) -> None:
+        """Refresh every ``interval_s`` on a daemon thread (the scheduler side); no-op when
+        nothing can change or the interval is 0."""
+        if not self.dynamic or interval_s <= 0:
+            return
+        stop = self._stop = threading.Event()
+
+        def run() -> None:
+            self.refresh()
+            while not stop.wait(interval_s):
+                self.refresh()
+
+        threading.Thread(target=run, name="tilert-kv-endpoints", daemon=True).start()
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    def refresh(self, resolve: bool = True) -> tuple[str, ...]:
+        """Read the sources again (``resolve``: DNS names too, else their last answers); the
+        endpoints now (static ones first, each once)."""
         with self._lock:
             found = list(self._settings.decode_endpoints)
             if self._file is not None:
@@ -58,7 +80,7 @@ class DecodeEndpoints:
                 if self._file.current is not None:
                     found += self._valid(self._file.current.kv_endpoints())
             for name in self._settings.decode_kv_dns:
-                found += self._lookup(name)
+                found += self._lookup(name) if resolve else self._resolved.get(name, ())
             current = tuple(dict.fromkeys(found))
             if current != self._current:
                 log.info("decode KV endpoints: %s", ", ".join(current) or "none")
@@ -91,5 +113,5 @@ class DecodeEndpoints:
         if endpoint in self._current:
             return True
         if time.monotonic() - self._last >= MISS_REFRESH_S:
-            return endpoint in self.refresh()
+            return endpoint in self.refresh(resolve=False)
         return False

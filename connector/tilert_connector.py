@@ -72,6 +72,8 @@ class TileRTConnector(KVConnectorBase_V1):
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            endpoints = DecodeEndpoints(settings)
+            endpoints.start(settings.handshake_interval_s)
             admissions = AdmissionClient(
                 agent_name=default_agent_name(engine_id, None), group=group,
                 fingerprint=layout_fingerprint(profile.layout, world), transport="nixl",
@@ -84,7 +86,7 @@ class TileRTConnector(KVConnectorBase_V1):
                 max_tokens=max_tokens,
                 world_size=world,
                 admissions=admissions,
-                endpoint_allowed=DecodeEndpoints(settings).allowed,
+                endpoint_allowed=endpoints.allowed,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -15,6 +15,7 @@ from connector.endpoints import DecodeEndpoints
 from connector.keeper import HandshakeKeeper
 from tests.connector.transport.helpers import eventually
 from tests.fakes.fake_resolver import FakeResolver
+from tests.procs import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,6 +56,20 @@ def test_allowed_looks_again_for_an_endpoint_it_does_not_know(tmp_path: Path) ->
     # without any source: loopback only (as before)
     plain = DecodeEndpoints(ConnectorSettings())
     assert not plain.dynamic and plain.allowed("127.0.0.1:9") and not plain.allowed("10.0.0.1:8300")
+
+
+def test_the_scheduler_sides_thread_resolves_dns_and_allowed_never_does(tmp_path: Path) -> None:
+    resolver = FakeResolver({"decode.svc": ["10.0.1.1"]})
+    eps = DecodeEndpoints(ConnectorSettings(decode_kv_dns=("decode.svc:8300",)), resolver)
+    eps._last = 0.0
+    assert not eps.allowed("10.0.1.1:8300") and resolver.lookups == []  # vLLM's thread: no lookup
+    eps.start(0.05)
+    try:
+        wait_until(lambda: eps.allowed("10.0.1.1:8300"), 5, "the refresher thread's first lookup")
+        resolver.names["decode.svc"] = ["10.0.1.2"]
+        wait_until(lambda: eps.current() == ("10.0.1.2:8300",), 5, "the next lookup")
+    finally:
+        eps.stop()
 
 
 def test_settings_check_the_file_and_dns_names(tmp_path: Path) -> None:
