@@ -194,7 +194,8 @@ class RouterState:
             self._on_probe()
 
     def _on_probe(self) -> None:
-        self.backends.sweep()  # what drained since the last look
+        for backend in self.backends.sweep():  # what drained since the last look
+            self.metrics.forget(backend.url)
         self.backends.refresh()
         self.pool.dispatch()
         self.update_gauges()
