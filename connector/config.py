@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from connector.control import parse_endpoint
 from pd_settings.problems import SettingsError, validate_mapping
 from pd_settings.secrets import is_loopback, read_secret
+from pd_settings.servers import checked_name_ports, checked_servers_file
 
 ProfileName = Literal["auto", "tiny", "glm5.1"]
 PREFIX = "kv_connector_extra_config."
@@ -41,6 +42,18 @@ class ConnectorSettings(BaseModel):
     )
     decode_endpoints: tuple[str, ...] = Field(
         default=(), description="host:port KV endpoints of decode servers, handshaken eagerly at start-up"
+    )
+    servers_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the servers file the router reads too (pd_settings.servers): the kv_endpoint of each "
+        "decode server in it is handshaken; re-read every handshake_interval_s (added: handshaken, removed: "
+        "dropped)",
+    )
+    decode_kv_dns: tuple[str, ...] = Field(
+        default=(),
+        description="NAME:PORT whose DNS name resolves to the decode servers' KV endpoints (a Kubernetes "
+        "headless Service), re-resolved every handshake_interval_s",
     )
     handshake_timeout_s: float = Field(default=10.0, gt=0, le=600)
     handshake_interval_s: float = Field(
@@ -105,7 +118,11 @@ class ConnectorSettings(BaseModel):
             return False
         return is_loopback(host)
 
-    @field_validator("decode_endpoints", mode="before")
+    _servers_file = field_validator("servers_file")(checked_servers_file)
+
+    _dns = field_validator("decode_kv_dns")(checked_name_ports)
+
+    @field_validator("decode_endpoints", "decode_kv_dns", mode="before")
     @classmethod
     def _endpoints(cls, value: Any) -> Any:
         if isinstance(value, str):

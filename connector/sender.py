@@ -134,6 +134,24 @@ class KVSender:
         and the handshake keeper)."""
         self._peer(endpoint, timeout)
 
+    def disconnect(self, endpoint: str) -> bool:
+        """Forget ``endpoint`` (a decode server no longer listed): close its control
+        connection and remove its NIXL peer. False, and nothing done, while a handoff to it
+        is pending (the keeper tries again next round)."""
+        with self._active_lock:
+            if any(h.peer.endpoint == endpoint for h in self._active.values()):
+                return False
+        with self._peers_lock:
+            lock = self._handshake_locks.setdefault(endpoint, threading.Lock())
+        with lock:
+            with self._peers_lock:
+                peer = self._peers.pop(endpoint, None)
+                self._connect_errors.pop(endpoint, None)
+            if peer is not None:
+                peer.client.close()
+                self._transport.remove_peer(peer.agent)
+        return True
+
     def _ready_peer(self, endpoint: str) -> Peer | None:
         with self._peers_lock:
             peer = self._peers.get(endpoint)

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from connector.admission import AdmissionClient
 from connector.config import load_settings
 from connector.control import ControlClient
+from connector.endpoints import DecodeEndpoints
 from connector.layout import layout_fingerprint
 from connector.metadata import ReportOutbox, StepPlan, report_address
 from connector.profiles import resolve_profile
@@ -71,6 +72,8 @@ class TileRTConnector(KVConnectorBase_V1):
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            endpoints = DecodeEndpoints(settings)
+            endpoints.start(settings.handshake_interval_s)
             admissions = AdmissionClient(
                 agent_name=default_agent_name(engine_id, None), group=group,
                 fingerprint=layout_fingerprint(profile.layout, world), transport="nixl",
@@ -83,7 +86,7 @@ class TileRTConnector(KVConnectorBase_V1):
                 max_tokens=max_tokens,
                 world_size=world,
                 admissions=admissions,
-                endpoint_allowed=settings.endpoint_allowed,
+                endpoint_allowed=endpoints.allowed,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

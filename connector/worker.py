@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, get_args
 
+from connector.endpoints import DecodeEndpoints
 from connector.keeper import HandshakeKeeper
 from connector.kv_errors import AdmissionRefused, ControlChannelError, HandshakeRejected
 from connector.layout import KVLayout, SenderPlan, gather_layer
@@ -155,6 +156,7 @@ class ConnectorWorker:
         self._keeper: HandshakeKeeper | None = None
         self._layout: KVLayout | None = None
         self._stats = empty_stats()
+        self._endpoints = DecodeEndpoints(settings)
 
     # -- start-up -----------------------------------------------------------------------
 
@@ -180,8 +182,9 @@ class ConnectorWorker:
         self._indexer = {i: kv_caches[name] for i, name in enumerate(layers.indexer) if name is not None}
         self._my_layers = frozenset(self.plan.layers(layout.num_layers))
         self._layout = layout
-        self._keeper = HandshakeKeeper(self._sender, self.settings.decode_endpoints,
-                                       self.settings.handshake_interval_s, self.settings.handshake_timeout_s)
+        listed = self._endpoints.refresh if self._endpoints.dynamic else self.settings.decode_endpoints
+        self._keeper = HandshakeKeeper(self._sender, listed, self.settings.handshake_interval_s,
+                                       self.settings.handshake_timeout_s)
         self._keeper.start()
         log.info(
             "TileRTConnector worker rank %d: profile %s, %d layers (sends %d), layout %s",
@@ -206,7 +209,7 @@ class ConnectorWorker:
     def _handshake_all(self) -> ProfileMismatch | None:
         assert self._sender is not None
         first: ProfileMismatch | None = None
-        for endpoint in self.settings.decode_endpoints:
+        for endpoint in self._endpoints.refresh():
             try:
                 self._sender.connect(endpoint, self.settings.handshake_timeout_s)
                 log.info("KV handshake with %s: ok", endpoint)

@@ -31,6 +31,9 @@ class PrefillSpec:
     connector_module: str = "connector"
     profile: str = "auto"  # connector model profile: "auto", "tiny", "glm5.1" (adds the flags it needs)
     decode_endpoints: tuple[str, ...] = ()  # KV endpoints to handshake with at start-up
+    servers_file: str | None = None  # the router's servers file: its decode kv_endpoints, followed at runtime
+    decode_kv_dns: tuple[str, ...] = ()  # NAME:PORT resolving to the decode KV endpoints, followed at runtime
+    handshake_interval_s: float | None = None  # how often the connector looks again (default: its own)
     enforce_eager: bool = True
     tensor_parallel: int = 1
     max_model_len: int | None = None
@@ -48,6 +51,12 @@ def kv_transfer_config(spec: PrefillSpec) -> dict[str, Any]:
     extra: dict[str, Any] = {"profile": spec.profile}
     if spec.decode_endpoints:
         extra["decode_endpoints"] = list(spec.decode_endpoints)
+    if spec.servers_file:
+        extra["servers_file"] = spec.servers_file
+    if spec.decode_kv_dns:
+        extra["decode_kv_dns"] = list(spec.decode_kv_dns)
+    if spec.handshake_interval_s is not None:
+        extra["handshake_interval_s"] = spec.handshake_interval_s
     if spec.kv_secret_file:
         extra["kv_secret_file"] = spec.kv_secret_file
     return {

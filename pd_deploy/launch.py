@@ -41,6 +41,7 @@ from pd_deploy.commands import DECODE_ENV, PREFILL_ENV, PrefillSpec, vllm_prefil
 from pd_deploy.wait import wait_ready
 from pd_settings.loader import EntrySettings, load, split_list
 from pd_settings.problems import Problem, SettingsError
+from pd_settings.servers import checked_name_ports, checked_servers_file
 
 ROLES = ("prefill", "decode", "router")
 DECODE_IMAGE_DEFAULTS = {
@@ -79,11 +80,17 @@ class PrefillLaunchSettings(EntrySettings):
     num_speculative_tokens: int = Field(1, ge=1)
     decode_kv_endpoints: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="host:port of every decode server's KV endpoint (comma-separated)")
+    decode_kv_dns: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="NAME:PORT resolving to the decode servers' KV endpoints (a headless Service), "
+        "re-resolved by the connector at runtime (comma-separated)")
+    servers_file: str | None = Field(None, min_length=1, description="the servers file the router reads too: "
+                                     "its decode servers' kv_endpoint, followed at runtime")
     enforce_eager: bool = False
     kv_secret_file: str | None = Field(None, min_length=1, description="file holding the KV channel's shared "
                                        "secret (the decode servers' PD_DECODE_KV_SECRET_FILE)")
 
-    _split = field_validator("decode_kv_endpoints", mode="before")(split_list)
+    _split = field_validator("decode_kv_endpoints", "decode_kv_dns", mode="before")(split_list)
+    _servers_file = field_validator("servers_file")(checked_servers_file)
 
     @field_validator("mtp")
     @classmethod
@@ -99,6 +106,8 @@ class PrefillLaunchSettings(EntrySettings):
             parse_endpoint(endpoint)
         return value
 
+    _dns = field_validator("decode_kv_dns")(checked_name_ports)
+
 
 def build_argv(role: str, environ: Mapping[str, str], extra: list[str]) -> tuple[list[str], dict[str, str]]:
     """The command and environment of ``role``; raises :class:`SettingsError`."""
@@ -107,7 +116,8 @@ def build_argv(role: str, environ: Mapping[str, str], extra: list[str]) -> tuple
         s = load(PrefillLaunchSettings, None, environ)
         spec = PrefillSpec(model=s.model, port=s.port, host=s.host, mtp=s.mtp,
                            num_speculative_tokens=s.num_speculative_tokens, profile=s.profile,
-                           decode_endpoints=s.decode_kv_endpoints, enforce_eager=s.enforce_eager,
+                           decode_endpoints=s.decode_kv_endpoints, decode_kv_dns=s.decode_kv_dns,
+                           servers_file=s.servers_file, enforce_eager=s.enforce_eager,
                            tensor_parallel=s.tensor_parallel, max_model_len=s.max_model_len,
                            served_model_name=s.served_model_name, kv_secret_file=s.kv_secret_file,
                            python=python, extra_args=tuple(extra))

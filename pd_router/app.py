@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pd_router.admin import add_admin_routes
 from pd_router.api import Endpoint
 from pd_router.asgi import Receive, Scope, Send
 from pd_router.errors import InvalidRequest, MethodNotAllowed, NotFound, RouterError, Unauthorized
@@ -30,6 +31,7 @@ from pd_router.wire import ModelCard, ModelList, VersionReport
 
 if TYPE_CHECKING:
     from pd_http.tracing import Tracing
+    from pd_settings.servers import Resolver
 
 _ROUTES = MappingProxyType({e.value: e for e in Endpoint})
 
@@ -104,6 +106,7 @@ def _control_app(state: RouterState) -> FastAPI:
         return ModelList(data=[ModelCard(id=m, build=[b for b in builds if b.model == m])
                                for m in sorted(state.backends.prefill_models())])
 
+    add_admin_routes(app, state.settings, state.discovery)
     for path in _ROUTES:  # so that GET on a completion route answers 405, not 404
         app.add_api_route(path, _method_not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"])
     return app
@@ -116,8 +119,9 @@ async def _method_not_allowed(request: Request) -> Response:
 class RouterApp:
     """The ASGI callable uvicorn serves; ``.state`` is this app's :class:`RouterState`."""
 
-    def __init__(self, settings: RouterSettings, tracing: Tracing | None = None) -> None:
-        self.state = RouterState(settings, tracing)
+    def __init__(self, settings: RouterSettings, tracing: Tracing | None = None,
+                 resolver: Resolver | None = None) -> None:
+        self.state = RouterState(settings, tracing, resolver)
         self.control = _control_app(self.state)
         self.completions = CompletionHandler(self.state)
 
@@ -129,6 +133,8 @@ class RouterApp:
         await self.control(scope, receive, send)
 
 
-def create_app(settings: RouterSettings, tracing: Tracing | None = None) -> RouterApp:
-    """``tracing``: the app's tracer; default: one exporting to ``--otlp-traces-endpoint``, if set."""
-    return RouterApp(settings, tracing)
+def create_app(settings: RouterSettings, tracing: Tracing | None = None,
+               resolver: Resolver | None = None) -> RouterApp:
+    """``tracing``: the app's tracer; default: one exporting to ``--otlp-traces-endpoint``, if set.
+    ``resolver``: DNS lookups of ``--prefill-dns`` / ``--decode-dns`` (default: the system's)."""
+    return RouterApp(settings, tracing, resolver)

@@ -1,14 +1,19 @@
 """What the router knows about its prefill and decode servers.
 
 Health comes from :mod:`pd_router.probes`; load (in-flight prefills, leased decode
-slots) from the request path. Readiness and the healthy-backend filters live here,
-in one place.
+slots) from the request path, and vLLM's own count of running and waiting requests from
+:mod:`pd_router.load`. Readiness and the healthy-backend filters live here, in one place.
+
+The lists change at runtime (:mod:`pd_router.discovery`): :meth:`Backends.add` appends a
+server (or takes back one being drained), :meth:`Backends.drain` stops new work going to
+one, and :meth:`Backends.sweep` drops the drained ones once nothing of theirs is in flight.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from connector.protocol import PROTOCOL_VERSION
 from decode_server.contract import DecodeCapabilities
@@ -23,10 +28,29 @@ class PrefillBackend:
     reason: str = "not probed yet"
     models: frozenset[str] = frozenset()
     in_flight: int = 0
+    draining: bool = False  # removed: no new requests; dropped once in_flight is 0
+    # vLLM's running + waiting requests at the last scrape of its /metrics (None: unknown),
+    # and this router's requests sent in all / by the time that scrape was asked for
+    scraped: float | None = None
+    sent_total: int = 0
+    sent_at_scrape: int = 0
     target: Target = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.target = Target.parse(self.url)
+
+    @property
+    def load(self) -> float:
+        """What least-loaded compares: vLLM's running + waiting requests at the last scrape
+        plus the requests this router sent since (the scrape could not count them), never
+        less than this router's own in-flight count."""
+        if self.scraped is None:
+            return self.in_flight
+        return max(float(self.in_flight), self.scraped + self.sent_total - self.sent_at_scrape)
+
+    def sent(self) -> None:
+        self.in_flight += 1
+        self.sent_total += 1
 
     def report(self) -> PrefillStatus:
         return PrefillStatus(
@@ -35,6 +59,8 @@ class PrefillBackend:
             reason=self.reason,
             models=sorted(self.models),
             in_flight=self.in_flight,
+            draining=self.draining,
+            load=self.load,
         )
 
 
@@ -50,6 +76,7 @@ class DecodeBackend:
     models: frozenset[str] = frozenset()
     in_use: int = 0
     busy_refusals: int = 0  # "busy" answers in a row for slots counted free here (slots.SlotPool.hold)
+    draining: bool = False  # removed: no new leases; dropped once nothing is in use
     compatible: bool = False
     incompatible_reason: str | None = None
     target: Target = field(init=False, repr=False)
@@ -76,6 +103,11 @@ class DecodeBackend:
     def usable(self) -> bool:
         return self.healthy and self.compatible
 
+    @property
+    def accepting(self) -> bool:
+        """Usable and not being drained: may get new leases."""
+        return self.usable and not self.draining
+
     def serves(self, model: str) -> bool:
         return model in self.models
 
@@ -91,7 +123,11 @@ class DecodeBackend:
             slots=None if math.isinf(self.slots) else int(self.slots),
             in_use=self.in_use,
             peers=list(caps.peers) if caps else [],
+            draining=self.draining,
         )
+
+
+Role = Literal["prefill", "decode"]
 
 
 @dataclass
@@ -99,7 +135,11 @@ class Backends:
     prefill: list[PrefillBackend]
     decode: list[DecodeBackend]
     require_handshake: bool = True
+    decode_slots: int | None = None  # for decode servers added later (--decode-slots)
+    decode_api_key: str | None = field(default=None, repr=False)
+    policy: Literal["least-loaded", "round-robin"] = "least-loaded"  # --prefill-policy
     _served: frozenset[str] = field(default=frozenset(), init=False)
+    _turn: int = field(default=0, init=False)  # round-robin's position
 
     @classmethod
     def from_urls(
@@ -114,7 +154,48 @@ class Backends:
             [PrefillBackend(u) for u in prefill],
             [DecodeBackend(u, decode_slots, decode_api_key) for u in decode],
             require_handshake,
+            decode_slots,
+            decode_api_key,
         )
+
+    # -- the lists at runtime ---------------------------------------------------------
+
+    def find(self, role: Role, url: str) -> PrefillBackend | DecodeBackend | None:
+        found: list[PrefillBackend] | list[DecodeBackend] = self.prefill if role == "prefill" else self.decode
+        return next((b for b in found if b.url == url), None)
+
+    def add(self, role: Role, url: str) -> PrefillBackend | DecodeBackend | None:
+        """Add the server ``url`` (or take it back if it is being drained); the new backend
+        (to probe at once), or None if it was there already."""
+        existing = self.find(role, url)
+        if existing is not None:
+            existing.draining = False
+            return None
+        if role == "prefill":
+            p = PrefillBackend(url)
+            self.prefill.append(p)
+            return p
+        d = DecodeBackend(url, self.decode_slots, self.decode_api_key)
+        self.decode.append(d)
+        return d
+
+    def drain(self, role: Role, url: str) -> bool:
+        """No new requests (prefill) or leases (decode) for ``url``; it is dropped by
+        :meth:`sweep` once nothing of it is in flight. False if there is no such server."""
+        backend = self.find(role, url)
+        if backend is None:
+            return False
+        backend.draining = True
+        return True
+
+    def sweep(self) -> list[PrefillBackend | DecodeBackend]:
+        """Drop the drained servers with nothing in flight; returns them."""
+        gone: list[PrefillBackend | DecodeBackend] = [p for p in self.prefill if p.draining and not p.in_flight]
+        gone += [d for d in self.decode if d.draining and not d.in_use]
+        if gone:
+            self.prefill = [p for p in self.prefill if p not in gone]
+            self.decode = [d for d in self.decode if d not in gone]
+        return gone
 
     def prefill_models(self) -> frozenset[str]:
         return self._served
@@ -146,23 +227,24 @@ class Backends:
         return None
 
     def pick_prefill(self, model: str, exclude: PrefillBackend | None = None) -> PrefillBackend | None:
-        best = None
-        for p in self.prefill:
-            if (
-                p.healthy
-                and p is not exclude
-                and model in p.models
-                and (best is None or p.in_flight < best.in_flight)
-            ):
-                best = p
-        return best
+        """A healthy prefill server for ``model`` (not ``exclude``, not draining): the one with
+        the least :attr:`PrefillBackend.load` (``least-loaded``; ties: the first listed), or
+        the next in turn (``round-robin``)."""
+        eligible = [p for p in self.prefill
+                    if p.healthy and not p.draining and p is not exclude and model in p.models]
+        if not eligible:
+            return None
+        if self.policy == "round-robin":
+            self._turn += 1
+            return eligible[self._turn % len(eligible)]
+        return min(eligible, key=lambda p: p.load)
 
     def pick_decode(self, model: str) -> DecodeBackend | None:
-        """The usable decode server for ``model`` with the most free slots, if one is free."""
+        """The accepting decode server for ``model`` with the most free slots, if one is free."""
         best = None
         for d in self.decode:
             if (
-                d.usable
+                d.accepting
                 and d.free > 0
                 and d.serves(model)
                 and (best is None or (d.free, -d.in_use) > (best.free, -best.in_use))
@@ -171,11 +253,11 @@ class Backends:
         return best
 
     def decode_available(self, model: str) -> bool:
-        return any(d.usable and d.serves(model) for d in self.decode)
+        return any(d.accepting and d.serves(model) for d in self.decode)
 
     def readiness(self) -> ReadinessReport:
-        prefill_ok = any(p.healthy for p in self.prefill)
-        decode_ok = any(d.usable for d in self.decode)
+        prefill_ok = any(p.healthy and not p.draining for p in self.prefill)
+        decode_ok = any(d.accepting for d in self.decode)
         decode = [d.report() for d in self.decode]
         problems = [f"prefill {p.url}: {p.reason}" for p in self.prefill if not p.healthy]
         problems += [

@@ -49,6 +49,16 @@ class Unauthorized(RouterError):
     type = "authentication_error"
 
 
+class Forbidden(RouterError):
+    status = 403
+    type = "permission_error"
+
+
+class Conflict(RouterError):
+    status = 409
+    type = "conflict_error"
+
+
 class ModelNotFound(RouterError):
     status = 404
     type = "model_not_found"

@@ -383,7 +383,7 @@ class CompletionHandler:
                     raise NoHealthyBackend(f"no healthy prefill server for model {request.model!r}")
                 if span is not None:
                     span.set_attributes({"pd.prefill.backend": backend.url, "pd.prefill.tries": attempt + 1})
-                backend.in_flight += 1
+                backend.sent()
                 try:
                     answer = await upstream.prefill(state.upstream, backend.target, ctx.endpoint.value, data,
                                                     ctx.request_id, state.settings.prefill_timeout, trace)

@@ -93,6 +93,10 @@ class RouterMetrics:
         self.backend_healthy = self._gauge(
             "backend_healthy", "1 if the backend is healthy (and compatible)", ("role", "backend")
         )
+        self.backends = self._gauge(
+            "backends", "Servers in the router's lists by role and state (ready, unhealthy, draining)",
+            ("role", "state"),
+        )
         self.client_aborts = self._counter("client_aborts", "Clients that left before the end", ("stage",))
         self.upstream_errors = self._counter(
             "upstream_errors", "Failed upstream calls", ("role", "backend", "error_type")
@@ -129,6 +133,13 @@ class RouterMetrics:
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
+
+    def forget(self, backend: str) -> None:
+        """Drop the per-server gauges of a server no longer listed (counters keep its history)."""
+        for metric, labels in ((self.free_slots, (backend,)), (self.backend_healthy, ("prefill", backend)),
+                               (self.backend_healthy, ("decode", backend))):
+            if self._children.pop((id(metric), labels), None) is not None:
+                metric.remove(*labels)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

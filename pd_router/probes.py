@@ -52,6 +52,12 @@ class Prober:
         self.backends.refresh()
         self.on_change()
 
+    async def probe_one(self, b: PrefillBackend | DecodeBackend) -> None:
+        """Probe one server now (just added), then recompute what depends on it."""
+        await (self._prefill(b) if isinstance(b, PrefillBackend) else self._decode(b))
+        self.backends.refresh()
+        self.on_change()
+
     async def _get(self, url: str, headers: dict[str, str] | None = None) -> httpx.Response:
         return await self.client.get(url, headers=headers)
 

@@ -8,16 +8,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
-from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from pd_http.logs import LogFormat
 from pd_http.tracing import OtlpProtocol, check_endpoint
 from pd_settings.loader import EntrySettings, load, split_list, validate
 from pd_settings.problems import SettingsError
-from pd_settings.secrets import read_secret
+from pd_settings.secrets import is_loopback, read_secret
+from pd_settings.servers import check_url, checked_servers_file, split_host_port
 
 ENV_PREFIX = "PD_ROUTER_"
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
@@ -31,10 +31,34 @@ class RouterSettings(EntrySettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, cli_prog_name="pd_router")
 
     prefill: Annotated[tuple[str, ...], NoDecode] = Field(
-        min_length=1, description="base URL of a vLLM prefill server (repeatable, or comma-separated)"
+        (), description="base URL of a vLLM prefill server (repeatable, or comma-separated)"
     )
     decode: Annotated[tuple[str, ...], NoDecode] = Field(
-        min_length=1, description="base URL of a decode server (repeatable, or comma-separated)"
+        (), description="base URL of a decode server (repeatable, or comma-separated)"
+    )
+    servers_file: Path | None = Field(
+        None,
+        description="YAML/JSON file listing prefill and decode servers (docs/router.md), re-read when it "
+        "changes: servers added or removed (drained) without a restart",
+    )
+    prefill_dns: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="http://NAME:PORT whose DNS name resolves to the prefill servers (a Kubernetes headless "
+        "Service), re-resolved every --discovery-interval; one backend per address",
+    )
+    decode_dns: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="http://NAME:PORT whose DNS name resolves to the decode servers (as --prefill-dns)"
+    )
+    discovery_interval: float = Field(
+        5.0, gt=0, le=300, description="seconds between two looks at --servers-file and the DNS names"
+    )
+    prefill_policy: Literal["least-loaded", "round-robin"] = Field(
+        "least-loaded",
+        description="prefill server choice: least-loaded (vLLM's running + waiting requests from its /metrics, "
+        "plus what this router sent since) or round-robin",
+    )
+    prefill_load_interval: float = Field(
+        0.5, gt=0, le=60, description="seconds between two scrapes of each prefill server's /metrics"
     )
     host: str = Field("127.0.0.1", min_length=1, description="address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="port to listen on")
@@ -111,26 +135,39 @@ class RouterSettings(EntrySettings):
         "call to a decode server",
     )
 
-    _split = field_validator("prefill", "decode", mode="before")(split_list)
+    _split = field_validator("prefill", "decode", "prefill_dns", "decode_dns", mode="before")(split_list)
 
     @field_validator("prefill", "decode")
     @classmethod
     def _urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
-        out = []
-        for url in urls:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
-            try:
-                _ = parts.port  # raises for a port out of range or not a number
-            except ValueError as exc:
-                raise ValueError(f"{url!r} has an invalid port") from exc
-            if parts.query or parts.fragment:
-                raise ValueError(f"{url!r} must not carry a query or fragment")
-            out.append(url.rstrip("/"))
+        out = [check_url(url) for url in urls]
         if len(set(out)) != len(out):
             raise ValueError("the same URL is given twice")
         return tuple(out)
+
+    @field_validator("prefill_dns", "decode_dns")
+    @classmethod
+    def _dns(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
+        for url in urls:
+            dns_target(url)
+        return urls
+
+    _servers_file = field_validator("servers_file")(checked_servers_file)
+
+    @model_validator(mode="after")
+    def _sources(self) -> RouterSettings:
+        if self.admin_enabled() or self.servers_file is not None:
+            return self
+        for role, static, dns in (("prefill", self.prefill, self.prefill_dns),
+                                  ("decode", self.decode, self.decode_dns)):
+            if not static and not dns:
+                raise ValueError(f"no {role} server: give --{role} URL, --{role}-dns, --servers-file, "
+                                 "or --api-key (or a loopback --host) to add them through /admin/backends")
+        return self
+
+    def admin_enabled(self) -> bool:
+        """The admin API (``/admin/backends``) needs the API key, except on a loopback-only bind."""
+        return self.api_key is not None or is_loopback(self.host)
 
     @field_validator("otlp_traces_endpoint")
     @classmethod
@@ -151,6 +188,16 @@ class RouterSettings(EntrySettings):
     @classmethod
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
+
+
+def dns_target(url: str) -> tuple[str, str, int]:
+    """``http://NAME:PORT`` (--prefill-dns / --decode-dns) -> (scheme, name, port); ValueError."""
+    check_url(url)
+    scheme, _, rest = url.rstrip("/").partition("://")
+    if "/" in rest:
+        raise ValueError(f"{url!r} must be SCHEME://NAME:PORT, without a path")
+    name, port = split_host_port(rest)
+    return scheme, name, port
 
 
 def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> RouterSettings:

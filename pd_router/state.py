@@ -16,12 +16,15 @@ from decode_server.contract import CANCEL_PATH, CancelRequest
 from pd_build.info import collect
 from pd_http.drain import wait_then_cut
 from pd_router.backends import Backends, DecodeBackend, PrefillBackend
+from pd_router.discovery import Discovery
 from pd_router.errors import RouterError, UpstreamRejected
+from pd_router.load import LoadScraper
 from pd_router.metrics import RouterMetrics
 from pd_router.probes import Prober
 from pd_router.rawhttp import ConnectionPool
 from pd_router.settings import RouterSettings
 from pd_router.slots import Lease, SlotPool
+from pd_settings.servers import Resolver, system_resolver
 
 if TYPE_CHECKING:
     from pd_http.tracing import Tracing
@@ -31,7 +34,8 @@ CANCEL_TIMEOUT_S = 5.0
 
 
 class RouterState:
-    def __init__(self, settings: RouterSettings, tracing: Tracing | None = None) -> None:
+    def __init__(self, settings: RouterSettings, tracing: Tracing | None = None,
+                 resolver: Resolver | None = None) -> None:
         self.settings = settings
         self.build = collect("router")
         self.metrics = RouterMetrics(self.build)
@@ -40,11 +44,15 @@ class RouterState:
             settings.prefill, settings.decode, settings.decode_slots, settings.require_handshake,
             settings.decode_api_key(),
         )
+        self.backends.policy = settings.prefill_policy
+        self.discovery = Discovery(settings, self.backends, self._added, self._discovered,
+                                   resolver if resolver is not None else system_resolver)
         self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout, self.update_gauges)
         self._pool: ConnectionPool | None = None
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._prober: asyncio.Task[Any] | None = None
+        self._prober: Prober | None = None
+        self._loops: set[asyncio.Task[Any]] = set()  # probes, discovery, load scrapes: run until stop
         self.request_ids: set[str] = set()  # X-Request-Ids of the requests being served
         # the completion requests being served: their task -> how to end it at the drain's deadline
         self.live: dict[asyncio.Task[Any], Callable[[], None]] = {}
@@ -68,15 +76,19 @@ class RouterState:
         self._pool = ConnectionPool()
         probe_timeout = min(5.0, max(0.5, self.settings.probe_interval))
         self._client = httpx.AsyncClient(timeout=probe_timeout, trust_env=False)
-        prober = Prober(self.backends, self._client, self.settings.probe_interval, self._on_probe)
+        await self.discovery.refresh()
+        prober = self._prober = Prober(self.backends, self._client, self.settings.probe_interval, self._on_probe)
         await prober.probe_all()
-        self._prober = self.spawn(prober.run())
+        loops = [prober.run(), self.discovery.run()]
+        if self.settings.prefill_policy == "least-loaded":
+            loops.append(LoadScraper(self.backends, self._client, self.settings.prefill_load_interval).run())
+        self._loops = {self.spawn(loop) for loop in loops}
 
     async def stop(self) -> None:
         """Let pending cancels reach the decode servers (bounded), then stop everything."""
-        if self._prober is not None:
-            self._prober.cancel()
-        pending = [t for t in self._tasks if t is not self._prober]
+        for loop in self._loops:
+            loop.cancel()
+        pending = [t for t in self._tasks if t not in self._loops]
         if pending:
             await asyncio.wait(pending, timeout=CANCEL_TIMEOUT_S)
         for task in list(self._tasks):
@@ -119,7 +131,18 @@ class RouterState:
         return task
 
     def background_tasks(self) -> int:
-        return len(self._tasks)
+        """Tasks besides the loops that run until stop (cancels, probes of new servers)."""
+        return len(self._tasks - self._loops)
+
+    def _added(self, backend: PrefillBackend | DecodeBackend) -> None:
+        """A server discovery added: probe it now rather than at the next round."""
+        if self._prober is not None:
+            self.spawn(self._prober.probe_one(backend))
+
+    def _discovered(self, gone: list[PrefillBackend | DecodeBackend]) -> None:
+        for backend in gone:
+            self.metrics.forget(backend.url)
+        self._on_probe()
 
     def abort(self, lease: Lease, request_id: str, handoff_id: str | None = None, busy: bool = False) -> None:
         """Cancel the request (its handoff ``handoff_id``, default the request id) on its
@@ -171,6 +194,8 @@ class RouterState:
             self._on_probe()
 
     def _on_probe(self) -> None:
+        for backend in self.backends.sweep():  # what drained since the last look
+            self.metrics.forget(backend.url)
         self.backends.refresh()
         self.pool.dispatch()
         self.update_gauges()
@@ -178,11 +203,16 @@ class RouterState:
     def update_gauges(self) -> None:
         m = self.metrics
         m.queue_depth.set(self.pool.queue_depth if hasattr(self, "pool") else 0)
+        counts = {(role, s): 0 for role in ("prefill", "decode") for s in ("ready", "unhealthy", "draining")}
         for d in self.backends.decode:
-            m.child(m.free_slots, d.url).set(d.free if d.usable else 0)
+            m.child(m.free_slots, d.url).set(d.free if d.accepting else 0)
             m.child(m.backend_healthy, "decode", d.url).set(1 if d.usable else 0)
+            counts["decode", "draining" if d.draining else "ready" if d.usable else "unhealthy"] += 1
         for p in self.backends.prefill:
             m.child(m.backend_healthy, "prefill", p.url).set(1 if p.healthy else 0)
+            counts["prefill", "draining" if p.draining else "ready" if p.healthy else "unhealthy"] += 1
+        for (role, s), n in counts.items():
+            m.child(m.backends, role, s).set(n)
 
     def leaks(self) -> dict[str, int]:
         """Non-zero counts of things that should be zero when the router is idle."""

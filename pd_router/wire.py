@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from connector.protocol import PeerStatus
 from pd_build.info import BuildInfo
+from pd_settings.servers import check_url
 
 
 class ErrorDetail(BaseModel):
@@ -34,6 +35,8 @@ class PrefillStatus(BaseModel):
     reason: str
     models: list[str]
     in_flight: int
+    draining: bool = False  # removed (servers file, DNS, admin API): finishing what it has
+    load: float = 0.0  # what --prefill-policy least-loaded compares (docs/router.md)
 
 
 class DecodeStatus(BaseModel):
@@ -46,6 +49,7 @@ class DecodeStatus(BaseModel):
     slots: int | None  # None: unlimited
     in_use: int
     peers: list[PeerStatus]
+    draining: bool = False  # removed: no new leases, finishing what it has
 
 
 class ReadinessReport(BaseModel):
@@ -85,3 +89,37 @@ class VersionReport(BaseModel):
 
     router: BuildInfo
     backends: list[BackendBuild]
+
+
+class BackendChange(BaseModel):
+    """``POST /admin/backends`` (add) and ``DELETE /admin/backends`` (remove: drain, then drop)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["prefill", "decode"]
+    url: str
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return check_url(value)
+
+
+BackendState = Literal["ready", "unhealthy", "draining"]
+
+
+class BackendEntry(BaseModel):
+    """One server as the router uses it: where it came from and its state."""
+
+    role: Literal["prefill", "decode"]
+    url: str
+    sources: list[str]  # static, file, dns, admin
+    state: BackendState
+    reason: str | None  # why it is not ready
+    in_flight: int  # prefill requests in flight, or decode slots leased
+
+
+class BackendList(BaseModel):
+    """``GET /admin/backends``."""
+
+    backends: list[BackendEntry]

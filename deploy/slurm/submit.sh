@@ -181,6 +181,10 @@ in_job() {
     mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n "$NUM_NODES")
     [[ ${#hosts[@]} -eq $NUM_NODES ]] || die "allocation has ${#hosts[@]} nodes, the plan needs $NUM_NODES"
     printf '%s\n' "${hosts[@]}" > "$job_dir/hosts"
+    # the servers file the router and prefill's connector watch (rewrite it, then rename it
+    # over, to add or remove servers while the job runs)
+    subst_hosts "$(cat "$job_dir/plan/servers.yaml")" > "$job_dir/servers.yaml.tmp"
+    mv -f "$job_dir/servers.yaml.tmp" "$job_dir/servers.yaml"
     ROUTER_URL=$(subst_hosts "$ROUTER_URL")
     case $CONTAINER_MODE in
         pyxis) use_pyxis=1 ;;

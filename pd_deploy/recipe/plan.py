@@ -26,6 +26,7 @@ from pd_deploy.commands import (
 from pd_deploy.recipe.schema import Recipe
 from pd_deploy.recipe.topology import conversion_env
 from pd_deploy.secrets import DECODE_API_KEY, KV_SECRET, SECRETS_DIR
+from pd_settings.servers import DecodeEntry, ServersFile
 
 OFFLINE_CLIENT_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 # aiperf 0.13.0 in HF offline mode looks a tokenizer up only in the hub cache (snapshot_download),
@@ -49,6 +50,10 @@ def _host(r: Recipe, node: int) -> str:
 # servers from there: never on a command line.
 DECODE_API_KEY_FILE = f"@JOBDIR@/{SECRETS_DIR}/{DECODE_API_KEY}"
 KV_SECRET_FILE = f"@JOBDIR@/{SECRETS_DIR}/{KV_SECRET}"
+# The servers file (pd_settings.servers): the router and prefill's connector both watch it, so
+# servers are added to or removed from a running job by rewriting it (write, then rename over).
+# `render` writes plan/servers.yaml with the host placeholders; the job fills them in at start.
+SERVERS_FILE = "@JOBDIR@/servers.yaml"
 
 
 def _bind(r: Recipe) -> str:
@@ -147,7 +152,7 @@ def _convert_step(r: Recipe, node: int) -> Step | None:
 
 def _workers(r: Recipe) -> list[Step]:
     prefill_node, decode_nodes = _nodes(r)
-    decode_urls, kv_endpoints, steps = [], [], []
+    steps = []
     kv_dtype = (
         ("--kv-dtype", r.model.dtype) if r.model.dtype != "auto" and r.decode.engine == "reference" else ()
     )
@@ -182,8 +187,6 @@ def _workers(r: Recipe) -> list[Step]:
                 ready_url=f"http://{host}:{port}/ready",
             )
         )
-        decode_urls.append(f"http://{host}:{port}")
-        kv_endpoints.append(f"{host}:{kv_port}")
     extra = ["--dtype", r.model.dtype] if r.model.dtype != "auto" else []
     extra += r.prefill.extra_args
     pspec = PrefillSpec(
@@ -193,7 +196,7 @@ def _workers(r: Recipe) -> list[Step]:
         mtp=r.mtp.enabled,
         num_speculative_tokens=r.mtp.num_speculative_tokens,
         profile=r.model.profile,
-        decode_endpoints=tuple(kv_endpoints),
+        servers_file=SERVERS_FILE,  # the decode servers' kv_endpoints, followed at runtime
         enforce_eager=r.prefill.enforce_eager,
         tensor_parallel=r.prefill.tensor_parallel,
         max_model_len=r.prefill.max_model_len,
@@ -216,16 +219,31 @@ def _workers(r: Recipe) -> list[Step]:
     return [prefill, *steps]
 
 
+def servers_file(plan: Plan) -> ServersFile:
+    """What the job writes to :data:`SERVERS_FILE`. Not validated here: the host placeholders
+    are no host names until the job fills them in (the router and the connector validate it)."""
+    decodes = [s for s in plan.workers if s.role == "decode"]
+    return ServersFile.model_construct(
+        prefill=tuple(s.base_url for s in plan.workers if s.role == "prefill"),
+        decode=tuple(DecodeEntry.model_construct(url=s.base_url, kv_endpoint=_kv_endpoint(s)) for s in decodes),
+    )
+
+
+def _kv_endpoint(decode: Step) -> str:
+    """The KV endpoint a decode step advertises: its --kv-host and --kv-port."""
+    argv = decode.argv
+    return f"{argv[argv.index('--kv-host') + 1]}:{argv[argv.index('--kv-port') + 1]}"
+
+
 def _router(r: Recipe, workers: list[Step]) -> Step:
     prefill = workers[0]
-    decodes = workers[1:]
     spec = RouterSpec(
-        prefill_urls=(prefill.ready_url.removesuffix("/health"),),
-        decode_urls=tuple(d.ready_url.removesuffix("/ready") for d in decodes),
+        prefill_urls=(),
+        decode_urls=(),  # both from the servers file, which the job may rewrite while it runs
         port=r.router.port,
         host=_bind(r),
         decode_api_key_file=DECODE_API_KEY_FILE,
-        extra_args=tuple(r.router.extra_args),
+        extra_args=("--servers-file", SERVERS_FILE, *r.router.extra_args),
         python=r.router.python,
     )
     node = prefill.node

@@ -7,6 +7,9 @@ without Python on the compute nodes:
 * ``<id>.argv`` / ``<id>.env``: the step's argv and environment (``KEY=VALUE``), NUL-separated;
 * ``job.env``: shell assignments (quoted) of the job-wide settings;
 * ``dry-run.txt``: what ``dry-run`` prints;
+* ``servers.yaml``: the servers file (:func:`pd_deploy.recipe.plan.servers_file`) the job copies,
+  host names filled in, to ``JOB_DIR/servers.yaml``, which the router and prefill's connector
+  watch: rewrite that copy (write, then rename over) to add or remove servers while the job runs;
 * ``recipe.yaml``, ``recipe.source``: the recipe's bytes and the path it was rendered from
   (what ``fingerprint.json`` hashes and rebuilds the plan from).
 
@@ -21,7 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pd_deploy.recipe.plan import Plan, Step, build_plan, gsm8k_task_yaml, host_placeholder
+from pd_deploy.recipe.plan import Plan, Step, build_plan, gsm8k_task_yaml, host_placeholder, servers_file
 from pd_deploy.recipe.schema import Recipe, load_recipe_text
 from pd_deploy.recipe.topology import RecipeError, RecipeProblem, topology_problems
 from pd_deploy.secrets import generate as generate_secrets
@@ -94,7 +97,16 @@ def describe(plan: Plan, hosts: list[str] | None = None, job_dir: str = "<job-di
             for key, value in sorted(step.env.items()):
                 lines.append(f"  env {key}={substitute(masked(key, value), names, job_dir)}")
             lines.append("  $ " + substitute(step.command_line(), names, job_dir))
+    lines.append(f"\n== servers file {substitute('@JOBDIR@/servers.yaml', names, job_dir)} "
+                 "(router and prefill's connector watch it: rewrite it to add or remove servers) ==")
+    lines.append(substitute(servers_yaml(plan), names, job_dir).rstrip())
     return "\n".join(lines) + "\n"
+
+
+def servers_yaml(plan: Plan) -> str:
+    import yaml
+
+    return yaml.safe_dump(servers_file(plan).model_dump(mode="json", exclude_none=True), sort_keys=False)
 
 
 def _nul(items: list[str]) -> bytes:
@@ -157,6 +169,7 @@ def write_plan(plan: Plan, job_dir: Path, recipe_text: str = "", recipe_source: 
     (out / "steps.tsv").write_text("".join(_step_row(s) + "\n" for s in plan.steps))
     (out / "job.env").write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in _job_env(plan).items()))
     (out / "dry-run.txt").write_text(describe(plan))
+    (out / "servers.yaml").write_text(servers_yaml(plan))
     bench = plan.recipe.benchmark
     if bench and bench.gsm8k:
         tasks = out / "lm_eval_tasks"

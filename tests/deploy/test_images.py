@@ -118,6 +118,17 @@ def test_prefill_entrypoint_starts_vllm_with_connector_and_mtp(tmp_path: Path) -
     assert got["env"]["HF_HUB_OFFLINE"] == "1" and got["env"]["HF_HOME"] == "/shared/hf"
 
 
+def test_prefill_entrypoint_passes_the_runtime_sources_to_the_connector(tmp_path: Path) -> None:
+    servers = tmp_path / "servers.yaml"
+    servers.write_text("decode: [{url: 'http://d:8200', kv_endpoint: 'd:8300'}]\n")
+    env = {"PD_PREFILL_MODEL": "/m", "PD_PREFILL_DECODE_KV_DNS": "decode:8300", "PD_PREFILL_SERVERS_FILE": str(servers)}
+    out, got = _run_entrypoint(tmp_path, "prefill", env)
+    assert out.returncode == 0, out.stderr
+    config = json.loads(got["argv"][got["argv"].index("--kv-transfer-config") + 1])
+    assert config["kv_connector_extra_config"] == {"profile": "glm5.1", "servers_file": str(servers),
+                                                   "decode_kv_dns": ["decode:8300"]}
+
+
 def test_decode_entrypoint_runs_the_decode_server_on_its_own_settings_with_the_image_defaults(
         tmp_path: Path) -> None:
     env = {"PD_DECODE_MODEL": "/shared/GLM-5.1-FP8-tilert", "PD_DECODE_KV_HOST": "decode-0.decode"}
@@ -167,6 +178,9 @@ def test_router_entrypoint(tmp_path: Path) -> None:
      "PD_PREFILL_PORT='http': Input should be a valid integer"),
     ("prefill", {"PD_PREFILL_MODEL": "/m", "PD_PREFILL_DECODE_KV_ENDPOINTS": "decode-0"},
      "expected host:port with a port in 1..65535"),
+    ("prefill", {"PD_PREFILL_MODEL": "/m", "PD_PREFILL_DECODE_KV_DNS": "decode"}, "PD_PREFILL_DECODE_KV_DNS='decode'"),
+    ("prefill", {"PD_PREFILL_MODEL": "/m", "PD_PREFILL_SERVERS_FILE": "/nonexistent/servers.yaml"},
+     "PD_PREFILL_SERVERS_FILE='/nonexistent/servers.yaml': cannot read"),
     ("decode", {"PD_DECODE_MODEL": "/m", "PD_DECODE_NUM_MTP": "0"}, "PD_DECODE_NUM_MTP='0': MTP is required"),
     ("router-x", {}, "ROLE='router-x'"),
 ])

@@ -90,30 +90,68 @@ def test_every_pods_metrics_are_scraped(kind: str, name: str) -> None:
                            "prometheus.io/path": "/metrics"}
 
 
-def test_exactly_one_prefill_and_wiring_between_roles() -> None:
+def test_wiring_between_roles_is_discovered_by_dns() -> None:
+    """No hand-edited server lists: two routers and the prefill connector resolve the headless
+    Services, and the KV endpoint a decode pod advertises (its pod IP) is the string the
+    connector builds from the DNS answer."""
     assert _get("Deployment", "prefill")["spec"]["replicas"] == 1
+    assert _get("Deployment", "router")["spec"]["replicas"] == 2
     decode = _get("StatefulSet", "decode")
-    assert decode["spec"]["serviceName"] == "decode" and _get("Service", "decode")["spec"]["clusterIP"] == "None"
+    assert decode["spec"]["serviceName"] == "decode"
+    for name in ("decode", "prefill"):
+        assert _get("Service", name)["spec"]["clusterIP"] == "None"  # headless: one address per pod
     prefill_env, decode_env = _env(_container("Deployment", "prefill")), _env(_container("StatefulSet", "decode"))
     router_env = _env(_container("Deployment", "router"))
-    replicas = decode["spec"]["replicas"]
-    # prefill handshakes with exactly the endpoint strings the decode pods advertise
-    advertised = [decode_env["PD_DECODE_KV_HOST"].replace("$(POD_NAME)", f"decode-{i}")
-                  + f":{decode_env['PD_DECODE_KV_PORT']}" for i in range(replicas)]
-    assert prefill_env["PD_PREFILL_DECODE_KV_ENDPOINTS"].split(",") == advertised
-    assert router_env["PD_ROUTER_DECODE"].split(",") == [f"http://decode-{i}.decode:{decode_env['PD_DECODE_PORT']}"
-                                                         for i in range(replicas)]
-    assert router_env["PD_ROUTER_PREFILL"] == f"http://prefill:{prefill_env['PD_PREFILL_PORT']}"
+    for listed in ("PD_ROUTER_PREFILL", "PD_ROUTER_DECODE", "PD_PREFILL_DECODE_KV_ENDPOINTS"):
+        assert listed not in router_env and listed not in prefill_env
+    port = {name: {p["name"]: p["port"] for p in _get("Service", name)["spec"]["ports"]}
+            for name in ("decode", "prefill")}
+    assert router_env["PD_ROUTER_DECODE_DNS"] == f"http://decode:{port['decode']['http']}"
+    assert router_env["PD_ROUTER_PREFILL_DNS"] == f"http://prefill:{port['prefill']['http']}"
+    assert prefill_env["PD_PREFILL_DECODE_KV_DNS"] == f"decode:{port['decode']['kv']}"
+    assert int(decode_env["PD_DECODE_PORT"]) == port["decode"]["http"]
+    assert int(decode_env["PD_DECODE_KV_PORT"]) == port["decode"]["kv"]
+    assert int(prefill_env["PD_PREFILL_PORT"]) == port["prefill"]["http"]
+    assert decode_env["PD_DECODE_KV_HOST"] == "$(POD_IP)"
+    (pod_ip,) = [e for e in _container("StatefulSet", "decode")["env"] if e["name"] == "POD_IP"]
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert prefill_env["PD_PREFILL_SERVED_MODEL_NAME"] == decode_env["PD_DECODE_SERVED_MODEL_NAME"]
-    assert "$(POD_NAME).decode" in decode_env["PD_DECODE_KV_HOST"]
     assert decode_env["PD_DECODE_KV_DEVICE"] == "cuda:0"  # TileRT receives KV into VRAM
-    # prefill starts only once every decode server is ready (its KV endpoint listens)
-    (wait,) = _get("Deployment", "prefill")["spec"]["template"]["spec"]["initContainers"]
-    assert wait["command"][:2] == ["/usr/local/bin/pd-entrypoint", "wait-ready"]
-    assert wait["command"][2:] == [u + "/ready" for u in router_env["PD_ROUTER_DECODE"].split(",")]
+    # prefill need not wait for decode: its connector handshakes decode pods as they appear
+    assert "initContainers" not in _get("Deployment", "prefill")["spec"]["template"]["spec"]
     (init,) = decode["spec"]["template"]["spec"]["initContainers"]
     assert _env(init)["CONVERT_DST"] == decode_env["PD_DECODE_MODEL"]
     assert _env(init)["CONVERT_SRC"] == prefill_env["PD_PREFILL_MODEL"]
+
+
+async def test_the_dns_settings_give_matching_router_and_connector_endpoints() -> None:
+    """The manifests' settings, read by the router and the connector with a resolver that
+    answers two decode pod IPs: the router gets their HTTP URLs, the connector their KV
+    endpoints, exactly what each pod advertises (PD_DECODE_KV_HOST = pod IP)."""
+    from connector.config import load_settings as connector_settings
+    from connector.endpoints import DecodeEndpoints
+    from pd_deploy.launch import PrefillLaunchSettings
+    from pd_router.backends import Backends
+    from pd_router.discovery import Discovery
+    from pd_router.settings import load_settings as router_settings
+    from pd_settings.loader import load
+    from tests.fakes.fake_resolver import FakeResolver
+
+    pods = ["10.1.0.7", "10.1.0.8"]
+    resolver = FakeResolver({"decode": pods, "prefill": ["10.1.1.1"]})
+    router_env = {k: v for k, v in _env(_container("Deployment", "router")).items() if not k.endswith("_FILE")}
+    rs = router_settings([], router_env)
+    discovery = Discovery(rs, Backends.from_urls((), (), None, True), resolver=resolver)
+    await discovery.refresh()
+    decode_env = _env(_container("StatefulSet", "decode"))
+    assert [d.url for d in discovery.backends.decode] == [f"http://{ip}:{decode_env['PD_DECODE_PORT']}" for ip in pods]
+    assert [p.url for p in discovery.backends.prefill] == ["http://10.1.1.1:8100"]
+    prefill_env = {k: v for k, v in _env(_container("Deployment", "prefill")).items() if not k.endswith("_FILE")}
+    launch = load(PrefillLaunchSettings, None, prefill_env)
+    endpoints = DecodeEndpoints(connector_settings({"decode_kv_dns": list(launch.decode_kv_dns)}), resolver)
+    advertised = [decode_env["PD_DECODE_KV_HOST"].replace("$(POD_IP)", ip) + ":" + decode_env["PD_DECODE_KV_PORT"]
+                  for ip in pods]
+    assert list(endpoints.refresh()) == advertised
 
 
 def test_every_pd_variable_is_an_option_of_its_component() -> None:

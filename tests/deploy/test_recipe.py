@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from pd_deploy.recipe import RecipeError, build_plan, conversion_env, parse_recipe, write_plan
+from pd_deploy.recipe.plan import servers_file
 from pd_deploy.report.model import Fingerprint
 from tests.deploy.conftest import DEPLOY, dump_recipe, load_recipe_dict
 from tests.procs import REPO
@@ -141,11 +142,15 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
     kv = json.loads(prefill[prefill.index("--kv-transfer-config") + 1])
     assert kv["kv_connector"] == "TileRTConnector" and kv["kv_role"] == "kv_producer"
     # the job's secrets by file (generated 0600 into the job dir by render), never on a command line
-    assert kv["kv_connector_extra_config"] == {"profile": "glm5.1", "decode_endpoints": ["dc0:8300"],
+    # the servers come from the job's servers file, which router and connector both watch
+    assert kv["kv_connector_extra_config"] == {"profile": "glm5.1", "servers_file": "/shared/run1/servers.yaml",
                                                "kv_secret_file": "/shared/run1/secrets/kv-secret"}
     assert router == ["python3", "-m", "pd_router", "--host", "0.0.0.0", "--port", "8000",
                       "--decode-api-key-file", "/shared/run1/secrets/decode-api-key",
-                      "--prefill", "http://pf0:8100", "--decode", "http://dc0:8200"]
+                      "--servers-file", "/shared/run1/servers.yaml"]
+    servers = yaml.safe_load(text[text.index("== servers file /shared/run1/servers.yaml"):].split("==\n", 1)[1])
+    assert servers == {"prefill": ["http://pf0:8100"],
+                       "decode": [{"url": "http://dc0:8200", "kv_endpoint": "dc0:8300"}]}
     # written out from the recipe by hand: TileRT, one slot, 3 MTP drafts, KV lands in VRAM
     assert decode == ["python3", "-m", "decode_server", "--engine", "tilert", "--model",
                       "/shared/models/GLM-5.1-FP8-tilert", "--host", "0.0.0.0", "--port", "8200", "--kv-port", "8300",
@@ -189,9 +194,10 @@ def test_decode_nodes_scale_out() -> None:
     plan = build_plan(parse_recipe(data))
     decodes = [s for s in plan.workers if s.role == "decode"]
     assert [s.node for s in decodes] == [1, 2, 3]
-    assert plan.router.argv.count("--decode") == 3
-    kv = json.loads(plan.workers[0].argv[plan.workers[0].argv.index("--kv-transfer-config") + 1])
-    assert kv["kv_connector_extra_config"]["decode_endpoints"] == ["@HOST1@:8300", "@HOST2@:8300", "@HOST3@:8300"]
+    listed = servers_file(plan)
+    assert [d.url for d in listed.decode] == ["http://@HOST1@:8200", "http://@HOST2@:8200", "http://@HOST3@:8200"]
+    assert listed.kv_endpoints() == ("@HOST1@:8300", "@HOST2@:8300", "@HOST3@:8300")
+    assert listed.prefill == ("http://@HOST0@:8100",)
 
 
 def test_conversion_sees_hf_settings_of_every_role() -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from pd_deploy.recipe import build_plan, parse_recipe
 from pd_deploy.report.model import Fingerprint
+from pd_settings.servers import read_servers_file
 from tests.deploy.conftest import SLURM_DIR, dump_recipe, fake_checkpoint, load_recipe_dict, write_exe
 from tests.deploy.jobs import alive
 from tests.procs import REPO, free_port
@@ -100,12 +101,16 @@ def test_two_node_job_with_pyxis_containers(tmp_path: Path, standin_python: Path
 
     rec = {r: json.loads((records / f"{r}.json").read_text()) for r in ("prefill", "decode", "router")}
     kv = json.loads(rec["prefill"]["argv"][rec["prefill"]["argv"].index("--kv-transfer-config") + 1])
-    assert kv["kv_connector_extra_config"]["decode_endpoints"] == [f"localhost:{data['decode']['kv_port']}"]
+    # router and connector watch one servers file, written by the job with the real host names
+    assert kv["kv_connector_extra_config"]["servers_file"] == f"{job_dir}/servers.yaml"
     decode_argv = rec["decode"]["argv"]
     assert decode_argv[decode_argv.index("--kv-host") + 1] == "localhost"
     router_argv = rec["router"]["argv"]
-    assert router_argv[router_argv.index("--decode") + 1] == f"http://localhost:{data['decode']['port']}"
-    assert router_argv[router_argv.index("--prefill") + 1] == f"http://127.0.0.1:{data['prefill']['port']}"
+    assert router_argv[router_argv.index("--servers-file") + 1] == f"{job_dir}/servers.yaml"
+    listed = read_servers_file(job_dir / "servers.yaml")
+    assert [(d.url, d.kv_endpoint) for d in listed.decode] == [
+        (f"http://localhost:{data['decode']['port']}", f"localhost:{data['decode']['kv_port']}")]
+    assert listed.prefill == (f"http://127.0.0.1:{data['prefill']['port']}",)
     assert rec["router"]["started"] > rec["decode"]["ready"]
     assert len(list(Path(data["model"]["converted"]).glob("*.safetensors"))) == 8
     # the job stopped every server with SIGTERM (router first) and nothing is left

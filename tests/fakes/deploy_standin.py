@@ -8,8 +8,9 @@ serves on ``--host``/``--port``:
 * vLLM prefill: ``/health`` 200 at once;
 * decode server: ``/health`` 200, ``/ready`` 200 only after ``$STANDIN_DECODE_DELAY`` s;
 * router: ``/ready`` 200 only while its ``--prefill`` /health and ``--decode`` /ready
-  answer 200 (like the real router's readiness), ``/v1/chat/completions`` answers an
-  OpenAI-shaped completion naming the request's model.
+  (and those of the servers in its ``--servers-file``) answer 200 (like the real router's
+  readiness), ``/v1/chat/completions`` answers an OpenAI-shaped completion naming the
+  request's model.
 
 SIGTERM ends it and records ``stopped``. A module that is not one of the servers (the weight
 conversion's ``decode_server.model_dir``) runs for real.
@@ -26,6 +27,8 @@ import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from pd_settings.servers import read_servers_file
 
 ROLES = {"vllm.entrypoints.openai.api_server": "prefill", "decode_server": "decode", "pd_router": "router"}
 
@@ -62,8 +65,11 @@ class StandIn:
 
     def ready(self) -> bool:
         if self.role == "router":
-            up = all(_ok(u + "/health") for u in _arg(self.argv, "--prefill")) and \
-                 all(_ok(u + "/ready") for u in _arg(self.argv, "--decode"))
+            prefill, decode = _arg(self.argv, "--prefill"), _arg(self.argv, "--decode")
+            for path in _arg(self.argv, "--servers-file"):
+                listed = read_servers_file(path)
+                prefill, decode = prefill + list(listed.prefill), decode + [d.url for d in listed.decode]
+            up = all(_ok(u + "/health") for u in prefill) and all(_ok(u + "/ready") for u in decode)
         else:
             up = time.time() - self.started >= self.delay
         if up and self.record["ready"] is None:

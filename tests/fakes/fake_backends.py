@@ -40,6 +40,8 @@ class PrefillKnobs(BaseModel):
     fail: str | None = None  # "status" | "handoff_failed" | "bad_json" | "no_params"
     fail_times: int | None = None  # fail only the next N requests (None: all)
     handoff_reason: str | None = None  # HandoffResult.reason of "handoff_failed" (e.g. "busy")
+    running: float | None = None  # vLLM's load gauges on /metrics (None: no /metrics, like a non-vLLM server)
+    waiting: float = 0.0
     fail_status: int = 400
     fail_body: str = (
         '{"error": {"message": "prompt too long", "type": "BadRequestError", "param": null, "code": 400}}'
@@ -59,6 +61,8 @@ class FakePrefill(FakeBase[PrefillKnobs]):
             return await respond(send, 200 if k.healthy else 503, b"{}")
         if path == "/v1/models":
             return await respond(send, 200, self._models())
+        if path == "/metrics" and k.running is not None:
+            return await respond(send, 200, self._load_metrics(), b"text/plain; version=0.0.4")
         if path not in ("/v1/completions", "/v1/chat/completions"):
             return await respond(send, 404, error_body("not found", 404))
         rid = self._rid(scope)
@@ -87,6 +91,11 @@ class FakePrefill(FakeBase[PrefillKnobs]):
             await respond(send, 200, json.dumps(self._answer(path, body, rid, fail)).encode())
         finally:
             self.records.active.discard(rid)
+
+    def _load_metrics(self) -> bytes:
+        k, labels = self.knobs, f'{{engine="0",model_name="{self.knobs.model}"}}'
+        return (f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{labels} {k.running}\n"
+                f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{labels} {k.waiting}\n").encode()
 
     @staticmethod
     def _check(path: str, body: dict[str, Any]) -> str | None:

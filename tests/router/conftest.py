@@ -68,7 +68,7 @@ class Rig:
 
         def clean() -> bool:
             fakes = all(not self.records(b)["active"] for b in self.prefills + self.decodes)
-            return fakes and not self.state.leaks() and self.state.background_tasks() == 1  # the prober
+            return fakes and not self.state.leaks() and self.state.background_tasks() == 0  # besides the loops
 
         try:
             self.wait(clean, timeout, "no leaks")
