@@ -113,6 +113,8 @@ def profile_steps(engine: ReferenceEngine, ids: list[int], kv: list[torch.Tensor
 
 
 def _group(name: str, shapes: list) -> str:
+    if name == "mkldnn::_linear_pointwise":  # the LM head of a multi-row pass
+        return "weight products"
     if name in ("aten::mm", "aten::bmm", "aten::addmm"):
         a, b = (shapes + [[], []])[:2]
         over_cache = len(a) == 2 and len(b) == 2 and (a[1] == 576 or (a[1] >= 1024 and b[1] == 512))

@@ -152,7 +152,7 @@ class ReferenceEngine(Engine):
     than 1 at load average 5 (docs/benchmarks.md, "Decode engine").
 
     ``split_attention`` (default: on a CPU with more than one core) gives the engine one
-    helper thread that takes the older half of every attention over 512+ cache rows; the
+    helper thread that takes the older half of every attention over 4096+ cache rows; the
     decoding thread computes the other half and, if the helper has not started its half
     when it is done (its core busy elsewhere), that one too, so a busy machine costs a
     queued task, never a wait for a descheduled thread."""

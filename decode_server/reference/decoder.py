@@ -22,7 +22,8 @@ from the same weights with:
   cache from memory again;
 * rope from a table of ``cos + i sin`` per position as one complex product per tensor
   (GPT-J pairs are complex numbers);
-* ``F.rms_norm``.
+* ``F.rms_norm``;
+* the LM head of a pass over 2+ rows by oneDNN on a packed copy of its weight (see :class:`_Head`).
 
 Results equal the clear model's up to float rounding (summation order), checked by
 ``tests/reference/test_decoder.py`` and, through the engine, against vLLM by the
@@ -44,7 +45,8 @@ from decode_server.reference.model import MlaMoeModel
 
 FLASH_MIN_LEN = 2048  # below, two products over the whole cache; measured in docs/benchmarks.md
 FLASH_CHUNK = 1024  # rows per chunk: 1024 x 576 float32 = 2.3 MB, about one core's L2
-SPLIT_MIN_LEN = 512  # with a helper thread, attention over at least this many rows is split in two
+SPLIT_MIN_LEN = 4096  # with a helper thread, attention over at least this many rows is split in two;
+# below, handing half to the helper costs more wall time than it saves (docs/benchmarks.md)
 MAX_NEW_TOKENS = 16  # tokens per pass (1 + drafts; the decode server allows up to 8 drafts)
 
 
@@ -148,6 +150,40 @@ class _MoE:
 
 
 @dataclass(frozen=True)
+class _Head:
+    """The LM head ``[H, V]``. One row: MKL's product. Two or more (the pass verifying a
+    draft): oneDNN's product on a copy of the weight packed once for it, whose cost hardly
+    grows with the rows, where MKL's doubles from one row to two (measured in
+    docs/benchmarks.md). ``packed`` is None off the CPU or where oneDNN does not agree."""
+
+    w: torch.Tensor  # [H, V]
+    packed: torch.Tensor | None  # oneDNN's layout of the [V, H] weight
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> _Head:
+        w = _t(weight)
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+            return cls(w, None)
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 2)
+            probe = torch.linspace(-1.0, 1.0, 2 * w.shape[0], dtype=w.dtype).view(2, -1)
+            agree = torch.allclose(_linear(probe, packed), torch.mm(probe, w), rtol=1e-4, atol=1e-5)
+        except (RuntimeError, AttributeError):  # a build without these ops
+            return cls(w, None)
+        return cls(w, packed if agree else None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or x.shape[0] < 2:
+            return torch.mm(x, self.w)
+        return _linear(x, self.packed)
+
+
+def _linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x @ W^T`` by oneDNN, ``packed`` being ``W`` reordered by ``_reorder_linear_weight``."""
+    return cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+
+
+@dataclass(frozen=True)
 class _Block:
     input_norm: _Norm
     attn: _Attention
@@ -180,7 +216,7 @@ class Decoder:
         self._main = [_Block.of(cast(DecoderBlock, layers[i])) for i in range(cfg.num_hidden_layers)]
         self._embed = model.model.embed_tokens.weight.detach()
         self._final_norm = _Norm.of(model.model.norm)
-        self._lm_head = _t(weight)
+        self._lm_head = _Head.of(weight)
         self._mtp: _Block | None = None
         if cfg.num_nextn_predict_layers:
             mtp = model.mtp_layer
@@ -204,7 +240,7 @@ class Decoder:
         for block, cache in zip(self._main, caches):
             x = self._block(block, x, start, cache)
         hidden = self._final_norm(x)
-        return hidden, torch.mm(hidden, self._lm_head)
+        return hidden, self._lm_head(hidden)
 
     def forward_mtp(self, next_ids: torch.Tensor, prev_hidden: torch.Tensor, start: int, cache: torch.Tensor,
                     last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +257,7 @@ class Decoder:
             emb[0] = 0.0  # as vLLM's MTP: no embedding at position 0
         x = torch.mm(torch.cat([self._enorm(emb), self._hnorm(prev_hidden)], dim=-1), self._eh_proj)
         out = self._block(self._mtp, x, start, cache, last_only)
-        return out, torch.mm(self._head_norm(out), self._lm_head)
+        return out, self._lm_head(self._head_norm(out))
 
     def _block(self, block: _Block, x: torch.Tensor, start: int, cache: torch.Tensor,
                last_only: bool = False) -> torch.Tensor:
