@@ -14,6 +14,7 @@ import httpx
 
 from decode_server.contract import CANCEL_PATH, CancelRequest
 from pd_build.info import collect
+from pd_grammar.spec import SchemaLimits
 from pd_http.drain import wait_then_cut
 from pd_router.backends import Backends, DecodeBackend, PrefillBackend
 from pd_router.errors import RouterError, UpstreamRejected
@@ -33,6 +34,7 @@ CANCEL_TIMEOUT_S = 5.0
 class RouterState:
     def __init__(self, settings: RouterSettings, tracing: Tracing | None = None) -> None:
         self.settings = settings
+        self.schema_limits = SchemaLimits(max_bytes=settings.max_schema_bytes, max_depth=settings.max_schema_depth)
         self.build = collect("router")
         self.metrics = RouterMetrics(self.build)
         self.tracing = tracing if tracing is not None else router_tracing(settings, self.build.version)
