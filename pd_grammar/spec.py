@@ -26,7 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 GrammarKind = Literal["json_schema", "json_object", "structural_tag"]
 JsonWhitespace = Literal["any", "compact"]
-COMPACT_SEPARATORS = (",", ":")  # what vLLM's xgrammar backend passes with disable_any_whitespace
+COMPACT_SEPARATORS = (",", ":")
+# whitespace between a tool call's parts (GLM-4.5 puts a newline there, GLM-4.7 nothing): bounded, so
+# that a model cannot fill a forced tool call with blank lines
+TOOL_CALL_MAX_WHITESPACE = 1  # what vLLM's xgrammar backend passes with disable_any_whitespace
 
 
 def vllm_structured_outputs_args(whitespace: JsonWhitespace) -> tuple[str, ...]:
@@ -161,8 +164,8 @@ def _function_tools(tools: Any, limits: SchemaLimits) -> dict[str, Any]:
 def _tool_tag(name: str, params: Any) -> Any:
     from xgrammar.structural_tag import JSONSchemaFormat, TagFormat
 
-    return TagFormat(begin=f"<tool_call>{name}", content=JSONSchemaFormat(json_schema=params, style="glm_xml"),
-                     end="</tool_call>")
+    return TagFormat(begin=f"<tool_call>{name}", content=JSONSchemaFormat(
+        json_schema=params, style="glm_xml", max_whitespace_cnt=TOOL_CALL_MAX_WHITESPACE), end="</tool_call>")
 
 
 def _from_tool_choice(choice: Any, tools: Any, limits: SchemaLimits) -> GrammarSpec | None:
