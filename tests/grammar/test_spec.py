@@ -122,3 +122,25 @@ def test_any_json_is_a_spec_or_a_named_refusal(body):
         grammar_spec(body, LIMITS, True)
     except StructuredOutputError as exc:
         assert exc.param and exc.message
+
+
+def test_schema_bounds_are_settings_checked_at_start(tmp_path):
+    from decode_server.settings import SettingsError as DecodeSettingsError
+    from decode_server.settings import load_settings as decode_settings
+    from pd_router.settings import SettingsError, load_settings
+    from tests.fakes.fake_glm51_checkpoint import write_fake_glm51_checkpoint
+
+    base = ["--prefill", "http://a:1", "--decode", "http://b:1"]
+    router = load_settings([*base, "--max-schema-bytes", "1000", "--max-schema-depth", "4"], {})
+    assert (router.max_schema_bytes, router.max_schema_depth) == (1000, 4)
+    with pytest.raises(SettingsError, match=r"^--max-schema-depth='0': Input should be greater than or equal to 1"):
+        load_settings([*base, "--max-schema-depth", "0"], {})
+    with pytest.raises(SettingsError, match=r"^PD_ROUTER_MAX_SCHEMA_BYTES='1'"):
+        load_settings(base, {"PD_ROUTER_MAX_SCHEMA_BYTES": "1"})
+    model = ["--engine", "reference", "--model", str(write_fake_glm51_checkpoint(tmp_path / "m"))]
+    decode = decode_settings([*model, "--json-whitespace", "compact", "--max-schema-depth", "3"], env={})
+    assert (decode.json_whitespace, decode.max_schema_depth) == ("compact", 3)
+    with pytest.raises(DecodeSettingsError, match=r"^--json-whitespace='tight'"):
+        decode_settings([*model, "--json-whitespace", "tight"], env={})
+    with pytest.raises(DecodeSettingsError, match=r"^--max-schema-bytes='99999999999'"):
+        decode_settings([*model, "--max-schema-bytes", "99999999999"], env={})
