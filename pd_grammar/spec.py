@@ -201,6 +201,22 @@ def _from_tool_choice(choice: Any, tools: Any, limits: SchemaLimits) -> GrammarS
     return GrammarSpec(kind="structural_tag", source=source)
 
 
+GRAMMAR_FIELDS = ("response_format", "tool_choice", "structured_outputs", "guided_json", "guided_regex",
+                  "guided_choice", "guided_grammar")
+
+
+def asks_for_grammar(body: Mapping[str, Any]) -> bool:
+    """Cheap: whether :func:`grammar_spec` has anything to look at (else it returns None)."""
+    return any(body.get(name) is not None for name in GRAMMAR_FIELDS)
+
+
+def warm_up() -> None:
+    """Import the schema checker and xgrammar (which loads transformers: seconds) ahead of
+    the first structured request; a server calls it off its event loop at start."""
+    import jsonschema  # noqa: F401
+    import xgrammar  # noqa: F401
+
+
 def grammar_spec(body: Mapping[str, Any], limits: SchemaLimits, chat: bool) -> GrammarSpec | None:
     """The grammar ``body`` asks for, or None; :class:`StructuredOutputError` when it
     cannot be served."""

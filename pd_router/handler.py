@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from connector.protocol import HandoffResult, HandoffTarget
-from pd_grammar.spec import GrammarSpec
+from pd_grammar.spec import GrammarSpec, asks_for_grammar
 from pd_http.logs import bind_request
 from pd_http.tracing import Span, SpanKind, Tracing, fail, span_ids
 from pd_router import upstream
@@ -261,7 +261,9 @@ class CompletionHandler:
 
     async def _serve(self, ctx: _Ctx, body: dict[str, Any], request: OpenAIRequest) -> None:
         state = self.state
-        grammar = structured_output(ctx.endpoint, body, state.schema_limits)
+        grammar = None
+        if asks_for_grammar(body):  # off the loop: compiling a large schema takes a while
+            grammar = await asyncio.to_thread(structured_output, ctx.endpoint, body, state.schema_limits)
         served = state.backends.prefill_models()
         if not served:
             raise NoHealthyBackend("no healthy prefill server")

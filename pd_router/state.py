@@ -14,7 +14,7 @@ import httpx
 
 from decode_server.contract import CANCEL_PATH, CancelRequest
 from pd_build.info import collect
-from pd_grammar.spec import SchemaLimits
+from pd_grammar.spec import SchemaLimits, warm_up
 from pd_http.drain import wait_then_cut
 from pd_router.backends import Backends, DecodeBackend, PrefillBackend
 from pd_router.errors import RouterError, UpstreamRejected
@@ -71,6 +71,7 @@ class RouterState:
         probe_timeout = min(5.0, max(0.5, self.settings.probe_interval))
         self._client = httpx.AsyncClient(timeout=probe_timeout, trust_env=False)
         prober = Prober(self.backends, self._client, self.settings.probe_interval, self._on_probe)
+        asyncio.get_running_loop().run_in_executor(None, warm_up)  # structured output's imports, off the loop
         await prober.probe_all()
         self._prober = self.spawn(prober.run())
 

@@ -29,7 +29,7 @@ from decode_server.server.slot_table import SlotManager
 from decode_server.server.text import GenerationDefaults, TextTokenizer
 from decode_server.structured import GrammarCompiler
 from pd_build.info import BuildInfo, collect
-from pd_grammar.spec import JsonWhitespace, SchemaLimits
+from pd_grammar.spec import JsonWhitespace, SchemaLimits, warm_up
 from pd_http.drain import wait_then_cut
 from pd_http.tracing import Tracing
 
@@ -127,8 +127,10 @@ class DecodeState:
                                    engine=caps.engine, model_name=cfg.served_model_name,
                                    reasoning_parser=cfg.reasoning_parser, tool_call_parser=cfg.tool_call_parser,
                                    structured_output=caps.structured_output, schema_limits=cfg.schema_limits)
-        grammars = (GrammarCompiler(cfg.model_dir, max(caps.num_mtp, 3), cfg.json_whitespace)
-                    if caps.structured_output else None)
+        grammars = None
+        if caps.structured_output:
+            grammars = GrammarCompiler(cfg.model_dir, max(caps.num_mtp, 3), cfg.json_whitespace)
+            await asyncio.to_thread(warm_up)  # xgrammar's imports, before the first request plans one
         self.context = GenerationContext(engine=self.engine, receiver=receiver, tokenizer=self.tokenizer,
                                          slots=self.slots, metrics=self.metrics, executor=self.executor,
                                          kv_timeout=cfg.kv_timeout, tracing=self.tracing, grammars=grammars)
