@@ -210,11 +210,28 @@ def asks_for_grammar(body: Mapping[str, Any]) -> bool:
     return any(body.get(name) is not None for name in GRAMMAR_FIELDS)
 
 
-def warm_up() -> None:
-    """Import the schema checker and xgrammar (which loads transformers: seconds) ahead of
-    the first structured request; a server calls it off its event loop at start."""
+def grammar_param(body: Mapping[str, Any], chat: bool) -> str | None:
+    """Cheap (nothing compiled or imported): the parameter asking for a grammar, if any;
+    what a server that cannot constrain decoding refuses."""
+    for name in GRAMMAR_FIELDS[2:]:
+        if body.get(name) is not None:
+            return name
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return "response_format"
+    if chat and body.get("tool_choice") not in (None, "none", "auto"):
+        return "tool_choice"
+    return None
+
+
+def warm_up(compiler: bool = True) -> None:
+    """Import the schema checker and (``compiler``) xgrammar, which loads transformers:
+    seconds, ahead of the first structured request; a server calls it off its event loop
+    at start."""
     import jsonschema  # noqa: F401
-    import xgrammar  # noqa: F401
+
+    if compiler:
+        import xgrammar  # noqa: F401
 
 
 def grammar_spec(body: Mapping[str, Any], limits: SchemaLimits, chat: bool) -> GrammarSpec | None:

@@ -130,7 +130,8 @@ class DecodeState:
         grammars = None
         if caps.structured_output:
             grammars = GrammarCompiler(cfg.model_dir, max(caps.num_mtp, 3), cfg.json_whitespace)
-            await asyncio.to_thread(warm_up)  # xgrammar's imports, before the first request plans one
+        # the schema checks' imports before the first request plans one (xgrammar only with an engine using it)
+        await asyncio.to_thread(warm_up, caps.structured_output)
         self.context = GenerationContext(engine=self.engine, receiver=receiver, tokenizer=self.tokenizer,
                                          slots=self.slots, metrics=self.metrics, executor=self.executor,
                                          kv_timeout=cfg.kv_timeout, tracing=self.tracing, grammars=grammars)

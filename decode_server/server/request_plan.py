@@ -15,7 +15,7 @@ from decode_server.server.api_errors import HandoffFailed, InvalidRequest
 from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest, Endpoint
 from decode_server.server.sequence import MIN_LOGPROB, StopSpec, TokenLogprob
 from decode_server.server.text import GenerationDefaults
-from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, grammar_spec
+from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, grammar_param, grammar_spec
 
 
 @dataclass(frozen=True)
@@ -115,16 +115,19 @@ def _max_tokens(req: CompletionRequest | ChatCompletionRequest, prompt_tokens: i
 def _grammar(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits) -> GrammarSpec | None:
     """The request's structured output (pd_grammar: the router checks the same before prefill)."""
     fields: dict[str, Any] = dict(req.model_extra or {})
+    chat = isinstance(req, ChatCompletionRequest)
     if isinstance(req, ChatCompletionRequest):
         fields.update(tools=req.tools, tool_choice=req.tool_choice)
+    if not limits.structured_output:
+        param = grammar_param(fields, chat)
+        if param is not None:
+            raise InvalidRequest(f"{param}: constrained decoding is not supported by the {limits.engine} engine",
+                                 param)
+        return None
     try:
-        spec = grammar_spec(fields, limits.schema_limits, chat=isinstance(req, ChatCompletionRequest))
+        return grammar_spec(fields, limits.schema_limits, chat=chat)
     except StructuredOutputError as exc:
         raise InvalidRequest(exc.message, exc.param) from None
-    if spec is not None and not limits.structured_output:
-        param = "tool_choice" if spec.kind == "structural_tag" else "response_format"
-        raise InvalidRequest(f"{param}: constrained decoding is not supported by the {limits.engine} engine", param)
-    return spec
 
 
 def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionRequest, request_id: str,

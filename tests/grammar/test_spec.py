@@ -15,6 +15,7 @@ from pd_grammar.spec import (
     JSON_OBJECT_SCHEMA,
     SchemaLimits,
     StructuredOutputError,
+    grammar_param,
     grammar_spec,
     prefill_overrides,
     vllm_structured_outputs_args,
@@ -144,3 +145,16 @@ def test_schema_bounds_are_settings_checked_at_start(tmp_path):
         decode_settings([*model, "--json-whitespace", "tight"], env={})
     with pytest.raises(DecodeSettingsError, match=r"^--max-schema-bytes='99999999999'"):
         decode_settings([*model, "--max-schema-bytes", "99999999999"], env={})
+
+
+@pytest.mark.parametrize(("body", "chat", "param"), [
+    ({}, True, None), ({"response_format": {"type": "text"}}, True, None),
+    ({"response_format": {"type": "json_object"}}, False, "response_format"),
+    ({"response_format": "x"}, True, "response_format"), ({"guided_regex": "a"}, True, "guided_regex"),
+    ({"tool_choice": "auto", "tools": TOOLS}, True, None), ({"tool_choice": "required"}, True, "tool_choice"),
+    ({"tool_choice": "required"}, False, None),
+])
+def test_grammar_param_names_what_asks_for_a_grammar(body, chat, param):
+    assert grammar_param(body, chat) == param
+    if param is None:
+        assert grammar_spec(body, LIMITS, chat) is None
