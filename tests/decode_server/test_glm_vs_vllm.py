@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from decode_server.server.glm import GlmChatParser
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]  # imports vLLM
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},

@@ -116,7 +116,7 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
                                                              max_size=4), inner, max_size=3), max_leaves=12)
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=150, deadline=None, derandomize=True)
 @given(st.fixed_dictionaries({}, optional={"response_format": values, "tool_choice": values, "tools": values}))
 def test_any_json_is_a_spec_or_a_named_refusal(body):
     try:
