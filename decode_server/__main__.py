@@ -10,6 +10,7 @@ from connector.layout import KVLayout
 from decode_server.engine.base import Engine
 from decode_server.server import AppConfig, create_app
 from decode_server.settings import DecodeServerSettings, SettingsError, load_settings
+from pd_grammar.spec import SchemaLimits
 from pd_http.drain import DrainingServer
 from pd_http.logs import configure_logging
 from pd_http.tracing import Tracing, otlp_tracing
@@ -52,7 +53,10 @@ def app_config(settings: DecodeServerSettings) -> AppConfig:
     return AppConfig(model_dir=settings.model, served_model_name=settings.model_name, engine=settings.engine,
                      slots=settings.effective_slots, max_seq_len=settings.max_seq_len, num_mtp=settings.num_mtp,
                      kv_timeout=settings.kv_timeout, reasoning_parser=settings.reasoning_parser != "none",
-                     tool_call_parser=settings.tool_call_parser != "none", api_key=settings.api_key())
+                     tool_call_parser=settings.tool_call_parser != "none", api_key=settings.api_key(),
+                     schema_limits=SchemaLimits(max_bytes=settings.max_schema_bytes,
+                                                max_depth=settings.max_schema_depth),
+                     json_whitespace=settings.json_whitespace)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

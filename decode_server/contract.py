@@ -42,6 +42,8 @@ class DecodeCapabilities(BaseModel):
                                "complete or being injected)")
     max_seq_len: int = Field(ge=1)
     num_mtp: int = Field(ge=0)
+    structured_output: bool = Field(default=False, description="grammar-constrained decoding: response_format "
+                                    "json_object/json_schema, tool_choice required/named (pd_grammar)")
     kv_endpoint: str = Field(description="host:port of the KV control endpoint (HandoffTarget.kv_endpoint)")
     layout_fingerprint: str
     peers: list[PeerStatus] = Field(default_factory=list)

@@ -13,6 +13,13 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from decode_server.model_dir import missing_files
+from pd_grammar.spec import (
+    DEFAULT_MAX_SCHEMA_BYTES,
+    DEFAULT_MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_BYTES,
+    MAX_SCHEMA_DEPTH,
+    JsonWhitespace,
+)
 from pd_http.logs import LogFormat
 from pd_http.tracing import OtlpProtocol, check_endpoint
 from pd_settings.loader import EntrySettings, load
@@ -51,6 +58,14 @@ class DecodeServerSettings(EntrySettings):
         "none", description="glm45: split <think>..</think> into reasoning_content (chat)")
     tool_call_parser: Literal["none", "glm45"] = Field(
         "none", description="glm45: parse <tool_call>..</tool_call> into tool_calls (chat, when tools are given)")
+    max_schema_bytes: int = Field(DEFAULT_MAX_SCHEMA_BYTES, ge=2, le=MAX_SCHEMA_BYTES,
+                                  description="structured output: largest JSON schema a request may bring (bytes)")
+    max_schema_depth: int = Field(DEFAULT_MAX_SCHEMA_DEPTH, ge=1, le=MAX_SCHEMA_DEPTH,
+                                  description="structured output: deepest nesting of a request's JSON schema")
+    json_whitespace: JsonWhitespace = Field(
+        "any", description="structured output: whitespace between JSON tokens, as prefill's vLLM compiles it: any "
+        "(vLLM's default) or compact (vLLM --structured-outputs-config '{\"backend\": \"xgrammar\", "
+        "\"disable_any_whitespace\": true}')")
     kv_device: str = Field("cpu", pattern=r"^(cpu|cuda:\d+)$",
                            description="where the KV receive buffer lives: cpu, or cuda:N (tilert) to receive into "
                                        "VRAM (default: cuda:0 for tilert, cpu for reference)")

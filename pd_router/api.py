@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, grammar_spec, prefill_overrides
 from pd_router.errors import InvalidRequest
 
 
@@ -96,9 +97,21 @@ VLLM_REMOTE_DECODE_PARAMS: Mapping[str, Any] = MappingProxyType(
 )
 
 
-def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: Mapping[str, Any]) -> bytes:
-    """The prefill leg's body (docs/facts.md §1): one token, not streamed, with the handoff target."""
+def structured_output(endpoint: Endpoint, body: Mapping[str, Any], limits: SchemaLimits) -> GrammarSpec | None:
+    """The grammar the request's output must follow (``response_format``, ``tool_choice``
+    required/named), checked before any prefill: a bad or oversized schema is a 400 naming it."""
+    try:
+        return grammar_spec(body, limits, chat=endpoint is Endpoint.CHAT)
+    except StructuredOutputError as exc:
+        raise InvalidRequest(exc.message, param=exc.param) from None
+
+
+def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: Mapping[str, Any],
+                 grammar: GrammarSpec | None = None) -> bytes:
+    """The prefill leg's body (docs/facts.md §1): one token, not streamed, with the handoff target;
+    the first token sampled under the request's grammar too (:func:`pd_grammar.spec.prefill_overrides`)."""
     out = dict(body)
+    out.update(prefill_overrides(grammar))
     out["stream"] = False
     out.pop("stream_options", None)
     out.pop("min_tokens", None)

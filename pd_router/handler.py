@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from connector.protocol import HandoffResult, HandoffTarget
+from pd_grammar.spec import GrammarSpec, asks_for_grammar
 from pd_http.logs import bind_request
 from pd_http.tracing import Span, SpanKind, Tracing, fail, span_ids
 from pd_router import upstream
@@ -40,6 +41,7 @@ from pd_router.api import (
     decode_body,
     parse_request,
     prefill_body,
+    structured_output,
 )
 from pd_router.asgi import SSE, Receive, Scope, Send, header, read_body, respond
 from pd_router.backends import DecodeBackend
@@ -263,6 +265,9 @@ class CompletionHandler:
 
     async def _serve(self, ctx: _Ctx, body: dict[str, Any], request: OpenAIRequest) -> None:
         state = self.state
+        grammar = None
+        if asks_for_grammar(body):  # off the loop: compiling a large schema takes a while
+            grammar = await asyncio.to_thread(structured_output, ctx.endpoint, body, state.schema_limits)
         served = state.backends.prefill_models()
         if not served:
             raise NoHealthyBackend("no healthy prefill server")
@@ -295,7 +300,7 @@ class CompletionHandler:
                     span.set_attributes({"pd.attempt": attempt, "pd.decode.backend": lease.backend.url})
             state.metrics.queue_wait.observe(perf_counter() - t_queue)
             try:
-                await self._attempt(ctx, lease, body, request, attempt_handoff_id(ctx.request_id, attempt))
+                await self._attempt(ctx, lease, body, request, attempt_handoff_id(ctx.request_id, attempt), grammar)
                 return
             except DecodeLegFailed as failed:
                 state.upstream_failed("decode", lease.backend, failed.error, mark_down=True)
@@ -316,7 +321,8 @@ class CompletionHandler:
                 attempt += 1
 
     async def _attempt(
-        self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest, handoff_id: str
+        self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest, handoff_id: str,
+        grammar: GrammarSpec | None = None,
     ) -> None:
         """Prefill and decode on one lease; always gives the lease back: at once after a clean
         end or a 4xx answer (prefill refused before computing anything; decode refused after
@@ -326,7 +332,7 @@ class CompletionHandler:
         outcome = "aborted"
         try:
             ctx.stage = "prefill"
-            kv_params = await self._prefill(ctx, lease, body, request, handoff_id)
+            kv_params = await self._prefill(ctx, lease, body, request, handoff_id, grammar)
             ctx.stage = "decode"
             with self._span(ctx, "decode", SpanKind.CLIENT) as span:
                 trace = None
@@ -358,7 +364,8 @@ class CompletionHandler:
                 state.abort(lease, ctx.request_id, handoff_id, busy=outcome == "busy")
 
     async def _prefill(
-        self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest, handoff_id: str
+        self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest, handoff_id: str,
+        grammar: GrammarSpec | None = None,
     ) -> dict[str, Any]:
         state = self.state
         decode = lease.backend
@@ -366,7 +373,7 @@ class CompletionHandler:
             target: Mapping[str, Any] = VLLM_REMOTE_DECODE_PARAMS
         else:
             target = HandoffTarget(handoff_id=handoff_id, kv_endpoint=decode.capabilities.kv_endpoint).model_dump()
-        data = prefill_body(ctx.endpoint, body, target)
+        data = prefill_body(ctx.endpoint, body, target, grammar)
         t0 = perf_counter()
         failed: upstream.Unreachable | None = None
         failed_backend = None

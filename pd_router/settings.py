@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from pd_grammar.spec import DEFAULT_MAX_SCHEMA_BYTES, DEFAULT_MAX_SCHEMA_DEPTH, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH
 from pd_http.logs import LogFormat
 from pd_http.tracing import OtlpProtocol, check_endpoint
 from pd_settings.loader import EntrySettings, load, split_list, validate
@@ -88,6 +89,14 @@ class RouterSettings(EntrySettings):
     )
     max_header_bytes: int = Field(
         16 * 1024, ge=1024, description="largest request head (request line and headers; then 431)"
+    )
+    max_schema_bytes: int = Field(
+        DEFAULT_MAX_SCHEMA_BYTES, ge=2, le=MAX_SCHEMA_BYTES,
+        description="structured output: largest JSON schema a request may bring (bytes; then 400, before prefill)"
+    )
+    max_schema_depth: int = Field(
+        DEFAULT_MAX_SCHEMA_DEPTH, ge=1, le=MAX_SCHEMA_DEPTH,
+        description="structured output: deepest nesting of a request's JSON schema (then 400, before prefill)"
     )
     max_headers: int = Field(100, ge=8, description="most header lines in a request (then 431)")
     header_timeout: float = Field(

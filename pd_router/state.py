@@ -14,6 +14,7 @@ import httpx
 
 from decode_server.contract import CANCEL_PATH, CancelRequest
 from pd_build.info import collect
+from pd_grammar.spec import SchemaLimits, warm_up
 from pd_http.drain import wait_then_cut
 from pd_router.backends import Backends, DecodeBackend, PrefillBackend
 from pd_router.discovery import Discovery
@@ -37,6 +38,7 @@ class RouterState:
     def __init__(self, settings: RouterSettings, tracing: Tracing | None = None,
                  resolver: Resolver | None = None) -> None:
         self.settings = settings
+        self.schema_limits = SchemaLimits(max_bytes=settings.max_schema_bytes, max_depth=settings.max_schema_depth)
         self.build = collect("router")
         self.metrics = RouterMetrics(self.build)
         self.tracing = tracing if tracing is not None else router_tracing(settings, self.build.version)
@@ -78,6 +80,7 @@ class RouterState:
         self._client = httpx.AsyncClient(timeout=probe_timeout, trust_env=False)
         await self.discovery.refresh()
         prober = self._prober = Prober(self.backends, self._client, self.settings.probe_interval, self._on_probe)
+        asyncio.get_running_loop().run_in_executor(None, warm_up)  # structured output's imports, off the loop
         await prober.probe_all()
         loops = [prober.run(), self.discovery.run()]
         if self.settings.prefill_policy == "least-loaded":

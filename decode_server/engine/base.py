@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from connector.layout import KVLayout
@@ -54,6 +54,9 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: off
     seed: int | None = None
     logprobs: int | None = None  # None: off; k >= 0: chosen token + top-k
+    # structured output: this request's grammar matcher (decode_server.engine.grammar.GrammarMatcher,
+    # at the grammar's start), or None; see decode_server/engine/grammar.py
+    grammar: Any = field(default=None, compare=False, repr=False)
     greedy: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +78,7 @@ class EngineCapabilities:
     max_seq_len: int
     num_mtp: int
     supports_logprobs: bool
+    structured_output: bool = False  # grammar-constrained decoding (SamplingParams.grammar)
 
 
 @dataclass

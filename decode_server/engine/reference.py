@@ -34,6 +34,7 @@ from decode_server.engine.base import (
     SamplingParams,
     TokenOut,
 )
+from decode_server.engine.grammar import Constraint
 from decode_server.reference.decoder import Decoder
 from decode_server.reference.model import DTYPES, MlaMoeModel, load_model
 from decode_server.reference.sampling import choose, token_out
@@ -67,6 +68,10 @@ class ReferenceSession(DecodeSession):
         self._release = release
         self._closed = False
         self._lock = threading.Lock()
+        self._grammar: Constraint | None = None
+        if params.grammar is not None:  # structured output: the masks of a step's 1 + num_mtp rows
+            self._grammar = Constraint(params.grammar, decoder.cfg.vocab_size, 1 + num_mtp)
+            self._grammar.accept_first(first_token_id)
 
     @property
     def position(self) -> int:
@@ -97,6 +102,39 @@ class ReferenceSession(DecodeSession):
             hidden, logits = self._decoder.forward_main(torch.tensor(tokens, device=self._device), self._len,
                                                         self._caches[:self._num_main])
         self._check()
+        if self._grammar is not None and self._grammar.active:
+            out, accepted = self._choose_constrained(logits, self._grammar)
+        else:
+            out, accepted = self._choose(logits)
+        self._stats.steps += 1
+        self._stats.drafted += len(self._drafts)
+        self._stats.accepted += accepted
+        new_len = self._len + 1 + accepted
+        if self._num_mtp:
+            self._drafts = self._propose(tokens[1:1 + accepted] + [out[-1].token_id], hidden[:1 + accepted],
+                                         self._len)
+        self._len, self._pending = new_len, out[-1].token_id
+        return out
+
+    def _choose_constrained(self, logits: torch.Tensor, grammar: Constraint) -> tuple[list[TokenOut], int]:
+        """The tokens of one step under the grammar: each row chosen from its masked logits
+        (a draft the grammar rejects cannot be chosen: rejected), the matcher advanced with
+        each emitted token; logprobs stay raw, as vLLM reports them."""
+        masks = grammar.step_masks(self._drafts)
+        out: list[TokenOut] = []
+        accepted = 0
+        for i in range(len(self._drafts) + 1):
+            draft = self._drafts[i] if i < len(self._drafts) else None
+            row = grammar.constrain(logits[i], masks[i]) if grammar.active else logits[i]
+            tok = int(row.argmax()) if self._params.greedy else choose(row, self._params, self._gen, draft)
+            out.append(token_out(logits[i], tok, self._params))
+            grammar.accept(tok)
+            if tok != draft:
+                break
+            accepted += 1
+        return out, accepted
+
+    def _choose(self, logits: torch.Tensor) -> tuple[list[TokenOut], int]:
         greedy = logits.argmax(-1).tolist() if self._params.greedy else None
         out: list[TokenOut] = []
         accepted = 0
@@ -109,15 +147,7 @@ class ReferenceSession(DecodeSession):
         else:
             tok = greedy[-1] if greedy is not None else choose(logits[-1], self._params, self._gen)
             out.append(token_out(logits[-1], tok, self._params))
-        self._stats.steps += 1
-        self._stats.drafted += len(self._drafts)
-        self._stats.accepted += accepted
-        new_len = self._len + 1 + accepted
-        if self._num_mtp:
-            self._drafts = self._propose(tokens[1:1 + accepted] + [out[-1].token_id], hidden[:1 + accepted],
-                                         self._len)
-        self._len, self._pending = new_len, out[-1].token_id
-        return out
+        return out, accepted
 
     def _propose(self, next_ids: list[int], hidden: torch.Tensor, start: int) -> list[int]:
         """Run the MTP layer at ``start..start+len(next_ids)-1`` and chain ``num_mtp`` drafts."""
@@ -201,7 +231,8 @@ class ReferenceEngine(Engine):
     @property
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(model=self._name, engine="reference", slots=self._slots,
-                                  max_seq_len=self._max_seq_len, num_mtp=self._num_mtp, supports_logprobs=True)
+                                  max_seq_len=self._max_seq_len, num_mtp=self._num_mtp, supports_logprobs=True,
+                                  structured_output=True)
 
     @property
     def kv_layout(self) -> KVLayout:

@@ -21,6 +21,12 @@ tests drive it with a fake generator exposing the same methods
 * Without MTP: ``set_prefill_valid_tokens(0, with_mtp=False)``,
   ``show_hands_no_mtp(prev[1] int32, ar_steps)``, ``ar_accepted_tokens_no_mtp(0)``.
 * ``decode_layer.reset_sequence()`` after each sequence. No logprobs.
+* Structured output (when the decode layer has it): ``decode_layer.update_grammar_bitmask(masks)``
+  before a verify call, ``masks`` int32 ``[1, rows, vocab_size / 32]`` on TileRT's device (the
+  shape of its ``GRAMMAR_BITMASK`` buffer; xgrammar's bit layout), one row per position of the
+  call (1 + 3 with MTP: the rows after each draft, see :mod:`decode_server.engine.grammar`),
+  one verify step per call (``ar_steps`` 1: the next masks depend on what it accepted);
+  ``decode_layer.reset_grammar_bitmask()`` once the grammar is done or the sequence ends.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from decode_server.engine.base import (
     SamplingParams,
     TokenOut,
 )
+from decode_server.engine.grammar import Constraint
 from decode_server.engine.tilert_kv import INDEX_HEAD_DIM, convert_layers, hadamard_matrix
 
 if TYPE_CHECKING:
@@ -48,6 +55,7 @@ if TYPE_CHECKING:
 
 TILERT_NUM_MTP = 3  # TileRT's GLM-5 MTP verifies 3 drafts per step (--num-mtp 3, or 0: no MTP)
 TOP_K_POOL = 256  # TileRT's sampling kernel: top-k over at most 256 candidates; 256 means off
+GLM5_VOCAB_SIZE = 154880  # GLM-5's vocabulary (config.json's vocab_size wins)
 TILERT_VERSION = "0.1.6.post3"  # the TileRT release this adapter was written and oracle-tested against
 MISSING_TILERT = (f"the tilert engine needs the `tilert` package (PyPI tilert=={TILERT_VERSION}: Python 3.12, CUDA 13, "
                   "NVIDIA B200/B300), i.e. the TileRT decode image or `pip install 'tilert-pd[tilert]'`; "
@@ -92,14 +100,45 @@ class TileRTSession(DecodeSession):
         self._prev_token = handoff.first_token_id
         super().__init__()
         self._closed = False
+        self._grammar: Constraint | None = None
+        self._mask_written = False
+        if params.grammar is not None:
+            rows = (TILERT_NUM_MTP if engine.num_mtp else 0) + 1
+            self._grammar = Constraint(params.grammar, engine.vocab_size, rows)
+            self._grammar.accept_first(handoff.first_token_id)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             try:
+                self._clear_mask()
                 self._dl.reset_sequence()
             finally:
                 self._engine._release()
+
+    def _clear_mask(self) -> None:
+        if self._mask_written:
+            self._mask_written = False
+            self._dl.reset_grammar_bitmask()
+
+    def _constrain(self, drafts: list[int]) -> bool:
+        """Before a verify call: this step's masks to TileRT while the grammar is on; True
+        when the call must verify one step only."""
+        grammar = self._grammar
+        if grammar is None:
+            return False
+        if not grammar.active:
+            self._clear_mask()
+            return False
+        masks = grammar.step_masks(drafts)
+        self._dl.update_grammar_bitmask(masks.unsqueeze(0).to(self._engine.device))
+        self._mask_written = True
+        return True
+
+    def _accept(self, tokens: list[int]) -> None:
+        if self._grammar is not None:
+            for token in tokens:
+                self._grammar.accept(token)
 
     def _ar_steps(self, per_step: int) -> int:
         return max(1, min(self._engine.ar_steps, -(-self._budget // per_step)))
@@ -126,10 +165,12 @@ class TileRTSession(DecodeSession):
         else:
             draft = self._dl.get_next_draft_tokens(0).reshape(1, width)
         self._calls += 1
-        self._dl.show_hands(draft, self._ar_steps(width))
+        one_step = self._constrain(_flat(draft)[1:])
+        self._dl.show_hands(draft, 1 if one_step else self._ar_steps(width))
         accepted = _flat(self._dl.ar_accepted_tokens(0))
         per_step = _flat(self._dl.ar_num_accepted(0))
         tokens = accepted[1:1 + accepted[0]]
+        self._accept(tokens)
         steps = per_step[1:1 + per_step[0]]
         self._stats.steps += len(steps)
         self._stats.drafted += TILERT_NUM_MTP * len(steps)
@@ -142,9 +183,11 @@ class TileRTSession(DecodeSession):
             self._dl.set_prefill_valid_tokens(0, with_mtp=False)
         self._calls += 1
         prev = torch.tensor([self._prev_token], dtype=torch.int32, device=self._engine.device)
-        self._dl.show_hands_no_mtp(prev, self._ar_steps(1))
+        one_step = self._constrain([])
+        self._dl.show_hands_no_mtp(prev, 1 if one_step else self._ar_steps(1))
         accepted = _flat(self._dl.ar_accepted_tokens_no_mtp(0))
         tokens = accepted[1:1 + accepted[0]]
+        self._accept(tokens)
         if tokens:
             self._prev_token = tokens[-1]
         return tokens
@@ -168,24 +211,27 @@ class TileRTEngine(Engine):
         self.device = device
         self._max_seq_len = max_seq_len
         self._layout = glm5_fp8_ds_mla_layout(self._main_layers(), 1 if num_mtp else 0)
+        self.vocab_size = self._config().get("vocab_size") or GLM5_VOCAB_SIZE
         self._lock = threading.Lock()
         self._busy = False
         self.generator = generator if generator is not None else load_glm5_generator(
             self.model_dir, max_seq_len, with_mtp=bool(num_mtp))
         self._hadamard: Any = None  # on TileRT's device, made by the first start()
 
-    def _main_layers(self) -> int:
+    def _config(self) -> dict[str, Any]:
         cfg_path = self.model_dir / "config.json"
-        if cfg_path.is_file():
-            layers = json.loads(cfg_path.read_text()).get("num_hidden_layers")
-            if isinstance(layers, int) and layers > 0:
-                return layers
-        return GLM5_MAIN_LAYERS
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        return cfg if isinstance(cfg, dict) else {}
+
+    def _main_layers(self) -> int:
+        layers = self._config().get("num_hidden_layers")
+        return layers if isinstance(layers, int) and layers > 0 else GLM5_MAIN_LAYERS
 
     @property
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(model=self.model_dir.name, engine="tilert", slots=1, max_seq_len=self._max_seq_len,
-                                  num_mtp=self.num_mtp, supports_logprobs=False)
+                                  num_mtp=self.num_mtp, supports_logprobs=False,
+                                  structured_output=hasattr(self.generator.decode_layer, "update_grammar_bitmask"))
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -226,12 +272,12 @@ class TileRTEngine(Engine):
             self.generator.inject_cache(layers, start_pos=0)
             self.generator.set_cur_pos(n - 1)
             self._apply_sampling(params)
+            return TileRTSession(self, handoff, params)
         except Exception as exc:
             self._release()
             if isinstance(exc, ValueError):
                 raise EngineError(f"bad KV for the tilert engine: {exc}") from exc
             raise
-        return TileRTSession(self, handoff, params)
 
     def shutdown(self) -> None:
         cleanup = getattr(self.generator, "cleanup", None)

@@ -28,7 +28,9 @@ from decode_server.server.metrics import DecodeMetrics
 from decode_server.server.request_plan import ServerLimits
 from decode_server.server.slot_table import SlotManager
 from decode_server.server.text import GenerationDefaults, TextTokenizer
+from decode_server.structured import GrammarCompiler
 from pd_build.info import BuildInfo, collect
+from pd_grammar.spec import JsonWhitespace, SchemaLimits, warm_up
 from pd_http.drain import wait_then_cut
 from pd_http.tracing import Tracing
 
@@ -73,6 +75,8 @@ class AppConfig:
     kv_timeout: float
     reasoning_parser: bool = False
     tool_call_parser: bool = False
+    schema_limits: SchemaLimits = SchemaLimits()  # structured output's bounds on a request's schemas
+    json_whitespace: JsonWhitespace = "any"  # structured output's JSON whitespace (as prefill's vLLM)
     api_key: str | None = field(default=None, repr=False)  # Bearer, on all routes but /health, /ready, /metrics
 
 
@@ -125,10 +129,16 @@ class DecodeState:
         self.executor = ThreadPoolExecutor(max_workers=cfg.slots, thread_name_prefix="decode-slot")
         self.limits = ServerLimits(max_seq_len=cfg.max_seq_len, supports_logprobs=caps.supports_logprobs,
                                    engine=caps.engine, model_name=cfg.served_model_name,
-                                   reasoning_parser=cfg.reasoning_parser, tool_call_parser=cfg.tool_call_parser)
+                                   reasoning_parser=cfg.reasoning_parser, tool_call_parser=cfg.tool_call_parser,
+                                   structured_output=caps.structured_output, schema_limits=cfg.schema_limits)
+        grammars = None
+        if caps.structured_output:
+            grammars = GrammarCompiler(cfg.model_dir, max(caps.num_mtp, 3), cfg.json_whitespace)
+        # the schema checks' imports before the first request plans one (xgrammar only with an engine using it)
+        await asyncio.to_thread(warm_up, caps.structured_output)
         self.context = GenerationContext(engine=self.engine, receiver=receiver, tokenizer=self.tokenizer,
                                          slots=self.slots, metrics=self.metrics, executor=self.executor,
-                                         kv_timeout=cfg.kv_timeout, tracing=self.tracing)
+                                         kv_timeout=cfg.kv_timeout, tracing=self.tracing, grammars=grammars)
         log.info("decode server ready: engine=%s slots=%d kv_endpoint=%s", caps.engine, cfg.slots, receiver.endpoint)
 
     async def drain(self, timeout: float) -> None:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import MutableMapping
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from starlette.responses import Response
@@ -31,7 +31,7 @@ from connector.kv_errors import HandoffTimeout, ReceiverError
 from connector.protocol import HandoffResult
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import Cancelled as EngineCancelled
-from decode_server.engine.base import DecodeSession, Engine, EngineError, TokenOut
+from decode_server.engine.base import DecodeSession, Engine, EngineError, SamplingParams, TokenOut
 from decode_server.server.api_errors import ApiError, Cancelled, EngineFailure, HandoffFailed, KVTimeout
 from decode_server.server.metrics import DecodeMetrics
 from decode_server.server.observe import RequestObservation
@@ -40,6 +40,7 @@ from decode_server.server.responses import DONE, dumps, renderer_for, sse
 from decode_server.server.sequence import Delta, SequenceProcessor
 from decode_server.server.slot_table import Slot, SlotManager
 from decode_server.server.text import TextTokenizer
+from decode_server.structured import GrammarCompiler
 from pd_http.tracing import Span, Tracing, fail
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class GenerationContext:
     executor: Executor
     kv_timeout: float
     tracing: Tracing | None = None  # None: tracing off
+    grammars: GrammarCompiler | None = None  # structured output (None: the engine cannot)
 
 
 class _Started:
@@ -224,7 +226,7 @@ class Job:
         try:
             span = self.obs.stage_span("engine_start")
             try:
-                session = self.ctx.engine.start(kv, self.plan.handoff, self.plan.sampling)
+                session = self.ctx.engine.start(kv, self.plan.handoff, self._sampling())
             except BaseException as exc:
                 if span is not None:
                     fail(span, exc)
@@ -267,6 +269,17 @@ class Job:
                 except Exception:
                     log.exception("request %s: session.close failed", self.request_id)
             self._from_worker(self._worker_finished)
+
+    def _sampling(self) -> SamplingParams:
+        """The plan's sampling parameters, with a fresh grammar matcher for structured output
+        (compiled here, on the worker thread: the tokenizer is loaded on first use)."""
+        plan = self.plan
+        if plan.grammar is None:
+            return plan.sampling
+        if self.ctx.grammars is None:
+            raise EngineFailure("structured output requested from a server whose engine cannot constrain decoding")
+        stops = set(plan.stop.eos_token_ids) | set(plan.stop.stop_token_ids)
+        return replace(plan.sampling, grammar=self.ctx.grammars.matcher(plan.grammar, stops))
 
     def _worker_finished(self) -> None:
         self._release_kv()  # already done after engine.start; kept for a worker that never got there

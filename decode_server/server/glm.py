@@ -2,11 +2,18 @@
 ``<tool_call>..</tool_call>`` -> ``tool_calls``, incrementally over text deltas.
 
 GLM-4.5..5 tool-call body: ``name<arg_key>k</arg_key><arg_value>v</arg_value>...``
-(newlines between the parts allowed); a JSON object ``{"name", "arguments"}`` is
-accepted too. Argument values are strings unless the tool's JSON schema gives the
-parameter a non-string type, in which case they are read as JSON when they parse.
-With reasoning on, generation starts inside the reasoning block (GLM templates
-open ``<think>`` in the prompt), as vLLM's GLM parser does.
+(newlines between the parts allowed). Argument values are strings unless the tool's
+JSON schema gives the parameter a non-string type, in which case they are read as JSON
+when they parse. With reasoning on, generation starts inside the reasoning block (GLM
+templates open ``<think>`` in the prompt), as vLLM's GLM parser does.
+
+As vLLM's GLM-4.7 parser (checked on generated token streams by
+tests/decode_server/test_glm_vs_vllm.py): a call whose name is not one of the request's
+tools is dropped (neither a call nor text); the reasoning's trailing whitespace is
+dropped; a call cut off by the end of generation
+becomes a call with the arguments completed so far; streamed content is every text
+outside the calls, while a whole (non-streamed) message with calls keeps only the text
+before the first call, stripped (:meth:`GlmChatParser.message_content`).
 """
 
 from __future__ import annotations
@@ -62,24 +69,15 @@ def _param_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, str]
 
 
 def parse_tool_call(body: str, param_types: dict[str, dict[str, str]]) -> ToolCall | None:
-    """One ``<tool_call>`` body -> a ToolCall, or None when it is not one."""
+    """One ``<tool_call>`` body -> a ToolCall, or None when it is not a call of one of the
+    tools (``param_types``' names)."""
     text = body.strip()
     call_id = f"call_{uuid.uuid4().hex[:24]}"
-    if text.startswith("{"):
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        given = obj.get("arguments", obj.get("parameters", {}))
-        text_args = given if isinstance(given, str) else json.dumps(given, ensure_ascii=False)
-        return ToolCall(call_id, obj["name"], text_args)
     cut = text.find("<arg_key>")
     name = (text if cut < 0 else text[:cut]).strip()
-    if not name or "<" in name or "\n" in name:
+    if name not in param_types:
         return None
-    types = param_types.get(name, {})
+    types = param_types[name]
     args: dict[str, Any] = {}
     for key, value in _ARG_RE.findall(text):
         key = key.strip()
@@ -103,6 +101,24 @@ class GlmChatParser:
         self._held = ""
         self._tool_body: list[str] = []
         self.num_tool_calls = 0
+        self._text: list[str] = []  # all content, as generated
+        self._lead: list[str] = []  # content before the first <tool_call>
+        self._call_seen = False
+        self._reasoning_ws = ""  # trailing whitespace of the reasoning so far (held back)
+        self._nonws = False  # some content other than whitespace was streamed
+        self._ws_held = ""  # whitespace-only content held back until then
+
+    def message_content(self) -> str | None:
+        """The content of the whole message (after :meth:`finish`), as vLLM's
+        non-streaming GLM parser answers: with tool calls, the text before the first
+        ``<tool_call>``, stripped; with only calls of unknown tools (dropped), the text around
+        them; None when nothing but whitespace is left."""
+        content = "".join(self._text)
+        if not self._call_seen:
+            return content
+        if self.num_tool_calls:
+            return "".join(self._lead).strip() or None
+        return content if content.strip() else None
 
     def _markers(self) -> tuple[str, ...]:
         if self._state == _REASONING:
@@ -128,28 +144,55 @@ class GlmChatParser:
             self._emit(piece, buf[:pos])
             self._transition(piece, marker)
             buf = buf[pos + len(marker):]
+        piece.content = self._hold_whitespace(piece.content)
         return piece
 
+    def _hold_whitespace(self, text: str, last: bool = False) -> str:
+        """With tools, as vLLM streams: content that is only whitespace waits for some
+        that is not (then goes out before it), and is dropped once a call began."""
+        if not self._tools_on or self._nonws:
+            return text
+        if text.strip():
+            self._nonws = True
+            out, self._ws_held = self._ws_held + text, ""
+            return out
+        if self._call_seen:
+            self._ws_held = ""
+            return ""
+        self._ws_held += text
+        if last:
+            out, self._ws_held = self._ws_held, ""
+            return out
+        return ""
+
     def finish(self) -> ChatPiece:
-        """End of generation: held text is emitted; an unclosed tool call stays text."""
+        """End of generation: held text is emitted; a tool call cut off is a call with the
+        arguments completed so far (dropped when its name is not complete)."""
         piece = ChatPiece()
         held, self._held = self._held, ""
         if self._state == _TOOL:
-            self._state = _CONTENT
-            held = TOOL_START + "".join(self._tool_body) + held
-            self._tool_body = []
-        self._emit(piece, held)
+            self._tool_body.append(held)
+            self._transition(piece, TOOL_END)
+        else:
+            self._emit(piece, held)
+        piece.content = self._hold_whitespace(piece.content, last=True)
         return piece
 
     def _emit(self, piece: ChatPiece, text: str) -> None:
         if not text:
             return
-        if self._state == _REASONING:
-            piece.reasoning += text
+        if self._state == _REASONING:  # trailing whitespace goes out only if more reasoning follows
+            text = self._reasoning_ws + text
+            kept = text.rstrip()
+            self._reasoning_ws = text[len(kept):]
+            piece.reasoning += kept
         elif self._state == _TOOL:
             self._tool_body.append(text)
         else:
             piece.content += text
+            self._text.append(text)
+            if not self._call_seen:
+                self._lead.append(text)
 
     def _transition(self, piece: ChatPiece, marker: str) -> None:
         if marker == THINK_START:
@@ -157,6 +200,7 @@ class GlmChatParser:
         elif marker == THINK_END:
             self._state = _CONTENT
         elif marker == TOOL_START:
+            self._call_seen = True
             self._state = _TOOL
             self._tool_body = []
         elif marker == TOOL_END:
@@ -164,9 +208,7 @@ class GlmChatParser:
             self._tool_body = []
             self._state = _CONTENT
             call = parse_tool_call(body, self._types)
-            if call is None:
-                piece.content += TOOL_START + body + TOOL_END
-            else:
+            if call is not None:  # else dropped, as vLLM drops a call of an unknown tool
                 piece.tool_calls.append(call)
                 self.num_tool_calls += 1
 

@@ -6,7 +6,7 @@ naming the parameter.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from connector.protocol import PROTOCOL_VERSION, HandoffResult
@@ -15,6 +15,7 @@ from decode_server.server.api_errors import HandoffFailed, InvalidRequest
 from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest, Endpoint
 from decode_server.server.sequence import MIN_LOGPROB, StopSpec, TokenLogprob
 from decode_server.server.text import GenerationDefaults
+from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, grammar_param, grammar_spec
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class ServerLimits:
     model_name: str
     reasoning_parser: bool = False
     tool_call_parser: bool = False
+    structured_output: bool = False  # the engine masks with a grammar
+    schema_limits: SchemaLimits = SchemaLimits()
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class Plan:
     reasoning: bool
     tools: list[dict[str, Any]] | None  # parse tool calls when not None
     first_logprob: TokenLogprob | None
+    grammar: GrammarSpec | None = None  # structured output (the engine gets its matcher)
 
 
 def _reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -56,14 +60,8 @@ def _reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.logit_bias:
         raise InvalidRequest("logit_bias is not supported by the decode engines", "logit_bias")
     extra = req.model_extra or {}
-    fmt = extra.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
-        raise InvalidRequest(f"response_format {fmt.get('type')!r}: constrained decoding is not supported by the "
-                             "decode engines", "response_format")
-    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                 "prompt_logprobs"):
-        if extra.get(name) is not None:
-            raise InvalidRequest(f"{name} is not supported by the decode server", name)
+    if extra.get("prompt_logprobs") is not None:
+        raise InvalidRequest("prompt_logprobs is not supported by the decode server", "prompt_logprobs")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise InvalidRequest("echo is not supported: the decode server never sees the prompt's logprobs", "echo")
@@ -114,9 +112,28 @@ def _max_tokens(req: CompletionRequest | ChatCompletionRequest, prompt_tokens: i
     return requested
 
 
+def _grammar(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits) -> GrammarSpec | None:
+    """The request's structured output (pd_grammar: the router checks the same before prefill)."""
+    fields: dict[str, Any] = dict(req.model_extra or {})
+    chat = isinstance(req, ChatCompletionRequest)
+    if isinstance(req, ChatCompletionRequest):
+        fields.update(tools=req.tools, tool_choice=req.tool_choice)
+    if not limits.structured_output:
+        param = grammar_param(fields, chat)
+        if param is not None:
+            raise InvalidRequest(f"{param}: constrained decoding is not supported by the {limits.engine} engine",
+                                 param)
+        return None
+    try:
+        return grammar_spec(fields, limits.schema_limits, chat=chat)
+    except StructuredOutputError as exc:
+        raise InvalidRequest(exc.message, exc.param) from None
+
+
 def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionRequest, request_id: str,
                limits: ServerLimits, defaults: GenerationDefaults) -> Plan:
     _reject_unsupported(req)
+    grammar = _grammar(req, limits)
     handoff = req.kv_transfer_params
     _check_handoff(handoff)
     k = _logprobs_k(req, limits)
@@ -147,19 +164,26 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
     tools = None
     if isinstance(req, ChatCompletionRequest) and limits.tool_call_parser and req.tools and req.tool_choice != "none":
         tools = req.tools
+    if isinstance(req, ChatCompletionRequest) and grammar is not None and grammar.kind == "structural_tag":
+        tools = req.tools  # the grammar makes GLM tool calls: parsed whatever --tool-call-parser says
     thinking = True
     if isinstance(req, ChatCompletionRequest) and req.chat_template_kwargs:
         for key in ("enable_thinking", "thinking"):
             if req.chat_template_kwargs.get(key) is False:
                 thinking = False
+    # the grammar holds from the first token: no reasoning block to parse
+    reasoning = chat and limits.reasoning_parser and thinking and grammar is None
+    if tools is not None or reasoning:  # GLM's markers are special tokens: the parser must see them (as vLLM's)
+        stop = replace(stop, skip_special_tokens=False)
     return Plan(
         endpoint=endpoint, request_id=request_id, handoff=handoff, sampling=sampling, stop=stop,
         stream=bool(req.stream), include_usage=bool(req.stream_options and req.stream_options.include_usage),
         continuous_usage=bool(req.stream_options and req.stream_options.include_usage
                               and req.stream_options.continuous_usage_stats),
         model=req.model or limits.model_name, logprobs=k, tokens_as_ids=bool(req.return_tokens_as_token_ids),
-        reasoning=chat and limits.reasoning_parser and thinking, tools=tools,
+        reasoning=reasoning, tools=tools,
         first_logprob=prefill_logprob(handoff.prefill_logprobs, k) if k is not None else None,
+        grammar=grammar,
     )
 
 

@@ -183,7 +183,9 @@ class ChatRenderer(_Renderer):
                              "stop_reason": delta.stop_reason})]
 
     def full(self) -> dict[str, Any]:
-        content = "".join(self._content)
+        content: str | None = "".join(self._content)
+        if self._parser is not None:
+            content = self._parser.message_content()
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if self._calls else "")}
         if self._parser is not None and self.plan.reasoning:
             message["reasoning_content"] = "".join(self._reasoning) or None

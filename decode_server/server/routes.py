@@ -132,7 +132,7 @@ async def capabilities(request: Request) -> Response:
     caps = DecodeCapabilities(
         protocol_version=PROTOCOL_VERSION, model=cfg.served_model_name, engine=cfg.engine, slots=cfg.slots,
         busy_slots=state.slots.busy, kv_busy_slots=receiver.busy_slots(), max_seq_len=cfg.max_seq_len,
-        num_mtp=cfg.num_mtp,
+        num_mtp=cfg.num_mtp, structured_output=state.limits is not None and state.limits.structured_output,
         kv_endpoint=receiver.endpoint, layout_fingerprint=receiver.fingerprint, peers=receiver.peers(),
     )
     return Response(caps.model_dump_json(), media_type="application/json")

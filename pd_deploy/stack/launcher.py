@@ -42,6 +42,7 @@ from pd_deploy.commands import (
 )
 from pd_deploy.stack.ports import PortNeed, check_free
 from pd_deploy.stack.process import ManagedProcess, Reaper
+from pd_grammar.spec import JsonWhitespace, vllm_structured_outputs_args
 
 log = logging.getLogger("pd_stack")
 KV_HOST = "127.0.0.1"  # where the decode servers' KV control endpoints listen (their default)
@@ -70,6 +71,9 @@ class StackConfig:
     router_args: tuple[str, ...] = ()
     prefill_connector: tuple[str, str] = ("connector", "TileRTConnector")  # module path, class (tests)
     decode_args: tuple[str, ...] = ()  # appended to every decode server's command line (the last wins)
+    # structured output: JSON without free whitespace (prefill's vLLM and the decode servers alike);
+    # a small model fills "any" whitespace with newlines and never closes the object
+    json_whitespace: JsonWhitespace = "compact"
     otlp_traces_endpoint: str | None = None  # OTLP/gRPC collector every process sends its spans to
 
     def _tracing_args(self) -> tuple[str, ...]:
@@ -79,6 +83,7 @@ class StackConfig:
     def prefill_extra_args(self) -> tuple[str, ...]:
         # CPU MLA runs without chunked prefill: a batch must hold the longest prompt
         args: tuple[str, ...] = ("--max-num-batched-tokens", str(self.max_seq_len))
+        args += vllm_structured_outputs_args(self.json_whitespace)  # the decode servers' JSON grammars
         if self.cpu_exact:
             from decode_server.tiny_model import VLLM_CPU_EXACT_ARGS
 
@@ -87,7 +92,7 @@ class StackConfig:
 
     def decode_extra_args(self) -> tuple[str, ...]:
         exact = ("--kv-dtype", "float32") if self.cpu_exact and self.engine == "reference" else ()
-        return exact + self._tracing_args()
+        return exact + ("--json-whitespace", self.json_whitespace) + self._tracing_args()
 
     @property
     def model_name(self) -> str:

@@ -103,14 +103,19 @@ def test_glm_parser_streaming_any_split():
         assert [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}')]
 
 
-def test_glm_parser_unclosed_or_invalid_tool_call_stays_text():
-    p = GlmChatParser(reasoning=False, tools=[])
-    out = p.feed("x<tool_call>{not json}</tool_call>y<tool_call>g")
+def test_glm_parser_drops_invalid_calls_and_completes_a_cut_off_one():
+    """As vLLM's GLM-4.7 parser (tests/decode_server/test_glm_vs_vllm.py compares them on
+    generated streams): a call of no known tool is dropped, a cut-off call keeps the
+    arguments completed so far."""
+    tools = [{"type": "function", "function": {"name": "g", "parameters": {"properties": {"q": {"type": "string"}}}}}]
+    p = GlmChatParser(reasoning=False, tools=tools)
+    out = p.feed("x<tool_call>{not json}</tool_call>y<tool_call>nope</tool_call>z<tool_call>g<arg_key>q</arg_key>"
+                 "<arg_value>v</arg_value><arg_key>r</arg_key><arg_value>cut")
     tail = p.finish()
-    assert out.content + tail.content == "x<tool_call>{not json}</tool_call>y<tool_call>g"
-    assert not out.tool_calls
-    call = parse_tool_call('{"name": "g", "arguments": {"q": "x"}}', {})
-    assert (call.name, call.arguments) == ("g", '{"q": "x"}')
+    assert out.content + tail.content == "xyz"
+    assert [(c.name, c.arguments) for c in out.tool_calls + tail.tool_calls] == [("g", '{"q": "v"}')]
+    assert p.message_content() == "x"  # a whole message keeps the text before the first call
+    assert parse_tool_call('{"name": "g", "arguments": {"q": "x"}}', {"g": {}}) is None  # not GLM's format
 
 
 LIMITS = ServerLimits(max_seq_len=100, supports_logprobs=True, engine="fake", model_name="m")

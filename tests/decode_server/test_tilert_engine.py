@@ -16,7 +16,7 @@ from decode_server.engine.base import EngineError, SamplingParams
 from decode_server.engine.tilert import TileRTEngine, tilert_top_k
 from decode_server.engine.tilert_kv import convert_layers, dequant_indexer, dequant_latent, hadamard_matrix
 from tests.decode_server.helpers import handoff
-from tests.fakes.fake_tilert import FakeGLM5Generator, chain, install_fake_tilert
+from tests.fakes.fake_tilert import VOCAB, FakeGLM5Generator, chain, install_fake_tilert
 
 pytestmark = pytest.mark.timeout(60)
 FP8_MAX = 448.0
@@ -105,7 +105,7 @@ def _handoff(n: int, first: int = 11, last: int = 5) -> HandoffResult:
 
 
 def _engine(tmp_path, num_mtp: int = 3, ar_steps: int = 1, layers: int = 3):
-    (tmp_path / "config.json").write_text(f'{{"num_hidden_layers": {layers}}}')
+    (tmp_path / "config.json").write_text(f'{{"num_hidden_layers": {layers}, "vocab_size": {VOCAB}}}')
     gen = FakeGLM5Generator(with_mtp=bool(num_mtp), last_prompt_token=5)
     return TileRTEngine(tmp_path, max_seq_len=256, num_mtp=num_mtp, ar_steps=ar_steps, device="cpu",
                         generator=gen), gen

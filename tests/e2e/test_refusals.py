@@ -27,8 +27,7 @@ GOOD = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me a
         "temperature": 0}
 # accepted by vLLM prefill (which computes 1 token), refused by the decode server after the KV arrived
 BAD = {
-    "json_schema": {**GOOD, "response_format": {"type": "json_schema",
-                                                "json_schema": {"name": "p", "schema": {"type": "object"}}}},
+    "repetition_penalty": {**GOOD, "repetition_penalty": 1.2},
     "penalty": {**GOOD, "frequency_penalty": 0.5},
     "too_long": {**GOOD, "max_tokens": 5000},  # over the decode server's 4096-token context
 }

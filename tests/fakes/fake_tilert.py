@@ -7,6 +7,11 @@ It checks the call protocol the adapter must follow (inject before decode, the M
 priming call with the last prompt token, then the first token, then the drafts it
 handed out) and raises AssertionError otherwise.
 
+Structured output: ``update_grammar_bitmask(masks)`` records the masks (int32
+``[1, rows, VOCAB / 32]``, xgrammar's bit layout) and, until ``reset_grammar_bitmask()``,
+the next verify call honours them: the token at position ``i`` of a step is the chain's
+next token if row ``i`` allows it, else the smallest allowed token above it (wrapping).
+
 ``install_fake_tilert(monkeypatch)`` makes ``import tilert`` (and the generator and
 model-args modules) resolve to this fake.
 """
@@ -45,6 +50,33 @@ class FakeDecodeLayer:
         self._verify = 0
         self._expect_draft: list[int] | None = None
         self._primed = False
+        self.masks: torch.Tensor | None = None  # the grammar bitmask in force
+        self.mask_history: list[torch.Tensor] = []
+
+    def update_grammar_bitmask(self, masks: torch.Tensor) -> None:
+        assert masks.dtype == torch.int32 and masks.dim() == 3 and masks.shape[0] == 1, masks.shape
+        assert masks.shape[2] == (VOCAB + 31) // 32, masks.shape
+        self.calls.append(("update_grammar_bitmask", tuple(masks.shape)))
+        self.masks = masks.clone()
+        self.mask_history.append(self.masks)
+
+    def reset_grammar_bitmask(self) -> None:
+        self.calls.append(("reset_grammar_bitmask",))
+        self.masks = None
+
+    def _allowed(self, row: int, token: int) -> bool:
+        if self.masks is None:
+            return True
+        word = int(self.masks[0, row, token // 32])
+        return bool((word >> (token % 32)) & 1)
+
+    def _next(self, last: int, row: int) -> int:
+        token = next_token(last)
+        for shift in range(VOCAB):
+            candidate = (token + shift) % VOCAB
+            if self._allowed(row, candidate):
+                return candidate
+        raise AssertionError(f"mask row {row} allows no token")
 
     def set_prefill_valid_tokens(self, n: int, with_mtp: bool | None = None) -> None:
         self.calls.append(("set_prefill_valid_tokens", n, with_mtp))
@@ -75,10 +107,13 @@ class FakeDecodeLayer:
         tokens: list[int] = []
         counts: list[int] = []
         last = row[0]
+        assert self.masks is None or ar_steps == 1, "a grammar mask holds for one verify step only"
         for _ in range(ar_steps):
             n = cycle[self._verify % len(cycle)]
             self._verify += 1
-            step = chain(last, n)
+            step = []
+            for i in range(n):
+                step.append(self._next(step[-1] if step else last, i))
             tokens += step
             counts.append(n)
             last = step[-1]
@@ -90,7 +125,8 @@ class FakeDecodeLayer:
         self._check_ready()
         assert prev.dtype == torch.int32 and tuple(prev.shape) == (1,), prev
         self.calls.append(("show_hands_no_mtp", int(prev[0]), ar_steps))
-        tokens = chain(int(prev[0]), ar_steps)
+        assert self.masks is None or ar_steps == 1, "a grammar mask holds for one verify step only"
+        tokens = [self._next(int(prev[0]), 0)] if self.masks is not None else chain(int(prev[0]), ar_steps)
         self._emit(tokens, [1] * ar_steps)
 
     def _emit(self, tokens: list[int], counts: list[int]) -> None:
@@ -111,6 +147,7 @@ class FakeDecodeLayer:
         return self._next_draft
 
     def reset_sequence(self) -> None:
+        assert self.masks is None, "reset_grammar_bitmask must come before the sequence ends"
         self.calls.append(("reset_sequence",))
         self._primed = False
         self._expect_draft = None

@@ -1,0 +1,99 @@
+"""Grammar-constrained decoding in the engines: the per-request matcher (an
+``xgrammar.GrammarMatcher``, compiled by :mod:`decode_server.structured`) and the token
+bitmasks of one verify step.
+
+A step verifies ``[pending, d1..dk]`` (``k`` MTP drafts): row 0 of its masks is the
+grammar's state after every emitted token; row ``i`` the state after the drafts
+``d1..di`` too, when the grammar accepts them (each draft is accepted tentatively to
+fill the next row, then the matcher rolls back). Row ``i``'s token is chosen from the
+masked logits, so a draft the grammar rejects is never chosen there: it is rejected,
+and only speed is lost. Rows past a draft the grammar rejects repeat the last valid
+mask (their tokens are discarded anyway). The matcher then advances with exactly the
+emitted tokens (:meth:`Constraint.accept`)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from decode_server.engine.base import EngineError
+
+
+class GrammarMatcher(Protocol):
+    """What the engines use of ``xgrammar.GrammarMatcher``."""
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def fill_next_token_bitmask(self, bitmask: Any, index: int = 0) -> Any: ...
+
+    def rollback(self, num_tokens: int = 1) -> None: ...
+
+    def is_terminated(self) -> bool: ...
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per bitmask row (xgrammar's layout: bit ``t % 32`` of word ``t // 32``)."""
+    return (vocab_size + 31) // 32
+
+
+class Constraint:
+    """One request's matcher and the bitmask rows of its steps (``rows`` = 1 + drafts)."""
+
+    def __init__(self, matcher: GrammarMatcher, vocab_size: int, rows: int, device: Any = "cpu") -> None:
+        import torch
+
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.masks = torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+        self._device = device
+
+    @property
+    def active(self) -> bool:
+        """False once the grammar is complete (then nothing is masked: only stop tokens
+        were allowed, and the server stops at one)."""
+        return not self.matcher.is_terminated()
+
+    def accept_first(self, token_id: int) -> None:
+        """Prefill's first token: it must follow the grammar (vLLM sampled it under the
+        same one), else the request fails."""
+        if not self.matcher.accept_token(int(token_id)):
+            raise EngineError(f"the first token {token_id} (sampled by prefill) does not follow the request's "
+                              "grammar: prefill did not get the same response_format / tool_choice")
+
+    def accept(self, token_id: int) -> None:
+        """An emitted token; after the grammar completed, tokens are not checked."""
+        if self.active and not self.matcher.accept_token(int(token_id)):
+            raise EngineError(f"token {token_id} was emitted against the request's grammar")
+
+    def step_masks(self, drafts: list[int]) -> Any:
+        """Rows ``0..len(drafts)`` of the masks for verifying ``[pending, *drafts]`` (see the
+        module doc); the matcher is left where it was."""
+        rows = 1 + len(drafts)
+        if rows > self.masks.shape[0]:
+            raise EngineError(f"{len(drafts)} drafts: the grammar's masks hold {self.masks.shape[0] - 1}")
+        self.matcher.fill_next_token_bitmask(self.masks, 0)
+        advanced = 0
+        for i, draft in enumerate(drafts, start=1):
+            if advanced == i - 1 and not self.matcher.is_terminated() and self.matcher.accept_token(int(draft)):
+                advanced += 1
+                if self.matcher.is_terminated():
+                    self.masks[i] = -1  # complete: the engine's stop conditions take over
+                else:
+                    self.matcher.fill_next_token_bitmask(self.masks, i)
+            else:
+                self.masks[i] = self.masks[i - 1]
+        if advanced:
+            self.matcher.rollback(advanced)
+        return self.masks[:rows]
+
+    def allowed(self, mask_row: Any) -> Any:
+        """A bool tensor ``[vocab_size]``: which tokens ``mask_row`` allows."""
+        import torch
+
+        bits = torch.arange(32, dtype=torch.int32)
+        expanded = (mask_row.unsqueeze(-1) >> bits) & 1
+        return expanded.flatten()[: self.vocab_size].bool()
+
+    def constrain(self, logits: Any, mask_row: Any) -> Any:
+        """``logits`` ``[vocab]`` with the disallowed tokens at -inf (a new tensor)."""
+        allowed = self.allowed(mask_row).to(logits.device)
+        return logits.masked_fill(~allowed, float("-inf"))

@@ -1,0 +1,70 @@
+"""Structured output on the decode server: a request's :class:`pd_grammar.spec.GrammarSpec`
+compiled against the model's vocabulary into a matcher the engine masks with
+(:mod:`decode_server.engine.grammar`).
+
+Compiled as vLLM's xgrammar backend compiles the same request: the Hugging Face
+tokenizer's vocabulary padded to ``config.json``'s ``vocab_size``; JSON with any
+whitespace, or none with ``--json-whitespace compact``, which must match prefill's
+``--structured-outputs-config`` (:func:`pd_grammar.spec.vllm_structured_outputs_args`);
+the grammar ends with the EOS ids or the request's ``stop_token_ids``. So the decode
+server's masks equal prefill's. The compiler is built on first use (loading the
+tokenizer takes a moment) and caches compiled grammars."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from decode_server.engine.grammar import GrammarMatcher
+from pd_grammar.spec import COMPACT_SEPARATORS, GrammarSpec, JsonWhitespace
+
+CACHE_BYTES = 64 * 1024 * 1024
+
+
+class GrammarCompiler:
+    """One per server (thread-safe); ``max_rollback`` covers a step's MTP drafts."""
+
+    def __init__(self, model_dir: Path, max_rollback: int, whitespace: JsonWhitespace = "any") -> None:
+        self._model_dir = Path(model_dir)
+        self._max_rollback = max_rollback
+        self._compact = whitespace == "compact"
+        self._lock = threading.Lock()
+        self._compiler: Any = None
+
+    def _vocab_size(self) -> int:
+        cfg_path = self._model_dir / "config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        size = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{cfg_path}: no vocab_size, which structured output needs")
+        return size
+
+    def _get(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir))
+                info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size())
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=True,
+                                                          cache_limit_bytes=CACHE_BYTES)
+            return self._compiler
+
+    def matcher(self, spec: GrammarSpec, stop_token_ids: Iterable[int]) -> GrammarMatcher:
+        """A fresh matcher at the grammar's start."""
+        import xgrammar
+
+        compiler = self._get()
+        if spec.kind == "structural_tag":
+            compiled = compiler.compile_structural_tag(spec.source)
+        else:
+            compiled = compiler.compile_json_schema(spec.source, any_whitespace=not self._compact,
+                                                    separators=COMPACT_SEPARATORS if self._compact else None)
+        stops = sorted(set(stop_token_ids))
+        matcher: GrammarMatcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=stops or None,
+                                                          max_rollback_tokens=self._max_rollback)
+        return matcher

@@ -1,0 +1,258 @@
+"""From an OpenAI chat/completions body to the grammar its output must follow.
+
+* ``response_format`` ``{"type": "json_object"}`` -> any JSON object;
+  ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` -> that schema.
+  Compiled as vLLM compiles them with xgrammar (``json_object`` is the schema
+  ``{"type": "object"}``; whitespace free), so that prefill's first token and the
+  decode server's mask follow the same grammar.
+* ``tool_choice: "required"`` or a named function (chat, with ``tools``) -> GLM tool
+  calls ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>``
+  whose arguments follow the tool's ``parameters`` schema (xgrammar's ``glm_xml``
+  style: string values verbatim, other values as JSON), from the first generated
+  token: one or more calls for ``required``, exactly one of the named tool otherwise.
+  vLLM gets the same grammar as ``structured_outputs.structural_tag``
+  (:func:`prefill_overrides`).
+
+Every refusal is a :class:`StructuredOutputError` naming the parameter; schemas are
+bounded in size and nesting depth (:class:`SchemaLimits`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+GrammarKind = Literal["json_schema", "json_object", "structural_tag"]
+JsonWhitespace = Literal["any", "compact"]
+COMPACT_SEPARATORS = (",", ":")
+# whitespace between a tool call's parts (GLM-4.5 puts a newline there, GLM-4.7 nothing): bounded, so
+# that a model cannot fill a forced tool call with blank lines
+TOOL_CALL_MAX_WHITESPACE = 1  # what vLLM's xgrammar backend passes with disable_any_whitespace
+
+
+def vllm_structured_outputs_args(whitespace: JsonWhitespace) -> tuple[str, ...]:
+    """vLLM's flags for prefill to compile JSON grammars as a decode server with
+    ``--json-whitespace whitespace`` does: the xgrammar backend (the decode server's only
+    one: no silent fallback to another backend on a schema xgrammar refuses), and with
+    ``compact`` no free whitespace between JSON tokens."""
+    config = {"backend": "xgrammar", "disable_any_whitespace": whitespace == "compact"}
+    return ("--structured-outputs-config", json.dumps(config))
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what vLLM compiles for response_format json_object
+
+
+class StructuredOutputError(ValueError):
+    """The request's structured-output fields cannot be served: an OpenAI 400."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+DEFAULT_MAX_SCHEMA_BYTES, MAX_SCHEMA_BYTES = 65536, 16 * 1024 * 1024
+DEFAULT_MAX_SCHEMA_DEPTH, MAX_SCHEMA_DEPTH = 32, 1000  # JSON nesting; Python's own parser stops near 1000
+
+
+class SchemaLimits(BaseModel):
+    """Bounds on every schema a request brings (``--max-schema-bytes``, ``--max-schema-depth``
+    of the router and of the decode server)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_bytes: int = Field(default=DEFAULT_MAX_SCHEMA_BYTES, ge=2, le=MAX_SCHEMA_BYTES,
+                           description="largest JSON schema (its JSON text, bytes)")
+    max_depth: int = Field(default=DEFAULT_MAX_SCHEMA_DEPTH, ge=1, le=MAX_SCHEMA_DEPTH,
+                           description="deepest nesting of objects/arrays in a JSON schema")
+
+
+class GrammarSpec(BaseModel):
+    """The grammar one request's output follows; ``source`` is JSON text (a schema or an
+    xgrammar structural tag)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: GrammarKind
+    source: str
+
+
+def _depth(value: Any) -> int:
+    depth, level = 0, [value]
+    while level:
+        nested = [v for item in level if isinstance(item, (dict, list))
+                  for v in (item.values() if isinstance(item, dict) else item)]
+        if not any(isinstance(item, (dict, list)) for item in level):
+            break
+        depth += 1
+        level = nested
+    return depth
+
+
+def check_schema(schema: Any, param: str, limits: SchemaLimits) -> str:
+    """A JSON schema, bounded and valid (its metaschema, then xgrammar), as compact JSON text."""
+    if not isinstance(schema, (dict, bool)):
+        raise StructuredOutputError(f"{param} must be a JSON schema (an object), got {type(schema).__name__}", param)
+    text = json.dumps(schema, ensure_ascii=False)
+    size = len(text.encode())
+    if size > limits.max_bytes:
+        raise StructuredOutputError(f"{param} is {size} bytes; the largest schema allowed is {limits.max_bytes} "
+                                    "bytes", param)
+    depth = _depth(schema)
+    if depth > limits.max_depth:
+        raise StructuredOutputError(f"{param} is nested {depth} levels deep; at most {limits.max_depth} are "
+                                    "allowed", param)
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        raise StructuredOutputError(f"{param} is not a valid JSON schema: {exc.message}"
+                                    + (f" (at {where})" if where else ""), param) from None
+    except Exception as exc:  # e.g. a $schema naming an unknown metaschema, a $ref that does not resolve
+        raise StructuredOutputError(f"{param} is not a valid JSON schema: {type(exc).__name__}: {exc}",
+                                    param) from None
+    import xgrammar
+
+    try:
+        xgrammar.Grammar.from_json_schema(text, any_whitespace=True)
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses of its own
+        raise StructuredOutputError(f"{param} is not supported for structured output: {exc}", param) from None
+    return text
+
+
+def _from_response_format(fmt: Any, limits: SchemaLimits) -> GrammarSpec | None:
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise StructuredOutputError("response_format must be an object with a 'type'", "response_format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec(kind="json_object", source=JSON_OBJECT_SCHEMA)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise StructuredOutputError("response_format.json_schema must be an object with a 'schema'",
+                                        "response_format.json_schema")
+        text = check_schema(spec["schema"], "response_format.json_schema.schema", limits)
+        return GrammarSpec(kind="json_schema", source=text)
+    raise StructuredOutputError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                                "response_format.type")
+
+
+def _function_tools(tools: Any, limits: SchemaLimits) -> dict[str, Any]:
+    """name -> the tool's parameters schema (``{}`` for none), in the order given."""
+    if not isinstance(tools, list) or not tools:
+        raise StructuredOutputError("tool_choice 'required' or a named function needs a non-empty 'tools' list",
+                                    "tools")
+    out: dict[str, Any] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise StructuredOutputError(f"tools[{i}] must be a function tool with a name", f"tools[{i}]")
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        check_schema(params, f"tools[{i}].function.parameters", limits)
+        out[fn["name"]] = params
+    return out
+
+
+def _tool_tag(name: str, params: Any) -> Any:
+    from xgrammar.structural_tag import JSONSchemaFormat, TagFormat
+
+    return TagFormat(begin=f"<tool_call>{name}", content=JSONSchemaFormat(
+        json_schema=params, style="glm_xml", max_whitespace_cnt=TOOL_CALL_MAX_WHITESPACE), end="</tool_call>")
+
+
+def _from_tool_choice(choice: Any, tools: Any, limits: SchemaLimits) -> GrammarSpec | None:
+    if choice is None or choice in ("none", "auto"):
+        return None
+    if choice == "required":
+        named = None
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict) \
+            and isinstance(choice["function"].get("name"), str):
+        named = choice["function"]["name"]
+    else:
+        raise StructuredOutputError("tool_choice must be 'none', 'auto', 'required' or "
+                                    "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    by_name = _function_tools(tools, limits)
+    from xgrammar.structural_tag import StructuralTag, TagsWithSeparatorFormat
+
+    if named is not None:
+        if named not in by_name:
+            raise StructuredOutputError(f"tool_choice names {named!r}, which is not among the tools "
+                                        f"{sorted(by_name)}", "tool_choice.function.name")
+        tag = StructuralTag(format=_tool_tag(named, by_name[named]))
+    else:
+        tag = StructuralTag(format=TagsWithSeparatorFormat(
+            tags=[_tool_tag(n, p) for n, p in by_name.items()], separator="", at_least_one=True))
+    source = tag.model_dump_json()
+    import xgrammar
+
+    try:
+        xgrammar.Grammar.from_structural_tag(source)
+    except Exception as exc:
+        raise StructuredOutputError(f"the tools' parameters cannot be compiled for tool_choice: {exc}",
+                                    "tools") from None
+    return GrammarSpec(kind="structural_tag", source=source)
+
+
+GRAMMAR_FIELDS = ("response_format", "tool_choice", "structured_outputs", "guided_json", "guided_regex",
+                  "guided_choice", "guided_grammar")
+
+
+def asks_for_grammar(body: Mapping[str, Any]) -> bool:
+    """Cheap: whether :func:`grammar_spec` has anything to look at (else it returns None)."""
+    return any(body.get(name) is not None for name in GRAMMAR_FIELDS)
+
+
+def grammar_param(body: Mapping[str, Any], chat: bool) -> str | None:
+    """Cheap (nothing compiled or imported): the parameter asking for a grammar, if any;
+    what a server that cannot constrain decoding refuses."""
+    for name in GRAMMAR_FIELDS[2:]:
+        if body.get(name) is not None:
+            return name
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return "response_format"
+    if chat and body.get("tool_choice") not in (None, "none", "auto"):
+        return "tool_choice"
+    return None
+
+
+def warm_up(compiler: bool = True) -> None:
+    """Import the schema checker and (``compiler``) xgrammar, which loads transformers:
+    seconds, ahead of the first structured request; a server calls it off its event loop
+    at start."""
+    import jsonschema  # noqa: F401
+
+    if compiler:
+        import xgrammar  # noqa: F401
+
+
+def grammar_spec(body: Mapping[str, Any], limits: SchemaLimits, chat: bool) -> GrammarSpec | None:
+    """The grammar ``body`` asks for, or None; :class:`StructuredOutputError` when it
+    cannot be served."""
+    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if body.get(name) is not None:
+            raise StructuredOutputError(f"{name} is not supported; use response_format", name)
+    from_format = _from_response_format(body.get("response_format"), limits)
+    from_tools = _from_tool_choice(body.get("tool_choice"), body.get("tools"), limits) if chat else None
+    if from_format is not None and from_tools is not None:
+        raise StructuredOutputError("response_format and tool_choice 'required'/named cannot be combined",
+                                    "response_format")
+    return from_format or from_tools
+
+
+def prefill_overrides(spec: GrammarSpec | None) -> dict[str, Any]:
+    """Fields to set on the prefill leg's body so that vLLM samples the first token under
+    the same grammar. ``response_format`` goes through as the client sent it; tool
+    calls become the structural tag (``tool_choice`` ``none``, so vLLM adds no JSON
+    tool-call constraint of its own; the tools still reach the chat template)."""
+    if spec is None or spec.kind != "structural_tag":
+        return {}
+    return {"structured_outputs": {"structural_tag": spec.source}, "tool_choice": "none"}

@@ -1,0 +1,53 @@
+"""The decode server's plan of a structured-output request (decode_server/server/request_plan.py):
+the same pd_grammar refusals as the router's, the grammar in the plan, forced tool calls parsed
+whatever --tool-call-parser says, no reasoning block under a grammar, GLM's special tokens kept
+for the parser."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode_server.server.api_errors import InvalidRequest
+from decode_server.server.request_models import ChatCompletionRequest
+from decode_server.server.request_plan import ServerLimits, build_plan
+from decode_server.server.text import GenerationDefaults
+from pd_grammar.spec import SchemaLimits
+from tests.decode_server.helpers import handoff
+
+LIMITS = ServerLimits(max_seq_len=100, supports_logprobs=True, engine="reference", model_name="m",
+                      reasoning_parser=True, structured_output=True, schema_limits=SchemaLimits(max_depth=3))
+TOOLS = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def _plan(limits: ServerLimits = LIMITS, **body):
+    req = ChatCompletionRequest.model_validate({"kv_transfer_params": handoff(5, num_prompt_tokens=10), **body})
+    return build_plan("chat", req, "r", limits, GenerationDefaults(eos_token_ids=frozenset({9})))
+
+
+def test_structured_plans():
+    plain = _plan()
+    assert plain.grammar is None and plain.reasoning and not plain.stop.skip_special_tokens  # reasoning: markers kept
+    fmt = _plan(response_format={"type": "json_object"})
+    assert fmt.grammar is not None and fmt.grammar.kind == "json_object" and not fmt.reasoning and fmt.tools is None
+    forced = _plan(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get"}})
+    assert forced.grammar is not None and forced.grammar.kind == "structural_tag"
+    assert forced.tools == TOOLS and not forced.reasoning and not forced.stop.skip_special_tokens
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "items": {"items": {"items": {"items": {}}}}}}}}, "response_format.json_schema.schema"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice.function.name"),
+])
+def test_structured_refusals_name_the_parameter(body, param):
+    with pytest.raises(InvalidRequest) as info:
+        _plan(**body)
+    assert info.value.param == param
+
+
+def test_an_engine_without_grammars_refuses_them():
+    limits = ServerLimits(max_seq_len=100, supports_logprobs=False, engine="tilert", model_name="m")
+    with pytest.raises(InvalidRequest, match="constrained decoding is not supported by the tilert engine") as info:
+        _plan(limits, tools=TOOLS, tool_choice="required")
+    assert info.value.param == "tool_choice"
+    assert _plan(limits, response_format={"type": "text"}).grammar is None
