@@ -71,10 +71,12 @@ class CancelResponse(BaseModel):
 # and the generation request that names it in kv_transfer_params land on the leased slot.
 #
 # * ``POST {LEASE_PATH}`` with :class:`LeaseRequest` -> :class:`LeaseGrant` (200), or an
-#   OpenAI-shaped 429 (``type`` ``lease_queue_full`` / ``lease_timeout``, Retry-After), 409
+#   OpenAI-shaped 429 (no free slot within ``wait_s``, or the queue is full; Retry-After), 409
 #   (the id is already leased or queued here), 503 (not ready, draining). A request that
-#   finds no free slot waits in the server's queue (ordered by the requests' arrival at their
-#   routers, ``age_s``) for at most ``wait_s``; closing the connection leaves the queue.
+#   finds no free slot waits in the server's queue for at most ``wait_s``, ordered by its
+#   arrival at its router (``arrived_at`` on the router's clock, put on the server's clock with
+#   the smallest ``receipt - sent_at`` seen from that holder); closing the connection leaves
+#   the queue.
 # * ``POST {LEASE_RENEW_PATH}`` with :class:`LeaseIds` -> :class:`LeaseRenewed`.
 # * ``POST {LEASE_RELEASE_PATH}`` with :class:`LeaseIds` -> :class:`LeaseReleased`: ends the
 #   leases (and takes queued requests of those ids out of the queue); idempotent. A lease
@@ -92,9 +94,11 @@ class LeaseRequest(BaseModel):
     lease_id: str = LEASE_ID
     wait_s: float = Field(default=0.0, ge=0, le=3600, description="how long to wait in the queue (0: a free "
                           "slot now or a refusal)")
-    age_s: float = Field(default=0.0, ge=0, le=3600, description="how long the request has waited already (at "
-                         "its router): orders the queue by arrival across routers")
-    holder: str = Field(default="", max_length=256, description="who asks (a router's name), for logs")
+    holder: str = Field(default="", max_length=256, description="who asks (a router's name, unique per "
+                        "process): its clock is one (arrived_at, sent_at)")
+    arrived_at: float = Field(default=0.0, description="when the request came to its router (the holder's "
+                              "monotonic clock, seconds): its place in the queue")
+    sent_at: float = Field(default=0.0, description="when this lease request left the router (same clock)")
 
 
 class LeaseGrant(BaseModel):

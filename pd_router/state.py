@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -17,11 +18,12 @@ from pd_build.info import collect
 from pd_http.drain import wait_then_cut
 from pd_router.backends import Backends, DecodeBackend, PrefillBackend
 from pd_router.errors import RouterError, UpstreamRejected
+from pd_router.lease_client import LeaseClient
 from pd_router.metrics import RouterMetrics
 from pd_router.probes import Prober
 from pd_router.rawhttp import ConnectionPool
 from pd_router.settings import RouterSettings
-from pd_router.slots import Lease, SlotPool
+from pd_router.slots import Lease, LeaseHooks, SlotPool
 
 if TYPE_CHECKING:
     from pd_http.tracing import Tracing
@@ -40,7 +42,9 @@ class RouterState:
             settings.prefill, settings.decode, settings.decode_slots, settings.require_handshake,
             settings.decode_api_key(),
         )
-        self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout, self.update_gauges)
+        self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout, self.update_gauges,
+                             LeaseClient(lambda: self.upstream, f"pd-router-{uuid.uuid4().hex[:8]}"),
+                             LeaseHooks(self.spawn, self.metrics.lease_rtt.observe, self._lease_answered))
         self._pool: ConnectionPool | None = None
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -118,19 +122,24 @@ class RouterState:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def _lease_answered(self, backend: str, result: str) -> None:
+        self.metrics.child(self.metrics.lease_requests, backend, result).inc()
+
     def background_tasks(self) -> int:
         return len(self._tasks)
 
     def abort(self, lease: Lease, request_id: str, handoff_id: str | None = None, busy: bool = False) -> None:
         """Cancel the request (its handoff ``handoff_id``, default the request id) on its
-        decode server, then free its slot (in the background). ``busy``: the server had
-        no free slot although this router counted one: the slot is held for a back-off
-        instead (:meth:`SlotPool.hold`)."""
+        decode server, then free its slot (in the background). The cancel also ends the
+        lease on a server granting them. ``busy``: a server without leases had no free slot
+        although this router counted one: the slot is held for a back-off instead
+        (:meth:`SlotPool.hold`)."""
         self.spawn(self._cancel_then_release(lease, request_id, handoff_id, busy))
 
     async def _cancel_then_release(
         self, lease: Lease, request_id: str, handoff_id: str | None, busy: bool
     ) -> None:
+        ended = False  # the server answered the cancel: it ended the lease too
         try:
             if lease.backend.capabilities is not None:
                 cancel = CancelRequest(request_id=request_id, handoff_id=handoff_id)
@@ -142,6 +151,7 @@ class RouterState:
                     headers={"X-Request-Id": request_id.encode("ascii", "backslashreplace").decode(),
                              **lease.backend.auth_headers},
                 )
+                ended = resp.status_code == 200
                 log.info(
                     "request_id=%s cancel on %s: %d %s",
                     request_id,
@@ -157,7 +167,7 @@ class RouterState:
             if busy:
                 self.pool.hold(lease)
             else:
-                self.pool.release(lease)
+                self.pool.release(lease, tell_server=not ended)
 
     def upstream_failed(
         self, role: str, backend: PrefillBackend | DecodeBackend, err: RouterError, mark_down: bool = False

@@ -69,7 +69,8 @@ async def acquire(request: Request) -> Response:
     leases = state.slots.leases
     state.metrics.lease_requests.inc()
     t0 = asyncio.get_running_loop().time()
-    grant = asyncio.ensure_future(leases.acquire(body.lease_id, body.wait_s, body.age_s))
+    grant = asyncio.ensure_future(leases.acquire(body.lease_id, body.wait_s, body.holder, body.arrived_at,
+                                                body.sent_at))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({grant, gone}, return_when=asyncio.FIRST_COMPLETED)

@@ -11,9 +11,14 @@ Someone who takes a slot without a lease (a client talking to the decode server 
 the connector's tests) gets one if a slot is free and nobody waits (an implicit lease:
 no expiry, it ends with its KV and job); else the take is refused as busy.
 
-Waiters are granted in order of arrival at their router (``age_s`` subtracted from the
-time the server saw them), so several routers sharing this server are served as one
-queue. Bounded: ``max_queue`` waiters, each at most its ``wait_s``. Loop thread only.
+Waiters are granted in order of arrival at their router, so several routers sharing this
+server are served as one queue: a router says when the request came (``arrived_at``) and
+when it sent the lease request (``sent_at``), on its own monotonic clock; the server puts
+them on its clock with the smallest ``receipt - sent_at`` seen from that router (the
+fastest transit observed, as NTP's minimum-delay filter), so the requests of one router
+keep their exact order and those of two routers are ordered to within the difference of
+their fastest transits. Bounded: ``max_queue`` waiters, each at most its ``wait_s``. Loop
+thread only.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Holder = Literal["lease", "kv", "job"]
+MAX_HOLDERS = 1024  # routers whose clock offset is remembered
 
 
 class LeaseRefused(Exception):
@@ -48,10 +54,12 @@ class _Slot:
 
 @dataclass(order=True)
 class _Waiter:
-    arrived: float
+    arrived: float  # on the server's clock: ``arrived_at`` + its holder's offset
     seq: int
     lease_id: str = field(compare=False)
     future: asyncio.Future[_Slot] = field(compare=False, repr=False)
+    holder: str = field(default="", compare=False)
+    arrived_at: float = field(default=0.0, compare=False)
 
 
 class LeaseTable:
@@ -66,6 +74,7 @@ class LeaseTable:
         self._free = list(range(slots - 1, -1, -1))
         self._held: dict[str, _Slot] = {}
         self._queue: list[_Waiter] = []
+        self._offsets: dict[str, float] = {}  # holder -> smallest (receipt - sent_at) seen
         self._seq = itertools.count()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -99,7 +108,30 @@ class LeaseTable:
         await self._idle.wait()
 
     # ---- the router's lease -----------------------------------------------------
-    async def acquire(self, lease_id: str, wait_s: float = 0.0, age_s: float = 0.0) -> int:
+    def arrival(self, holder: str, arrived_at: float, sent_at: float) -> float:
+        """When a request came to its router, on this server's clock (see the module doc);
+        without a holder, now less the wait it reports. A faster transit than any seen from
+        that holder moves its queued requests too (their order among themselves is kept)."""
+        now = self._clock()
+        if not holder:
+            return now - max(0.0, sent_at - arrived_at)
+        transit = now - sent_at
+        best = self._offsets.get(holder)
+        if best is None or transit < best:
+            self._offsets.pop(holder, None)
+            self._offsets[holder] = best = transit
+            if len(self._offsets) > MAX_HOLDERS:  # routers restarted many times: forget the oldest
+                del self._offsets[next(iter(self._offsets))]
+            moved = False
+            for waiter in self._queue:
+                if waiter.holder == holder:
+                    waiter.arrived, moved = waiter.arrived_at + best, True
+            if moved:
+                self._queue.sort()
+        return arrived_at + best
+
+    async def acquire(self, lease_id: str, wait_s: float = 0.0, holder: str = "", arrived_at: float = 0.0,
+                      sent_at: float = 0.0) -> int:
         """A slot for ``lease_id`` (its index), now or within ``wait_s`` in arrival order;
         raises :class:`LeaseRefused`. Cancelling the caller leaves the queue (a slot granted
         at that moment goes back)."""
@@ -114,7 +146,8 @@ class LeaseTable:
         if len(self._queue) >= self.max_queue:
             raise self._refuse("queue_full", f"all {self.capacity} decode slots are leased and "
                                f"{len(self._queue)} requests wait for one")
-        waiter = _Waiter(self._clock() - age_s, next(self._seq), lease_id, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(self.arrival(holder, arrived_at, sent_at), next(self._seq), lease_id,
+                         asyncio.get_running_loop().create_future(), holder, arrived_at)
         bisect.insort(self._queue, waiter)
         try:
             async with asyncio.timeout(wait_s):

@@ -30,7 +30,7 @@ def test_fifo_by_arrival_at_the_router() -> None:
         order: list[str] = []
 
         async def wait(lease_id: str, age: float) -> None:
-            await table.acquire(lease_id, wait_s=10, age_s=age)
+            await table.acquire(lease_id, wait_s=10, arrived_at=-age)
             order.append(lease_id)
             table.release([lease_id])
 
@@ -46,6 +46,37 @@ def test_fifo_by_arrival_at_the_router() -> None:
         return order
 
     assert run(main()) == ["d", "b", "c"]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 10), st.floats(0, 0.05)), min_size=2, max_size=20))
+def test_one_routers_requests_keep_their_exact_order_whatever_the_transit(requests: list) -> None:
+    """(gap since the previous request at the router, transit of its lease request): the
+    server grants them in the router's order, whatever the transit of each lease request,
+    though the router's clock is far from the server's."""
+    async def main() -> list[int]:
+        now = [0.0]
+        table = LeaseTable(1, ttl_s=3600, max_queue=64, clock=lambda: now[0])
+        await table.acquire("holding")
+        router_clock, offset = 0.0, 1000.0  # the router's clock runs 1000 s behind the server's
+        tasks = []
+        for i, (gap, transit) in enumerate(requests):
+            router_clock += gap
+            now[0] = router_clock + offset + transit
+            tasks.append(asyncio.create_task(table.acquire(f"r{i}", 3600, "router-1", router_clock, router_clock)))
+            await _queued(table, i + 1)
+        order: list[int] = []
+        table.release(["holding"])
+        for _ in tasks:
+            done, _pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            finished = [t for t in done if tasks.index(t) not in order]
+            assert len(finished) == 1
+            order.append(tasks.index(finished[0]))
+            table.release([f"r{order[-1]}"])
+            await asyncio.sleep(0)
+        return order
+
+    assert run(main()) == list(range(len(requests)))
 
 
 def test_bounded_queue_and_timeout() -> None:
@@ -163,7 +194,7 @@ def test_no_slot_is_double_booked_and_waiters_go_in_arrival_order(slots: int, op
             lease_id = f"l{key}"
             before = {w.lease_id: w.arrived for w in table._queue}
             if op == "acquire" and lease_id not in tasks and not table.holders(lease_id):
-                tasks[lease_id] = asyncio.create_task(table.acquire(lease_id, wait_s=3600, age_s=age))
+                tasks[lease_id] = asyncio.create_task(table.acquire(lease_id, wait_s=3600, arrived_at=-age))
             elif op == "release":
                 table.release([lease_id])
                 tasks.pop(lease_id, None)
