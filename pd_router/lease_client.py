@@ -30,6 +30,7 @@ class Answer:
     status: int  # 0: no answer (unreachable, timed out, invalid)
     grant: LeaseGrant | None = None
     rtt: float = 0.0
+    immediate: bool = False  # asked without waiting (wait_s 0)
 
 
 class LeaseClient:
@@ -61,7 +62,7 @@ class LeaseClient:
         if status != 200:
             return Answer(status, rtt=perf_counter() - t0)
         try:
-            return Answer(200, LeaseGrant.model_validate_json(data), perf_counter() - t0)
+            return Answer(200, LeaseGrant.model_validate_json(data), perf_counter() - t0, wait_s == 0)
         except ValidationError:
             return Answer(0, rtt=perf_counter() - t0)
 

@@ -42,6 +42,7 @@ from pd_router.lease_client import Answer, LeaseClient
 log = logging.getLogger("pd_router.slots")
 BUSY_HOLD_MIN_S = 0.05  # first back-off after a server refused for lack of a slot
 BUSY_HOLD_MAX_S = 1.0  # it doubles with each refusal in a row, up to this
+CALL_GRACE_S = 10.0  # how long a dropped poll may take to be answered after its release
 
 
 class Requeue(Exception):
@@ -196,14 +197,8 @@ class SlotPool:
             self._waiting -= 1
             self.on_change()
             for poll, d in polls.items():
-                if poll in seen:
-                    continue
-                if poll.done() and not poll.cancelled():  # answered as this request went away
-                    answer = poll.result()
-                    if answer.grant is None:
-                        continue
-                poll.cancel()  # closes the connection: out of that server's queue; and in case
-                self.hooks.spawn(self.client.release(d.target, [lease_id]))  # a grant was in flight
+                if poll not in seen:
+                    self.hooks.spawn(self._drop_poll(poll, d, lease_id))
         if winner is None and not self.backends.decode_available(model):
             raise NoHealthyBackend(f"no healthy, compatible decode server for model {model!r}")
         if winner is None:
@@ -211,6 +206,22 @@ class SlotPool:
                              f"(waited {perf_counter() - t0:.1f}s in {len(servers)} decode servers' queues)",
                              retry_after=math.ceil(min(self.queue_timeout, 30)))
         return winner
+
+    async def _drop_poll(self, poll: asyncio.Future[Answer], backend: DecodeBackend, lease_id: str) -> None:
+        """Take a poll nobody waits for any more out of its server's queue: the release makes
+        the server answer it (refused), so its connection stays open for the next call;
+        a grant that was on its way is ended by the same release."""
+        assert self.client is not None
+        if not poll.done():
+            await self.client.release(backend.target, [lease_id])
+        try:
+            async with asyncio.timeout(CALL_GRACE_S):
+                answer = await poll
+        except TimeoutError:
+            return  # the poll's own timeout closes it
+        if answer.grant is not None:  # granted before the release arrived
+            backend.lease_free = answer.grant.free
+            await self.client.release(backend.target, [lease_id])
 
     def _take(self, answer: Answer, backend: DecodeBackend, model: str, lease_id: str) -> Lease | None:
         grant = answer.grant
@@ -221,7 +232,7 @@ class SlotPool:
             self.hooks.answered(backend.url, result)
             return None
         self.hooks.answered(backend.url, "granted")
-        if answer.rtt < 0.5 * self.queue_timeout or grant.queued == 0:
+        if answer.immediate:  # a round trip, not a wait in the queue
             self.hooks.rtt(answer.rtt)
         backend.lease_free = grant.free
         backend.in_use += 1
