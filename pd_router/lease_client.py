@@ -19,7 +19,7 @@ from decode_server.contract import (
     LeaseRenewed,
     LeaseRequest,
 )
-from pd_router.rawhttp import ConnectionPool, UpstreamError
+from pd_router.rawhttp import ConnectFailed, ConnectionPool, UpstreamError
 from pd_router.upstream import Target
 
 CALL_TIMEOUT_S = 5.0  # a renew or release, or the answer of a lease request past its wait
@@ -31,6 +31,7 @@ class Answer:
     grant: LeaseGrant | None = None
     rtt: float = 0.0
     immediate: bool = False  # asked without waiting (wait_s 0)
+    unreachable: str | None = None  # the connection failed before any answer: why
 
 
 class LeaseClient:
@@ -57,6 +58,8 @@ class LeaseClient:
         body = LeaseRequest(lease_id=lease_id, wait_s=wait_s, holder=self.holder, arrived_at=arrived, sent_at=t0)
         try:
             status, data = await self._post(target, LEASE_PATH, body, wait_s + CALL_TIMEOUT_S)
+        except ConnectFailed as exc:
+            return Answer(0, rtt=perf_counter() - t0, unreachable=str(exc))
         except (UpstreamError, TimeoutError):
             return Answer(0, rtt=perf_counter() - t0)
         if status != 200:

@@ -79,8 +79,10 @@ class LeaseHooks:
 
     def __init__(self, spawn: Callable[[Coroutine[Any, Any, Any]], Any] = asyncio.ensure_future,
                  rtt: Callable[[float], None] = lambda s: None,
-                 answered: Callable[[str, str], None] = lambda backend, result: None) -> None:
+                 answered: Callable[[str, str], None] = lambda backend, result: None,
+                 unreachable: Callable[[DecodeBackend, str], None] = lambda backend, why: None) -> None:
         self.spawn = spawn
+        self.unreachable = unreachable  # a lease call could not connect: mark the server down
         self.rtt = rtt  # seconds of a lease call answered without waiting in a queue
         self.answered = answered  # (backend url, "granted" | "refused" | "conflict" | "unavailable" | "error")
 
@@ -228,6 +230,8 @@ class SlotPool:
         if grant is None:
             if answer.status == 429:
                 backend.lease_free = 0
+            if answer.unreachable is not None:
+                self.hooks.unreachable(backend, answer.unreachable)
             result = {429: "refused", 409: "conflict", 503: "unavailable"}.get(answer.status, "error")
             self.hooks.answered(backend.url, result)
             return None

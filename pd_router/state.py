@@ -24,6 +24,7 @@ from pd_router.probes import Prober
 from pd_router.rawhttp import ConnectionPool
 from pd_router.settings import RouterSettings
 from pd_router.slots import Lease, LeaseHooks, SlotPool
+from pd_router.upstream import Unreachable
 
 if TYPE_CHECKING:
     from pd_http.tracing import Tracing
@@ -44,7 +45,8 @@ class RouterState:
         )
         self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout, self.update_gauges,
                              LeaseClient(lambda: self.upstream, f"pd-router-{uuid.uuid4().hex[:8]}"),
-                             LeaseHooks(self.spawn, self.metrics.lease_rtt.observe, self._lease_answered))
+                             LeaseHooks(self.spawn, self.metrics.lease_rtt.observe, self._lease_answered,
+                                        self._decode_unreachable))
         self._pool: ConnectionPool | None = None
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -121,6 +123,11 @@ class RouterState:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def _decode_unreachable(self, backend: DecodeBackend, why: str) -> None:
+        """A lease call found the decode server down: down until a probe says otherwise."""
+        self.upstream_failed("decode", backend, Unreachable(f"decode server {backend.url} unreachable: {why}"),
+                             mark_down=True)
 
     def _lease_answered(self, backend: str, result: str) -> None:
         self.metrics.child(self.metrics.lease_requests, backend, result).inc()
