@@ -54,7 +54,7 @@ from connector.protocol import (
     Welcome,
     handshake_mismatch,
 )
-from connector.receiver_state import HandoffState, ReceivedKV, ReceiverSettings, ReceiverStats
+from connector.receiver_state import FreeSlots, HandoffState, ReceivedKV, ReceiverSettings, ReceiverStats, SlotSource
 from connector.transport import (
     NotificationPump,
     Transport,
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["HandoffFailed", "HandoffTimeout", "KVReceiver", "ReceivedKV", "ReceiverError", "ReceiverSettings",
-           "ReceiverStats"]
+           "ReceiverStats", "SlotSource"]
 
 log = logging.getLogger(__name__)
 MAX_TOMBSTONES = 65536  # cancelled handoffs and aborted tries remembered (oldest forgotten first)
@@ -99,7 +99,7 @@ class KVReceiver:
         self._server = ControlServer(settings.host, settings.port, self._on_message, self._on_disconnect,
                                      secret=settings.secret,
                                      limits=ControlLimits(settings.max_connections, settings.auth_timeout_s))
-        self._free: list[int] = list(range(settings.slots))
+        self._slots: SlotSource = FreeSlots(settings.slots)
         self._handoffs: dict[str, HandoffState] = {}
         self._peers: dict[str, PeerStatus] = {}
         self._revocable: set[str] = set()  # senders whose agent we added (they can be told Revoked)
@@ -184,8 +184,12 @@ class KVReceiver:
         while self._orphan_checks:
             await asyncio.gather(*list(self._orphan_checks), return_exceptions=True)
 
+    def use_slots(self, slots: SlotSource) -> None:
+        """Before :meth:`start`: take receive slots from ``slots`` (the decode server's leases)."""
+        self._slots = slots
+
     def busy_slots(self) -> int:
-        return self._s.slots - len(self._free)
+        return sum(1 for h in self._handoffs.values() if h.slot is not None)
 
     @property
     def refused_connections(self) -> int:
@@ -258,7 +262,7 @@ class KVReceiver:
 
     def _free_slot(self, h: HandoffState) -> None:
         if h.slot is not None:
-            self._free.append(h.slot)
+            self._slots.give(h.handoff_id, h.slot)
             h.slot = None
 
     async def _fail(self, h: HandoffState, error: str, revoke: bool = True) -> None:
@@ -398,10 +402,11 @@ class KVReceiver:
             return Refused(handoff_id=hid, reason="too_long", message=message)
         if self._buffer is None:
             return Refused(handoff_id=hid, reason="busy", message="the KV receiver is stopping")
-        if not self._free:
+        slot = self._slots.take(hid)
+        if slot is None:
             return Refused(handoff_id=hid, reason="busy",
-                           message=f"all {self._s.slots} KV receive slots of the decode server are busy")
-        slot = self._free.pop(0)
+                           message=f"all {self._s.slots} KV receive slots of the decode server are busy or "
+                                   f"leased (none for handoff {hid})")
         layer_bytes = self._layout.bytes_per_layer(n)
         planes = plane_offsets(self._layout, n)
         base = slot * self._slot_bytes

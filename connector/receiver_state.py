@@ -4,13 +4,37 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from connector.layout import KVLayout
 from pd_settings.secrets import is_loopback
 
 if TYPE_CHECKING:
     import torch
+
+
+class SlotSource(Protocol):
+    """Who owns the receive slots: the receiver's own free list (:class:`FreeSlots`), or the
+    decode server's lease table (the slot leased under the handoff id)."""
+
+    def take(self, handoff_id: str) -> int | None:
+        """A slot for this handoff, or None (busy)."""
+        ...
+
+    def give(self, handoff_id: str, slot: int) -> None: ...
+
+
+class FreeSlots:
+    """Slots first come, first served (a receiver on its own)."""
+
+    def __init__(self, slots: int) -> None:
+        self._free = list(range(slots))
+
+    def take(self, handoff_id: str) -> int | None:
+        return self._free.pop(0) if self._free else None
+
+    def give(self, handoff_id: str, slot: int) -> None:
+        self._free.append(slot)
 
 
 @dataclass

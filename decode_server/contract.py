@@ -47,6 +47,8 @@ class DecodeCapabilities(BaseModel):
     kv_endpoint: str = Field(description="host:port of the KV control endpoint (HandoffTarget.kv_endpoint)")
     layout_fingerprint: str
     peers: list[PeerStatus] = Field(default_factory=list)
+    lease_ttl_s: float | None = Field(default=None, description="the server grants slot leases (LEASE_PATH) "
+                                      "lasting this long unless renewed; None: it does not (count slots locally)")
 
 
 class CancelRequest(BaseModel):
@@ -62,3 +64,70 @@ class CancelResponse(BaseModel):
 
     request_id: str
     cancelled: bool
+
+
+# ---- decode slot leases --------------------------------------------------------------------
+# The decode server owns its slots; a router holds one by a lease from before prefill until
+# the generation ends (docs/architecture.md, "Decode slot leases"). The lease id is the
+# attempt's handoff id (HandoffTarget.handoff_id): the KV that prefill pushes under that id
+# and the generation request that names it in kv_transfer_params land on the leased slot.
+#
+# * ``POST {LEASE_PATH}`` with :class:`LeaseRequest` -> :class:`LeaseGrant` (200), or an
+#   OpenAI-shaped 429 (no free slot within ``wait_s``, or the queue is full; Retry-After), 409
+#   (the id is already leased or queued here), 503 (not ready, draining). A request that
+#   finds no free slot waits in the server's queue for at most ``wait_s``, ordered by its
+#   arrival at its router (``arrived_at`` on the router's clock, put on the server's clock with
+#   the smallest ``receipt - sent_at`` seen from that holder); closing the connection leaves
+#   the queue.
+# * ``POST {LEASE_RENEW_PATH}`` with :class:`LeaseIds` -> :class:`LeaseRenewed`.
+# * ``POST {LEASE_RELEASE_PATH}`` with :class:`LeaseIds` -> :class:`LeaseReleased`: ends the
+#   leases (and takes queued requests of those ids out of the queue); idempotent. A lease
+#   also ends when the generation bound to it ends, when the cancel endpoint names its
+#   handoff, and when it is not renewed within ``ttl_s``.
+LEASE_PATH = "/v1/pd/lease"
+LEASE_RENEW_PATH = "/v1/pd/lease/renew"
+LEASE_RELEASE_PATH = "/v1/pd/lease/release"
+LEASE_ID = Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
+
+
+class LeaseRequest(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    lease_id: str = LEASE_ID
+    wait_s: float = Field(default=0.0, ge=0, le=3600, description="how long to wait in the queue (0: a free "
+                          "slot now or a refusal)")
+    holder: str = Field(default="", max_length=256, description="who asks (a router's name, unique per "
+                        "process): its clock is one (arrived_at, sent_at)")
+    arrived_at: float = Field(default=0.0, description="when the request came to its router (the holder's "
+                              "monotonic clock, seconds): its place in the queue")
+    sent_at: float = Field(default=0.0, description="when this lease request left the router (same clock)")
+
+
+class LeaseGrant(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    lease_id: str
+    slot: int = Field(ge=0)
+    ttl_s: float = Field(gt=0, description="the lease ends unless renewed within this")
+    free: int = Field(ge=0, description="free slots left after this grant")
+    queued: int = Field(ge=0, description="requests waiting in this server's queue")
+
+
+class LeaseIds(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    lease_ids: list[str] = Field(max_length=4096)
+
+
+class LeaseRenewed(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    ttl_s: float
+    unknown: list[str] = Field(description="ids with no live lease here (expired, ended or never granted)")
+
+
+class LeaseReleased(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    released: int = Field(ge=0, description="leases and queued requests ended by this call")
+    free: int = Field(ge=0)

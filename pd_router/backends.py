@@ -77,6 +77,7 @@ class DecodeBackend:
     in_use: int = 0
     busy_refusals: int = 0  # "busy" answers in a row for slots counted free here (slots.SlotPool.hold)
     draining: bool = False  # removed: no new leases; dropped once nothing is in use
+    lease_free: int = 0  # free slots as last heard from a server granting leases (a cache, not the count)
     compatible: bool = False
     incompatible_reason: str | None = None
     target: Target = field(init=False, repr=False)
@@ -96,8 +97,13 @@ class DecodeBackend:
         return self.default_slots if self.default_slots is not None else math.inf
 
     @property
+    def leases(self) -> bool:
+        """The server owns its slots and grants leases (slots.SlotPool asks it)."""
+        return self.capabilities is not None and self.capabilities.lease_ttl_s is not None
+
+    @property
     def free(self) -> float:
-        return self.slots - self.in_use
+        return self.lease_free if self.leases else self.slots - self.in_use
 
     @property
     def usable(self) -> bool:
@@ -204,6 +210,8 @@ class Backends:
         """Recompute served models and decode compatibility after a probe round."""
         self._served = frozenset().union(*(p.models for p in self.prefill if p.healthy))
         for d in self.decode:
+            if d.leases and d.capabilities is not None:
+                d.lease_free = max(0, d.capabilities.slots - d.capabilities.busy_slots)
             d.incompatible_reason = self._incompatibility(d)
             d.compatible = d.incompatible_reason is None
 

@@ -1,10 +1,11 @@
 """The completion routes as one raw ASGI handler: the router's hot path.
 
-Per request: validate -> lease a decode slot (FIFO) -> prefill (least-loaded healthy
-server, one retry on connection failure) -> decode (relay bytes unchanged) -> release.
-When the leased decode server turns out busy (prefill's KV refused as ``busy``, or decode
-429 past a short retry), the lease goes back for a back-off and the request waits for a
-slot again and runs prefill again, within its ``--queue-timeout`` (:class:`Requeue`).
+Per request: validate -> lease a decode slot from the decode server (FIFO across routers,
+:mod:`pd_router.slots`) -> prefill (least-loaded healthy server, one retry on connection
+failure) -> decode (relay bytes unchanged) -> release. When the decode server turns out
+busy (prefill's KV refused as ``busy``, or decode 429: a lease that ran out, or a server
+without leases counted free here), the request waits for a slot again and runs prefill
+again, within its ``--queue-timeout`` (:class:`Requeue`).
 
 One abort path: a watcher task waits for the client's ``http.disconnect`` and cancels
 the request's task wherever it is (queued, in prefill, in decode). Whatever the way
@@ -68,7 +69,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pd_router.requests")
 _DONE = b"data: [DONE]"
-BUSY_RETRY_S = 2.0  # how long a decode server may answer 429 for a slot this router counts as free
 _REQUEST_ID = re.compile(rb"[\x21-\x7e]+")  # visible ASCII: it goes into headers and the KV handoff id
 _NO_SPAN: AbstractContextManager[None] = nullcontext()  # tracing off: no span object at all
 
@@ -287,7 +287,9 @@ class CompletionHandler:
             remaining = state.settings.queue_timeout - (t_queue - t_start)
             with self._span(ctx, "queue") as span:
                 try:
-                    lease = await state.pool.lease(request.model, timeout=remaining, requeue=attempt > 0)
+                    lease = await state.pool.lease(request.model, timeout=remaining, requeue=attempt > 0,
+                                                   lease_id=attempt_handoff_id(ctx.request_id, attempt),
+                                                   arrived=ctx.start)
                 except Overloaded as err:
                     if not busy:
                         raise
@@ -358,8 +360,8 @@ class CompletionHandler:
                 state.upstream_failed("decode", lease.backend, err)  # slow, not down
             raise
         finally:
-            if outcome in ("clean", "answered"):
-                state.pool.release(lease)
+            if outcome in ("clean", "answered"):  # a clean end also ended the lease on the server
+                state.pool.release(lease, tell_server=outcome != "clean")
             else:
                 state.abort(lease, ctx.request_id, handoff_id, busy=outcome == "busy")
 
@@ -469,27 +471,15 @@ class CompletionHandler:
         state = self.state
         backend = lease.backend
         data = decode_body(ctx.raw, body, kv_params)
-        give_up = perf_counter() + BUSY_RETRY_S
-        pause = 0.005
-        while True:
-            try:
-                resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.value, data,
-                                                  ctx.request_id, state.settings.decode_timeout, trace)
-                break
-            except UpstreamRejected as err:
-                # 429: the server has not yet taken back the slot this router counts as free
-                # (its engine thread frees it just after the last byte or a cancel): retry,
-                # with the same KV; past BUSY_RETRY_S wait for a slot again like any busy slot
-                if err.status != 429:
-                    raise
-                if perf_counter() + pause > give_up:
-                    raise Requeue("engine_slot", f"decode server {backend.url} still busy (429) after "
-                                                  f"{BUSY_RETRY_S:g}s: {err.message}") from None
-                log.debug(
-                    "request_id=%s decode %s busy, retrying in %.3fs", ctx.request_id, backend.url, pause
-                )
-                await asyncio.sleep(pause)
-                pause = min(2 * pause, 0.1)
+        try:
+            resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.value, data,
+                                              ctx.request_id, state.settings.decode_timeout, trace)
+        except UpstreamRejected as err:
+            # 429: no slot for this request there (its lease ran out, or a server without
+            # leases whose slot this router counted free): wait for a slot again
+            if err.status != 429:
+                raise
+            raise Requeue("engine_slot", f"decode server {backend.url} busy (429): {err.message}") from None
             # any other failure to open: the caller marks the server down and may fail over
         try:
             if request.stream:

@@ -104,13 +104,22 @@ class RouterMetrics:
         self.busy_requeues = self._counter(
             "busy_requeues",
             "Requests that waited for a decode slot again because the leased server was busy "
-            "(reason kv_receive_slot: prefill's KV refused at admission; engine_slot: decode 429)",
+            "(reason kv_receive_slot: prefill's KV refused at admission; engine_slot: decode 429); "
+            "0 with decode servers granting leases, unless a lease ran out",
             ("backend", "reason"),
         )
         self.failovers = self._counter(
             "decode_failovers",
             "Requests run again on another decode server because theirs failed before the first byte",
             ("backend", "error_type"),
+        )
+        self.lease_rtt = self._histogram(
+            "lease_rtt_seconds", "Round trip of a lease call to a decode server answered without queueing "
+            "(a grant of a free slot, a renew)", buckets=TOKEN_BUCKETS,
+        )
+        self.lease_requests = self._counter(
+            "lease_requests", "Lease requests to decode servers by answer (granted; refused: no slot within "
+            "the wait; conflict; unavailable; error: no answer)", ("backend", "result"),
         )
         self.draining = self._gauge("draining", "1 while the router drains (SIGTERM): new requests get 503")
 

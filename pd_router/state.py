@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -19,12 +20,14 @@ from pd_http.drain import wait_then_cut
 from pd_router.backends import Backends, DecodeBackend, PrefillBackend
 from pd_router.discovery import Discovery
 from pd_router.errors import RouterError, UpstreamRejected
+from pd_router.lease_client import LeaseClient
 from pd_router.load import LoadScraper
 from pd_router.metrics import RouterMetrics
 from pd_router.probes import Prober
 from pd_router.rawhttp import ConnectionPool
 from pd_router.settings import RouterSettings
-from pd_router.slots import Lease, SlotPool
+from pd_router.slots import Lease, LeaseHooks, SlotPool
+from pd_router.upstream import Unreachable
 from pd_settings.servers import Resolver, system_resolver
 
 if TYPE_CHECKING:
@@ -49,7 +52,10 @@ class RouterState:
         self.backends.policy = settings.prefill_policy
         self.discovery = Discovery(settings, self.backends, self._added, self._discovered,
                                    resolver if resolver is not None else system_resolver)
-        self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout, self.update_gauges)
+        self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout, self.update_gauges,
+                             LeaseClient(lambda: self.upstream, f"pd-router-{uuid.uuid4().hex[:8]}"),
+                             LeaseHooks(self.spawn, self.metrics.lease_rtt.observe, self._lease_answered,
+                                        self._decode_unreachable))
         self._pool: ConnectionPool | None = None
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -133,6 +139,14 @@ class RouterState:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def _decode_unreachable(self, backend: DecodeBackend, why: str) -> None:
+        """A lease call found the decode server down: down until a probe says otherwise."""
+        self.upstream_failed("decode", backend, Unreachable(f"decode server {backend.url} unreachable: {why}"),
+                             mark_down=True)
+
+    def _lease_answered(self, backend: str, result: str) -> None:
+        self.metrics.child(self.metrics.lease_requests, backend, result).inc()
+
     def background_tasks(self) -> int:
         """Tasks besides the loops that run until stop (cancels, probes of new servers)."""
         return len(self._tasks - self._loops)
@@ -149,14 +163,16 @@ class RouterState:
 
     def abort(self, lease: Lease, request_id: str, handoff_id: str | None = None, busy: bool = False) -> None:
         """Cancel the request (its handoff ``handoff_id``, default the request id) on its
-        decode server, then free its slot (in the background). ``busy``: the server had
-        no free slot although this router counted one: the slot is held for a back-off
-        instead (:meth:`SlotPool.hold`)."""
+        decode server, then free its slot (in the background). The cancel also ends the
+        lease on a server granting them. ``busy``: a server without leases had no free slot
+        although this router counted one: the slot is held for a back-off instead
+        (:meth:`SlotPool.hold`)."""
         self.spawn(self._cancel_then_release(lease, request_id, handoff_id, busy))
 
     async def _cancel_then_release(
         self, lease: Lease, request_id: str, handoff_id: str | None, busy: bool
     ) -> None:
+        ended = False  # the server answered the cancel: it ended the lease too
         try:
             if lease.backend.capabilities is not None:
                 cancel = CancelRequest(request_id=request_id, handoff_id=handoff_id)
@@ -168,6 +184,7 @@ class RouterState:
                     headers={"X-Request-Id": request_id.encode("ascii", "backslashreplace").decode(),
                              **lease.backend.auth_headers},
                 )
+                ended = resp.status_code == 200
                 log.info(
                     "request_id=%s cancel on %s: %d %s",
                     request_id,
@@ -183,7 +200,7 @@ class RouterState:
             if busy:
                 self.pool.hold(lease)
             else:
-                self.pool.release(lease)
+                self.pool.release(lease, tell_server=not ended)
 
     def upstream_failed(
         self, role: str, backend: PrefillBackend | DecodeBackend, err: RouterError, mark_down: bool = False

@@ -21,9 +21,11 @@ from typing import Any, Protocol
 from fastapi import FastAPI
 
 from connector.layout import KVLayout
+from connector.receiver import SlotSource
 from connector.receiver_state import ReceiverStats
 from decode_server.engine.base import Engine
 from decode_server.server.generation import GenerationContext, Receiver
+from decode_server.server.leases import LeaseTable
 from decode_server.server.metrics import DecodeMetrics
 from decode_server.server.request_plan import ServerLimits
 from decode_server.server.slot_table import SlotManager
@@ -61,6 +63,8 @@ class ManagedReceiver(Receiver, Protocol):
     @property
     def stats(self) -> ReceiverStats: ...
 
+    def use_slots(self, slots: SlotSource) -> None: ...
+
 
 @dataclass(frozen=True)
 class AppConfig:
@@ -73,6 +77,8 @@ class AppConfig:
     max_seq_len: int
     num_mtp: int
     kv_timeout: float
+    lease_ttl_s: float = 5.0
+    lease_max_queue: int = 4096
     reasoning_parser: bool = False
     tool_call_parser: bool = False
     schema_limits: SchemaLimits = SchemaLimits()  # structured output's bounds on a request's schemas
@@ -123,6 +129,7 @@ class DecodeState:
         if caps.slots < cfg.slots:
             raise RuntimeError(f"--slots {cfg.slots}: the {caps.engine} engine supports {caps.slots}")
         receiver = receiver_factory(self.engine.kv_layout, cfg.slots, cfg.max_seq_len)
+        receiver.use_slots(_LeasedSlots(self.slots.leases))  # a KV push lands on its lease's slot
         await receiver.start()
         self.receiver = receiver
         self.metrics.set_build(build_info(cfg, receiver.fingerprint))
@@ -146,6 +153,7 @@ class DecodeState:
         router runs them on another decode server); generations in flight may finish for
         ``timeout`` seconds, then end with an error (as at shutdown)."""
         self.draining = True
+        self.slots.leases.close()
 
         def cut() -> None:
             for job in self.slots.jobs():
@@ -167,6 +175,20 @@ class DecodeState:
             await asyncio.to_thread(self.tracing.shutdown)
 
 
+@dataclass(frozen=True)
+class _LeasedSlots:
+    """The receive slots of the KV receiver are the lease table's slots: an Admit for a
+    handoff lands on the slot leased under that id (or a free one nobody waits for)."""
+
+    leases: LeaseTable
+
+    def take(self, handoff_id: str) -> int | None:
+        return self.leases.take(handoff_id, "kv")
+
+    def give(self, handoff_id: str, slot: int) -> None:
+        self.leases.put(handoff_id, "kv")
+
+
 def build_info(config: AppConfig, kv_layout: str | None = None) -> BuildInfo:
     """What this decode server runs (``kv_layout``: the receiver's layout fingerprint, once loaded)."""
     return collect("decode", model=config.served_model_name, model_dir=config.model_dir, kv_layout=kv_layout)
@@ -182,15 +204,23 @@ def create_app(config: AppConfig, engine_factory: EngineFactory, receiver_factor
     """``tracing``: this app's tracer (:func:`pd_http.tracing.otlp_tracing`), shut down with the app;
     None: tracing off."""
     from decode_server.server.auth import RequireApiKey
+    from decode_server.server.lease_routes import router as lease_router
     from decode_server.server.routes import router
 
     tokenizer = TextTokenizer.from_model_dir(config.model_dir)
-    slots = SlotManager(config.slots)
+    state: DecodeState
+
+    def expired(lease_id: str) -> None:  # its router is gone: free the KV it may hold
+        if state.receiver is not None and "job" not in slots.leases.holders(lease_id):
+            state.receiver.release(lease_id)
+
+    slots = SlotManager(LeaseTable(config.slots, config.lease_ttl_s, config.lease_max_queue, on_expire=expired))
     state = DecodeState(config=config, tokenizer=tokenizer,
                         defaults=GenerationDefaults.from_model_dir(config.model_dir, tokenizer),
                         slots=slots, metrics=DecodeMetrics(lambda: slots.busy, config.slots, build_info(config),
                                                            config.served_model_name, lambda: receiver_stats(state)),
                         tracing=tracing)
+    state.metrics.watch_leases(slots.leases)
 
     async def load() -> None:
         try:
@@ -214,6 +244,7 @@ def create_app(config: AppConfig, engine_factory: EngineFactory, receiver_factor
     app = FastAPI(title="decode_server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.decode = state
     app.include_router(router)
+    app.include_router(lease_router)
     if config.api_key is not None:
         app.add_middleware(RequireApiKey, api_key=config.api_key)
     return app

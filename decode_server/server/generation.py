@@ -289,9 +289,10 @@ class Job:
         self._given_back.set()
 
     async def _slot_returned(self) -> None:
-        """Before the last byte: the slot is free once the client (the router) sees the end,
-        so the next request the router sends here is not refused as busy. Bounded: after
-        the final token the worker only closes the engine session."""
+        """Before an error answer: the slot and KV are free once the client sees the error.
+        (Not before the last byte of a clean answer: the slot goes to the next lease as soon
+        as the worker has closed the engine session; nobody counts it elsewhere.) Bounded:
+        after the final token the worker only closes the engine session."""
         try:
             await asyncio.wait_for(self._worker_done.wait(), SLOT_RETURN_WAIT_S)
         except TimeoutError:
@@ -406,14 +407,12 @@ class Job:
                 out = []
         out.extend(sse(c) for c in renderer.end())
         out.append(DONE)
-        await self._slot_returned()
         await send({"type": "http.response.body", "body": b"".join(out)})
 
     async def _full(self, send: Any, renderer: Any, headers: list[tuple[bytes, bytes]]) -> None:
         while not (await self._next_delta_into(renderer)).finish_reason:
             pass
         body = dumps(renderer.full())
-        await self._slot_returned()
         self._count(200)
         await send({"type": "http.response.start", "status": 200,
                     "headers": JSON_HEADERS + [(b"content-length", str(len(body)).encode())] + headers})

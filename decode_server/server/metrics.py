@@ -9,14 +9,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from connector.protocol import REFUSAL_REASONS
 from connector.receiver_state import ReceiverStats
+from decode_server.server.leases import LeaseTable
 from pd_build.info import LABELS, BuildInfo
 from pd_build.prometheus import DOC as BUILD_INFO_DOC
 
@@ -82,6 +83,25 @@ class _ReceiverCollector(Collector):
         return [handoffs, received, refusals]
 
 
+class _LeaseCollector(Collector):
+    def __init__(self, table: LeaseTable) -> None:
+        self._table = table
+
+    def collect(self) -> Iterable[Metric]:
+        t = self._table
+        yield CounterMetricFamily("decode_server_lease_grants", "Slot leases granted", value=t.grants)
+        refusals = CounterMetricFamily("decode_server_lease_refusals", "Lease requests refused, by reason "
+                                       "(timeout, queue_full, duplicate, closed, released)", labels=["reason"])
+        for reason, n in sorted(t.refusals.items()):
+            refusals.add_metric([reason], n)
+        yield refusals
+        yield CounterMetricFamily("decode_server_lease_expiries", "Leases ended because their router did not "
+                                  "renew them in time", value=t.expiries)
+        yield GaugeMetricFamily("decode_server_lease_queue", "Lease requests waiting for a slot", value=t.queued)
+        yield GaugeMetricFamily("decode_server_free_slots", "Slots nobody holds (no lease, KV or generation)",
+                                value=t.free)
+
+
 class DecodeMetrics:
     """``model``: the served model name (the ``model_name`` label, as on vLLM's ``vllm:*``)."""
 
@@ -121,6 +141,14 @@ class DecodeMetrics:
         Gauge("decode_server_busy_slots", "Slots holding a sequence", registry=r).set_function(busy_slots)
         Gauge("decode_server_slots", "Configured slots", registry=r).set(slots)
         r.register(_ReceiverCollector(receiver_stats, model))
+        self.lease_requests = Counter("decode_server_lease_requests", "Lease requests received (POST /v1/pd/lease)",
+                                      registry=r)
+        self.lease_wait = Histogram("decode_server_lease_wait_seconds", "Time from a lease request to its grant",
+                                    buckets=_WAIT_BUCKETS, registry=r)
+
+    def watch_leases(self, table: LeaseTable) -> None:
+        """Report the lease table's counts (it keeps them: it is the authority on its slots)."""
+        self.registry.register(_LeaseCollector(table))
 
     def set_build(self, build: BuildInfo) -> None:
         """Report ``build`` (replacing what was reported before)."""

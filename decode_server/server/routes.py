@@ -18,7 +18,7 @@ from decode_server.contract import (
     CancelResponse,
     DecodeCapabilities,
 )
-from decode_server.server.api_errors import ApiError, Busy, InvalidRequest, NotReady, validation_message
+from decode_server.server.api_errors import ApiError, InvalidRequest, NotReady, validation_message
 from decode_server.server.app import DecodeState
 from decode_server.server.generation import GenerationResponse, Job
 from decode_server.server.observe import RequestObservation
@@ -99,12 +99,9 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         plan = build_plan(endpoint, req, request_id, state.limits, state.defaults)
         obs.stage = "slot"
         job = Job(state.context, plan, label, obs)
-        job.slot = state.slots.acquire(request_id, job)
+        job.slot = state.slots.acquire(request_id, job, plan.handoff.handoff_id)
     except ApiError as err:
-        # every refusal gives the KV back before answering, except "busy": the router
-        # retries a 429 with the same KV for a moment (and cancels it if it gives up)
-        if not isinstance(err, Busy):
-            _release_refused(state, handoff_id_of(body))
+        _release_refused(state, handoff_id_of(body))  # every refusal gives the KV back before answering
         state.metrics.requests.labels(label, str(err.status)).inc()
         state.metrics.errors.labels(err.error_type).inc()
         obs.answered(err.status, err.error_type)
@@ -133,6 +130,7 @@ async def capabilities(request: Request) -> Response:
         protocol_version=PROTOCOL_VERSION, model=cfg.served_model_name, engine=cfg.engine, slots=cfg.slots,
         busy_slots=state.slots.busy, kv_busy_slots=receiver.busy_slots(), max_seq_len=cfg.max_seq_len,
         num_mtp=cfg.num_mtp, structured_output=state.limits is not None and state.limits.structured_output,
+        lease_ttl_s=state.slots.leases.ttl_s,
         kv_endpoint=receiver.endpoint, layout_fingerprint=receiver.fingerprint, peers=receiver.peers(),
     )
     return Response(caps.model_dump_json(), media_type="application/json")
@@ -158,6 +156,7 @@ async def cancel(request: Request) -> Response:
         await job.given_back(CANCEL_WAIT_S)
     elif state.receiver is not None:
         state.receiver.release(body.handoff_id or body.request_id)
+    state.slots.leases.release([body.handoff_id or body.request_id])  # the request's lease ends with it
     return Response(CancelResponse(request_id=body.request_id, cancelled=cancelled).model_dump_json(),
                     media_type="application/json")
 

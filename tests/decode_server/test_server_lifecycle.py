@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from decode_server.contract import CANCEL_PATH
+from decode_server.contract import CANCEL_PATH, LEASE_PATH, LEASE_RELEASE_PATH
 from tests.decode_server.helpers import client, handoff, script_for
 from tests.fakes.fake_engine import FakeEngineConfig
 
@@ -307,16 +307,29 @@ def test_unexpected_receiver_error_is_an_openai_error(make_server, monkeypatch):
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_slot_is_free_when_the_client_sees_the_last_byte(make_server, stream):
-    """The router counts the slot free as soon as the response ends and may send the next
-    request at once: it must not be refused as busy while the engine session closes."""
+def test_each_lease_serves_one_generation_and_the_next_waits_for_the_slot(make_server, stream):
+    """A router leases the slot before prefill (its lease id is the handoff id); the lease ends
+    with its generation, and the next lease, queued meanwhile, gets the slot once the engine
+    session closed: never a 429, and the last byte is not held back for it."""
     srv = make_server(FakeEngineConfig(script=[6, 7, 8], close_delay=0.3), slots=1)
+    grants: list[int] = []
+
+    def lease(i: int) -> None:
+        resp = httpx.post(srv.url + LEASE_PATH, json={"lease_id": f"h{i}", "wait_s": 20}, timeout=30)
+        grants.append(resp.status_code)
+
+    assert httpx.post(srv.url + LEASE_PATH, json={"lease_id": "h0"}).status_code == 200
     for i in range(3):
+        waiter = threading.Thread(target=lease, args=(i + 1,))
+        waiter.start()
+        _wait(lambda: srv.state.slots.leases.queued == 1)
         body = {"prompt": "x", "max_tokens": 4, "stream": stream, "ignore_eos": True,
                 "kv_transfer_params": handoff(5, handoff_id=f"h{i}")}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30,
                           headers={"X-Request-Id": f"r{i}"}) as resp:
             assert resp.status_code == 200, resp.read()
             resp.read()
-        assert srv.state.slots.busy == 0, f"request {i}: slot still busy after the last byte"
+        waiter.join(30)
+        assert grants == [200] * (i + 1)
+    httpx.post(srv.url + LEASE_RELEASE_PATH, json={"lease_ids": ["h3"]})
     srv.wait_idle()

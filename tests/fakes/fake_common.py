@@ -40,6 +40,7 @@ class Records:
     active: set[str] = field(default_factory=set)
     max_active: int = 0
     busy: list[str] = field(default_factory=list)  # requests answered 429: every slot taken
+    leases: list[str] = field(default_factory=list)  # lease requests (their ids), decode fakes granting leases
 
     def dump(self) -> dict[str, Any]:
         return {
@@ -51,6 +52,7 @@ class Records:
             "active": sorted(self.active),
             "max_active": self.max_active,
             "busy": self.busy,
+            "leases": self.leases,
         }
 
 

@@ -1,6 +1,8 @@
 """The fake decode server: checks ``kv_transfer_params`` and slot limits, streams
 ``tokens`` OpenAI SSE chunks ``token_delay`` seconds apart, records cancels and
-disconnects; hold and fault knobs (see :class:`DecodeKnobs`)."""
+disconnects; hold and fault knobs (see :class:`DecodeKnobs`). Grants slot leases as the
+real one does (the real :class:`LeaseTable` behind the contract's endpoints) unless
+``leases`` is off (then it only counts its slots, like a server the router counts for)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,19 @@ from connector.protocol import PROTOCOL_VERSION, HandoffResult, PeerStatus
 from decode_server.contract import (
     CANCEL_PATH,
     CAPABILITIES_PATH,
+    LEASE_PATH,
+    LEASE_RELEASE_PATH,
+    LEASE_RENEW_PATH,
     CancelRequest,
     CancelResponse,
     DecodeCapabilities,
+    LeaseGrant,
+    LeaseIds,
+    LeaseReleased,
+    LeaseRenewed,
+    LeaseRequest,
 )
+from decode_server.server.leases import LeaseRefused, LeaseTable
 from pd_router.asgi import Receive, Scope, Send, read_body, respond
 from tests.fakes.fake_common import FakeBase, error_body
 
@@ -40,6 +51,8 @@ class DecodeKnobs(BaseModel):
     fail_after: int = 2
     release_lag: float = 0.0  # seconds between the end of a sequence and its slot being free again
     busy: bool = False  # answer 429 to every request (slots taken outside the router's count)
+    leases: bool = True  # grant slot leases (capabilities.lease_ttl_s); False: the router counts the slots
+    lease_ttl: float = 5.0
 
 
 class FakeDecode(FakeBase[DecodeKnobs]):
@@ -49,6 +62,16 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         self._held: dict[str, asyncio.Event] = {}  # hold mode: waiting requests, oldest first
         self._permits = 0  # releases that came before the request they were meant for
         self._cancel: dict[str, asyncio.Event] = {}
+        self._table: LeaseTable | None = None
+
+    @property
+    def leases(self) -> LeaseTable | None:
+        """The lease table (made on first use, with the slots and ttl of that moment)."""
+        if not self.knobs.leases or self.knobs.plain:
+            return None
+        if self._table is None:
+            self._table = LeaseTable(self.knobs.slots, self.knobs.lease_ttl, 1024)
+        return self._table
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or await self._control(scope, receive, send):
@@ -77,6 +100,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 kv_endpoint=k.kv_endpoint,
                 layout_fingerprint="fake",
                 peers=k.peers,
+                lease_ttl_s=k.lease_ttl if self.leases is not None else None,
             )
             return await respond(send, 200, caps.model_dump_json().encode())
         if path == CANCEL_PATH and not k.plain:
@@ -86,11 +110,40 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             event = self._cancel.get(req.request_id)
             if event is not None:
                 event.set()
+            if self.leases is not None:
+                self.leases.release([req.handoff_id or req.request_id])
             body = CancelResponse(request_id=req.request_id, cancelled=event is not None)
             return await respond(send, 200, body.model_dump_json().encode())
+        if path in (LEASE_PATH, LEASE_RENEW_PATH, LEASE_RELEASE_PATH) and self.leases is not None:
+            return await self._lease(path, self.leases, receive, send, await read_body(scope, receive, 1 << 20))
         if path not in ("/v1/completions", "/v1/chat/completions"):
             return await respond(send, 404, error_body("not found", 404))
         await self._generate(scope, receive, send, path)
+
+    async def _lease(self, path: str, table: LeaseTable, receive: Receive, send: Send, raw: bytes) -> None:
+        if path == LEASE_RENEW_PATH:
+            ids = LeaseIds.model_validate_json(raw).lease_ids
+            return await respond(send, 200, LeaseRenewed(ttl_s=table.ttl_s, unknown=table.renew(ids))
+                                 .model_dump_json().encode())
+        if path == LEASE_RELEASE_PATH:
+            n = table.release(LeaseIds.model_validate_json(raw).lease_ids)
+            return await respond(send, 200, LeaseReleased(released=n, free=table.free).model_dump_json().encode())
+        req = LeaseRequest.model_validate_json(raw)
+        self.records.leases.append(req.lease_id)
+        grant = asyncio.ensure_future(table.acquire(req.lease_id, req.wait_s, req.holder, req.arrived_at, req.sent_at))
+        gone = asyncio.ensure_future(receive())
+        await asyncio.wait({grant, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not grant.done():
+            grant.cancel()
+            await asyncio.gather(grant, return_exceptions=True)
+            return
+        try:
+            slot = grant.result()
+        except LeaseRefused as exc:
+            return await respond(send, 409 if exc.reason == "duplicate" else 429, error_body(exc.message, 429))
+        await respond(send, 200, LeaseGrant(lease_id=req.lease_id, slot=slot, ttl_s=table.ttl_s, free=table.free,
+                                            queued=table.queued).model_dump_json().encode())
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         k, rec = self.knobs, self.records
@@ -105,10 +158,16 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             # as the real decode server: an invalid client field is the client's 400 (not a fake error)
             return await respond(send, 400, error_body(f"invalid max tokens {limit!r}"))
-        if k.busy or len(rec.active) >= (k.slots if not k.plain else 1 << 30):
+        table, lease_id = self.leases, body["kv_transfer_params"].get("handoff_id", rid)
+        if table is not None:
+            taken = not k.busy and table.take(lease_id, "job") is not None
+        else:
+            taken = not k.busy and len(rec.active) < (k.slots if not k.plain else 1 << 30)
+        if not taken:
             rec.busy.append(rid)  # as the real decode server: 429 until a slot is back
             return await respond(send, 429, error_body("all decode slots are busy; retry later", 429))
         if k.fail == "status":
+            self._ended(rid, lease_id)
             return await respond(send, k.fail_status, error_body("fake decode failure", k.fail_status))
         cancel = self._cancel[rid] = asyncio.Event()
         rec.active.add(rid)
@@ -122,9 +181,14 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             watch.cancel()
             self._cancel.pop(rid, None)
             if k.release_lag:  # like an engine thread that hands the slot back a little later
-                asyncio.get_running_loop().call_later(k.release_lag, rec.active.discard, rid)
+                asyncio.get_running_loop().call_later(k.release_lag, self._ended, rid, lease_id)
             else:
-                rec.active.discard(rid)
+                self._ended(rid, lease_id)
+
+    def _ended(self, rid: str, lease_id: str) -> None:
+        self.records.active.discard(rid)
+        if self.leases is not None:
+            self.leases.put(lease_id, "job")
 
     def _release(self, what: dict[str, Any]) -> None:
         """``{"request_id": id}`` releases that held request, ``{"n": n}`` the n oldest."""

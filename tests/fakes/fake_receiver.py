@@ -55,6 +55,10 @@ class FakeReceiver:
     def peers(self) -> list[PeerStatus]:
         return [PeerStatus(peer="fake-prefill", state="ok")]
 
+    def use_slots(self, slots: object) -> None:
+        """The decode server hands its lease table over; KV here is not bound to slots."""
+        self.slot_source = slots
+
     def busy_slots(self) -> int:
         with self._lock:
             return len(self._held)

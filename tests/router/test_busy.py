@@ -1,7 +1,9 @@
-"""A decode server that is busy although the router counted a free slot (issue 17): prefill's
-KV refused at admission (``HandoffResult.reason == "busy"``) or decode 429 past the short
-retry. Not a client error while ``--queue-timeout`` allows waiting: the request waits for
-a slot (this server after a back-off, or another) and runs prefill again."""
+"""A decode server without leases (the router counts its slots) that is busy although the
+router counted a free slot (issue 17): prefill's KV refused at admission
+(``HandoffResult.reason == "busy"``) or decode 429. Not a client error while
+``--queue-timeout`` allows waiting: the request waits for a slot (this server after a
+back-off, or another) and runs prefill again. (A server granting leases never refuses a
+leased request as busy: tests/router/test_leases.py.)"""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from tests.router.conftest import MODEL
 pytestmark = pytest.mark.timeout(60)
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 BUSY = {"fail": "handoff_failed", "handoff_reason": "busy"}
+COUNTED = {"leases": False}  # decode servers whose slots the router counts
 
 
 def _requeues(rig, reason: str) -> float:
@@ -31,7 +34,7 @@ def _handoff_ids(rig, backend) -> list[str]:
 
 
 def test_kv_receive_slot_busy_waits_and_prefills_again(make_rig):
-    rig = make_rig(prefill={**BUSY, "fail_times": 2})
+    rig = make_rig(decode=COUNTED, prefill={**BUSY, "fail_times": 2})
     resp = httpx.post(rig.url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "r1"}, timeout=20)
     assert resp.status_code == 200, resp.text
     assert _handoff_ids(rig, rig.prefills[0]) == ["r1", "r1#1", "r1#2"]  # a new handoff per attempt
@@ -42,7 +45,7 @@ def test_kv_receive_slot_busy_waits_and_prefills_again(make_rig):
 
 
 def test_busy_until_the_queue_timeout_is_a_429_not_a_502(make_rig):
-    rig = make_rig(prefill=BUSY, queue_timeout=0.6)
+    rig = make_rig(decode=COUNTED, prefill=BUSY, queue_timeout=0.6)
     t0 = time.monotonic()
     resp = httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=20)
     elapsed = time.monotonic() - t0
@@ -56,7 +59,7 @@ def test_busy_until_the_queue_timeout_is_a_429_not_a_502(make_rig):
 
 
 def test_busy_server_is_held_back_and_another_one_serves(make_rig):
-    rig = make_rig(n_decode=2, prefill={**BUSY, "fail_times": 1})
+    rig = make_rig(n_decode=2, decode=COUNTED, prefill={**BUSY, "fail_times": 1})
     resp = httpx.post(rig.url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "r2"}, timeout=20)
     assert resp.status_code == 200, resp.text
     served = [d for d in rig.decodes if rig.records(d)["requests"]]
@@ -65,8 +68,8 @@ def test_busy_server_is_held_back_and_another_one_serves(make_rig):
     rig.assert_no_leaks()
 
 
-def test_decode_429_past_the_short_retry_waits_and_prefills_again(make_rig):
-    rig = make_rig(decode={"busy": True})
+def test_decode_429_waits_and_prefills_again(make_rig):
+    rig = make_rig(decode={**COUNTED, "busy": True})
     result: dict[str, httpx.Response] = {}
     t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
         rig.url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "r3"}, timeout=30)))
@@ -77,14 +80,14 @@ def test_decode_429_past_the_short_retry_waits_and_prefills_again(make_rig):
     assert result["r"].status_code == 200, result["r"].text
     ids = _handoff_ids(rig, rig.prefills[0])
     assert ids[0] == "r3" and ids[1] == "r3#1", ids
-    # the give-up cancelled the first attempt's handoff: the decode server frees its KV
+    # the 429 cancelled the first attempt's handoff: the decode server frees its KV
     assert "r3" in rig.records(rig.decodes[0])["cancel_handoffs"]
     rig.assert_no_leaks()
 
 
 def test_a_requeued_request_keeps_its_place_in_the_queue(make_rig):
     """FIFO: a request sent back by a busy server waits ahead of the ones that came after it."""
-    rig = make_rig(prefill={**BUSY, "fail_times": 1, "delay": 0.3})
+    rig = make_rig(decode=COUNTED, prefill={**BUSY, "fail_times": 1, "delay": 0.3})
     results: dict[str, httpx.Response] = {}
 
     def post(rid: str) -> None:

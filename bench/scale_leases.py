@@ -1,0 +1,259 @@
+"""Scale simulation of decode slot leases: the GLM-5.1 B200 deployment's shape (72
+single-slot decode servers, 4 prefill servers) behind one router, then behind two, in one
+run with the same mocks and the same load. The token rate is scaled down (``--token-delay``,
+50 ms: the 72 mocks together stream what one Python process on this 2-CPU machine can
+serve; at TileRT's 3.19 ms they would stream 22k tokens/s); what is measured is the
+lease traffic and the router's work per token, which do not depend on it.
+
+The mocks are tests/fakes' FakeDecode (granting leases through the real LeaseTable, one
+slot each, ``--tokens`` tokens ``--token-delay`` apart) and FakePrefill, all on one
+event loop in one process (a process each would not fit this machine). Each phase runs
+``--clients`` streaming clients (more than the 72 slots, so requests queue), spread over
+the routers, each sending ``--requests`` requests one after the other. Reported per phase:
+router CPU per output token (all routers' CPU time from /proc), TTFT p50/p99 at the
+clients, slot utilisation while a lease request waited (sampled in the mocks every 5 ms),
+lease RTT (``pd_router_lease_rtt_seconds``: grants without waiting and renews), requests
+sent back as busy (must be 0); and the two-router phase against the one-router phase.
+
+    .venv/bin/python bench/scale_leases.py [--clients 96] [--requests 4] [--tokens 16] [--token-delay 0.05]
+        [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.router_overhead import _cpu_seconds, _pct  # noqa: E402
+from pd_deploy.commands import RouterSpec, router_argv  # noqa: E402
+from tests.procs import free_port, python_argv, server  # noqa: E402
+
+DECODES, PREFILLS = 72, 4
+SECTION = "## Scale simulation: decode slot leases, 2 routers x 72 decode servers"
+
+
+# ---- the mocks' process ----------------------------------------------------------------------
+async def _serve_mocks(decode_ports: list[int], prefill_ports: list[int], stats_port: int, tokens: int,
+                       token_delay: float) -> None:
+    import uvicorn
+
+    from pd_router.asgi import respond
+    from tests.fakes.fake_backends import FakeDecode, FakePrefill
+
+    decodes = [FakeDecode(slots=1, tokens=tokens, token_delay=token_delay) for _ in decode_ports]
+    apps = [*zip(decodes, decode_ports), *((FakePrefill(), p) for p in prefill_ports)]
+    waiting_samples: list[float] = []  # held slots / all slots, when a lease request waited
+
+    async def stats(scope, receive, send) -> None:  # GET /stats, POST /reset
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/reset":
+            waiting_samples.clear()
+        body = {"samples": len(waiting_samples),
+                "utilisation": sum(waiting_samples) / len(waiting_samples) if waiting_samples else None}
+        await respond(send, 200, json.dumps(body).encode())
+
+    async def sample() -> None:
+        while True:
+            tables = [d.leases for d in decodes]
+            if any(t is not None and t.queued for t in tables):
+                waiting_samples.append(sum(t.busy for t in tables if t is not None) / len(tables))
+            await asyncio.sleep(0.005)
+
+    servers = [uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http="httptools", lifespan="off",
+                                             log_level="warning", access_log=False))
+               for app, port in [*apps, (stats, stats_port)]]
+    asyncio.ensure_future(sample())
+    await asyncio.gather(*(s.serve() for s in servers))
+
+
+# ---- the load ----------------------------------------------------------------------------------
+@dataclass
+class Phase:
+    routers: int
+    ttft: list[float] = field(default_factory=list)
+    tokens: int = 0
+    wall: float = 0.0
+    cpu: float = 0.0
+    errors: int = 0
+
+
+async def _one(session: aiohttp.ClientSession, url: str, phase: Phase, max_tokens: int) -> None:
+    body = {"model": "tiny", "prompt": "hello " * 200, "max_tokens": max_tokens, "stream": True}
+    t0 = time.perf_counter()
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            phase.errors += 1
+            await resp.read()
+            return
+        first = True
+        async for chunk in resp.content.iter_any():
+            n = chunk.count(b'"choices": [{')
+            if n and first:
+                phase.ttft.append(time.perf_counter() - t0)
+                first = False
+            phase.tokens += n
+
+
+async def _run_phase(urls: list[str], pids: list[int], clients: int, requests: int, tokens: int,
+                     token_delay: float) -> Phase:
+    phase = Phase(len(urls))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+        for url in urls:  # warm: connections to every mock
+            await asyncio.gather(*(_one(session, url, Phase(0), 2) for _ in range(8)))
+
+        async def client(c: int) -> None:
+            await asyncio.sleep(c * tokens * token_delay / clients)  # spread the starts over one request
+            for _ in range(requests):
+                await _one(session, urls[c % len(urls)], phase, tokens)
+
+        cpu0 = sum(_cpu_seconds(p) for p in pids)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(clients)))
+        phase.wall = time.perf_counter() - t0
+        phase.cpu = sum(_cpu_seconds(p) for p in pids) - cpu0
+    return phase
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.split(" ", 1)[0].split("{", 1)[0] == name)
+
+
+async def _router_numbers(urls: list[str]) -> dict[str, float]:
+    out = {"rtt_sum": 0.0, "rtt_count": 0.0, "busy": 0.0}
+    async with aiohttp.ClientSession() as session:
+        for url in urls:
+            async with session.get(url + "/metrics") as resp:
+                text = await resp.text()
+            out["rtt_sum"] += _metric(text, "pd_router_lease_rtt_seconds_sum")
+            out["rtt_count"] += _metric(text, "pd_router_lease_rtt_seconds_count")
+            out["busy"] += _metric(text, "pd_router_busy_requeues_total")
+    return out
+
+
+async def _stats(stats_url: str, path: str) -> dict:
+    async with aiohttp.ClientSession() as session, session.get(stats_url + path) as resp:
+        return await resp.json()
+
+
+def _start_router(port: int, prefills: list[str], decodes: list[str], log: Path):
+    spec = RouterSpec(prefill_urls=tuple(prefills), decode_urls=tuple(decodes), port=port,
+                      extra_args=("--log-level", "warning", "--max-queue", "4096", "--queue-timeout", "300",
+                                  "--probe-interval", "10"))
+    return server(router_argv(spec), log, f"http://127.0.0.1:{port}/ready", 60)
+
+
+def _row(phase: Phase, numbers: dict[str, float], util: float | None) -> dict:
+    return {"routers": phase.routers, "requests": len(phase.ttft), "errors": phase.errors,
+            "cpu_us_per_token": phase.cpu / max(1, phase.tokens) * 1e6,
+            "cpu_ms_per_request": phase.cpu / max(1, len(phase.ttft)) * 1e3,
+            "ttft_p50_ms": _pct(phase.ttft, 0.5) * 1e3, "ttft_p99_ms": _pct(phase.ttft, 0.99) * 1e3,
+            "tok_s": phase.tokens / phase.wall, "utilisation": util,
+            "lease_rtt_ms": numbers["rtt_sum"] / numbers["rtt_count"] * 1e3 if numbers["rtt_count"] else None,
+            "busy_requeues": numbers["busy"]}
+
+
+def _table(rows: list[dict]) -> str:
+    one, two = rows
+    lines = ["| routers | requests | errors | router CPU us/token | router CPU ms/request | TTFT p50 ms | "
+             "TTFT p99 ms | tokens/s | slot utilisation while queued | lease RTT mean ms | busy requeues |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        util = f"{r['utilisation'] * 100:.1f}%" if r["utilisation"] is not None else "n/a (never queued)"
+        rtt = f"{r['lease_rtt_ms']:.2f}" if r["lease_rtt_ms"] is not None else "n/a"
+        lines.append(f"| {r['routers']} | {r['requests']} | {r['errors']} | {r['cpu_us_per_token']:.1f} | "
+                     f"{r['cpu_ms_per_request']:.2f} | "
+                     f"{r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['tok_s']:.0f} | {util} | {rtt} | "
+                     f"{r['busy_requeues']:.0f} |")
+    lines.append(f"| 2 vs 1 | | | x{two['cpu_us_per_token'] / one['cpu_us_per_token']:.2f} | "
+                 f"x{two['cpu_ms_per_request'] / one['cpu_ms_per_request']:.2f} | "
+                 f"{two['ttft_p50_ms'] - one['ttft_p50_ms']:+.1f} | {two['ttft_p99_ms'] - one['ttft_p99_ms']:+.1f} | "
+                 f"x{two['tok_s'] / one['tok_s']:.2f} | | | |")
+    return "\n".join(lines)
+
+
+async def _phase(stats_url: str, urls: list[str], pids: list[int], args: argparse.Namespace) -> dict:
+    await _stats(stats_url, "/reset")
+    result = await _run_phase(urls, pids, args.clients, args.requests, args.tokens, args.token_delay)
+    util = (await _stats(stats_url, "/stats"))["utilisation"]
+    return _row(result, await _router_numbers(urls), util)
+
+
+def _bench(args: argparse.Namespace) -> list[dict]:
+    decode_ports = [free_port() for _ in range(DECODES)]
+    prefill_ports = [free_port() for _ in range(PREFILLS)]
+    stats_port = free_port()
+    stats_url = f"http://127.0.0.1:{stats_port}"
+    logs = Path(tempfile.mkdtemp(prefix="scale-leases-"))
+    spec = json.dumps([decode_ports, prefill_ports, stats_port, args.tokens, args.token_delay])
+    prefills = [f"http://127.0.0.1:{p}" for p in prefill_ports]
+    decodes = [f"http://127.0.0.1:{p}" for p in decode_ports]
+    rows = []
+    with server(python_argv("bench/scale_leases.py", "--mocks", spec), logs / "mocks.log", stats_url + "/stats", 120):
+        for n in (1, 2):
+            ports = [free_port() for _ in range(n)]
+            urls = [f"http://127.0.0.1:{p}" for p in ports]
+            with contextlib.ExitStack() as routers:
+                procs = [routers.enter_context(_start_router(p, prefills, decodes, logs / f"r{n}-{i}.log"))
+                         for i, p in enumerate(ports)]
+                rows.append(asyncio.run(_phase(stats_url, urls, [p.pid for p in procs], args)))
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=96)
+    parser.add_argument("--requests", type=int, default=4, help="requests per client, one after the other")
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--token-delay", type=float, default=0.05, help="seconds between a mock's tokens")
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--mocks", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mocks:
+        asyncio.run(_serve_mocks(*json.loads(args.mocks)))
+        return
+    load0 = os.getloadavg()[0]
+    t0 = time.time()
+    rows = _bench(args)
+    table = _table(rows)
+    print(table)
+    if args.no_write:
+        return
+    cmd = (f"`.venv/bin/python bench/scale_leases.py --clients {args.clients} --requests {args.requests} "
+           f"--tokens {args.tokens} --token-delay {args.token_delay:g}`")
+    text = (f"{SECTION}\n\n{cmd} ({DECODES} single-slot fake decode servers granting leases through the real "
+            f"LeaseTable, {PREFILLS} fake prefill servers, all on one event loop in one process; {args.tokens} "
+            f"tokens {args.token_delay * 1e3:g} ms apart; {args.clients} streaming clients, {args.requests} "
+            f"requests each, spread over the routers; the same mocks and load for one router, then two). "
+            f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(t0))} UTC, {time.time() - t0:.0f} s; machine: "
+            f"{os.cpu_count()} CPUs, load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.\n\n"
+            f"{table}\n")
+    path = REPO / "docs" / "benchmarks.md"
+    doc = path.read_text()
+    if SECTION in doc:
+        start = doc.index(SECTION)
+        end = doc.find("\n## ", start + len(SECTION))
+        doc = doc[:start] + text + (doc[end + 1:] if end != -1 else "")
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + text
+    path.write_text(doc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The lease endpoints of the decode server (contract: :mod:`decode_server.contract`):
+acquire (a long poll in the server's queue), renew, release."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, ValidationError
+
+from decode_server.contract import (
+    LEASE_PATH,
+    LEASE_RELEASE_PATH,
+    LEASE_RENEW_PATH,
+    LeaseGrant,
+    LeaseIds,
+    LeaseReleased,
+    LeaseRenewed,
+    LeaseRequest,
+)
+from decode_server.server.api_errors import ApiError, Busy, Conflict, InvalidRequest, NotReady, validation_message
+from decode_server.server.app import DecodeState
+from decode_server.server.leases import LeaseRefused
+from decode_server.server.routes import error_response
+
+router = APIRouter()
+
+
+def _state(request: Request) -> DecodeState:
+    return request.app.state.decode
+
+
+async def _body(request: Request, model: type[Any]) -> Any:
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors(include_url=False))
+        raise InvalidRequest(message, param) from exc
+
+
+def _json(model: BaseModel) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _refusal(exc: LeaseRefused) -> ApiError:
+    if exc.reason == "duplicate":
+        return Conflict(exc.message, "lease_id")
+    if exc.reason == "closed":
+        return NotReady(exc.message)
+    return Busy(exc.message)
+
+
+@router.post(LEASE_PATH)
+async def acquire(request: Request) -> Response:
+    """A slot now, or after a wait in the queue; the caller leaving takes it out of the queue."""
+    state = _state(request)
+    try:
+        body: LeaseRequest = await _body(request, LeaseRequest)
+        if not state.ready:
+            raise NotReady(f"decode server not ready: {state.not_ready_reason()}")
+    except ApiError as err:
+        return error_response(err)
+    leases = state.slots.leases
+    state.metrics.lease_requests.inc()
+    t0 = asyncio.get_running_loop().time()
+    grant = asyncio.ensure_future(leases.acquire(body.lease_id, body.wait_s, body.holder, body.arrived_at,
+                                                body.sent_at))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({grant, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not grant.done():
+            grant.cancel()
+    try:
+        slot = await grant
+    except asyncio.CancelledError:  # the caller went away while it waited
+        if not grant.cancelled():
+            raise
+        return Response(status_code=499)
+    except LeaseRefused as exc:
+        return error_response(_refusal(exc))
+    state.metrics.lease_wait.observe(asyncio.get_running_loop().time() - t0)
+    return _json(LeaseGrant(lease_id=body.lease_id, slot=slot, ttl_s=leases.ttl_s, free=leases.free,
+                            queued=leases.queued))
+
+
+@router.post(LEASE_RENEW_PATH)
+async def renew(request: Request) -> Response:
+    try:
+        body: LeaseIds = await _body(request, LeaseIds)
+    except ApiError as err:
+        return error_response(err)
+    leases = _state(request).slots.leases
+    return _json(LeaseRenewed(ttl_s=leases.ttl_s, unknown=leases.renew(body.lease_ids)))
+
+
+@router.post(LEASE_RELEASE_PATH)
+async def release(request: Request) -> Response:
+    try:
+        body: LeaseIds = await _body(request, LeaseIds)
+    except ApiError as err:
+        return error_response(err)
+    leases = _state(request).slots.leases
+    return _json(LeaseReleased(released=leases.release(body.lease_ids), free=leases.free))

@@ -1,0 +1,85 @@
+"""The router's calls to the decode servers' lease endpoints (contract:
+:mod:`decode_server.contract`), on the hot path's raw connection pool."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from time import perf_counter
+
+from pydantic import BaseModel, ValidationError
+
+from decode_server.contract import (
+    LEASE_PATH,
+    LEASE_RELEASE_PATH,
+    LEASE_RENEW_PATH,
+    LeaseGrant,
+    LeaseIds,
+    LeaseRenewed,
+    LeaseRequest,
+)
+from pd_router.rawhttp import ConnectFailed, ConnectionPool, UpstreamError
+from pd_router.upstream import Target
+
+CALL_TIMEOUT_S = 5.0  # a renew or release, or the answer of a lease request past its wait
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int  # 0: no answer (unreachable, timed out, invalid)
+    grant: LeaseGrant | None = None
+    rtt: float = 0.0
+    immediate: bool = False  # asked without waiting (wait_s 0)
+    unreachable: str | None = None  # the connection failed before any answer: why
+
+
+class LeaseClient:
+    def __init__(self, connections: Callable[[], ConnectionPool], holder: str) -> None:
+        self._connections = connections
+        self.holder = holder
+
+    async def _post(self, target: Target, path: str, body: BaseModel, timeout: float) -> tuple[int, bytes]:
+        pool = self._connections()
+        async with asyncio.timeout(timeout):
+            resp = await pool.post(target.origin, target.prefix + path, body.model_dump_json().encode(),
+                                   dict(target.auth))
+            try:
+                return resp.status, await resp.read()
+            finally:
+                resp.release()
+
+    async def acquire(self, target: Target, lease_id: str, wait_s: float, arrived: float) -> Answer:
+        """A lease, or the status that refused it (429 busy or queue timeout, 409 the id is in
+        use there, 503 draining; 0 no answer). ``arrived``: when the request came to this
+        router (``perf_counter``). Cancelling it closes the connection, which takes
+        the request out of the server's queue."""
+        t0 = perf_counter()
+        body = LeaseRequest(lease_id=lease_id, wait_s=wait_s, holder=self.holder, arrived_at=arrived, sent_at=t0)
+        try:
+            status, data = await self._post(target, LEASE_PATH, body, wait_s + CALL_TIMEOUT_S)
+        except ConnectFailed as exc:
+            return Answer(0, rtt=perf_counter() - t0, unreachable=str(exc))
+        except (UpstreamError, TimeoutError):
+            return Answer(0, rtt=perf_counter() - t0)
+        if status != 200:
+            return Answer(status, rtt=perf_counter() - t0)
+        try:
+            return Answer(200, LeaseGrant.model_validate_json(data), perf_counter() - t0, wait_s == 0)
+        except ValidationError:
+            return Answer(0, rtt=perf_counter() - t0)
+
+    async def renew(self, target: Target, lease_ids: list[str]) -> list[str] | None:
+        """The ids the server no longer holds; None: no answer."""
+        try:
+            status, data = await self._post(target, LEASE_RENEW_PATH, LeaseIds(lease_ids=lease_ids), CALL_TIMEOUT_S)
+            return LeaseRenewed.model_validate_json(data).unknown if status == 200 else None
+        except (UpstreamError, TimeoutError, ValidationError):
+            return None
+
+    async def release(self, target: Target, lease_ids: list[str]) -> bool:
+        try:
+            status, _ = await self._post(target, LEASE_RELEASE_PATH, LeaseIds(lease_ids=lease_ids), CALL_TIMEOUT_S)
+        except (UpstreamError, TimeoutError):
+            return False
+        return status == 200

@@ -1,0 +1,225 @@
+"""The decode server's lease table (decode_server/server/leases.py): FIFO across callers,
+bounded queue, queue timeout, expiry, renew, the KV's and the job's holds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decode_server.server.leases import LeaseRefused, LeaseTable
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _queued(table: LeaseTable, n: int) -> None:
+    """Let the new waiter's task run until it waits (a few loop turns), then check it does."""
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert table.queued == n
+
+
+def test_fifo_by_arrival_at_the_router() -> None:
+    async def main() -> list[str]:
+        table = LeaseTable(1, ttl_s=60, max_queue=8)
+        assert await table.acquire("a") == 0
+        order: list[str] = []
+
+        async def wait(lease_id: str, age: float) -> None:
+            await table.acquire(lease_id, wait_s=10, arrived_at=-age)
+            order.append(lease_id)
+            table.release([lease_id])
+
+        tasks = [asyncio.create_task(wait("b", 0.0))]
+        await _queued(table, 1)
+        tasks.append(asyncio.create_task(wait("c", 0.0)))
+        await _queued(table, 2)
+        tasks.append(asyncio.create_task(wait("d", 5.0)))  # arrived at its router 5 s ago: first
+        await _queued(table, 3)
+        table.release(["a"])
+        await asyncio.gather(*tasks)
+        assert table.free == 1 and table.busy == 0
+        return order
+
+    assert run(main()) == ["d", "b", "c"]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 10), st.floats(0, 0.05)), min_size=2, max_size=20))
+def test_one_routers_requests_keep_their_exact_order_whatever_the_transit(requests: list) -> None:
+    """(gap since the previous request at the router, transit of its lease request): the
+    server grants them in the router's order, whatever the transit of each lease request,
+    though the router's clock is far from the server's."""
+    async def main() -> list[int]:
+        now = [0.0]
+        table = LeaseTable(1, ttl_s=3600, max_queue=64, clock=lambda: now[0])
+        await table.acquire("holding")
+        router_clock, offset = 0.0, 1000.0  # the router's clock runs 1000 s behind the server's
+        tasks = []
+        for i, (gap, transit) in enumerate(requests):
+            router_clock += gap
+            now[0] = router_clock + offset + transit
+            tasks.append(asyncio.create_task(table.acquire(f"r{i}", 3600, "router-1", router_clock, router_clock)))
+            await _queued(table, i + 1)
+        order: list[int] = []
+        table.release(["holding"])
+        for _ in tasks:
+            done, _pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            finished = [t for t in done if tasks.index(t) not in order]
+            assert len(finished) == 1
+            order.append(tasks.index(finished[0]))
+            table.release([f"r{order[-1]}"])
+            await asyncio.sleep(0)
+        return order
+
+    assert run(main()) == list(range(len(requests)))
+
+
+def test_bounded_queue_and_timeout() -> None:
+    async def main() -> None:
+        table = LeaseTable(1, ttl_s=60, max_queue=1)
+        await table.acquire("a")
+        with pytest.raises(LeaseRefused) as now:
+            await table.acquire("b")  # wait_s 0: a free slot now or nothing
+        assert now.value.reason == "timeout"
+        waiter = asyncio.create_task(table.acquire("c", wait_s=0.05))
+        await _queued(table, 1)
+        with pytest.raises(LeaseRefused) as full:
+            await table.acquire("d", wait_s=10)
+        assert full.value.reason == "queue_full"
+        with pytest.raises(LeaseRefused) as late:
+            await waiter
+        assert late.value.reason == "timeout"
+        assert table.queued == 0 and table.refusals == {"timeout": 2, "queue_full": 1}
+        with pytest.raises(LeaseRefused) as dup:
+            await table.acquire("a")
+        assert dup.value.reason == "duplicate"
+
+    run(main())
+
+
+def test_expiry_frees_the_slot_and_its_kv() -> None:
+    async def main() -> None:
+        expired: list[str] = []
+        gone = asyncio.Event()
+
+        def on_expire(lease_id: str) -> None:
+            expired.append(lease_id)
+            table.put(lease_id, "kv")  # what the app does: the receiver frees the handoff
+            gone.set()
+
+        table = LeaseTable(1, ttl_s=0.05, max_queue=4, on_expire=on_expire)
+        await table.acquire("a")
+        assert table.take("a", "kv") == 0  # the KV arrived under the lease
+        waiter = asyncio.create_task(table.acquire("b", wait_s=30))
+        await gone.wait()
+        assert await waiter == 0
+        assert expired == ["a"] and table.expiries == 1
+        assert table.renew(["a", "b"]) == ["a"]
+
+    run(main())
+
+
+def test_renew_and_release() -> None:
+    async def main() -> None:
+        table = LeaseTable(2, ttl_s=60, max_queue=4)
+        await table.acquire("a")
+        assert table.renew(["a", "zz"]) == ["zz"]
+        assert table.release(["a", "a", "zz"]) == 1
+        assert table.free == 2 and table.renew(["a"]) == ["a"]
+
+    run(main())
+
+
+def test_a_job_keeps_its_slot_past_expiry_and_its_end_ends_the_lease() -> None:
+    async def main() -> None:
+        ended = asyncio.Event()
+        table = LeaseTable(1, ttl_s=0.02, max_queue=4, on_expire=lambda _id: ended.set())
+        await table.acquire("a")
+        assert table.take("a", "job") == 0
+        await asyncio.wait_for(ended.wait(), 10)  # the lease ran out (nobody renews it)
+        assert table.busy == 1 and table.holders("a") == {"job"} and table.expiries == 1
+        table.put("a", "job")
+        assert table.free == 1 and table.holders("a") == frozenset()
+
+    run(main())
+
+
+def test_implicit_lease_only_when_nobody_waits() -> None:
+    async def main() -> None:
+        table = LeaseTable(1, ttl_s=60, max_queue=4)
+        assert table.take("x", "kv") == 0  # no lease: a free slot is taken directly
+        assert table.take("y", "kv") is None  # busy
+        waiter = asyncio.create_task(table.acquire("b", wait_s=10))
+        await _queued(table, 1)
+        table.put("x", "kv")  # the implicit lease ends with its last holder
+        assert await waiter == 0
+        table.release(["b"])
+        late = asyncio.create_task(table.acquire("c", wait_s=10))
+        await asyncio.sleep(0)
+        assert await late == 0
+        assert table.take("z", "kv") is None  # c holds the only slot
+
+    run(main())
+
+
+def test_cancelled_waiter_leaves_the_queue() -> None:
+    async def main() -> None:
+        table = LeaseTable(1, ttl_s=60, max_queue=4)
+        await table.acquire("a")
+        waiter = asyncio.create_task(table.acquire("b", wait_s=10))
+        await _queued(table, 1)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert table.queued == 0
+        table.release(["a"])
+        assert table.free == 1
+
+    run(main())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.lists(st.tuples(st.sampled_from(["acquire", "release", "take", "put", "renew"]),
+                                             st.integers(0, 5), st.floats(0, 5)), max_size=40))
+def test_no_slot_is_double_booked_and_waiters_go_in_arrival_order(slots: int, ops: list) -> None:
+    async def main() -> None:
+        table = LeaseTable(slots, ttl_s=3600, max_queue=64)
+        tasks: dict[str, asyncio.Task[int]] = {}
+        for n, (op, key, age) in enumerate(ops):
+            lease_id = f"l{key}"
+            before = {w.lease_id: w.arrived for w in table._queue}
+            if op == "acquire" and lease_id not in tasks and not table.holders(lease_id):
+                tasks[lease_id] = asyncio.create_task(table.acquire(lease_id, wait_s=3600, arrived_at=-age))
+            elif op == "release":
+                table.release([lease_id])
+                tasks.pop(lease_id, None)
+            elif op == "take":
+                table.take(lease_id, "kv")
+            elif op == "put":
+                table.put(lease_id, "kv")
+            elif op == "renew":
+                table.renew([lease_id])
+            for _ in range(3):
+                await asyncio.sleep(0)
+            held = [slot.index for slot in table._held.values()]
+            assert len(held) == len(set(held)), f"step {n}: a slot held twice"
+            assert table.busy + table.free == slots and table.busy == len(held)
+            assert not (table.free and table.queued), f"step {n}: a waiter waits while a slot is free"
+            waiting = {w.lease_id: w.arrived for w in table._queue}
+            granted = [i for i in before if i not in waiting and table.leased(i)]
+            if granted and waiting:
+                assert max(before[i] for i in granted) <= min(waiting.values()), f"step {n}: overtaken"
+        for task in tasks.values():
+            task.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        for lease_id in list(table._held):
+            table.release([lease_id])
+            table.put(lease_id, "kv")
+        assert table.free == slots
+
+    run(main())
