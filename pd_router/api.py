@@ -102,6 +102,10 @@ def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: M
     out["stream"] = False
     out.pop("stream_options", None)
     out.pop("min_tokens", None)
+    # vLLM refuses these with speculative decoding (our prefill's MTP); the decode engine
+    # chooses the first token itself when the request has them (docs/router.md)
+    out.pop("logit_bias", None)
+    out.pop("min_p", None)
     if endpoint is Endpoint.CHAT and "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
         if "max_tokens" in body:

@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from connector.protocol import HandoffResult, HandoffTarget
 from pd_http.logs import bind_request
 from pd_http.tracing import Span, SpanKind, Tracing, fail, span_ids
-from pd_router import upstream
+from pd_router import decode_check, fanout, upstream
 from pd_router.api import (
     VLLM_REMOTE_DECODE_PARAMS,
     ChatCompletionRequest,
@@ -171,7 +171,11 @@ class CompletionHandler:
             body, request = parse_request(endpoint, raw)
             ctx.raw = raw
             watcher = asyncio.get_running_loop().create_task(self._watch(receive, ctx, me))
-            await self._serve(ctx, body, request)
+            n = fanout.choices_wanted(body)
+            if n > 1:
+                await fanout.serve(self, ctx, body, request, n)
+            else:
+                await self._serve(ctx, body, request)
         except RouterError as err:
             await ctx.fail(err)
         except ConnectionResetError:
@@ -268,6 +272,7 @@ class CompletionHandler:
                 param="model",
                 code="model_not_found",
             )
+        decode_view = decode_check.parse_decode_view(ctx.endpoint, body)
         t_start = perf_counter()
         attempt = busy = 0
         failed_over = False
@@ -289,8 +294,14 @@ class CompletionHandler:
                 if span is not None:
                     span.set_attributes({"pd.attempt": attempt, "pd.decode.backend": lease.backend.url})
             state.metrics.queue_wait.observe(perf_counter() - t_queue)
+            refused = decode_check.refusal(decode_view, lease.backend.capabilities)
+            if refused is not None:  # what this decode server would refuse costs no prefill
+                state.pool.release(lease)
+                raise refused
+            extra = decode_check.prefill_fields(decode_view, lease.backend.capabilities)
             try:
-                await self._attempt(ctx, lease, body, request, attempt_handoff_id(ctx.request_id, attempt))
+                await self._attempt(ctx, lease, {**body, **extra} if extra else body, request,
+                                    attempt_handoff_id(ctx.request_id, attempt))
                 return
             except DecodeLegFailed as failed:
                 state.upstream_failed("decode", lease.backend, failed.error, mark_down=True)
@@ -435,6 +446,9 @@ class CompletionHandler:
         if result.handoff_id != handoff_id:
             raise BadUpstream(f"prefill returned handoff {result.handoff_id!r}, expected {handoff_id!r}")
         self.state.pool.served(lease.backend)
+        ids = decode_check.prompt_token_ids(answer)  # there when the prefill leg asked (prefill_fields)
+        if ids is not None:
+            result = result.model_copy(update={"prompt_token_ids": ids})
         if request.wants_logprobs():
             choices = answer.get("choices")
             logprobs = (

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from connector.layout import KVLayout, cpu_mla_layout
+from decode_server.contract import EngineFeatures
 from decode_server.engine.base import (
     Cancelled,
     DecodeSession,
@@ -36,18 +37,20 @@ from decode_server.engine.base import (
 )
 from decode_server.reference.decoder import Decoder
 from decode_server.reference.model import DTYPES, MlaMoeModel, load_model
-from decode_server.reference.sampling import choose, token_out
+from decode_server.reference.sampling import LogitsAdjuster, choose, token_out
 
 if TYPE_CHECKING:
     from connector.protocol import HandoffResult
     from connector.receiver import ReceivedKV
 
+FEATURES = EngineFeatures(logprobs=True, penalties=True, logit_bias=True, min_p=True, seed=True)
 DEFAULT_THREADS = 1  # PyTorch intra-op threads of a process decoding with this engine (see ReferenceEngine)
 
 
 class ReferenceSession(DecodeSession):
     def __init__(self, decoder: Decoder, caches: torch.Tensor, num_prompt_tokens: int, first_token_id: int,
-                 params: SamplingParams, num_mtp: int, capacity: int, release: Callable[[], None]) -> None:
+                 params: SamplingParams, num_mtp: int, capacity: int, release: Callable[[], None],
+                 last_prompt_token_id: int = 0) -> None:
         self._decoder = decoder
         self._caches = list(caches)  # per layer [rows, 576]: main layers, then the MTP layer when drafting
         self._num_main = decoder.cfg.num_hidden_layers
@@ -63,10 +66,28 @@ class ReferenceSession(DecodeSession):
             self._gen.seed()
         else:
             self._gen.manual_seed(params.seed)
+        here = params.first_token_here
+        self._adjust = (LogitsAdjuster(params, decoder.cfg.vocab_size, None if here else first_token_id,
+                                       self._device) if params.adjusts_logits else None)
         super().__init__()
+        if here:
+            self.first_token = self._choose_first(last_prompt_token_id)
+            self._pending = self.first_token.token_id
         self._release = release
         self._closed = False
         self._lock = threading.Lock()
+
+    def _choose_first(self, last_prompt_token_id: int) -> TokenOut:
+        """The first output token chosen here: the last prompt position run again (its KV
+        row rewritten with the same values) for its logits."""
+        with torch.inference_mode():
+            _, logits = self._decoder.forward_main(torch.tensor([last_prompt_token_id], device=self._device),
+                                                   self._len - 1, self._caches[:self._num_main])
+        row = logits[0] if self._adjust is None else self._adjust(logits[0])
+        tok = choose(row, self._params, self._gen)
+        if self._adjust is not None:
+            self._adjust.accept(tok)
+        return token_out(logits[0], tok, self._params)
 
     @property
     def position(self) -> int:
@@ -97,18 +118,28 @@ class ReferenceSession(DecodeSession):
             hidden, logits = self._decoder.forward_main(torch.tensor(tokens, device=self._device), self._len,
                                                         self._caches[:self._num_main])
         self._check()
-        greedy = logits.argmax(-1).tolist() if self._params.greedy else None
         out: list[TokenOut] = []
         accepted = 0
-        for i, draft in enumerate(self._drafts):
-            tok = greedy[i] if greedy is not None else choose(logits[i], self._params, self._gen, draft)
-            out.append(token_out(logits[i], tok, self._params))
-            if tok != draft:
-                break
-            accepted += 1
+        if self._adjust is not None:  # each position's logits depend on the tokens before it
+            for i in range(len(tokens)):
+                draft = self._drafts[i] if i < len(self._drafts) else None
+                tok = choose(self._adjust(logits[i]), self._params, self._gen, draft)
+                self._adjust.accept(tok)
+                out.append(token_out(logits[i], tok, self._params))
+                if tok != draft:
+                    break
+                accepted += 1
         else:
-            tok = greedy[-1] if greedy is not None else choose(logits[-1], self._params, self._gen)
-            out.append(token_out(logits[-1], tok, self._params))
+            greedy = logits.argmax(-1).tolist() if self._params.greedy else None
+            for i, draft in enumerate(self._drafts):
+                tok = greedy[i] if greedy is not None else choose(logits[i], self._params, self._gen, draft)
+                out.append(token_out(logits[i], tok, self._params))
+                if tok != draft:
+                    break
+                accepted += 1
+            else:
+                tok = greedy[-1] if greedy is not None else choose(logits[-1], self._params, self._gen)
+                out.append(token_out(logits[-1], tok, self._params))
         self._stats.steps += 1
         self._stats.drafted += len(self._drafts)
         self._stats.accepted += accepted
@@ -201,7 +232,7 @@ class ReferenceEngine(Engine):
     @property
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(model=self._name, engine="reference", slots=self._slots,
-                                  max_seq_len=self._max_seq_len, num_mtp=self._num_mtp, supports_logprobs=True)
+                                  max_seq_len=self._max_seq_len, num_mtp=self._num_mtp, features=FEATURES)
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -245,7 +276,8 @@ class ReferenceEngine(Engine):
                 for cache, layer in zip(buffer, kv.layers):  # without MTP decoding, a received MTP layer is left out
                     cache[:t] = layer["kv"]
             return ReferenceSession(self._decoder, buffer, t, handoff.first_token_id, params, self._num_mtp,
-                                    capacity, functools.partial(self._release, buffer))
+                                    capacity, functools.partial(self._release, buffer),
+                                    handoff.last_prompt_token_id)
         except BaseException:
             self._release(buffer)
             raise

@@ -18,6 +18,7 @@ from decode_server.contract import (
     CancelRequest,
     CancelResponse,
     DecodeCapabilities,
+    EngineFeatures,
 )
 from pd_router.asgi import Receive, Scope, Send, read_body, respond
 from tests.fakes.fake_common import FakeBase, error_body
@@ -40,6 +41,9 @@ class DecodeKnobs(BaseModel):
     fail_after: int = 2
     release_lag: float = 0.0  # seconds between the end of a sequence and its slot being free again
     busy: bool = False  # answer 429 to every request (slots taken outside the router's count)
+    engine: str = "reference"
+    # what /v1/pd/capabilities advertises (by default what the reference engine does)
+    features: EngineFeatures = EngineFeatures(logprobs=True, penalties=True, logit_bias=True, min_p=True, seed=True)
 
 
 class FakeDecode(FakeBase[DecodeKnobs]):
@@ -69,7 +73,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             caps = DecodeCapabilities(
                 protocol_version=k.protocol_version,
                 model=k.model,
-                engine="reference",
+                engine=k.engine,
                 slots=k.slots,
                 busy_slots=len(self.records.active),
                 max_seq_len=4096,
@@ -77,6 +81,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 kv_endpoint=k.kv_endpoint,
                 layout_fingerprint="fake",
                 peers=k.peers,
+                features=k.features,
             )
             return await respond(send, 200, caps.model_dump_json().encode())
         if path == CANCEL_PATH and not k.plain:
