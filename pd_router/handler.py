@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import re
 import uuid
@@ -31,7 +32,7 @@ from pydantic import ValidationError
 from connector.protocol import HandoffResult, HandoffTarget
 from pd_http.logs import bind_request
 from pd_http.tracing import Span, SpanKind, Tracing, fail, span_ids
-from pd_router import decode_check, fanout, upstream
+from pd_router import decode_check, fanout, responses_api, upstream
 from pd_router.api import (
     VLLM_REMOTE_DECODE_PARAMS,
     ChatCompletionRequest,
@@ -107,6 +108,7 @@ class _Ctx:
     disconnected: bool = False
     cut_off: bool = False  # ended by the router's drain (--drain-timeout passed)
     raw: bytes = b""  # the client's body as received
+    prompt_logprobs: Any = None  # prefill's, for a client that asked (merged into the decode answer)
     span: Span | None = None  # the request's root span (tracing on)
     trace: Context | None = None  # its context: the parent of the stage spans
 
@@ -144,7 +146,9 @@ class CompletionHandler:
         if rid_raw is not None and not _REQUEST_ID.fullmatch(rid_raw):
             raise InvalidRequest("X-Request-Id must be visible ASCII characters (0x21-0x7e)", param="X-Request-Id")
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint,
+                       responses: bool = False) -> None:
+        """``responses``: a ``/v1/responses`` request, served as a chat completion (:mod:`responses_api`)."""
         rid_raw = header(scope, b"x-request-id")
         rid = rid_raw.decode("latin-1")[:256] if rid_raw else uuid.uuid4().hex
         ctx = _Ctx(endpoint, rid, perf_counter(), send)
@@ -168,6 +172,10 @@ class CompletionHandler:
             in_flight.add(rid)
             owned = True
             raw = await read_body(scope, receive, state.settings.max_body_bytes, state.settings.body_timeout)
+            if responses:
+                as_responses = responses_api.parse(raw)
+                raw = json.dumps(as_responses.chat_body()).encode()
+                ctx.send = responses_api.Translator(send, as_responses).send
             body, request = parse_request(endpoint, raw)
             ctx.raw = raw
             watcher = asyncio.get_running_loop().create_task(self._watch(receive, ctx, me))
@@ -366,12 +374,47 @@ class CompletionHandler:
     async def _prefill(
         self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest, handoff_id: str
     ) -> dict[str, Any]:
-        state = self.state
         decode = lease.backend
         if decode.capabilities is None:
             target: Mapping[str, Any] = VLLM_REMOTE_DECODE_PARAMS
         else:
             target = HandoffTarget(handoff_id=handoff_id, kv_endpoint=decode.capabilities.kv_endpoint).model_dump()
+        side: asyncio.Future[dict[str, Any]] | None = None
+        if body.get("prompt_logprobs") is not None:  # asked of a prefill server apart, at the same time
+            side = asyncio.ensure_future(self._prompt_logprobs(ctx, body, request.model))
+            body = {k: v for k, v in body.items() if k != "prompt_logprobs"}
+        try:
+            answer = await self._prefill_leg(ctx, body, request, handoff_id, target)
+            if side is not None:
+                ctx.prompt_logprobs = decode_check.prompt_logprobs_of(await side)
+        finally:
+            if side is not None and not side.done():
+                side.cancel()
+            elif side is not None and not side.cancelled():
+                side.exception()  # retrieved: the PD prefill's own failure is the one raised
+        with self._span(ctx, "handoff") as span:
+            return self._handoff(lease, answer, request, handoff_id, span)
+
+    async def _prompt_logprobs(self, ctx: _Ctx, body: dict[str, Any], model: str) -> dict[str, Any]:
+        """vLLM schedules a request with ``prompt_logprobs`` without asking the KV connector
+        first (it skips the prefix-cache lookup, where the connector holds a request back
+        until its decode server admitted the KV): the prompt's logprobs come from a plain
+        one-token request to a prefill server, run next to the PD prefill."""
+        backend = self.state.backends.pick_prefill(model)
+        if backend is None:
+            raise NoHealthyBackend(f"no healthy prefill server for model {model!r}")
+        backend.in_flight += 1
+        try:
+            return await upstream.prefill(self.state.upstream, backend.target, ctx.endpoint.value,
+                                          decode_check.prompt_logprobs_body(ctx.endpoint, body),
+                                          f"{ctx.request_id[:240]}~plp", self.state.settings.prefill_timeout)
+        finally:
+            backend.in_flight -= 1
+
+    async def _prefill_leg(
+        self, ctx: _Ctx, body: dict[str, Any], request: OpenAIRequest, handoff_id: str, target: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        state = self.state
         data = prefill_body(ctx.endpoint, body, target)
         t0 = perf_counter()
         failed: upstream.Unreachable | None = None
@@ -406,8 +449,7 @@ class CompletionHandler:
                 finally:
                     backend.in_flight -= 1
         state.metrics.prefill_latency.observe(perf_counter() - t0)
-        with self._span(ctx, "handoff") as span:
-            return self._handoff(lease, answer, request, handoff_id, span)
+        return answer
 
     def _handoff(
         self, lease: Lease, answer: dict[str, Any], request: OpenAIRequest, handoff_id: str,
@@ -497,6 +539,8 @@ class CompletionHandler:
                 data = await resp.read()
             except UpstreamError as exc:  # nothing reached the client: the caller may fail over
                 raise self._mid_answer_error(backend, exc) from None
+            if ctx.prompt_logprobs is not None or body.get("echo"):
+                data = decode_check.merged(ctx.endpoint, data, body, ctx.prompt_logprobs)
             ctx.status, ctx.finished = 200, True
             state.metrics.child(state.metrics.ttft, ctx.endpoint.label).observe(perf_counter() - ctx.start)
             await respond(

@@ -166,3 +166,105 @@ def test_n3_through_the_router(pd_stack):
     assert usage is not None and greedy.usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens) == (greedy.usage.prompt_tokens, 24)
 
+
+# ---- /tokenize and /detokenize: vLLM's routes, answered by the prefill server ----
+
+
+def test_tokenize_and_detokenize_as_vllm_alone(pd_stack, vllm_alone):
+    router = pd_stack.config.router_url
+    bodies = [("/tokenize", {"model": MODEL_NAME, "prompt": "The quick brown fox"}),
+              ("/tokenize", {"model": MODEL_NAME, "messages": SAMPLING_MESSAGES, "add_generation_prompt": True}),
+              ("/tokenize", {"prompt": "no model named"})]
+    for path, body in bodies:
+        pd = httpx.post(router + path, json=body, timeout=30)
+        alone = httpx.post(vllm_alone + path, json=body, timeout=30)
+        assert pd.status_code == alone.status_code == 200, (pd.text, alone.text)
+        assert pd.json() == alone.json()
+        assert pd.json()["count"] == len(pd.json()["tokens"]) > 0
+    tokens = httpx.post(router + "/tokenize", json=bodies[0][1], timeout=30).json()["tokens"]
+    back = httpx.post(router + "/detokenize", json={"model": MODEL_NAME, "tokens": tokens}, timeout=30)
+    assert back.status_code == 200 and back.json()["prompt"].endswith("The quick brown fox"), back.text
+    unknown = httpx.post(router + "/tokenize", json={"model": "nope", "prompt": "x"}, timeout=30)
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+    bad = httpx.post(router + "/detokenize", json={"model": MODEL_NAME, "tokens": "x"}, timeout=30)
+    assert bad.status_code == httpx.post(vllm_alone + "/detokenize", json={"model": MODEL_NAME, "tokens": "x"},
+                                         timeout=30).status_code == 400
+
+
+# ---- prompt_logprobs (vLLM's extension): computed by prefill, merged by the router ----
+
+
+def _assert_same_prompt_logprobs(pd: list, alone: list) -> None:
+    assert len(pd) == len(alone) > 1 and pd[0] is None and alone[0] is None
+    for a, b in zip(pd[1:], alone[1:]):
+        assert set(a) == set(b)
+        for token in a:
+            assert a[token]["rank"] == b[token]["rank"] and a[token]["decoded_token"] == b[token]["decoded_token"]
+            assert abs(a[token]["logprob"] - b[token]["logprob"]) < 1e-4
+
+
+def test_prompt_logprobs_equal_vllm_alones(pd_stack, vllm_alone):
+    router = pd_stack.config.router_url
+    completion = {**COMPLETION, "temperature": 0.0, "prompt_logprobs": 2}
+    pd = httpx.post(router + "/v1/completions", json=completion, timeout=120)
+    alone = httpx.post(vllm_alone + "/v1/completions", json=completion, timeout=120)
+    assert pd.status_code == alone.status_code == 200, (pd.text, alone.text)
+    _assert_same_prompt_logprobs(pd.json()["choices"][0]["prompt_logprobs"],
+                                 alone.json()["choices"][0]["prompt_logprobs"])
+    assert pd.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    chat = {**CHAT, "temperature": 0.0, "prompt_logprobs": 1}
+    pd_sdk = _sdk(router).chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"], max_tokens=8,
+                                                  temperature=0.0, extra_body={"prompt_logprobs": 1})
+    alone = httpx.post(vllm_alone + "/v1/chat/completions", json=chat, timeout=120)
+    assert alone.status_code == 200, alone.text
+    _assert_same_prompt_logprobs(pd_sdk.model_extra["prompt_logprobs"], alone.json()["prompt_logprobs"])
+    streamed = httpx.post(router + "/v1/completions", json={**completion, "stream": True}, timeout=60)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+# ---- /v1/responses: the non-stateful text subset, mapped onto chat completions ----
+
+
+def test_responses_api_with_the_sdk(pd_stack):
+    client = _sdk(pd_stack.config.router_url)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=SAMPLING_MESSAGES, max_tokens=8,
+                                          temperature=0.0)
+    out = client.responses.create(model=MODEL_NAME, input=SAMPLING_MESSAGES[0]["content"], max_output_tokens=8,
+                                  temperature=0.0)
+    assert out.object == "response" and out.output_text == chat.choices[0].message.content
+    assert out.usage is not None and chat.usage is not None
+    assert (out.usage.input_tokens, out.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                 chat.usage.completion_tokens)
+    assert out.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    with_instructions = client.responses.create(
+        model=MODEL_NAME, instructions="Be brief.", max_output_tokens=8, temperature=0.0,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": SAMPLING_MESSAGES[0]["content"]}]}])
+    chat2 = client.chat.completions.create(model=MODEL_NAME, max_tokens=8, temperature=0.0,
+                                           messages=[{"role": "system", "content": "Be brief."}, *SAMPLING_MESSAGES])
+    assert with_instructions.output_text == chat2.choices[0].message.content
+    events = list(client.responses.create(model=MODEL_NAME, input=SAMPLING_MESSAGES[0]["content"],
+                                          max_output_tokens=8, temperature=0.0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == out.output_text == events[-1].response.output_text
+    assert events[-1].response.usage is not None and events[-1].response.usage.output_tokens == 8
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL_NAME, input="x", previous_response_id="resp_1")
+    assert err.value.body["param"] == "previous_response_id"
+
+
+def test_echo_equals_vllm_alones(pd_stack, vllm_alone):
+    body = {**COMPLETION, "temperature": 0.0, "echo": True}
+    pd = _sdk(pd_stack.config.router_url).completions.create(**body)
+    alone = _sdk(vllm_alone).completions.create(**body)
+    assert pd.choices[0].text == alone.choices[0].text
+    assert pd.choices[0].text.startswith(COMPLETION["prompt"]) and len(pd.choices[0].text) > len(COMPLETION["prompt"])
+    refused = httpx.post(pd_stack.config.router_url + "/v1/completions", json={**body, "logprobs": 1}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
