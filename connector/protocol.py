@@ -73,6 +73,9 @@ class HandoffResult(BaseModel):
     # choices[0].logprobs of the prefill response, verbatim (chat or completions
     # shape), for the first generated token; set by the router, None otherwise.
     prefill_logprobs: dict[str, Any] | None = None
+    # The prompt's token ids (prefill's answer to return_token_ids), for a decode engine that
+    # needs them (repetition_penalty counts prompt tokens); set by the router, None otherwise.
+    prompt_token_ids: list[int] | None = None
 
 
 # --------------------------------------------------------------------------------------

@@ -30,6 +30,42 @@ CANCEL_PATH = "/v1/pd/cancel"
 REQUEST_ID_HEADER = "X-Request-Id"
 
 
+class EngineFeatures(BaseModel):
+    """What a decode engine honours beyond temperature / top-p / top-k sampling, as its
+    decode server advertises it (``DecodeCapabilities.features``). One flag per request
+    feature; a request needing one that is false is refused with a 400 by
+    :func:`decode_server.request_check.unsupported`, in the router before prefill and in
+    the decode server itself. A new feature is a new flag, false by default (so an older
+    server that does not send it is taken not to support it)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    logprobs: bool = Field(default=False, description="per-token logprobs (logprobs / top_logprobs)")
+    penalties: bool = Field(default=False, description="presence_penalty, frequency_penalty, repetition_penalty")
+    logit_bias: bool = False
+    min_p: bool = False
+    seed: bool = Field(default=False, description="a per-request seed (reproducible sampling); without it a "
+                       "seed is accepted only for greedy requests, where it changes nothing")
+    structured_output: bool = Field(default=False, description="grammar-constrained decoding: response_format "
+                                    "json_object / json_schema, tool_choice required or a named function")
+
+
+class SamplingDefaults(BaseModel):
+    """The checkpoint's ``generation_config.json`` sampling defaults the decode server applies
+    to a field the request leaves unset (as vLLM's ``--generation-config auto`` does); None:
+    the request's value or vLLM's neutral one."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
 class DecodeCapabilities(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -42,13 +78,13 @@ class DecodeCapabilities(BaseModel):
                                "complete or being injected)")
     max_seq_len: int = Field(ge=1)
     num_mtp: int = Field(ge=0)
-    structured_output: bool = Field(default=False, description="grammar-constrained decoding: response_format "
-                                    "json_object/json_schema, tool_choice required/named (pd_grammar)")
     kv_endpoint: str = Field(description="host:port of the KV control endpoint (HandoffTarget.kv_endpoint)")
     layout_fingerprint: str
     peers: list[PeerStatus] = Field(default_factory=list)
     lease_ttl_s: float | None = Field(default=None, description="the server grants slot leases (LEASE_PATH) "
                                       "lasting this long unless renewed; None: it does not (count slots locally)")
+    features: EngineFeatures = Field(default_factory=EngineFeatures)
+    sampling_defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
 
 
 class CancelRequest(BaseModel):

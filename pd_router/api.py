@@ -63,8 +63,8 @@ _MODELS: Mapping[Endpoint, type[ChatCompletionRequest] | type[CompletionRequest]
 )
 
 
-def parse_request(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], OpenAIRequest]:
-    """The body as a dict (what is forwarded) and its validated view; 400 otherwise."""
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body that must be a JSON object; 400 otherwise."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -73,6 +73,12 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], OpenA
         raise InvalidRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def parse_request(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], OpenAIRequest]:
+    """The body as a dict (what is forwarded) and its validated view; 400 otherwise."""
+    body = json_object(raw)
     try:
         request = _MODELS[endpoint].model_validate(body)
     except ValidationError as exc:
@@ -115,6 +121,11 @@ def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: M
     out["stream"] = False
     out.pop("stream_options", None)
     out.pop("min_tokens", None)
+    # vLLM refuses these with speculative decoding (our prefill's MTP); the decode engine
+    # chooses the first token itself when the request has them (docs/router.md)
+    out.pop("logit_bias", None)
+    out.pop("min_p", None)
+    out.pop("echo", None)  # the router echoes the prompt itself (ROUTER_FIELDS)
     if endpoint is Endpoint.CHAT and "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
         if "max_tokens" in body:
@@ -127,8 +138,13 @@ def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: M
     return json.dumps(out).encode()
 
 
+# Fields the router serves itself from the prefill answer: never sent to the decode server.
+ROUTER_FIELDS = ("prompt_logprobs", "echo")
+
+
 def decode_body(raw: bytes, body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> bytes:
-    """The decode leg's body: the client's original body plus ``kv_transfer_params``.
+    """The decode leg's body: the client's original body plus ``kv_transfer_params``, less
+    :data:`ROUTER_FIELDS`.
 
     ``raw`` is the client's JSON text of ``body``. When it is a plain UTF-8 object without
     ``kv_transfer_params``, the field is appended to the text as it is (no re-encoding of
@@ -136,6 +152,7 @@ def decode_body(raw: bytes, body: dict[str, Any], kv_transfer_params: dict[str, 
     text = raw.strip()
     if (
         "kv_transfer_params" not in body
+        and not any(name in body for name in ROUTER_FIELDS)
         and text[:1] == b"{"
         and text[-1:] == b"}"
         and b"\x00" not in text[:4]
@@ -143,6 +160,6 @@ def decode_body(raw: bytes, body: dict[str, Any], kv_transfer_params: dict[str, 
         head = text[:-1].rstrip()
         comma = b"" if head == b"{" else b","
         return head + comma + b' "kv_transfer_params": ' + json.dumps(kv_transfer_params).encode() + b"}"
-    out = dict(body)
+    out = {k: v for k, v in body.items() if k not in ROUTER_FIELDS}
     out["kv_transfer_params"] = kv_transfer_params
     return json.dumps(out).encode()

@@ -2,13 +2,16 @@
 
 Two layers: the completion routes (``POST /v1/completions``, ``POST
 /v1/chat/completions``) go straight to the raw :class:`~pd_router.handler.CompletionHandler`
-(the hot path, no framework); everything else (``/health``, ``/ready``, ``/metrics``,
-``/v1/models``, lifespan, unknown paths) goes to a small FastAPI app.
+(the hot path, no framework), and so does ``POST /v1/responses`` (as a chat completion,
+:mod:`~pd_router.responses_api`); everything else (``/health``, ``/ready``, ``/metrics``,
+``/v1/models``, ``/tokenize``, ``/detokenize``, lifespan, unknown paths) goes to a small
+FastAPI app.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import MappingProxyType
@@ -19,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pd_router import tokens
 from pd_router.admin import add_admin_routes
 from pd_router.api import Endpoint
 from pd_router.asgi import Receive, Scope, Send
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
     from pd_settings.servers import Resolver
 
 _ROUTES = MappingProxyType({e.value: e for e in Endpoint})
+RESPONSES_PATH = "/v1/responses"
 
 
 def _error_response(err: RouterError) -> Response:
@@ -107,6 +112,16 @@ def _control_app(state: RouterState) -> FastAPI:
                                for m in sorted(state.backends.prefill_models())])
 
     add_admin_routes(app, state.settings, state.discovery)
+
+    async def tokens_route(request: Request) -> Response:
+        if expected is not None and not hmac.compare_digest(request.headers.get("authorization", ""), expected):
+            raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
+        answer = await tokens.forward(state, request.url.path, await request.body())
+        return Response(json.dumps(answer), media_type="application/json")
+
+    for path in tokens.PATHS:  # vLLM's /tokenize and /detokenize, answered by a prefill server
+        app.add_api_route(path, tokens_route, methods=["POST"])
+
     for path in _ROUTES:  # so that GET on a completion route answers 405, not 404
         app.add_api_route(path, _method_not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"])
     return app
@@ -127,9 +142,12 @@ class RouterApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = _ROUTES.get(scope["path"].rstrip("/") or "/")
+            path = scope["path"].rstrip("/") or "/"
+            endpoint = _ROUTES.get(path)
             if endpoint is not None:
                 return await self.completions(scope, receive, send, endpoint)
+            if path == RESPONSES_PATH:  # mapped onto chat completions (responses_api)
+                return await self.completions(scope, receive, send, Endpoint.CHAT, responses=True)
         await self.control(scope, receive, send)
 
 

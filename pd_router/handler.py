@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import re
 import uuid
@@ -33,7 +34,7 @@ from connector.protocol import HandoffResult, HandoffTarget
 from pd_grammar.spec import GrammarSpec, asks_for_grammar
 from pd_http.logs import bind_request
 from pd_http.tracing import Span, SpanKind, Tracing, fail, span_ids
-from pd_router import upstream
+from pd_router import decode_check, fanout, responses_api, upstream
 from pd_router.api import (
     VLLM_REMOTE_DECODE_PARAMS,
     ChatCompletionRequest,
@@ -111,6 +112,7 @@ class _Ctx:
     disconnected: bool = False
     cut_off: bool = False  # ended by the router's drain (--drain-timeout passed)
     raw: bytes = b""  # the client's body as received
+    prompt_logprobs: Any = None  # prefill's, for a client that asked (merged into the decode answer)
     span: Span | None = None  # the request's root span (tracing on)
     trace: Context | None = None  # its context: the parent of the stage spans
 
@@ -148,7 +150,9 @@ class CompletionHandler:
         if rid_raw is not None and not _REQUEST_ID.fullmatch(rid_raw):
             raise InvalidRequest("X-Request-Id must be visible ASCII characters (0x21-0x7e)", param="X-Request-Id")
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint,
+                       responses: bool = False) -> None:
+        """``responses``: a ``/v1/responses`` request, served as a chat completion (:mod:`responses_api`)."""
         rid_raw = header(scope, b"x-request-id")
         rid = rid_raw.decode("latin-1")[:256] if rid_raw else uuid.uuid4().hex
         ctx = _Ctx(endpoint, rid, perf_counter(), send)
@@ -172,10 +176,18 @@ class CompletionHandler:
             in_flight.add(rid)
             owned = True
             raw = await read_body(scope, receive, state.settings.max_body_bytes, state.settings.body_timeout)
+            if responses:
+                as_responses = responses_api.parse(raw)
+                raw = json.dumps(as_responses.chat_body()).encode()
+                ctx.send = responses_api.Translator(send, as_responses).send
             body, request = parse_request(endpoint, raw)
             ctx.raw = raw
             watcher = asyncio.get_running_loop().create_task(self._watch(receive, ctx, me))
-            await self._serve(ctx, body, request)
+            n = fanout.choices_wanted(body)
+            if n > 1:
+                await fanout.serve(self, ctx, body, request, n)
+            else:
+                await self._serve(ctx, body, request)
         except RouterError as err:
             await ctx.fail(err)
         except ConnectionResetError:
@@ -278,6 +290,7 @@ class CompletionHandler:
                 code="model_not_found",
             )
         ctx.model = request.model
+        decode_view = decode_check.parse_decode_view(ctx.endpoint, body)
         t_start = perf_counter()
         attempt = busy = 0
         failed_over = False
@@ -301,8 +314,14 @@ class CompletionHandler:
                 if span is not None:
                     span.set_attributes({"pd.attempt": attempt, "pd.decode.backend": lease.backend.url})
             state.metrics.queue_wait.observe(perf_counter() - t_queue)
+            refused = decode_check.refusal(decode_view, lease.backend.capabilities)
+            if refused is not None:  # what this decode server would refuse costs no prefill
+                state.pool.release(lease)
+                raise refused
+            extra = decode_check.prefill_fields(decode_view, lease.backend.capabilities)
             try:
-                await self._attempt(ctx, lease, body, request, attempt_handoff_id(ctx.request_id, attempt), grammar)
+                await self._attempt(ctx, lease, {**body, **extra} if extra else body, request,
+                                    attempt_handoff_id(ctx.request_id, attempt), grammar)
                 return
             except DecodeLegFailed as failed:
                 state.upstream_failed("decode", lease.backend, failed.error, mark_down=True)
@@ -369,12 +388,51 @@ class CompletionHandler:
         self, ctx: _Ctx, lease: Lease, body: dict[str, Any], request: OpenAIRequest, handoff_id: str,
         grammar: GrammarSpec | None = None,
     ) -> dict[str, Any]:
-        state = self.state
         decode = lease.backend
         if decode.capabilities is None:
             target: Mapping[str, Any] = VLLM_REMOTE_DECODE_PARAMS
         else:
             target = HandoffTarget(handoff_id=handoff_id, kv_endpoint=decode.capabilities.kv_endpoint).model_dump()
+        side: asyncio.Future[dict[str, Any]] | None = None
+        if body.get("prompt_logprobs") is not None:  # asked of a prefill server apart, at the same time
+            side = asyncio.ensure_future(self._prompt_logprobs(ctx, body, request.model))
+            body = {k: v for k, v in body.items() if k != "prompt_logprobs"}
+        try:
+            answer = await self._prefill_leg(ctx, body, request, handoff_id, target, grammar)
+            if side is not None:
+                ctx.prompt_logprobs = decode_check.prompt_logprobs_of(await side)
+        finally:
+            if side is not None and not side.done():
+                side.cancel()
+            elif side is not None and not side.cancelled():
+                side.exception()  # retrieved: the PD prefill's own failure is the one raised
+        with self._span(ctx, "handoff") as span:
+            params = self._handoff(lease, answer, request, handoff_id, span)
+        tokens = params.get("num_prompt_tokens")
+        ctx.prompt_tokens = tokens if isinstance(tokens, int) else 0
+        return params
+
+    async def _prompt_logprobs(self, ctx: _Ctx, body: dict[str, Any], model: str) -> dict[str, Any]:
+        """vLLM schedules a request with ``prompt_logprobs`` without asking the KV connector
+        first (it skips the prefix-cache lookup, where the connector holds a request back
+        until its decode server admitted the KV): the prompt's logprobs come from a plain
+        one-token request to a prefill server, run next to the PD prefill."""
+        backend = self.state.backends.pick_prefill(model)
+        if backend is None:
+            raise NoHealthyBackend(f"no healthy prefill server for model {model!r}")
+        backend.sent()
+        try:
+            return await upstream.prefill(self.state.upstream, backend.target, ctx.endpoint.value,
+                                          decode_check.prompt_logprobs_body(ctx.endpoint, body),
+                                          f"{ctx.request_id[:240]}~plp", self.state.settings.prefill_timeout)
+        finally:
+            backend.in_flight -= 1
+
+    async def _prefill_leg(
+        self, ctx: _Ctx, body: dict[str, Any], request: OpenAIRequest, handoff_id: str, target: Mapping[str, Any],
+        grammar: GrammarSpec | None,
+    ) -> dict[str, Any]:
+        state = self.state
         data = prefill_body(ctx.endpoint, body, target, grammar)
         t0 = perf_counter()
         failed: upstream.Unreachable | None = None
@@ -409,11 +467,7 @@ class CompletionHandler:
                 finally:
                     backend.in_flight -= 1
         state.metrics.prefill_latency.observe(perf_counter() - t0)
-        with self._span(ctx, "handoff") as span:
-            params = self._handoff(lease, answer, request, handoff_id, span)
-        tokens = params.get("num_prompt_tokens")
-        ctx.prompt_tokens = tokens if isinstance(tokens, int) else 0
-        return params
+        return answer
 
     def _handoff(
         self, lease: Lease, answer: dict[str, Any], request: OpenAIRequest, handoff_id: str,
@@ -452,6 +506,9 @@ class CompletionHandler:
         if result.handoff_id != handoff_id:
             raise BadUpstream(f"prefill returned handoff {result.handoff_id!r}, expected {handoff_id!r}")
         self.state.pool.served(lease.backend)
+        ids = decode_check.prompt_token_ids(answer)  # there when the prefill leg asked (prefill_fields)
+        if ids is not None:
+            result = result.model_copy(update={"prompt_token_ids": ids})
         if request.wants_logprobs():
             choices = answer.get("choices")
             logprobs = (
@@ -488,6 +545,8 @@ class CompletionHandler:
                 data = await resp.read()
             except UpstreamError as exc:  # nothing reached the client: the caller may fail over
                 raise self._mid_answer_error(backend, exc) from None
+            if ctx.prompt_logprobs is not None or body.get("echo"):
+                data = decode_check.merged(ctx.endpoint, data, body, ctx.prompt_logprobs)
             ctx.status, ctx.finished = 200, True
             state.metrics.child(state.metrics.ttft, ctx.endpoint.label, ctx.model).observe(perf_counter() - ctx.start)
             await respond(

@@ -28,6 +28,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from decode_server.contract import EngineFeatures
+
 if TYPE_CHECKING:
     from connector.layout import KVLayout
     from connector.protocol import HandoffResult
@@ -57,10 +59,33 @@ class SamplingParams:
     # structured output: this request's grammar matcher (decode_server.engine.grammar.GrammarMatcher,
     # at the grammar's start), or None; see decode_server/engine/grammar.py
     grammar: Any = field(default=None, compare=False, repr=False)
+    min_p: float = 0.0  # 0: off
+    # vLLM's semantics: presence/frequency over the generated tokens (the first one, which
+    # prefill sampled, included), repetition over the prompt's and the generated tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    prompt_token_ids: tuple[int, ...] = ()  # needed when repetition_penalty != 1
     greedy: bool = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "greedy", self.temperature < GREEDY_BELOW_TEMPERATURE)
+
+    @property
+    def first_token_here(self) -> bool:
+        """vLLM refuses ``logit_bias`` and ``min_p`` with speculative decoding, which our
+        prefill always runs (MTP): the router leaves them out of the prefill leg, and the
+        engine chooses the first token itself, from the last prompt position
+        (:attr:`DecodeSession.first_token`)."""
+        return bool(self.logit_bias) or self.min_p > 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before the choice (bias or penalties): then each
+        position's choice depends on the tokens before it."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
+            or self.repetition_penalty != 1.0
 
 
 @dataclass(frozen=True)
@@ -77,8 +102,7 @@ class EngineCapabilities:
     slots: int
     max_seq_len: int
     num_mtp: int
-    supports_logprobs: bool
-    structured_output: bool = False  # grammar-constrained decoding (SamplingParams.grammar)
+    features: EngineFeatures  # what the decode server advertises and checks requests against
 
 
 @dataclass
@@ -101,6 +125,9 @@ class DecodeSession(ABC):
     def __init__(self) -> None:
         self._cancel = threading.Event()
         self._stats = SpecStats()
+        # the first output token when the engine chose it (SamplingParams.first_token_here);
+        # None: prefill's (handoff.first_token_id), which the server emits
+        self.first_token: TokenOut | None = None
 
     @abstractmethod
     def step(self) -> list[TokenOut]: ...

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from connector.layout import KVLayout, cpu_mla_layout
+from decode_server.contract import EngineFeatures
 from decode_server.engine.base import (
     Cancelled,
     DecodeSession,
@@ -37,18 +38,21 @@ from decode_server.engine.base import (
 from decode_server.engine.grammar import Constraint
 from decode_server.reference.decoder import Decoder
 from decode_server.reference.model import DTYPES, MlaMoeModel, load_model
-from decode_server.reference.sampling import choose, token_out
+from decode_server.reference.sampling import LogitsAdjuster, choose, token_out
 
 if TYPE_CHECKING:
     from connector.protocol import HandoffResult
     from connector.receiver import ReceivedKV
 
+FEATURES = EngineFeatures(logprobs=True, penalties=True, logit_bias=True, min_p=True, seed=True,
+                          structured_output=True)
 DEFAULT_THREADS = 1  # PyTorch intra-op threads of a process decoding with this engine (see ReferenceEngine)
 
 
 class ReferenceSession(DecodeSession):
     def __init__(self, decoder: Decoder, caches: torch.Tensor, num_prompt_tokens: int, first_token_id: int,
-                 params: SamplingParams, num_mtp: int, capacity: int, release: Callable[[], None]) -> None:
+                 params: SamplingParams, num_mtp: int, capacity: int, release: Callable[[], None],
+                 last_prompt_token_id: int = 0) -> None:
         self._decoder = decoder
         self._caches = list(caches)  # per layer [rows, 576]: main layers, then the MTP layer when drafting
         self._num_main = decoder.cfg.num_hidden_layers
@@ -64,14 +68,35 @@ class ReferenceSession(DecodeSession):
             self._gen.seed()
         else:
             self._gen.manual_seed(params.seed)
+        here = params.first_token_here
+        self._adjust = (LogitsAdjuster(params, decoder.cfg.vocab_size, None if here else first_token_id,
+                                       self._device) if params.adjusts_logits else None)
         super().__init__()
-        self._release = release
-        self._closed = False
-        self._lock = threading.Lock()
         self._grammar: Constraint | None = None
         if params.grammar is not None:  # structured output: the masks of a step's 1 + num_mtp rows
             self._grammar = Constraint(params.grammar, decoder.cfg.vocab_size, 1 + num_mtp)
-            self._grammar.accept_first(first_token_id)
+        if here:
+            self.first_token = self._choose_first(last_prompt_token_id)
+            self._pending = self.first_token.token_id
+        if self._grammar is not None:
+            self._grammar.accept_first(self._pending)
+        self._release = release
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def _choose_first(self, last_prompt_token_id: int) -> TokenOut:
+        """The first output token chosen here: the last prompt position run again (its KV
+        row rewritten with the same values) for its logits."""
+        with torch.inference_mode():
+            _, logits = self._decoder.forward_main(torch.tensor([last_prompt_token_id], device=self._device),
+                                                   self._len - 1, self._caches[:self._num_main])
+        row = logits[0] if self._adjust is None else self._adjust(logits[0])
+        if self._grammar is not None and self._grammar.active:
+            row = self._grammar.constrain(row, self._grammar.step_masks([])[0])
+        tok = choose(row, self._params, self._gen)
+        if self._adjust is not None:
+            self._adjust.accept(tok)
+        return token_out(logits[0], tok, self._params)
 
     @property
     def position(self) -> int:
@@ -102,8 +127,8 @@ class ReferenceSession(DecodeSession):
             hidden, logits = self._decoder.forward_main(torch.tensor(tokens, device=self._device), self._len,
                                                         self._caches[:self._num_main])
         self._check()
-        if self._grammar is not None and self._grammar.active:
-            out, accepted = self._choose_constrained(logits, self._grammar)
+        if (self._grammar is not None and self._grammar.active) or self._adjust is not None:
+            out, accepted = self._choose_each(logits, self._grammar)
         else:
             out, accepted = self._choose(logits)
         self._stats.steps += 1
@@ -116,19 +141,25 @@ class ReferenceSession(DecodeSession):
         self._len, self._pending = new_len, out[-1].token_id
         return out
 
-    def _choose_constrained(self, logits: torch.Tensor, grammar: Constraint) -> tuple[list[TokenOut], int]:
-        """The tokens of one step under the grammar: each row chosen from its masked logits
-        (a draft the grammar rejects cannot be chosen: rejected), the matcher advanced with
-        each emitted token; logprobs stay raw, as vLLM reports them."""
-        masks = grammar.step_masks(self._drafts)
+    def _choose_each(self, logits: torch.Tensor, grammar: Constraint | None) -> tuple[list[TokenOut], int]:
+        """The tokens of one step, position by position, when a position's logits depend on
+        the tokens emitted before it: the penalties and logit_bias (``self._adjust``), the
+        grammar's mask (a draft the grammar rejects cannot be chosen: rejected). Logprobs
+        stay raw, as vLLM reports them."""
+        masks = grammar.step_masks(self._drafts) if grammar is not None and grammar.active else None
         out: list[TokenOut] = []
         accepted = 0
         for i in range(len(self._drafts) + 1):
             draft = self._drafts[i] if i < len(self._drafts) else None
-            row = grammar.constrain(logits[i], masks[i]) if grammar.active else logits[i]
-            tok = int(row.argmax()) if self._params.greedy else choose(row, self._params, self._gen, draft)
+            row = logits[i] if self._adjust is None else self._adjust(logits[i])
+            if masks is not None and grammar is not None and grammar.active:
+                row = grammar.constrain(row, masks[i])
+            tok = choose(row, self._params, self._gen, draft)
+            if self._adjust is not None:
+                self._adjust.accept(tok)
+            if grammar is not None:
+                grammar.accept(tok)
             out.append(token_out(logits[i], tok, self._params))
-            grammar.accept(tok)
             if tok != draft:
                 break
             accepted += 1
@@ -231,8 +262,7 @@ class ReferenceEngine(Engine):
     @property
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(model=self._name, engine="reference", slots=self._slots,
-                                  max_seq_len=self._max_seq_len, num_mtp=self._num_mtp, supports_logprobs=True,
-                                  structured_output=True)
+                                  max_seq_len=self._max_seq_len, num_mtp=self._num_mtp, features=FEATURES)
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -276,7 +306,8 @@ class ReferenceEngine(Engine):
                 for cache, layer in zip(buffer, kv.layers):  # without MTP decoding, a received MTP layer is left out
                     cache[:t] = layer["kv"]
             return ReferenceSession(self._decoder, buffer, t, handoff.first_token_id, params, self._num_mtp,
-                                    capacity, functools.partial(self._release, buffer))
+                                    capacity, functools.partial(self._release, buffer),
+                                    handoff.last_prompt_token_id)
         except BaseException:
             self._release(buffer)
             raise

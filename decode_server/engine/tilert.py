@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from connector.layout import GLM5_MAIN_LAYERS, KVLayout, glm5_fp8_ds_mla_layout
+from decode_server.contract import EngineFeatures
 from decode_server.engine.base import (
     Cancelled,
     DecodeSession,
@@ -56,6 +57,11 @@ if TYPE_CHECKING:
 TILERT_NUM_MTP = 3  # TileRT's GLM-5 MTP verifies 3 drafts per step (--num-mtp 3, or 0: no MTP)
 TOP_K_POOL = 256  # TileRT's sampling kernel: top-k over at most 256 candidates; 256 means off
 GLM5_VOCAB_SIZE = 154880  # GLM-5's vocabulary (config.json's vocab_size wins)
+# What TileRT's GLM-5 decode runtime honours besides temperature / top-p / top-k: nothing
+# (its own PD stack refuses penalties, min_p, logit_bias and a per-request seed for this
+# model; the adapter does not return logprobs); structured output when TileRT's decode layer
+# takes a grammar bitmask (TileRTEngine.capabilities). The router refuses the rest before prefill.
+FEATURES = EngineFeatures()
 TILERT_VERSION = "0.1.6.post3"  # the TileRT release this adapter was written and oracle-tested against
 MISSING_TILERT = (f"the tilert engine needs the `tilert` package (PyPI tilert=={TILERT_VERSION}: Python 3.12, CUDA 13, "
                   "NVIDIA B200/B300), i.e. the TileRT decode image or `pip install 'tilert-pd[tilert]'`; "
@@ -230,8 +236,9 @@ class TileRTEngine(Engine):
     @property
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(model=self.model_dir.name, engine="tilert", slots=1, max_seq_len=self._max_seq_len,
-                                  num_mtp=self.num_mtp, supports_logprobs=False,
-                                  structured_output=hasattr(self.generator.decode_layer, "update_grammar_bitmask"))
+                                  num_mtp=self.num_mtp, features=FEATURES.model_copy(update={
+                                      "structured_output": hasattr(self.generator.decode_layer,
+                                                                   "update_grammar_bitmask")}))
 
     @property
     def kv_layout(self) -> KVLayout:

@@ -1,7 +1,15 @@
-"""Token choice for the reference engine: greedy, or temperature/top-k/top-p sampling with
-speculative verification (drafts are greedy MTP proposals, i.e. one-hot draft
+"""Token choice for the reference engine: greedy, or temperature/min-p/top-k/top-p sampling
+with speculative verification (drafts are greedy MTP proposals, i.e. one-hot draft
 distributions, so rejection sampling reduces to: accept draft ``d`` with probability
-``p(d)``, else sample from ``p`` with ``d`` removed; the output distribution is ``p``)."""
+``p(d)``, else sample from ``p`` with ``d`` removed; the output distribution is ``p``).
+
+Before the choice, in vLLM's order (its sampler): logit bias, then the repetition penalty
+(tokens of the prompt or the output: a positive logit divided by it, a negative one
+multiplied), then the frequency (times the token's count in the output) and presence
+(once if in the output) penalties; greedy is the argmax of the result; sampling then
+divides by the temperature, drops tokens below ``min_p`` times the best one's probability,
+then applies top-k and top-p. Logprobs are of the raw logits, as vLLM reports them by
+default (``raw_logprobs``)."""
 
 from __future__ import annotations
 
@@ -10,9 +18,53 @@ import torch
 from decode_server.engine.base import SamplingParams, TokenOut
 
 
+class LogitsAdjuster:
+    """One sequence's logit bias and penalties: the output counts so far (``accept`` each
+    emitted token, the first one prefill sampled included) and the prompt's token set."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int, first_token_id: int | None,
+                 device: torch.device) -> None:
+        self._params = params
+        self._bias: torch.Tensor | None = None
+        if params.logit_bias:
+            ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=device)
+            values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
+            self._bias = torch.zeros(vocab_size, dtype=torch.float32, device=device).index_put_((ids,), values)
+        self._counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        self._seen: torch.Tensor | None = None  # prompt or output tokens (repetition penalty)
+        if params.repetition_penalty != 1.0:
+            self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            if params.prompt_token_ids:
+                self._seen[torch.tensor(params.prompt_token_ids, dtype=torch.long, device=device)] = True
+        if first_token_id is not None:  # prefill's, else the first token is yet to be chosen
+            self.accept(first_token_id)
+
+    def accept(self, token: int) -> None:
+        self._counts[token] += 1
+        if self._seen is not None:
+            self._seen[token] = True
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self._params
+        out = logits.float().clone()
+        if self._bias is not None:
+            out += self._bias
+        if self._seen is not None:
+            penalized = torch.where(out > 0, out / p.repetition_penalty, out * p.repetition_penalty)
+            out = torch.where(self._seen, penalized, out)
+        if p.frequency_penalty:
+            out -= p.frequency_penalty * self._counts
+        if p.presence_penalty:
+            out -= p.presence_penalty * (self._counts > 0).float()
+        return out
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Sampling distribution over the vocabulary after temperature, top-k and top-p."""
+    """Sampling distribution over the vocabulary after temperature, min-p, top-k and top-p."""
     scaled = logits.float() / params.temperature
+    if params.min_p > 0.0:
+        probs = scaled.softmax(-1)
+        scaled = scaled.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k and params.top_k > 0 and params.top_k < scaled.numel():
         kth = scaled.topk(params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -8,10 +8,9 @@ mapped to these at one boundary, :mod:`decode_server.server.generation`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
-
 from pydantic import BaseModel
+
+from decode_server.request_check import validation_message as validation_message  # shared with the router
 
 
 class ErrorDetail(BaseModel):
@@ -86,16 +85,6 @@ class HandoffFailed(ApiError):
 class KVTimeout(ApiError):
     status = 504
     error_type = "kv_timeout"
-
-
-def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
-    """Turn pydantic's error list into one message and the offending parameter."""
-    first = errors[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    msg = "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]
-    )
-    return msg, loc or None
 
 
 class Conflict(ApiError):

@@ -128,21 +128,25 @@ class DecodeState:
         caps = self.engine.capabilities
         if caps.slots < cfg.slots:
             raise RuntimeError(f"--slots {cfg.slots}: the {caps.engine} engine supports {caps.slots}")
+        problem = self.defaults.unsupported_by(caps.features)
+        if problem is not None:  # vLLM would apply it to the first token, this engine not to the rest
+            raise RuntimeError(f"{problem}, which the {caps.engine} engine does not implement (vLLM prefill "
+                               "applies it to the first token): remove it from generation_config.json")
         receiver = receiver_factory(self.engine.kv_layout, cfg.slots, cfg.max_seq_len)
         receiver.use_slots(_LeasedSlots(self.slots.leases))  # a KV push lands on its lease's slot
         await receiver.start()
         self.receiver = receiver
         self.metrics.set_build(build_info(cfg, receiver.fingerprint))
         self.executor = ThreadPoolExecutor(max_workers=cfg.slots, thread_name_prefix="decode-slot")
-        self.limits = ServerLimits(max_seq_len=cfg.max_seq_len, supports_logprobs=caps.supports_logprobs,
+        self.limits = ServerLimits(max_seq_len=cfg.max_seq_len, features=caps.features,
                                    engine=caps.engine, model_name=cfg.served_model_name,
                                    reasoning_parser=cfg.reasoning_parser, tool_call_parser=cfg.tool_call_parser,
-                                   structured_output=caps.structured_output, schema_limits=cfg.schema_limits)
+                                   structured_output=caps.features.structured_output, schema_limits=cfg.schema_limits)
         grammars = None
-        if caps.structured_output:
+        if caps.features.structured_output:
             grammars = GrammarCompiler(cfg.model_dir, max(caps.num_mtp, 3), cfg.json_whitespace)
         # the schema checks' imports before the first request plans one (xgrammar only with an engine using it)
-        await asyncio.to_thread(warm_up, caps.structured_output)
+        await asyncio.to_thread(warm_up, caps.features.structured_output)
         self.context = GenerationContext(engine=self.engine, receiver=receiver, tokenizer=self.tokenizer,
                                          slots=self.slots, metrics=self.metrics, executor=self.executor,
                                          kv_timeout=cfg.kv_timeout, tracing=self.tracing, grammars=grammars)

@@ -303,7 +303,10 @@ class Job:
         plan = self.plan
         proc = SequenceProcessor(self.ctx.tokenizer, plan.stop, [handoff.last_prompt_token_id],
                                  plan.logprobs, plan.tokens_as_ids)
-        delta = proc.feed([TokenOut(handoff.first_token_id)], plan.first_logprob)
+        if session.first_token is not None:  # the engine chose it (SamplingParams.first_token_here)
+            delta = proc.feed([session.first_token])
+        else:
+            delta = proc.feed([TokenOut(handoff.first_token_id)], plan.first_logprob)
         self.ctx.metrics.first_token(handoff.num_prompt_tokens)
         self._post(delta)
         drafted = accepted = steps = 0

@@ -10,7 +10,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from connector.protocol import PROTOCOL_VERSION, HandoffResult
+from decode_server.contract import EngineFeatures
 from decode_server.engine.base import SamplingParams
+from decode_server.request_check import logit_bias, unsupported
 from decode_server.server.api_errors import HandoffFailed, InvalidRequest
 from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest, Endpoint
 from decode_server.server.sequence import MIN_LOGPROB, StopSpec, TokenLogprob
@@ -21,7 +23,7 @@ from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, gr
 @dataclass(frozen=True)
 class ServerLimits:
     max_seq_len: int
-    supports_logprobs: bool
+    features: EngineFeatures
     engine: str
     model_name: str
     reasoning_parser: bool = False
@@ -49,28 +51,6 @@ class Plan:
     grammar: GrammarSpec | None = None  # structured output (the engine gets its matcher)
 
 
-def _reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
-    if (req.n or 1) > 1:
-        raise InvalidRequest("n > 1 is not supported: a KV handoff carries one sequence; send n requests", "n")
-    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-    for name, value in neutral.items():
-        got = getattr(req, name)
-        if got is not None and got != value:
-            raise InvalidRequest(f"{name}={got} is not supported by the decode engines (only {value})", name)
-    if req.logit_bias:
-        raise InvalidRequest("logit_bias is not supported by the decode engines", "logit_bias")
-    extra = req.model_extra or {}
-    if extra.get("prompt_logprobs") is not None:
-        raise InvalidRequest("prompt_logprobs is not supported by the decode server", "prompt_logprobs")
-    if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise InvalidRequest("echo is not supported: the decode server never sees the prompt's logprobs", "echo")
-        if req.suffix:
-            raise InvalidRequest("suffix is not supported", "suffix")
-        if req.best_of is not None and req.best_of > 1:
-            raise InvalidRequest("best_of > 1 is not supported", "best_of")
-
-
 def _check_handoff(handoff: HandoffResult) -> None:
     if handoff.protocol_version != PROTOCOL_VERSION:
         raise InvalidRequest(
@@ -81,16 +61,10 @@ def _check_handoff(handoff: HandoffResult) -> None:
                             f"{handoff.error or 'no reason given'}", "kv_transfer_params.status")
 
 
-def _logprobs_k(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits) -> int | None:
+def _logprobs_k(req: CompletionRequest | ChatCompletionRequest) -> int | None:
     if isinstance(req, CompletionRequest):
-        k, param = req.logprobs, "logprobs"
-    else:
-        if req.top_logprobs and not req.logprobs:
-            raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
-        k, param = (req.top_logprobs or 0) if req.logprobs else None, "logprobs"
-    if k is not None and not limits.supports_logprobs:
-        raise InvalidRequest(f"logprobs are not supported by the {limits.engine} engine", param)
-    return k
+        return req.logprobs
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def _max_tokens(req: CompletionRequest | ChatCompletionRequest, prompt_tokens: int, limits: ServerLimits) -> int:
@@ -132,23 +106,36 @@ def _grammar(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimit
 
 def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionRequest, request_id: str,
                limits: ServerLimits, defaults: GenerationDefaults) -> Plan:
-    _reject_unsupported(req)
+    refusal = unsupported(req, limits.features, limits.engine)
+    if refusal is not None:
+        raise InvalidRequest(refusal.message, refusal.param)
     grammar = _grammar(req, limits)
     handoff = req.kv_transfer_params
+    if handoff is None:  # the route checks it first; here for a caller that did not
+        raise InvalidRequest("kv_transfer_params is required", "kv_transfer_params")
     _check_handoff(handoff)
-    k = _logprobs_k(req, limits)
+    k = _logprobs_k(req)
     max_tokens = _max_tokens(req, handoff.num_prompt_tokens, limits)
-    if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
-        raise InvalidRequest("stop_token_ids must be non-negative token ids", "stop_token_ids")
-    temperature = req.temperature if req.temperature is not None else defaults.temperature
-    top_k = req.top_k if req.top_k is not None else defaults.top_k
+    dflt = defaults.sampling
+    temperature = req.temperature if req.temperature is not None else dflt.temperature
+    top_k = req.top_k if req.top_k is not None else dflt.top_k
+    repetition = _or(req.repetition_penalty, dflt.repetition_penalty, 1.0)
+    if repetition != 1.0 and handoff.prompt_token_ids is None:
+        raise InvalidRequest("repetition_penalty needs the prompt's token ids: kv_transfer_params.prompt_token_ids "
+                             "(the router asks prefill for them)", "kv_transfer_params.prompt_token_ids")
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else float(temperature),
-        top_p=float(req.top_p if req.top_p is not None else (defaults.top_p or 1.0)),
+        top_p=float(req.top_p if req.top_p is not None else (dflt.top_p or 1.0)),
         top_k=0 if top_k is None or top_k < 0 else int(top_k),
         seed=req.seed,
         logprobs=k,
+        min_p=_or(req.min_p, dflt.min_p, 0.0),
+        presence_penalty=_or(req.presence_penalty, dflt.presence_penalty, 0.0),
+        frequency_penalty=_or(req.frequency_penalty, dflt.frequency_penalty, 0.0),
+        repetition_penalty=repetition,
+        logit_bias=logit_bias(req.logit_bias),
+        prompt_token_ids=tuple(handoff.prompt_token_ids or ()) if repetition != 1.0 else (),
     )
     stop = StopSpec(
         max_tokens=max_tokens,
@@ -185,6 +172,11 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
         first_logprob=prefill_logprob(handoff.prefill_logprobs, k) if k is not None else None,
         grammar=grammar,
     )
+
+
+def _or(value: float | None, default: float | None, neutral: float) -> float:
+    """The request's value, else the checkpoint's default, else vLLM's neutral value."""
+    return float(value if value is not None else default if default is not None else neutral)
 
 
 def prefill_logprob(data: dict[str, Any] | None, k: int | None) -> TokenLogprob | None:

@@ -123,15 +123,15 @@ async def chat_completions(request: Request) -> Response:
 @router.get(CAPABILITIES_PATH)
 async def capabilities(request: Request) -> Response:
     state = _state(request)
-    if not state.ready or state.receiver is None or state.engine is None:
+    if not state.ready or state.receiver is None or state.engine is None or state.limits is None:
         return error_response(NotReady(f"decode server not ready: {state.not_ready_reason()}"))
     cfg, receiver = state.config, state.receiver
     caps = DecodeCapabilities(
         protocol_version=PROTOCOL_VERSION, model=cfg.served_model_name, engine=cfg.engine, slots=cfg.slots,
         busy_slots=state.slots.busy, kv_busy_slots=receiver.busy_slots(), max_seq_len=cfg.max_seq_len,
-        num_mtp=cfg.num_mtp, structured_output=state.limits is not None and state.limits.structured_output,
-        lease_ttl_s=state.slots.leases.ttl_s,
+        num_mtp=cfg.num_mtp, lease_ttl_s=state.slots.leases.ttl_s,
         kv_endpoint=receiver.endpoint, layout_fingerprint=receiver.fingerprint, peers=receiver.peers(),
+        features=state.limits.features, sampling_defaults=state.defaults.sampling,
     )
     return Response(caps.model_dump_json(), media_type="application/json")
 

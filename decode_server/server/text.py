@@ -16,6 +16,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from decode_server.contract import EngineFeatures, SamplingDefaults
+
 REPLACEMENT = "\ufffd"
 
 
@@ -48,9 +50,17 @@ class GenerationDefaults:
     tokenizer has them as special tokens (GLM tokenizers)."""
 
     eos_token_ids: frozenset[int] = frozenset()
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    sampling: SamplingDefaults = SamplingDefaults()  # also what the capabilities endpoint reports
+
+    def unsupported_by(self, features: EngineFeatures) -> str | None:
+        """The default an engine with ``features`` cannot apply, described; None: all can be."""
+        neutral = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+        for name, value in neutral.items():
+            got = getattr(self.sampling, name)
+            needs = features.min_p if name == "min_p" else features.penalties
+            if got is not None and got != value and not needs:
+                return f"generation_config.json sets {name}={got}"
+        return None
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, tokenizer: TextTokenizer | None = None) -> GenerationDefaults:
@@ -64,8 +74,9 @@ class GenerationDefaults:
             names = [name] if isinstance(name, str) else []
             ids = [tokenizer.token_id(n) for n in names] + [tokenizer.special_id(n) for n in TURN_END_TOKENS]
             eos += [i for i in ids if i is not None]
-        sampling = {k: gen[k] for k in ("temperature", "top_p", "top_k") if isinstance(gen.get(k), (int, float))}
-        return cls(eos_token_ids=frozenset(eos), **sampling)
+        sampling = {k: gen[k] for k in SamplingDefaults.model_fields
+                    if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}
+        return cls(eos_token_ids=frozenset(eos), sampling=SamplingDefaults.model_validate(sampling))
 
 
 @dataclass

@@ -31,7 +31,7 @@ def test_stop_tokens_are_the_eos_list_plus_glms_turn_end_tokens(tmp_path: Path) 
     src = write_fake_glm51_checkpoint(tmp_path / "ckpt", eos=("<|endoftext|>",))
     defaults = GenerationDefaults.from_model_dir(src, TextTokenizer.from_model_dir(src))
     assert defaults.eos_token_ids == ids("<|endoftext|>", "<|user|>", "<|observation|>")
-    assert (defaults.temperature, defaults.top_p) == (1.0, 0.95)
+    assert (defaults.sampling.temperature, defaults.sampling.top_p) == (1.0, 0.95)
     # a checkpoint that lists them itself (as GLM's do) gives the same set
     full = write_fake_glm51_checkpoint(tmp_path / "full", eos=("<|endoftext|>", "<|user|>", "<|observation|>"))
     assert GenerationDefaults.from_model_dir(full, TextTokenizer.from_model_dir(full)).eos_token_ids == \

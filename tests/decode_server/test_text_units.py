@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from connector.protocol import HandoffResult
+from decode_server.contract import EngineFeatures, SamplingDefaults
 from decode_server.engine.base import TokenOut
 from decode_server.server import (
     GlmChatParser,
@@ -118,13 +119,14 @@ def test_glm_parser_drops_invalid_calls_and_completes_a_cut_off_one():
     assert parse_tool_call('{"name": "g", "arguments": {"q": "x"}}', {"g": {}}) is None  # not GLM's format
 
 
-LIMITS = ServerLimits(max_seq_len=100, supports_logprobs=True, engine="fake", model_name="m")
+LIMITS = ServerLimits(max_seq_len=100, features=EngineFeatures(logprobs=True), engine="fake", model_name="m")
 
 
 def _plan(kind, **body):
     model = ChatCompletionRequest if kind == "chat" else CompletionRequest
     req = model.model_validate({"kv_transfer_params": handoff(5, num_prompt_tokens=10), **body})
-    return build_plan(kind, req, "r", LIMITS, GenerationDefaults(eos_token_ids=frozenset({9}), temperature=0.7))
+    return build_plan(kind, req, "r", LIMITS, GenerationDefaults(eos_token_ids=frozenset({9}),
+                                                                 sampling=SamplingDefaults(temperature=0.7)))
 
 
 def test_plan_defaults_and_limits():

@@ -1,7 +1,8 @@
-"""Refused requests on the real stack (issue 17): the decode server refuses after vLLM
-prefilled and pushed the KV, yet the next request is served at once, on 1 and on 2 decode
-servers; bad requests interleaved with good ones from 4 clients never fail a good one; a
-decode server whose slot another router took makes requests wait, not fail."""
+"""Refused requests on the real stack (issue 17): after a request refused (by the router
+before prefill, or by the decode server after vLLM prefilled and pushed the KV) the next
+request is served at once, on 1 and on 2 decode servers; bad requests interleaved with good
+ones from 4 clients never fail a good one; a decode server whose slot another router took
+makes requests wait, not fail."""
 
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 GOOD = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 8,
         "temperature": 0}
-# accepted by vLLM prefill (which computes 1 token), refused by the decode server after the KV arrived
+# refused by the router before prefill with the decode server's 400 (json_schema, top_logprobs: the
+# decode server's own checks, decode_server/request_check.py), or by the decode server after vLLM
+# prefilled and pushed the KV (too_long: the prompt's length is known only after prefill)
 BAD = {
-    "repetition_penalty": {**GOOD, "repetition_penalty": 1.2},
-    "penalty": {**GOOD, "frequency_penalty": 0.5},
+    "top_logprobs": {**GOOD, "top_logprobs": 2},
+    "guided_regex": {**GOOD, "guided_regex": "a+"},
     "too_long": {**GOOD, "max_tokens": 5000},  # over the decode server's 4096-token context
 }
 

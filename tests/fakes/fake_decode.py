@@ -23,6 +23,7 @@ from decode_server.contract import (
     CancelRequest,
     CancelResponse,
     DecodeCapabilities,
+    EngineFeatures,
     LeaseGrant,
     LeaseIds,
     LeaseReleased,
@@ -53,6 +54,10 @@ class DecodeKnobs(BaseModel):
     busy: bool = False  # answer 429 to every request (slots taken outside the router's count)
     leases: bool = True  # grant slot leases (capabilities.lease_ttl_s); False: the router counts the slots
     lease_ttl: float = 5.0
+    engine: str = "reference"
+    # what /v1/pd/capabilities advertises (by default what the reference engine does)
+    features: EngineFeatures = EngineFeatures(logprobs=True, penalties=True, logit_bias=True, min_p=True, seed=True,
+                                             structured_output=True)
 
 
 class FakeDecode(FakeBase[DecodeKnobs]):
@@ -92,7 +97,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             caps = DecodeCapabilities(
                 protocol_version=k.protocol_version,
                 model=k.model,
-                engine="reference",
+                engine=k.engine,
                 slots=k.slots,
                 busy_slots=len(self.records.active),
                 max_seq_len=4096,
@@ -101,6 +106,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 layout_fingerprint="fake",
                 peers=k.peers,
                 lease_ttl_s=k.lease_ttl if self.leases is not None else None,
+                features=k.features,
             )
             return await respond(send, 200, caps.model_dump_json().encode())
         if path == CANCEL_PATH and not k.plain:

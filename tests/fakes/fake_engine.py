@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from connector.layout import KVLayout, cpu_mla_layout
+from decode_server.contract import EngineFeatures
 from decode_server.engine.base import (
     Cancelled,
     DecodeSession,
@@ -106,7 +107,8 @@ class FakeEngine(Engine):
     @property
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(model="fake", engine="fake", slots=self.config.slots, max_seq_len=1 << 20,
-                                  num_mtp=self.config.per_step - 1, supports_logprobs=self.config.supports_logprobs)
+                                  num_mtp=self.config.per_step - 1, features=EngineFeatures(
+            logprobs=self.config.supports_logprobs))
 
     @property
     def kv_layout(self) -> KVLayout:

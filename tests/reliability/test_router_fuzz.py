@@ -23,7 +23,8 @@ scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(a
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                              max_size=4), max_leaves=20)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
-          "logprobs", "top_logprobs", "temperature", "n", "kv_transfer_params", "tools", "response_format"]
+          "logprobs", "top_logprobs", "temperature", "n", "kv_transfer_params", "tools", "response_format", "input",
+          "seed", "presence_penalty", "logit_bias", "prompt_logprobs"]
 
 
 @st.composite
@@ -41,8 +42,8 @@ def bodies(draw: Any) -> bytes:
     return json.dumps(body).encode()
 
 
-ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics", "/v1/x",
-          "/v1/completions/", "/"]
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/ready", "/metrics",
+          "/v1/x", "/v1/completions/", "/"]
 header_values = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40).map(str.strip)
 
 

@@ -1,0 +1,189 @@
+"""What a decode server accepts in an OpenAI request body, and which request features each
+engine supports: ONE definition, used twice.
+
+* The decode server validates every body with these models and refuses with
+  :func:`unsupported` (after prefill ran: the KV is already there).
+* The router runs the same two checks on the body it will send to the decode server
+  before it sends anything to prefill (:mod:`pd_router.decode_check`), against the
+  :class:`~decode_server.contract.EngineFeatures` the leased decode server advertises, so
+  a request the decode server would refuse gets the same 400 without costing a prefill.
+
+Wire-level code: pydantic, :mod:`decode_server.contract` and :mod:`connector.protocol`
+only (the router may import it; import-linter contract ``decode-request-check``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from connector.protocol import HandoffResult
+from decode_server.contract import EngineFeatures
+from pd_grammar.spec import grammar_param
+
+MAX_LOGPROBS = 20
+GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's sampling epsilon (and TileRT's)
+Endpoint = Literal["completions", "chat"]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM extension: usage in every chunk
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    # required by the decode server (its route says so first), absent in the router's check
+    kv_transfer_params: HandoffResult | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(default=1, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Common):
+    prompt: Any = None
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+DecodeRequest = CompletionRequest | ChatCompletionRequest
+MODELS: Mapping[Endpoint, type[CompletionRequest] | type[ChatCompletionRequest]] = {
+    "completions": CompletionRequest,
+    "chat": ChatCompletionRequest,
+}
+
+
+LOGIT_BIAS_LIMIT = 100.0  # a bias is clamped to +-100, as OpenAI documents and vLLM does
+
+
+def logit_bias(bias: Mapping[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, clamped bias) pairs; its keys were checked by :func:`unsupported`."""
+    if not bias:
+        return ()
+    return tuple((int(t), max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b)))) for t, b in bias.items())
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request is refused: an OpenAI 400's ``message`` and ``param``."""
+
+    message: str
+    param: str | None = None
+
+
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """Pydantic's error list as one message and the offending parameter."""
+    first = errors[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    msg = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]
+    )
+    return msg, loc or None
+
+
+def parse(endpoint: Endpoint, body: Mapping[str, Any]) -> DecodeRequest | Refusal:
+    """The body validated as the decode server validates it."""
+    try:
+        return MODELS[endpoint].model_validate(body)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors(include_url=False))
+        return Refusal(message, param)
+
+
+_NEUTRAL_PENALTIES = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
+
+
+def unsupported(req: DecodeRequest, features: EngineFeatures, engine: str) -> Refusal | None:
+    """The first thing in ``req`` a decode server whose engine has ``features`` cannot do."""
+    if (req.n or 1) > 1:
+        return Refusal("n > 1 is not supported: a KV handoff carries one sequence; send n requests", "n")
+    if not features.penalties:
+        for name, neutral in _NEUTRAL_PENALTIES:
+            got = getattr(req, name)
+            if got is not None and got != neutral:
+                return Refusal(f"{name}={got} is not supported by the {engine} engine (only {neutral})", name)
+    if req.logit_bias and not features.logit_bias:
+        return Refusal(f"logit_bias is not supported by the {engine} engine", "logit_bias")
+    for key in req.logit_bias or ():
+        if not key.strip().isdigit():
+            return Refusal(f"logit_bias: {key!r} is not a token id", "logit_bias")
+    if req.min_p and not features.min_p:
+        return Refusal(f"min_p={req.min_p} is not supported by the {engine} engine (only 0)", "min_p")
+    greedy = req.temperature is not None and req.temperature < GREEDY_BELOW_TEMPERATURE
+    if req.seed is not None and not features.seed and not greedy:
+        return Refusal(f"seed is not supported by the {engine} engine (its sampler is seeded per process; "
+                       "a seed is accepted with temperature 0)", "seed")
+    extra = req.model_extra or {}
+    if not features.structured_output:  # with it, pd_grammar checks what the grammar fields ask for
+        chat = not isinstance(req, CompletionRequest)
+        param = grammar_param({**extra, "tool_choice": getattr(req, "tool_choice", None)}, chat)
+        if param is not None:
+            return Refusal(f"{param}: constrained decoding is not supported by the {engine} engine", param)
+    if extra.get("prompt_logprobs") is not None:
+        return Refusal("prompt_logprobs is not supported by the decode server", "prompt_logprobs")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            return Refusal("echo is not supported: the decode server never sees the prompt's logprobs", "echo")
+        if req.suffix:
+            return Refusal("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of > 1:
+            return Refusal("best_of > 1 is not supported", "best_of")
+        wants_logprobs = req.logprobs is not None
+    else:
+        if req.top_logprobs and not req.logprobs:
+            return Refusal("top_logprobs requires logprobs to be true", "top_logprobs")
+        wants_logprobs = bool(req.logprobs)
+    if wants_logprobs and not features.logprobs:
+        return Refusal(f"logprobs are not supported by the {engine} engine", "logprobs")
+    if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
+        return Refusal("stop_token_ids must be non-negative token ids", "stop_token_ids")
+    return None
+
+
+def check(endpoint: Endpoint, body: Mapping[str, Any], features: EngineFeatures, engine: str) -> Refusal | None:
+    """:func:`parse` then :func:`unsupported`: the 400 a decode server would answer, if any."""
+    req = parse(endpoint, body)
+    return req if isinstance(req, Refusal) else unsupported(req, features, engine)

@@ -1,0 +1,108 @@
+"""Refuse before prefill what the decode server would refuse after it.
+
+The decode server validates the body it gets (the client's body plus
+``kv_transfer_params``) with :mod:`decode_server.request_check` and refuses what its
+engine cannot do; by then prefill has run and pushed the KV. The router runs the same
+checks first: the body's validation once (:func:`parse`, engine-independent), then, once a
+decode slot is leased, the features that server advertises (:func:`refusal`). Both give
+the decode server's own message and ``param`` in the router's OpenAI 400.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from decode_server.contract import DecodeCapabilities
+from decode_server.request_check import DecodeRequest, Refusal, parse, unsupported
+from pd_router.api import ROUTER_FIELDS, Endpoint, prefill_body
+from pd_router.errors import InvalidRequest
+
+
+def _invalid(refusal: Refusal) -> InvalidRequest:
+    return InvalidRequest(refusal.message, param=refusal.param)
+
+
+def parse_decode_view(endpoint: Endpoint, body: Mapping[str, Any]) -> DecodeRequest:
+    """The body as the decode server will validate it (less what the router serves itself,
+    :data:`~pd_router.api.ROUTER_FIELDS`); its 400 otherwise."""
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is not None and body.get("stream"):  # vLLM's rule (prefill runs with stream false)
+        raise InvalidRequest("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+    if endpoint is Endpoint.COMPLETIONS and body.get("echo"):
+        if body.get("stream") or body.get("logprobs") is not None or not isinstance(body.get("prompt"), str):
+            raise InvalidRequest("echo is supported for a string prompt without stream and logprobs",
+                                 param="echo")
+    routed = any(name in body for name in ROUTER_FIELDS)
+    view = {k: v for k, v in body.items() if k not in ROUTER_FIELDS} if routed else body
+    req = parse("chat" if endpoint is Endpoint.CHAT else "completions", view)
+    if isinstance(req, Refusal):
+        raise _invalid(req)
+    return req
+
+
+def prefill_fields(req: DecodeRequest, capabilities: DecodeCapabilities | None) -> dict[str, Any]:
+    """What the prefill leg must add for this decode server: ``return_token_ids`` when the
+    repetition penalty (the request's, else the checkpoint's default) needs the prompt's
+    token ids there (they travel in ``kv_transfer_params.prompt_token_ids``)."""
+    if capabilities is None:
+        return {}
+    repetition = req.repetition_penalty
+    if repetition is None:
+        repetition = capabilities.sampling_defaults.repetition_penalty
+    return {"return_token_ids": True} if repetition not in (None, 1.0) else {}
+
+
+def prompt_token_ids(answer: Mapping[str, Any]) -> list[int] | None:
+    """``prompt_token_ids`` of a prefill answer (top level for chat, in the choice for completions)."""
+    ids = answer.get("prompt_token_ids")
+    choices = answer.get("choices")
+    if ids is None and isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        ids = choices[0].get("prompt_token_ids")
+    if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        return ids
+    return None
+
+
+def prompt_logprobs_body(endpoint: Endpoint, body: dict[str, Any]) -> bytes:
+    """A one-token request for the prompt's logprobs alone: the prefill leg's body without
+    ``kv_transfer_params`` (vLLM's KV connector leaves such a request alone)."""
+    out = json.loads(prefill_body(endpoint, body, {}))
+    del out["kv_transfer_params"]
+    return json.dumps(out).encode()
+
+
+def prompt_logprobs_of(answer: Mapping[str, Any]) -> Any:
+    """``prompt_logprobs`` of a prefill answer (top level for chat, in the choice for completions)."""
+    if "prompt_logprobs" in answer:
+        return answer["prompt_logprobs"]
+    choices = answer.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        return choices[0].get("prompt_logprobs")
+    return None
+
+
+def merged(endpoint: Endpoint, data: bytes, body: Mapping[str, Any], prompt_logprobs: Any) -> bytes:
+    """The decode server's JSON answer with what the router serves itself, where vLLM puts
+    it: prefill's ``prompt_logprobs`` (the response's top level for chat, each choice for
+    completions) and, for a completion with ``echo``, the prompt before each choice's text."""
+    answer = json.loads(data)
+    if prompt_logprobs is not None and endpoint is Endpoint.CHAT:
+        answer["prompt_logprobs"] = prompt_logprobs
+    echo = endpoint is Endpoint.COMPLETIONS and body.get("echo")
+    for choice in answer.get("choices") or []:
+        if prompt_logprobs is not None and endpoint is Endpoint.COMPLETIONS:
+            choice["prompt_logprobs"] = prompt_logprobs
+        if echo:
+            choice["text"] = body["prompt"] + choice.get("text", "")
+    return json.dumps(answer).encode()
+
+
+def refusal(req: DecodeRequest, capabilities: DecodeCapabilities | None) -> InvalidRequest | None:
+    """The 400 the decode server with these capabilities would answer, if any. A server
+    without a capabilities endpoint (plain vLLM decode) checks for itself."""
+    if capabilities is None:
+        return None
+    found = unsupported(req, capabilities.features, capabilities.engine)
+    return None if found is None else _invalid(found)

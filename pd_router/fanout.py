@@ -1,0 +1,187 @@
+"""``n > 1``: n PD requests, one answer.
+
+A KV handoff carries one sequence, so a request for n choices runs as n requests through
+the usual path (:meth:`CompletionHandler._serve`: each leases its own decode slot, runs its
+own prefill and decode, and gives its slot back whatever happens), with ``n`` removed and,
+when the client set a ``seed``, ``seed + i`` for choice i (as vLLM seeds the n children
+of a request). Their answers are merged: one JSON body whose choices carry ``index`` i and
+whose usage counts the prompt once and the completion tokens of all choices; or one SSE
+stream whose chunks carry their choice's ``index`` and the first choice's ``id``, with one
+usage chunk (when asked) and one ``[DONE]`` at the end. A failure of any choice before the
+answer began fails the request (the others are cancelled and give their slots back);
+after it began, the stream ends with the error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pd_router.api import parse_request
+from pd_router.asgi import SSE, Message, respond
+from pd_router.errors import InvalidRequest, RouterError
+
+if TYPE_CHECKING:
+    from pd_router.api import OpenAIRequest
+    from pd_router.handler import CompletionHandler, _Ctx
+
+_DONE = "[DONE]"
+
+
+def choices_wanted(body: dict[str, Any]) -> int:
+    """The client's ``n`` (1 when absent); validated by the decode check when it is not an int > 1."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+def sub_body(body: dict[str, Any], i: int) -> dict[str, Any]:
+    """Choice i's request: no ``n``; the client's seed + i."""
+    out = {k: v for k, v in body.items() if k != "n"}
+    seed = body.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        out["seed"] = seed + i
+    return out
+
+
+@dataclass(eq=False)
+class _Merge:
+    """The n answers as they arrive; what is sent to the client, under one lock."""
+
+    ctx: _Ctx
+    stream: bool
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    bodies: dict[int, bytearray] = field(default_factory=dict)
+    usage: dict[int, dict[str, Any]] = field(default_factory=dict)
+    error: bytes | None = None  # the first SSE error event a choice's stream ended with
+    chunk_id: str | None = None
+    template: dict[str, Any] | None = None  # id/object/created/model of the first chunk (for the usage chunk)
+
+    def send_for(self, i: int) -> Any:
+        pending = bytearray()
+        self.bodies[i] = bytearray()
+
+        async def send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                if message["status"] != 200:  # an error answer: its body is the error (ctx.fail)
+                    self.bodies[i] = bytearray()
+                return
+            data = message.get("body", b"")
+            if not self.stream:
+                self.bodies[i] += data
+                return
+            pending.extend(data)
+            while b"\n\n" in pending:
+                event, _, rest = bytes(pending).partition(b"\n\n")
+                pending[:] = rest
+                await self._event(i, event)
+
+        return send
+
+    async def _event(self, i: int, event: bytes) -> None:
+        text = event.decode("utf-8", "replace").strip()
+        if not text.startswith("data:"):
+            return
+        payload = text[5:].strip()
+        if payload == _DONE:
+            return
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            self.error = self.error or (b"data: " + payload.encode() + b"\n\n")
+            return
+        if self.chunk_id is None:
+            self.chunk_id = chunk.get("id")
+            self.template = {k: chunk[k] for k in ("id", "object", "created", "model") if k in chunk}
+        chunk["id"] = self.chunk_id
+        if not chunk.get("choices"):
+            if chunk.get("usage"):
+                self.usage[i] = chunk["usage"]
+            return
+        for choice in chunk["choices"]:
+            choice["index"] = i
+        await self.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+    async def write(self, data: bytes, more: bool = True) -> None:
+        ctx = self.ctx
+        async with self.lock:
+            if ctx.finished:
+                return
+            if not ctx.started:
+                await ctx.send({"type": "http.response.start", "status": 200,
+                                "headers": [(b"content-type", SSE), (b"cache-control", b"no-cache"),
+                                            (b"x-request-id", ctx.request_id.encode())]})
+                ctx.started, ctx.status = True, 200
+            if not more:
+                ctx.finished = True
+            await ctx.send({"type": "http.response.body", "body": data, "more_body": more})
+
+
+def merged_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The prompt counted once, the completion tokens of every choice summed."""
+    prompt = int(usages[0].get("prompt_tokens") or 0)
+    completion = sum(int(u.get("completion_tokens") or 0) for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def merged_answer(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(answers[0])
+    choices = []
+    for i, answer in enumerate(answers):
+        for choice in answer.get("choices") or []:
+            choices.append({**choice, "index": i})
+    out["choices"] = choices
+    usages = [a["usage"] for a in answers if isinstance(a.get("usage"), dict)]
+    if len(usages) == len(answers):
+        out["usage"] = merged_usage(usages)
+    return out
+
+
+async def serve(handler: CompletionHandler, ctx: _Ctx, body: dict[str, Any], request: OpenAIRequest,
+                n: int) -> None:
+    """Run the n choices of ``body`` and answer the client with their merge."""
+    from pd_router.handler import _Ctx  # noqa: PLC0415 - the handler imports this module
+
+    state = handler.state
+    room = state.settings.max_queue + sum(b.slots for b in state.backends.decode if b.serves(request.model))
+    if n > room:
+        raise InvalidRequest(f"n={n} is more than this router can run at once ({room:g}: the decode slots of "
+                             f"model {request.model!r} plus --max-queue); each choice takes a decode slot",
+                             param="n")
+    merge = _Merge(ctx, bool(request.stream))
+    subs = []
+    for i in range(n):
+        raw = json.dumps(sub_body(body, i)).encode()
+        sub_dict, sub_request = parse_request(ctx.endpoint, raw)
+        sub = _Ctx(ctx.endpoint, f"{ctx.request_id[:240]}~n{i}", ctx.start, merge.send_for(i), raw=raw,
+                   trace=ctx.trace)
+        subs.append((sub, sub_dict, sub_request))
+    tasks = [asyncio.ensure_future(handler._serve(sub, sub_dict, sub_request)) for sub, sub_dict, sub_request in subs]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # each gives its slot back
+        ctx.stage = next((s.stage for s, _, _ in subs if s.stage != "decode"), "decode")
+        raise
+    ctx.stage = "decode"
+    if merge.stream:
+        if merge.error is not None:
+            await merge.write(merge.error + b"data: [DONE]\n\n", more=False)
+            ctx.status, ctx.error_type = 502, "upstream_error"
+            return
+        if len(merge.usage) == n and merge.template is not None:
+            usage = merged_usage([merge.usage[i] for i in range(n)])
+            await merge.write(b"data: " + json.dumps({**merge.template, "choices": [], "usage": usage}).encode()
+                              + b"\n\n")
+        await merge.write(b"data: [DONE]\n\n", more=False)
+        return
+    try:
+        answers = [json.loads(bytes(merge.bodies[i])) for i in range(n)]
+    except ValueError as exc:
+        raise RouterError(f"a choice's answer is not JSON: {exc}") from None
+    ctx.status, ctx.finished = 200, True
+    await respond(ctx.send, 200, json.dumps(merged_answer(answers)).encode(), b"application/json",
+                  [(b"x-request-id", ctx.request_id.encode())])
+
