@@ -141,7 +141,7 @@ class DecodeState:
         self.limits = ServerLimits(max_seq_len=cfg.max_seq_len, features=caps.features,
                                    engine=caps.engine, model_name=cfg.served_model_name,
                                    reasoning_parser=cfg.reasoning_parser, tool_call_parser=cfg.tool_call_parser,
-                                   structured_output=caps.features.structured_output, schema_limits=cfg.schema_limits)
+                                   schema_limits=cfg.schema_limits)
         grammars = None
         if caps.features.structured_output:
             grammars = GrammarCompiler(cfg.model_dir, max(caps.num_mtp, 3), cfg.json_whitespace)

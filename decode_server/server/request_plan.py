@@ -28,7 +28,6 @@ class ServerLimits:
     model_name: str
     reasoning_parser: bool = False
     tool_call_parser: bool = False
-    structured_output: bool = False  # the engine masks with a grammar
     schema_limits: SchemaLimits = SchemaLimits()
 
 
@@ -92,7 +91,7 @@ def _grammar(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimit
     chat = isinstance(req, ChatCompletionRequest)
     if isinstance(req, ChatCompletionRequest):
         fields.update(tools=req.tools, tool_choice=req.tool_choice)
-    if not limits.structured_output:
+    if not limits.features.structured_output:
         param = grammar_param(fields, chat)
         if param is not None:
             raise InvalidRequest(f"{param}: constrained decoding is not supported by the {limits.engine} engine",

@@ -29,7 +29,7 @@ def _decoded(session, steps: int) -> list[int]:
 @pytest.mark.parametrize("num_mtp", [3, 0])
 def test_masks_constrain_every_step_and_advance_the_matcher(tmp_path, num_mtp):
     engine, gen = _engine(tmp_path, num_mtp=num_mtp, ar_steps=8)
-    assert engine.capabilities.structured_output
+    assert engine.capabilities.features.structured_output
     matcher = FakeMatcher(VOCAB, length=9)
     session = engine.start(_received(8, 4 if num_mtp else 3), _handoff(8, first=10),
                            SamplingParams(max_tokens=40, temperature=0.0, grammar=matcher))
@@ -80,4 +80,4 @@ def test_a_first_token_the_grammar_rejects_fails_clearly(tmp_path):
 def test_no_bitmask_interface_means_no_structured_output(tmp_path, monkeypatch):
     monkeypatch.delattr(FakeDecodeLayer, "update_grammar_bitmask")
     engine, _ = _engine(tmp_path)
-    assert not engine.capabilities.structured_output
+    assert not engine.capabilities.features.structured_output

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from decode_server.contract import EngineFeatures
 from decode_server.server.api_errors import InvalidRequest
 from decode_server.server.request_models import ChatCompletionRequest
 from decode_server.server.request_plan import ServerLimits, build_plan
@@ -14,8 +15,9 @@ from decode_server.server.text import GenerationDefaults
 from pd_grammar.spec import SchemaLimits
 from tests.decode_server.helpers import handoff
 
-LIMITS = ServerLimits(max_seq_len=100, supports_logprobs=True, engine="reference", model_name="m",
-                      reasoning_parser=True, structured_output=True, schema_limits=SchemaLimits(max_depth=3))
+LIMITS = ServerLimits(max_seq_len=100, features=EngineFeatures(logprobs=True, structured_output=True),
+                      engine="reference", model_name="m", reasoning_parser=True,
+                      schema_limits=SchemaLimits(max_depth=3))
 TOOLS = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object", "properties": {}}}}]
 
 
@@ -46,7 +48,7 @@ def test_structured_refusals_name_the_parameter(body, param):
 
 
 def test_an_engine_without_grammars_refuses_them():
-    limits = ServerLimits(max_seq_len=100, supports_logprobs=False, engine="tilert", model_name="m")
+    limits = ServerLimits(max_seq_len=100, features=EngineFeatures(), engine="tilert", model_name="m")
     with pytest.raises(InvalidRequest, match="constrained decoding is not supported by the tilert engine") as info:
         _plan(limits, tools=TOOLS, tool_choice="required")
     assert info.value.param == "tool_choice"

@@ -18,11 +18,13 @@ def _served_by(rig, i: int) -> list[str]:
     return [r["request_id"] for r in rig.records(rig.decodes[i])["requests"]]
 
 
+def _metrics(rig) -> str:
+    return httpx.get(rig.url + "/metrics", timeout=5).text
+
+
 def _failovers(rig) -> str:
-    return "\n".join(
-        line for line in httpx.get(rig.url + "/metrics", timeout=5).text.splitlines()
-        if line.startswith("pd_router_decode_failovers_total{")
-    )
+    lines = _metrics(rig).splitlines()
+    return "\n".join(line for line in lines if line.startswith("pd_router_decode_failovers_total{"))
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -54,9 +56,14 @@ def test_a_decode_server_failing_before_the_first_byte_costs_only_latency(make_r
         assert resp.json()["choices"][0]["text"] == "t0 t1 t2 t3 "
     assert _served_by(rig, 1) == ["r1"]  # the retry's handoff id is r1#1, its request id r1
     assert not rig.state.backends.decode[0].healthy  # marked down at once
-    assert f'backend="{rig.decodes[0].url}"' in _failovers(rig)
-    if how == "refused":
+    if how == "refused":  # its lease call could not connect: marked down before any prefill, no failover
+        leases = [line for line in _metrics(rig).splitlines() if line.startswith("pd_router_lease_requests_total{")]
+        assert any(line.startswith(f'pd_router_lease_requests_total{{backend="{bad.url}",result="error"}}')
+                   for line in leases), leases
+        assert not _failovers(rig)
         rig.decodes.pop(0)
+    else:
+        assert f'backend="{bad.url}"' in _failovers(rig)
     rig.assert_no_leaks()
 
 
