@@ -22,8 +22,9 @@ COMPLETION = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens"
 # accepted by vLLM alone (prefill would run), refused by the reference decode server
 DECODE_REFUSES = {
     "best_of": ("/v1/completions", {**COMPLETION, "best_of": 2}),
-    "response_format": ("/v1/chat/completions", {**CHAT, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}}),
+    # vLLM's own structured-outputs field (a regex): the decode servers take grammars only as
+    # response_format / tool_choice (pd_grammar), which the router checks before any lease
+    "structured_outputs": ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "[a-z]+"}}),
 }
 _COUNTERS = ("vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:num_requests_running")
 
