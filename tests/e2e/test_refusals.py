@@ -146,9 +146,10 @@ def _busy_requeues(router_url: str) -> float:
     return total
 
 
-async def test_a_slot_taken_by_another_router_makes_requests_wait_not_fail(pd_stack, tmp_path):
-    """Two routers in front of one decode server with one slot: each counts the slot as its
-    own, so the decode server refuses the KV (busy) or answers 429 to one of them."""
+async def test_two_routers_share_one_slot_without_a_busy_refusal(pd_stack, tmp_path):
+    """Two routers in front of one decode server with one slot: the slot is leased from the
+    decode server, so neither router's requests find it taken (no busy KV refusal, no 429,
+    nothing sent back to the queue); they wait their turn in the server's lease queue."""
     cfg = pd_stack.config
     port = free_port()
     other = ManagedProcess("router-2", router_argv(RouterSpec((cfg.prefill_url,), tuple(cfg.decode_urls),
@@ -167,7 +168,7 @@ async def test_a_slot_taken_by_another_router_makes_requests_wait_not_fail(pd_st
         assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers if a.status_code != 200]
         requeues = _busy_requeues(cfg.router_url) + _busy_requeues(other_url) - before
         print(f"two routers, one slot: 6/6 served, {requeues:.0f} busy requeue(s)")
-        assert requeues >= 1, "the two routers never collided: the test did not provoke a busy decode server"
+        assert requeues == 0  # before the leases (each router counting the slot as its own): >= 1
     finally:
         other.stop()
     await asyncio.to_thread(_assert_idle, pd_stack, 5)
