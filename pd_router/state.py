@@ -86,7 +86,9 @@ class RouterState:
         self._client = httpx.AsyncClient(timeout=probe_timeout, trust_env=False)
         await self.discovery.refresh()
         prober = self._prober = Prober(self.backends, self._client, self.settings.probe_interval, self._on_probe)
-        asyncio.get_running_loop().run_in_executor(None, warm_up)  # structured output's imports, off the loop
+        # structured output's imports (jsonschema, xgrammar: seconds) before the first request, and
+        # not while serving: an import in a thread holds the GIL in long stretches that stall this loop
+        await asyncio.to_thread(warm_up)
         await prober.probe_all()
         loops = [prober.run(), self.discovery.run()]
         if self.settings.prefill_policy == "least-loaded":

@@ -105,7 +105,8 @@ def test_decode_server_added_and_removed_at_runtime(stack: dict) -> None:
     # remove decode-0 while a stream is in flight on it: it drains, the stream completes
     before = served(urls[0])  # the decode server counts a request when it answers its head
     with ThreadPoolExecutor(3) as pool:
-        streams = [pool.submit(complete, router, model, f"drain-{i}", True, 256, ignore_eos=True)
+        # long enough (seconds) that the file's change lands while they run
+        streams = [pool.submit(complete, router, model, f"drain-{i}", True, 2048, ignore_eos=True)
                    for i in range(3)]
         wait_until(lambda: all(n == 1 for _, n in backends(router).values()), 60, "a stream on every decode server")
         write_servers(stack["file"], cfg.prefill_url, list(zip(urls[1:], kvs[1:], strict=True)))
