@@ -25,11 +25,11 @@ CACHE_BYTES = 64 * 1024 * 1024
 
 
 class GrammarCompiler:
-    """One per server (thread-safe); ``max_rollback`` covers a step's MTP drafts."""
+    """One per server (thread-safe). Its matchers roll back any number of tokens (a step's
+    rejected MTP drafts): xgrammar 0.2.8's rollback is unlimited, not a setting."""
 
-    def __init__(self, model_dir: Path, max_rollback: int, whitespace: JsonWhitespace = "any") -> None:
+    def __init__(self, model_dir: Path, whitespace: JsonWhitespace = "any") -> None:
         self._model_dir = Path(model_dir)
-        self._max_rollback = max_rollback
         self._compact = whitespace == "compact"
         self._lock = threading.Lock()
         self._compiler: Any = None
@@ -65,6 +65,5 @@ class GrammarCompiler:
             compiled = compiler.compile_json_schema(spec.source, any_whitespace=not self._compact,
                                                     separators=COMPACT_SEPARATORS if self._compact else None)
         stops = sorted(set(stop_token_ids))
-        matcher: GrammarMatcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=stops or None,
-                                                          max_rollback_tokens=self._max_rollback)
+        matcher: GrammarMatcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=stops or None)
         return matcher

@@ -105,7 +105,10 @@ def check_schema(schema: Any, param: str, limits: SchemaLimits) -> str:
     import jsonschema
 
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
+        # a $schema jsonschema does not know is checked as draft 2020-12, said explicitly:
+        # jsonschema's implicit fallback is deprecated and is to become an error
+        latest = jsonschema.Draft202012Validator
+        jsonschema.validators.validator_for(schema, default=latest).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path)
         raise StructuredOutputError(f"{param} is not a valid JSON schema: {exc.message}"

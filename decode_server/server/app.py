@@ -144,7 +144,7 @@ class DecodeState:
                                    schema_limits=cfg.schema_limits)
         grammars = None
         if caps.features.structured_output:
-            grammars = GrammarCompiler(cfg.model_dir, max(caps.num_mtp, 3), cfg.json_whitespace)
+            grammars = GrammarCompiler(cfg.model_dir, cfg.json_whitespace)
         # the schema checks' imports before the first request plans one (xgrammar only with an engine using it)
         await asyncio.to_thread(warm_up, caps.features.structured_output)
         self.context = GenerationContext(engine=self.engine, receiver=receiver, tokenizer=self.tokenizer,

@@ -38,7 +38,7 @@ def model(tiny_model_dir: Path) -> MlaMoeModel:
 
 @pytest.fixture(scope="module")
 def compiler(tiny_model_dir: Path) -> GrammarCompiler:
-    return GrammarCompiler(tiny_model_dir, max_rollback=3, whitespace="compact")  # as the local stack
+    return GrammarCompiler(tiny_model_dir, whitespace="compact")  # as the local stack
 
 
 def _spec(name: str):
