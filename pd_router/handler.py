@@ -105,6 +105,7 @@ class _Ctx:
     stage: str = "validating"
     model: str = ""  # the model_name label: set once the model is known to be served
     prompt_tokens: int = 0  # as prefill counted them (our connector's handoff)
+    ttft: float | None = None  # seconds from ``start`` to the first token relayed (the whole answer unstreamed)
     status: int = 0
     error_type: str = ""
     started: bool = False  # response headers sent
@@ -221,17 +222,19 @@ class CompletionHandler:
                 metrics.child(metrics.prompt_tokens, endpoint.label, ctx.model).inc(ctx.prompt_tokens)
             if ctx.span is not None:
                 self._end_trace(ctx)
+            ttft_ms = None if ctx.ttft is None else round(ctx.ttft * 1e3, 3)
             log.info(
-                "request_id=%s %s status=%d%s stage=%s %.1fms",
+                "request_id=%s %s status=%d%s stage=%s %.1fms%s",
                 rid,
                 endpoint.value,
                 ctx.status,
                 f" error={ctx.error_type}" if ctx.error_type else "",
                 ctx.stage,
                 latency * 1e3,
+                "" if ttft_ms is None else f" ttft={ttft_ms:.1f}ms",
                 extra={"fields": {"event": "access", "endpoint": endpoint.value, "status": ctx.status,
                                   "error_type": ctx.error_type or None, "stage": ctx.stage,
-                                  "latency_ms": round(latency * 1e3, 3)}},
+                                  "latency_ms": round(latency * 1e3, 3), "ttft_ms": ttft_ms}},
             )
 
     @staticmethod
@@ -548,7 +551,8 @@ class CompletionHandler:
             if ctx.prompt_logprobs is not None or body.get("echo"):
                 data = decode_check.merged(ctx.endpoint, data, body, ctx.prompt_logprobs)
             ctx.status, ctx.finished = 200, True
-            state.metrics.child(state.metrics.ttft, ctx.endpoint.label, ctx.model).observe(perf_counter() - ctx.start)
+            ctx.ttft = perf_counter() - ctx.start
+            state.metrics.child(state.metrics.ttft, ctx.endpoint.label, ctx.model).observe(ctx.ttft)
             await respond(
                 ctx.send,
                 200,
@@ -577,7 +581,8 @@ class CompletionHandler:
                     itl.observe(now - t_prev)
                 else:
                     t_first = now
-                    state.metrics.child(state.metrics.ttft, ctx.endpoint.label, ctx.model).observe(now - ctx.start)
+                    ctx.ttft = now - ctx.start
+                    state.metrics.child(state.metrics.ttft, ctx.endpoint.label, ctx.model).observe(ctx.ttft)
                     await send(
                         {
                             "type": "http.response.start",
