@@ -57,4 +57,6 @@ class LoadScraper:
             if p.scraped is not None:
                 log.warning("prefill %s: /metrics unreadable (%s); least-loaded uses this router's count", p.url, exc)
             load = None
+        if mark < p.sent_at_scrape:  # a scrape asked later has answered first: it is newer
+            return
         p.scraped, p.sent_at_scrape = load, mark

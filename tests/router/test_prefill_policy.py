@@ -3,6 +3,8 @@ this router sent since the scrape, and round-robin."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -75,6 +77,33 @@ async def test_scraper_reads_each_prefill_servers_metrics(make_rig) -> None:
     p_idle.in_flight = 0
     assert (p_busy.load, p_idle.load, p_plain.scraped) == (5.0, 0.0, None)
     assert b.pick_prefill(MODEL) in (p_idle, p_plain)
+
+
+async def test_a_scrape_asked_earlier_that_answers_later_is_dropped() -> None:
+    """Two scrapes of one server overlap (a slow /metrics, or a test's scraper beside the
+    router's): the one asked before a request was sent must not overwrite the newer one,
+    or that request would be counted twice (once in vLLM's gauges, once as sent since)."""
+    b = backends(1)
+    (p,) = b.prefill
+    first_asked, release_first = asyncio.Event(), asyncio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if not first_asked.is_set():
+            first_asked.set()
+            await release_first.wait()  # the old scrape answers last, still seeing 0
+            return httpx.Response(200, text="# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n")
+        return httpx.Response(200, text="# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1\n")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        scraper = LoadScraper(b, client, 0.05)
+        old = asyncio.create_task(scraper.scrape(p))
+        await first_asked.wait()
+        p.sent()  # vLLM counts it in the newer scrape
+        await scraper.scrape(p)
+        assert (p.scraped, p.load) == (1.0, 1.0)
+        release_first.set()
+        await old
+    assert (p.scraped, p.load) == (1.0, 1.0)
 
 
 @pytest.mark.parametrize("policy", ["least-loaded", "round-robin"])
