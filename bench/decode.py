@@ -8,12 +8,15 @@ less noisy than wall-clock tokens/s (the attention helper thread's CPU is not in
 
 ``--context N ...`` decodes after prompts of N tokens (English text from the standard
 library's docstrings, as bench/e2e.py) instead of the four short prompts.
+``--torch-attention`` adds both configurations with attention over the cache as PyTorch's
+products instead of the compiled loop (``no_mtp_torch``, ``mtp1_torch``), interleaved with
+the others, and prints the ratios kernel / products.
 ``--profile`` adds a torch.profiler breakdown of MTP decode steps per context: attention
 products over the cache, the other matrix products, and the rest (elementwise ops,
 norms, rope, copies: mostly dispatch), per step.
 
     .venv/bin/python bench/decode.py [--model DIR] [--tokens 128] [--repeats 3] [--threads 1]
-        [--context 1024 8192] [--profile [--top N]]
+        [--context 1024 8192] [--torch-attention] [--profile [--top N]]
 """
 
 from __future__ import annotations
@@ -131,6 +134,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--context", type=int, nargs="+", default=None, help="prompt lengths (tokens)")
+    ap.add_argument("--torch-attention", action="store_true",
+                    help="also decode with attention as PyTorch's products (the engine before the kernel)")
     ap.add_argument("--profile", action="store_true", help="where an MTP step's time goes, per context")
     ap.add_argument("--top", type=int, default=0, help="with --profile: the N ops taking the most time")
     args = ap.parse_args()
@@ -145,8 +150,12 @@ def main() -> int:
         # threads=None: the process-wide setting above (an engine without the option, e.g. an
         # older one profiled for comparison, is built without it)
         knobs = {"threads": None} if "threads" in inspect.signature(ReferenceEngine).parameters else {}
-        engines = {name: ReferenceEngine(model_dir, model=model, num_mtp=mtp, max_seq_len=max_len, **knobs)
-                   for name, mtp in (("no_mtp", 0), ("mtp1", 1))}
+        configs = [("no_mtp", 0, None), ("mtp1", 1, None)]
+        if args.torch_attention:
+            configs += [("no_mtp_torch", 0, False), ("mtp1_torch", 1, False)]
+        engines = {name: ReferenceEngine(model_dir, model=model, num_mtp=mtp, max_seq_len=max_len,
+                                         **knobs, **({} if kernel is None else {"attention_kernel": kernel}))
+                   for name, mtp, kernel in configs}
         prompts = context_prompts(tok, args.context) if args.context else [tok.encode(p).ids for p in PROMPTS]
         inputs = []
         with torch.inference_mode():
@@ -197,8 +206,14 @@ def run_group(engines: dict[str, ReferenceEngine], inputs: list, args: argparse.
     for name, r in results.items():
         print(f"{name:8} {r['tokens_per_s']:8.1f} {r['tokens_per_cpu_s']:10.1f} {r['acceptance_rate']:10.2f}")
     print(f"ratio mtp1/no_mtp: {ratio:.2f} (wall), {cpu_ratio:.2f} (CPU time)")
-    print(json.dumps({"prompt_tokens": lengths, "results": results, "ratio_mtp_over_no_mtp": round(ratio, 3),
-                      "cpu_ratio_mtp_over_no_mtp": round(cpu_ratio, 3)}))
+    summary = {"prompt_tokens": lengths, "results": results, "ratio_mtp_over_no_mtp": round(ratio, 3),
+               "cpu_ratio_mtp_over_no_mtp": round(cpu_ratio, 3)}
+    for name in ("no_mtp", "mtp1"):
+        if f"{name}_torch" in results:  # tokens/s with the kernel over tokens/s with PyTorch's products
+            speedup = results[name]["tokens_per_s"] / results[f"{name}_torch"]["tokens_per_s"]
+            print(f"ratio {name} kernel/products: {speedup:.2f} (wall tokens/s)")
+            summary[f"ratio_{name}_kernel_over_products"] = round(speedup, 3)
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

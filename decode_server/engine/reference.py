@@ -216,11 +216,16 @@ class ReferenceEngine(Engine):
     helper thread that takes the older half of every attention over 4096+ cache rows; the
     decoding thread computes the other half and, if the helper has not started its half
     when it is done (its core busy elsewhere), that one too, so a busy machine costs a
-    queued task, never a wait for a descheduled thread."""
+    queued task, never a wait for a descheduled thread.
+
+    ``attention_kernel`` (default: where it applies, a float32 model on the CPU with numba)
+    computes attention over the cache as one compiled loop instead of PyTorch's products
+    (:mod:`decode_server.reference.latent_kernel`); False keeps the products."""
 
     def __init__(self, model_dir: Path | str, *, slots: int = 1, max_seq_len: int = 4096, num_mtp: int = 1,
                  kv_dtype: str | None = None, model: MlaMoeModel | None = None, device: str = "cpu",
-                 threads: int | None = DEFAULT_THREADS, split_attention: bool | None = None) -> None:
+                 threads: int | None = DEFAULT_THREADS, split_attention: bool | None = None,
+                 attention_kernel: bool | None = None) -> None:
         if threads is not None and threads < 1:
             raise ValueError(f"threads={threads}: must be >= 1 (or None: leave PyTorch's setting)")
         self._model = model if model is not None else load_model(model_dir, device=device)
@@ -244,7 +249,7 @@ class ReferenceEngine(Engine):
         if split_attention is None:
             split_attention = device == "cpu" and (os.cpu_count() or 1) > 1
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="attention-helper") if split_attention else None
-        self._decoder = Decoder(self._model, max_positions=max_seq_len, helper=self._helper)
+        self._decoder = Decoder(self._model, max_positions=max_seq_len, helper=self._helper, kernel=attention_kernel)
         weight = self._model.lm_head.weight
         layers = cfg.num_hidden_layers + (1 if num_mtp else 0)
         self._free = [torch.empty(layers, max_seq_len, cfg.kv_width, dtype=weight.dtype, device=weight.device)

@@ -23,7 +23,10 @@ from the same weights with:
 * rope from a table of ``cos + i sin`` per position as one complex product per tensor
   (GPT-J pairs are complex numbers);
 * ``F.rms_norm``;
-* the LM head of a pass over 2+ rows by oneDNN on a packed copy of its weight (see :class:`_Head`).
+* the LM head of a pass over 2+ rows by oneDNN on a packed copy of its weight (see :class:`_Head`);
+* on the CPU in float32, attention over the cache as one compiled loop
+  (:mod:`~decode_server.reference.latent_kernel`) instead of the products above, where
+  numba is available.
 
 Results equal the clear model's up to float rounding (summation order), checked by
 ``tests/reference/test_decoder.py`` and, through the engine, against vLLM by the
@@ -33,6 +36,7 @@ positions ``start .. start + t - 1`` writes their rows and attends over rows ``0
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import NamedTuple, cast
@@ -40,6 +44,7 @@ from typing import NamedTuple, cast
 import torch
 import torch.nn.functional as F
 
+from decode_server.reference import latent_kernel
 from decode_server.reference.layers import MLP, DecoderBlock, MLAAttention, MoE, RMSNorm, rope_cos_sin
 from decode_server.reference.model import MlaMoeModel
 
@@ -203,7 +208,11 @@ class Decoder:
     Built once per model (it holds fused copies of the weights, ~1.5x the attention and MLP
     weights) and shared by every session; a pass allocates only its activations."""
 
-    def __init__(self, model: MlaMoeModel, max_positions: int, helper: Executor | None = None) -> None:
+    def __init__(self, model: MlaMoeModel, max_positions: int, helper: Executor | None = None,
+                 kernel: bool | None = None) -> None:
+        """``kernel``: attention over the cache by the compiled loop of
+        :mod:`~decode_server.reference.latent_kernel` (None: where it applies, a float32
+        model on the CPU, and numba loads; False: PyTorch's products; True: required)."""
         cfg = model.cfg
         self._helper = helper
         self.cfg = cfg
@@ -228,6 +237,15 @@ class Decoder:
         self._rope_table = torch.complex(cos, sin)  # [positions, rope/2]: rotation of each GPT-J pair
         causal = torch.full((MAX_NEW_TOKENS, MAX_NEW_TOKENS), float("-inf"), dtype=self._dtype, device=self._device)
         self._causal = causal.triu(1)  # [i, j]: new token i may not see new token j > i
+        applies = self._device.type == "cpu" and self._dtype == torch.float32
+        self._kernel = latent_kernel.load() if kernel or (kernel is None and applies) else None
+        if kernel and (self._kernel is None or not applies):
+            raise ValueError("kernel=True: the latent attention kernel needs numba and a float32 model on the CPU")
+
+    @property
+    def kernel(self) -> bool:
+        """Whether attention over the cache runs as the compiled loop."""
+        return self._kernel is not None
 
     @property
     def max_positions(self) -> int:
@@ -314,26 +332,42 @@ class Decoder:
         rows are the new tokens'): two products over the whole cache when it is short, else
         chunks with an online softmax, split with the helper thread when there is one."""
         length = kv.shape[0]
+        partials = self._partials if self._kernel is None else self._kernel_partials
         if self._helper is not None and length >= SPLIT_MIN_LEN:
             cut = length // 2  # the helper takes the older half, this thread the half with the new rows
             try:
                 theirs: Future[list[_Partial]] | None = self._helper.submit(
-                    self._partials_inference, queries, kv[:cut], t, False)
+                    self._partials_inference, partials, queries, kv[:cut], t, False)
             except RuntimeError:  # the engine is shutting down
                 theirs = None
-            mine = self._partials(queries, kv[cut:], t, True)
+            mine = partials(queries, kv[cut:], t, True)
             # not started yet (the helper's core is busy elsewhere): do it here instead of waiting
             if theirs is None or theirs.cancel():
-                return _merge(self._partials(queries, kv[:cut], t, False) + mine)
+                return _merge(partials(queries, kv[:cut], t, False) + mine)
             return _merge(theirs.result() + mine)
+        if self._kernel is not None:
+            return _merge(self._kernel_partials(queries, kv, t, True))
         if length >= FLASH_MIN_LEN:
             return _merge(self._partials(queries, kv, t, True))
         probs = torch.softmax(self._scores(queries, kv, t, True), dim=-1)
         return torch.mm(probs, kv[:, :self._lora])
 
-    def _partials_inference(self, queries: torch.Tensor, kv: torch.Tensor, t: int, masked: bool) -> list[_Partial]:
+    def _partials_inference(self, partials: _PartialsFn, queries: torch.Tensor, kv: torch.Tensor, t: int,
+                            masked: bool) -> list[_Partial]:
         with torch.inference_mode():  # thread-local: the helper thread's own
-            return self._partials(queries, kv, t, masked)
+            return partials(queries, kv, t, masked)
+
+    def _kernel_partials(self, queries: torch.Tensor, kv: torch.Tensor, t: int, masked: bool) -> list[_Partial]:
+        """One partial over all of ``kv`` by the compiled loop (it releases the GIL: the
+        helper thread's half runs beside this thread's)."""
+        rows = queries.shape[0]
+        out = torch.empty(rows, self._lora, dtype=queries.dtype)
+        peak = torch.empty(rows, 1, dtype=queries.dtype)
+        total = torch.empty(rows, 1, dtype=queries.dtype)
+        assert self._kernel is not None
+        self._kernel(queries.contiguous().numpy(), kv.contiguous().numpy(), self._lora, t if masked and t > 1 else 0,
+                     out.numpy(), peak.view(-1).numpy(), total.view(-1).numpy())
+        return [_Partial(out, peak, total)]
 
     def _partials(self, queries: torch.Tensor, kv: torch.Tensor, t: int, masked: bool) -> list[_Partial]:
         """Chunks of at most FLASH_CHUNK rows, the last one full (it holds the new rows)."""
@@ -357,6 +391,9 @@ class _Partial(NamedTuple):
     out: torch.Tensor  # [n*t, 512]
     peak: torch.Tensor  # [n*t, 1]
     total: torch.Tensor  # [n*t, 1]
+
+
+_PartialsFn = Callable[[torch.Tensor, torch.Tensor, int, bool], list[_Partial]]
 
 
 def _merge(parts: list[_Partial]) -> torch.Tensor:

@@ -2,7 +2,8 @@
 re-express: same logits, hidden states and cache rows up to float rounding, on random
 weights of several architectures (q_lora or not, grouped routing, no shared expert), over
 caches shorter and longer than the chunked-attention threshold, 1-3 new tokens, with and
-without the helper thread that takes half of a long attention."""
+without the helper thread that takes half of a long attention, with attention over the
+cache as PyTorch's products and as the compiled loop (latent_kernel)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,10 @@ def _random_model(change: dict) -> MlaMoeModel:
     return model.eval().requires_grad_(False)
 
 
-def _compare(model: MlaMoeModel, length: int, t: int, helper: Executor | None = None) -> float:
+KERNELS = [pytest.param(False, id="torch"), pytest.param(True, id="kernel")]
+
+
+def _compare(model: MlaMoeModel, length: int, t: int, helper: Executor | None = None, kernel: bool = False) -> float:
     """Largest difference over hidden, logits, written rows and MTP outputs of one pass,
     relative to the tensor's largest value (at least 1)."""
     gen = torch.Generator().manual_seed(length * 10 + t)
@@ -51,7 +55,8 @@ def _compare(model: MlaMoeModel, length: int, t: int, helper: Executor | None = 
     positions = torch.arange(length, length + t)
     clear = [c.clone().unsqueeze(0) for c in caches]
     fast = [c.clone() for c in caches]
-    decoder = Decoder(model, max_positions=length + t, helper=helper)
+    decoder = Decoder(model, max_positions=length + t, helper=helper, kernel=kernel)
+    assert decoder.kernel == kernel
     clear_last, fast_last = clear[-1].clone(), fast[-1].clone()
     with torch.inference_mode():
         h1, l1 = model.forward_main(ids.unsqueeze(0), positions, clear[:-1])
@@ -67,17 +72,20 @@ def _compare(model: MlaMoeModel, length: int, t: int, helper: Executor | None = 
     return max(float((a - b).abs().max()) / max(1.0, float(a.abs().max())) for a, b in pairs)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize(("length", "t"), [(1, 1), (7, 2), (300, 3), (700, 3)])
-def test_decoder_computes_the_clear_model(variant: str, length: int, t: int) -> None:
-    assert _compare(_random_model(VARIANTS[variant]), length, t) < TOLERANCE
+@pytest.mark.parametrize(("length", "t"), [(1, 1), (7, 2), (127, 2), (300, 3), (700, 3)])
+def test_decoder_computes_the_clear_model(variant: str, length: int, t: int, kernel: bool) -> None:
+    """(127, 2): the new rows straddle two of the kernel's blocks of 128 rows."""
+    assert _compare(_random_model(VARIANTS[variant]), length, t, kernel=kernel) < TOLERANCE
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("length", [decoder_module.FLASH_MIN_LEN, decoder_module.FLASH_MIN_LEN + 517])
 @pytest.mark.parametrize("t", [1, 2])
-def test_chunked_attention_over_long_caches(length: int, t: int) -> None:
+def test_chunked_attention_over_long_caches(length: int, t: int, kernel: bool) -> None:
     """At and past the threshold (a partial first chunk, the new rows in the last one)."""
-    assert _compare(_random_model({}), length, t) < TOLERANCE
+    assert _compare(_random_model({}), length, t, kernel=kernel) < TOLERANCE
 
 
 def test_position_zero_has_no_mtp_embedding() -> None:
@@ -85,19 +93,42 @@ def test_position_zero_has_no_mtp_embedding() -> None:
     assert _compare(_random_model({}), 0, 2) < TOLERANCE
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("length", [decoder_module.SPLIT_MIN_LEN, decoder_module.FLASH_MIN_LEN + 517])
 @pytest.mark.parametrize("t", [1, 2])
-def test_attention_split_with_a_helper_thread(length: int, t: int) -> None:
+def test_attention_split_with_a_helper_thread(length: int, t: int, kernel: bool) -> None:
     with ThreadPoolExecutor(1) as helper:
-        assert _compare(_random_model({}), length, t, helper) < TOLERANCE
+        assert _compare(_random_model({}), length, t, helper, kernel) < TOLERANCE
 
 
-def test_a_busy_helper_is_not_waited_for() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_busy_helper_is_not_waited_for(kernel: bool) -> None:
     """The helper's half not started yet (its thread busy): this thread computes it."""
     release = threading.Event()
     with ThreadPoolExecutor(1) as helper:
         helper.submit(release.wait)  # occupies the helper until the check is done
         try:
-            assert _compare(_random_model({}), decoder_module.FLASH_MIN_LEN, 2, helper) < TOLERANCE
+            assert _compare(_random_model({}), decoder_module.SPLIT_MIN_LEN, 2, helper, kernel) < TOLERANCE
         finally:
             release.set()
+
+
+def test_without_the_kernel_the_products_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No numba (or a kernel that fails its check): the decoder keeps PyTorch's products,
+    and asking for the kernel is an error, not a silent fallback."""
+    from decode_server.reference import latent_kernel
+
+    model = _random_model({})
+    assert Decoder(model, max_positions=8).kernel  # numba is installed here
+    monkeypatch.setattr(latent_kernel, "_KERNEL", None)
+    assert not Decoder(model, max_positions=8).kernel
+    with pytest.raises(ValueError, match="numba"):
+        Decoder(model, max_positions=8, kernel=True)
+
+    def wrong(q, kv, lora, t, out, peak, total) -> None:  # type: ignore[no-untyped-def]
+        out[:] = 0.0
+        peak[:] = 0.0
+        total[:] = 1.0
+
+    monkeypatch.setattr(latent_kernel, "_KERNEL", wrong)
+    assert not Decoder(model, max_positions=8).kernel
