@@ -15,6 +15,7 @@ hidden state of the last prompt position does not travel with the KV.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from connector.protocol import HandoffResult
     from connector.receiver import ReceivedKV
 
+log = logging.getLogger(__name__)
 FEATURES = EngineFeatures(logprobs=True, penalties=True, logit_bias=True, min_p=True, seed=True,
                           structured_output=True)
 DEFAULT_THREADS = 1  # PyTorch intra-op threads of a process decoding with this engine (see ReferenceEngine)
@@ -250,6 +252,8 @@ class ReferenceEngine(Engine):
             split_attention = device == "cpu" and (os.cpu_count() or 1) > 1
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="attention-helper") if split_attention else None
         self._decoder = Decoder(self._model, max_positions=max_seq_len, helper=self._helper, kernel=attention_kernel)
+        log.info("reference engine: attention over the cache by %s",
+                 "the compiled loop (numba)" if self._decoder.kernel else "PyTorch's products")
         weight = self._model.lm_head.weight
         layers = cfg.num_hidden_layers + (1 if num_mtp else 0)
         self._free = [torch.empty(layers, max_seq_len, cfg.kv_width, dtype=weight.dtype, device=weight.device)
