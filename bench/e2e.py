@@ -136,6 +136,8 @@ def main() -> None:
                     help="where e2e.json goes (python -m bench.plots draws from it)")
     ap.add_argument("--img", type=Path, default=REPO / "docs" / "img", help="where e2e.png goes")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--torch-attention", action="store_true",
+                    help="PD's decode server without --attention-kernel (its default): PyTorch's products")
     args = ap.parse_args()
     max_len = max(args.tokens) + 1024
     load_start = os.getloadavg()
@@ -151,7 +153,8 @@ def main() -> None:
         model = long_context_view(base, max_len, tmpdir / "model")
         cfg = StackConfig(model_dir=model, log_dir=tmpdir / "logs", router_port=free_port(),
                           prefill_port=free_port(), decode_port=free_port(), kv_port=free_port(),
-                          max_seq_len=max_len, served_model_name=MODEL)
+                          max_seq_len=max_len, served_model_name=MODEL,
+                          decode_args=() if args.torch_attention else ("--attention-kernel",))
         alone = {}
         for name, mtp in (("alone", False), ("alone+MTP", True)):
             if mtp and args.skip_alone_mtp:

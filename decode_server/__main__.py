@@ -25,7 +25,8 @@ def engine_factory(settings: DecodeServerSettings):
         from decode_server.engine.reference import ReferenceEngine
 
         return ReferenceEngine(settings.model, slots=settings.effective_slots, max_seq_len=settings.max_seq_len,
-                               num_mtp=settings.num_mtp, kv_dtype=settings.kv_dtype)
+                               num_mtp=settings.num_mtp, kv_dtype=settings.kv_dtype,
+                               attention_kernel=settings.attention_kernel)
     return build
 
 

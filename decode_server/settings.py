@@ -75,6 +75,10 @@ class DecodeServerSettings(EntrySettings):
                                        "VRAM (default: cuda:0 for tilert, cpu for reference)")
     kv_dtype: Literal["bfloat16", "float32", "float16"] | None = Field(
         None, description="reference engine: dtype of the received KV (default: the model's torch_dtype)")
+    attention_kernel: bool = Field(
+        False, description="reference engine: attention over the cache as a compiled loop (numba; "
+        "decode_server/reference/latent_kernel.py): 1.1-1.5x faster decode on the CPU; off by default until a "
+        "stall it exposed in the two-router lease queue is understood (docs/reference_engine.md)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
     log_format: LogFormat = Field(
         "text", description="text, or json: one JSON object per line, request lines with request_id and trace_id")

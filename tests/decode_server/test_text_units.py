@@ -161,6 +161,9 @@ def test_settings_cli_env_and_errors(model_dir, tmp_path):
     s = load_settings(["--engine", "reference", "--model", str(model_dir), "--slots", "3"],
                       env={"PD_DECODE_KV_TIMEOUT": "12.5", "PD_DECODE_SLOTS": "9"})
     assert (s.slots, s.kv_timeout, s.model_name) == (3, 12.5, "fake-model")
+    assert not s.attention_kernel  # opt-in (docs/reference_engine.md)
+    assert load_settings(["--engine", "reference", "--model", str(model_dir), "--attention-kernel"],
+                         env={}).attention_kernel
     with pytest.raises(SettingsError, match=r"^--port='0': Input should be greater than or equal to 1$"):
         load_settings(["--engine", "reference", "--model", str(model_dir), "--port", "0"], env={})
     with pytest.raises(SettingsError, match=r"^--model='.*nope': '.*nope' is not a directory$"):
