@@ -78,7 +78,7 @@ class DecodeServerSettings(EntrySettings):
     attention_kernel: bool = Field(
         False, description="reference engine: attention over the cache as a compiled loop (numba; "
         "decode_server/reference/latent_kernel.py): 1.1-1.5x faster decode on the CPU; off by default until a "
-        "stall it exposed in the two-router lease queue is understood (docs/reference_engine.md)")
+        "stall seen with it in the two-router FIFO test is understood (docs/reference_engine.md)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
     log_format: LogFormat = Field(
         "text", description="text, or json: one JSON object per line, request lines with request_id and trace_id")
