@@ -10,6 +10,7 @@ import json
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -130,19 +131,35 @@ def test_a_decode_server_killed_before_its_first_token_costs_only_latency(stack2
     print(f"4 requests after kill -9 of decode-0: {elapsed:.1f}s, no failover (the lease call found it down)")
 
 
+def _stream_events(url: str, model: str, rid: str, max_tokens: int, first_token: threading.Event) -> list[str]:
+    """A streamed completion's SSE data payloads; ``first_token`` is set when the first one with
+    text has reached this client (the decode server is then generating, not just leased)."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers={"X-Request-Id": rid},
+                      timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if events[-1] != "[DONE]" and json.loads(events[-1]).get("choices"):
+                    first_token.set()
+    return events
+
+
 def test_a_decode_server_killed_mid_stream_then_restarted(stack2):
     """The client gets an OpenAI error event, /ready turns 503 (no decode server left), and
     after a restart the stack serves again."""
     cfg = stack2.config
     url, model = cfg.router_url, cfg.model_name
     decode1 = _proc(stack2, "decode-1")
+    first_token = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        stream = pool.submit(_completion, url, model, "victim", True, 2000)
-        _wait_until(lambda: httpx.get(cfg.decode_urls[1] + CAPABILITIES_PATH, timeout=5).json()["busy_slots"] == 1,
-              60, "the stream generating on decode-1")
+        stream = pool.submit(_stream_events, url, model, "victim", 2000, first_token)
+        # a slot counted busy may only be leased (prefill still running): kill once a token has arrived
+        assert first_token.wait(60), "no token of the stream within 60 s"
         os.killpg(decode1.pid, signal.SIGKILL)
-        answer = stream.result(60)
-    events = [e[6:] for e in answer.text.split("\n\n") if e.startswith("data: ")]
+        events = stream.result(60)
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "bad_upstream_response", events[-2:]
     assert httpx.get(url + "/ready", timeout=5).status_code == 503
     t0 = time.monotonic()

@@ -63,6 +63,9 @@ def test_received_kv_matches_an_independent_recomputation(
         # a decode server vLLM was not configured with: the handshake starts in the
         # background and the layers leave late (wait_for_save) or in a later step
         first = checked_prefill.complete(rand_prompt(100, seed=9), "kv-first", recv.endpoint)
+        # vLLM answers before a late handoff's KV lands: the first's KV at the receiver says the
+        # handshake is done (else, on a slow machine, the next prefill is deferred too: all late)
+        recv.wait_results(1)
         result = checked_prefill.complete(prompt, "kv-exact", recv.endpoint)
         got_result = recv.wait_results(2)[1]
     assert first.status in ("sent", "pending") and first.layers_early + first.layers_late == N_MAIN + 1
