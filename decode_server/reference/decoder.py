@@ -346,7 +346,7 @@ class Decoder:
                 return _merge(partials(queries, kv[:cut], t, False) + mine)
             return _merge(theirs.result() + mine)
         if self._kernel is not None:
-            return _merge(self._kernel_partials(queries, kv, t, True))
+            return _merge(partials(queries, kv, t, True))
         if length >= FLASH_MIN_LEN:
             return _merge(self._partials(queries, kv, t, True))
         probs = torch.softmax(self._scores(queries, kv, t, True), dim=-1)

@@ -129,9 +129,12 @@ def _attend(q: Any, kv: Any, lora: int, t: int, out: Any, peak: Any, total: Any)
                     o[d] += p * row[d]
 
 
-def _compile() -> Kernel | None:
+@functools.cache
+def _compiled() -> Kernel | None:
     """:func:`_attend` as a numba dispatcher (compiled on its first call, or loaded from
-    numba's on-disk cache), once per process; None without numba."""
+    numba's on-disk cache), made on the first :func:`load` of the process, so that a
+    process that never asks for the kernel does not import numba (~0.4 s); None without
+    numba."""
     try:
         import numba
     except ImportError:
@@ -143,20 +146,18 @@ def _compile() -> Kernel | None:
         return cast(Kernel, jit(cache=False)(_attend))
 
 
-_KERNEL = _compile()
-
-
 def load() -> Kernel | None:
     """The compiled kernel, checked on a small case; None without numba or where it fails."""
-    if _KERNEL is None:
+    kernel = _compiled()
+    if kernel is None:
         log.info("numba is not installed: latent attention runs as PyTorch products")
         return None
     try:
-        _self_check(_KERNEL)
+        _self_check(kernel)
     except Exception as exc:  # noqa: BLE001 - a compiler failure leaves the PyTorch form
         log.warning("latent attention kernel unavailable (%s): PyTorch products instead", exc)
         return None
-    return _KERNEL
+    return kernel
 
 
 def _self_check(kernel: Kernel) -> None:

@@ -120,7 +120,7 @@ def test_without_the_kernel_the_products_run(monkeypatch: pytest.MonkeyPatch) ->
 
     model = _random_model({})
     assert Decoder(model, max_positions=8).kernel  # numba is installed here
-    monkeypatch.setattr(latent_kernel, "_KERNEL", None)
+    monkeypatch.setattr(latent_kernel, "_compiled", lambda: None)
     assert not Decoder(model, max_positions=8).kernel
     with pytest.raises(ValueError, match="numba"):
         Decoder(model, max_positions=8, kernel=True)
@@ -130,5 +130,5 @@ def test_without_the_kernel_the_products_run(monkeypatch: pytest.MonkeyPatch) ->
         peak[:] = 0.0
         total[:] = 1.0
 
-    monkeypatch.setattr(latent_kernel, "_KERNEL", wrong)
+    monkeypatch.setattr(latent_kernel, "_compiled", lambda: wrong)
     assert not Decoder(model, max_positions=8).kernel
