@@ -133,7 +133,7 @@ class Receiver:
         return results
 
     def wait_marker(self, name: str, timeout: float = 60.0) -> float:
-        """Wait for OUT/<name> ("admitted", "released"); return the seconds waited."""
+        """Wait for OUT/<name> ("admitted", "complete", "released"); return the seconds waited."""
         start = time.monotonic()
         while not (self.out / name).is_file():
             waited = time.monotonic() - start

@@ -3,7 +3,8 @@
 Writes its endpoint to ``--endpoint-file``; mirrors ``peers()`` to ``OUT/peers.json``;
 writes ``OUT/admitted`` when a handoff first holds a slot (and with ``--die-on-admit``
 SIGKILLs itself right then: a receiver dying mid-transfer) and ``OUT/released`` when no
-slot is held any more after that. With ``--admit-delay S`` it answers each Admit S seconds
+slot is held any more after that, ``OUT/complete`` when a handoff's KV first landed whole.
+With ``--admit-delay S`` it answers each Admit S seconds
 late (a slow decode server), writing ``OUT/admit-seen`` when the Admit comes in. The
 receiver logs (WARNING, to the log file) every handoff it frees because nobody claimed it. For each ``--handoff`` in
 order it waits (``--timeout``), dumps every layer's ``kv`` plane to
@@ -35,7 +36,7 @@ def _write(path: Path, text: str) -> None:
 
 
 async def watch(receiver: KVReceiver, out: Path, die_on_admit: bool, admitted_late: asyncio.Event) -> None:
-    admitted, released, peers = False, False, None
+    admitted, released, complete, peers = False, False, False, None
     while True:
         current = [p.model_dump() for p in receiver.peers()]
         if current != peers:
@@ -46,6 +47,9 @@ async def watch(receiver: KVReceiver, out: Path, die_on_admit: bool, admitted_la
             _write(out / "admitted", "1")
             if die_on_admit:
                 os.kill(os.getpid(), signal.SIGKILL)
+        if receiver.stats.completed and not complete:
+            complete = True
+            _write(out / "complete", "1")
         if admitted and not released and not receiver.busy_slots():
             released = True
             _write(out / "released", "1")

