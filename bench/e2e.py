@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--img", type=Path, default=REPO / "docs" / "img", help="where e2e.png goes")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--torch-attention", action="store_true",
-                    help="PD's decode server without --attention-kernel (its default): PyTorch's products")
+                    help="PD's decode server with --no-attention-kernel: PyTorch's products")
     args = ap.parse_args()
     max_len = max(args.tokens) + 1024
     load_start = os.getloadavg()
@@ -154,7 +154,7 @@ def main() -> None:
         cfg = StackConfig(model_dir=model, log_dir=tmpdir / "logs", router_port=free_port(),
                           prefill_port=free_port(), decode_port=free_port(), kv_port=free_port(),
                           max_seq_len=max_len, served_model_name=MODEL,
-                          decode_args=() if args.torch_attention else ("--attention-kernel",))
+                          decode_args=("--no-attention-kernel",) if args.torch_attention else ())
         alone = {}
         for name, mtp in (("alone", False), ("alone+MTP", True)):
             if mtp and args.skip_alone_mtp:

@@ -26,7 +26,7 @@ def engine_factory(settings: DecodeServerSettings):
 
         return ReferenceEngine(settings.model, slots=settings.effective_slots, max_seq_len=settings.max_seq_len,
                                num_mtp=settings.num_mtp, kv_dtype=settings.kv_dtype,
-                               attention_kernel=settings.attention_kernel)
+                               attention_kernel=None if settings.attention_kernel else False)  # None: where it applies
     return build
 
 

@@ -76,9 +76,9 @@ class DecodeServerSettings(EntrySettings):
     kv_dtype: Literal["bfloat16", "float32", "float16"] | None = Field(
         None, description="reference engine: dtype of the received KV (default: the model's torch_dtype)")
     attention_kernel: bool = Field(
-        False, description="reference engine: attention over the cache as a compiled loop (numba; "
-        "decode_server/reference/latent_kernel.py): 1.1-1.5x faster decode on the CPU; off by default until a "
-        "stall seen with it in the two-router FIFO test is understood (docs/reference_engine.md)")
+        True, description="reference engine: attention over the cache as a compiled loop (numba; "
+        "decode_server/reference/latent_kernel.py) where it applies (numba installed, a float32 model on the CPU): "
+        "1.1-1.5x faster decode; --no-attention-kernel: PyTorch's products")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
     log_format: LogFormat = Field(
         "text", description="text, or json: one JSON object per line, request lines with request_id and trace_id")

@@ -106,6 +106,7 @@ class _Ctx:
     model: str = ""  # the model_name label: set once the model is known to be served
     prompt_tokens: int = 0  # as prefill counted them (our connector's handoff)
     ttft: float | None = None  # seconds from ``start`` to the first token relayed (the whole answer unstreamed)
+    leased: float | None = None  # seconds from ``start`` to its first decode slot lease (the end of its queue wait)
     status: int = 0
     error_type: str = ""
     started: bool = False  # response headers sent
@@ -223,18 +224,21 @@ class CompletionHandler:
             if ctx.span is not None:
                 self._end_trace(ctx)
             ttft_ms = None if ctx.ttft is None else round(ctx.ttft * 1e3, 3)
+            leased_ms = None if ctx.leased is None else round(ctx.leased * 1e3, 3)
             log.info(
-                "request_id=%s %s status=%d%s stage=%s %.1fms%s",
+                "request_id=%s %s status=%d%s stage=%s %.1fms%s%s",
                 rid,
                 endpoint.value,
                 ctx.status,
                 f" error={ctx.error_type}" if ctx.error_type else "",
                 ctx.stage,
                 latency * 1e3,
+                "" if leased_ms is None else f" leased={leased_ms:.1f}ms",
                 "" if ttft_ms is None else f" ttft={ttft_ms:.1f}ms",
                 extra={"fields": {"event": "access", "endpoint": endpoint.value, "status": ctx.status,
                                   "error_type": ctx.error_type or None, "stage": ctx.stage,
-                                  "latency_ms": round(latency * 1e3, 3), "ttft_ms": ttft_ms}},
+                                  "latency_ms": round(latency * 1e3, 3), "leased_ms": leased_ms,
+                                  "ttft_ms": ttft_ms}},
             )
 
     @staticmethod
@@ -316,7 +320,10 @@ class CompletionHandler:
                     ) from None
                 if span is not None:
                     span.set_attributes({"pd.attempt": attempt, "pd.decode.backend": lease.backend.url})
-            state.metrics.queue_wait.observe(perf_counter() - t_queue)
+            now = perf_counter()
+            state.metrics.queue_wait.observe(now - t_queue)
+            if ctx.leased is None:
+                ctx.leased = now - ctx.start
             refused = decode_check.refusal(decode_view, lease.backend.capabilities)
             if refused is not None:  # what this decode server would refuse costs no prefill
                 state.pool.release(lease)

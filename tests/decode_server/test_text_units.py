@@ -157,13 +157,26 @@ def test_handoff_result_round_trip():
     assert h.first_token_id == 3
 
 
+@pytest.mark.parametrize(("flag", "asked"), [((), None), (("--no-attention-kernel",), False)])
+def test_the_attention_kernel_flag_reaches_the_engine(model_dir, monkeypatch, flag, asked):
+    """On by default as "where it applies" (None: a bf16 model or no numba keeps the products,
+    never a failed start); --no-attention-kernel asks for the products."""
+    import decode_server.engine.reference as reference
+    from decode_server.__main__ import engine_factory
+
+    seen = {}
+    monkeypatch.setattr(reference, "ReferenceEngine", lambda *a, **kw: seen.update(kw))
+    engine_factory(load_settings(["--engine", "reference", "--model", str(model_dir), *flag], env={}))()
+    assert seen["attention_kernel"] is asked
+
+
 def test_settings_cli_env_and_errors(model_dir, tmp_path):
     s = load_settings(["--engine", "reference", "--model", str(model_dir), "--slots", "3"],
                       env={"PD_DECODE_KV_TIMEOUT": "12.5", "PD_DECODE_SLOTS": "9"})
     assert (s.slots, s.kv_timeout, s.model_name) == (3, 12.5, "fake-model")
-    assert not s.attention_kernel  # opt-in (docs/reference_engine.md)
-    assert load_settings(["--engine", "reference", "--model", str(model_dir), "--attention-kernel"],
-                         env={}).attention_kernel
+    assert s.attention_kernel  # on where it applies (docs/reference_engine.md)
+    assert not load_settings(["--engine", "reference", "--model", str(model_dir), "--no-attention-kernel"],
+                             env={}).attention_kernel
     with pytest.raises(SettingsError, match=r"^--port='0': Input should be greater than or equal to 1$"):
         load_settings(["--engine", "reference", "--model", str(model_dir), "--port", "0"], env={})
     with pytest.raises(SettingsError, match=r"^--model='.*nope': '.*nope' is not a directory$"):
