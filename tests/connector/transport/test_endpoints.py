@@ -90,12 +90,14 @@ async def test_keeper_handshakes_an_added_receiver_and_drops_a_removed_one(kv, t
     try:
         async with kv.running_receiver() as first, kv.running_receiver() as second:
             write(path, servers(first.endpoint))
+            # the receiver says ok before the sender's connect returns and the keeper records it
             await eventually(lambda: [p.state for p in first.peers()] == ["ok"], timeout=5)
-            assert keeper.state() == {first.endpoint: "ok"} and not second.peers()
+            await eventually(lambda: keeper.state() == {first.endpoint: "ok"}, timeout=5)
+            assert not second.peers()
             write(path, servers(second.endpoint))
             await eventually(lambda: [p.state for p in second.peers()] == ["ok"], timeout=5)
             await eventually(lambda: first.endpoint not in sender._peers, timeout=5)
-            assert keeper.state() == {second.endpoint: "ok"}
+            await eventually(lambda: keeper.state() == {second.endpoint: "ok"}, timeout=5)
             await asyncio.to_thread(sender.connect, second.endpoint, 2)  # still connected: a no-op
     finally:
         keeper.stop()
