@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import threading
@@ -23,7 +24,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--spinners", type=int, default=2, help="coroutines keeping the loop busy")
     ap.add_argument("--switch-interval", type=float, nargs="+", default=[0.005, 0.0005])
     args = ap.parse_args()
-    base = ensure_tiny_model(REPO / ".cache" / "tiny-model")
+    base = ensure_tiny_model(Path(os.environ.get("PD_TINY_MODEL_ROOT") or REPO / ".cache" / "tiny-model"))
     tok = Tokenizer.from_file(str(base / "tokenizer.json"))
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 20).ids
     model = load_model(base)
