@@ -11,7 +11,10 @@ subclass of uvicorn's protocol that
 - answers ``431`` past ``max_headers`` header lines;
 - closes a connection whose request head is not complete ``header_timeout`` seconds after
   the connection opened or the head began (``408`` if part of a head arrived);
-- answers ``503`` with ``Retry-After`` to a connection beyond ``max_connections``.
+- answers ``503`` with ``Retry-After`` to a connection beyond ``max_connections``;
+
+and gives each request a :class:`~pd_http.chunk_writer.ChunkWriter` (the scope's
+``extensions``), which a relay of a token stream writes its chunks through.
 
 Between requests, uvicorn's own ``timeout_keep_alive`` closes idle connections; the body
 is the application's to time (``pd_router.asgi.read_body``). Refusals carry the
@@ -27,6 +30,8 @@ from http import HTTPStatus
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from pd_http.chunk_writer import EXTENSION, ChunkWriter
 
 ErrorBody = Callable[[int, str, str], bytes]  # (status, error type, message) -> JSON body
 
@@ -106,7 +111,12 @@ def limited_protocol(limits: HttpLimits, error_body: ErrorBody) -> type[HttpTool
             self._head_bytes = self._head_lines = 0
             self._tail = b""
             self._disarm_head_timer()
+            scope = self.scope
             super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is not None and cycle.scope is scope:  # a new request (not an upgrade)
+                extensions: dict[str, Any] = scope.setdefault("extensions", {})
+                extensions[EXTENSION] = ChunkWriter(cycle)
 
         def on_message_complete(self) -> None:
             super().on_message_complete()

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 
 from connector.protocol import HandoffResult, HandoffTarget
 from pd_grammar.spec import GrammarSpec, asks_for_grammar
+from pd_http.chunk_writer import ChunkWriter, chunk_writer
 from pd_http.logs import bind_request
 from pd_http.tracing import Span, SpanKind, Tracing, fail, span_ids
 from pd_router import decode_check, fanout, responses_api, upstream
@@ -66,6 +67,7 @@ from pd_router.slots import Lease, Requeue
 if TYPE_CHECKING:
     from opentelemetry.context import Context
 
+    from pd_router.metrics import TokenHistogram
     from pd_router.state import RouterState
 
 log = logging.getLogger("pd_router.requests")
@@ -114,6 +116,7 @@ class _Ctx:
     disconnected: bool = False
     cut_off: bool = False  # ended by the router's drain (--drain-timeout passed)
     raw: bytes = b""  # the client's body as received
+    writer: ChunkWriter | None = None  # writes the streamed answer's chunks to the client (None: ``send`` does)
     prompt_logprobs: Any = None  # prefill's, for a client that asked (merged into the decode answer)
     span: Span | None = None  # the request's root span (tracing on)
     trace: Context | None = None  # its context: the parent of the stage spans
@@ -182,6 +185,8 @@ class CompletionHandler:
                 as_responses = responses_api.parse(raw)
                 raw = json.dumps(as_responses.chat_body()).encode()
                 ctx.send = responses_api.Translator(send, as_responses).send
+            else:
+                ctx.writer = chunk_writer(scope)
             body, request = parse_request(endpoint, raw)
             ctx.raw = raw
             watcher = asyncio.get_running_loop().create_task(self._watch(receive, ctx, me))
@@ -574,20 +579,17 @@ class CompletionHandler:
     async def _relay_stream(self, ctx: _Ctx, resp: Response, backend: DecodeBackend) -> bool:
         """Relay the SSE stream. The response starts with the decode server's first chunk, so
         that a server failing before it costs the client nothing but a failover; a failure
-        after it ends the stream with an error event and marks the server down at once."""
+        after it ends the stream with an error event and marks the server down at once.
+        After the first chunk, each chunk goes to the client from the upstream connection's
+        callback through the request's :class:`ChunkWriter` where the server gives one (no
+        task switch per token); what it declines comes here and goes through ``send``."""
         state, send = self.state, ctx.send
-        itl = state.metrics.itl
-        prev = last = b""
-        t_prev = t_first = 0.0
-        chunks = 0
+        tally = _Tally(state.metrics.itl, ctx.writer)
         try:
             async for chunk in resp:
                 now = perf_counter()
-                chunks += 1
-                if t_prev:
-                    itl.observe(now - t_prev)
-                else:
-                    t_first = now
+                if not tally.chunks:
+                    tally.t_first = now
                     ctx.ttft = now - ctx.start
                     state.metrics.child(state.metrics.ttft, ctx.endpoint.label, ctx.model).observe(ctx.ttft)
                     await send(
@@ -602,9 +604,10 @@ class CompletionHandler:
                         }
                     )
                     ctx.started, ctx.status = True, 200
-                t_prev = now
+                tally.note(chunk, now)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                prev, last = last, chunk
+                if tally.writer is not None:
+                    resp.sink = tally.direct
         except UpstreamError as exc:
             err = self._mid_answer_error(backend, exc)
             if not ctx.started:
@@ -612,7 +615,9 @@ class CompletionHandler:
             state.upstream_failed("decode", backend, err, mark_down=True)
             await ctx.fail(err)
             return False
-        if not (prev[-16:] + last).rstrip().endswith(_DONE):
+        finally:
+            resp.sink = None
+        if not (tally.prev[-16:] + tally.last).rstrip().endswith(_DONE):
             err2 = BadUpstream(f"decode server {backend.url} ended the stream without data: [DONE]")
             if not ctx.started:
                 raise err2
@@ -620,9 +625,9 @@ class CompletionHandler:
             await ctx.fail(err2)
             return False
         ctx.finished = True
-        if chunks > 1:
+        if tally.chunks > 1:
             state.metrics.child(state.metrics.tpot, ctx.endpoint.label, ctx.model).observe(
-                (t_prev - t_first) / (chunks - 1))
+                (tally.t_prev - tally.t_first) / (tally.chunks - 1))
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return True
 
@@ -630,6 +635,33 @@ class CompletionHandler:
         return upstream.map_error(
             "decode", backend.target, exc, f"--decode-timeout {self.state.settings.decode_timeout:g}s"
         )
+
+
+class _Tally:
+    """A relayed stream's chunks: their count, times and last bytes (the ``[DONE]`` check)."""
+
+    __slots__ = ("itl", "writer", "chunks", "t_first", "t_prev", "prev", "last")
+
+    def __init__(self, itl: TokenHistogram, writer: ChunkWriter | None) -> None:
+        self.itl, self.writer = itl, writer
+        self.chunks = 0
+        self.t_first = self.t_prev = 0.0
+        self.prev = self.last = b""
+
+    def note(self, chunk: bytes, now: float) -> None:
+        if self.chunks:
+            self.itl.observe(now - self.t_prev)
+        self.chunks += 1
+        self.t_prev = now
+        self.prev, self.last = self.last, chunk
+
+    def direct(self, chunk: bytes) -> bool:
+        """The upstream's sink: ``chunk`` written to the client now, or declined."""
+        writer = self.writer
+        if writer is None or not writer.write(chunk):
+            return False
+        self.note(chunk, perf_counter())
+        return True
 
 
 def _handoff_attributes(result: HandoffResult) -> dict[str, str | int]:

@@ -19,6 +19,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import httptools
@@ -74,6 +75,10 @@ class Response:
         self.got_bytes = False
         self.keep_alive = False
         self._watchdog: asyncio.TimerHandle | None = None
+        # takes each body chunk as it arrives, in the protocol's callback (True: taken; False:
+        # buffered for the reader as usual); the reader is then woken only for what it declined,
+        # the end of the answer or a failure
+        self.sink: Callable[[bytes], bool] | None = None
 
     # producer side (called by the protocol)
     def _wake(self) -> None:
@@ -210,6 +215,9 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         resp = self.response
         if resp is not None:
+            sink = resp.sink
+            if sink is not None and not resp._chunks and sink(body):  # nothing buffered before it: in order
+                return
             resp._chunks.append(body)
             resp._buffered += len(body)
             if resp._buffered > _HIGH_WATER and not self.paused and self.transport is not None:

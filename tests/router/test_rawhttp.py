@@ -134,3 +134,47 @@ async def test_read_timeout_and_flow_control():
     resp.release()
     pool.close()
     server.close()
+
+
+async def test_a_sink_takes_chunks_in_order_and_what_it_declines_reaches_the_reader():
+    """The relay's write-through: chunks the sink takes never reach the reader; one it
+    declines is buffered, and so is every chunk after it until the reader took them, even
+    one the sink would take (order)."""
+    step = asyncio.Event()  # set by whoever consumed the last chunk: the server sends the next
+
+    async def handler(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for part in (b"1\r\na\r\n", b"1\r\nb\r\n1\r\nc\r\n", b"1\r\nd\r\n", b"1\r\ne\r\n"):
+            writer.write(part)  # b and c in one write: c arrives while b waits for the reader
+            await writer.drain()
+            await step.wait()
+            step.clear()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    server, origin = await _serve(handler)
+    pool = ConnectionPool()
+    taken: list[bytes] = []
+
+    def sink(chunk: bytes) -> bool:
+        if chunk in (b"a", b"b"):
+            return False
+        taken.append(chunk)
+        step.set()
+        return True
+
+    try:
+        resp = await pool.post(origin, "/", b"{}", {})
+        resp.sink = sink
+        read: list[bytes] = []
+        async for chunk in resp:
+            read.append(chunk)
+            step.set()
+        resp.release()
+        assert b"".join(read) == b"abc"
+        assert taken == [b"d", b"e"]
+    finally:
+        pool.close()
+        server.close()
+        await server.wait_closed()

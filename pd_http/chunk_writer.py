@@ -1,0 +1,55 @@
+"""Writing a streamed response's body chunks straight to the connection: an ASGI
+extension of the limited uvicorn protocol (:mod:`pd_http.limits`).
+
+An ASGI ``send`` of one body chunk is a coroutine: whoever relays an upstream stream has to
+be woken (a future, a task step, the frames of an ``async for``) to call it, and uvicorn
+then runs its per-message checks before the one ``transport.write`` that matters. For a
+relay of one small SSE chunk per generated token (the router's decode relay) that is most
+of its Python work per token. :class:`ChunkWriter`, found in the request scope's
+``extensions`` under :data:`EXTENSION`, writes a chunk in the framing uvicorn would have
+used, synchronously, from wherever the chunk arrived (the upstream connection's protocol
+callback), but only while the response is in a state where uvicorn's ``send`` would have
+written the same bytes at once: started, chunked, not complete, the client connected and
+not pushing back (uvicorn's write flow control). Otherwise :meth:`ChunkWriter.write`
+declines and the caller uses ``send``. A response's start and its end always go through
+``send``, so uvicorn's own view of the exchange (keep-alive, completion) stays right.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+EXTENSION = "pd.chunk_writer"
+
+
+class ChunkWriter:
+    """Writes body chunks of one request's response (one uvicorn request/response cycle)."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle  # uvicorn's httptools RequestResponseCycle
+
+    def write(self, chunk: bytes) -> bool:
+        """Write ``chunk`` as one HTTP chunk now; False (nothing written) when ``send`` must do it."""
+        cycle = self._cycle
+        if (
+            not chunk
+            or not cycle.response_started
+            or cycle.response_complete
+            or cycle.disconnected
+            or cycle.chunked_encoding is not True
+            or cycle.flow.write_paused
+        ):
+            return False
+        transport = cycle.transport
+        if transport.is_closing():
+            return False
+        transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        return True
+
+
+def chunk_writer(scope: Any) -> ChunkWriter | None:
+    """The request's writer, when its server provides one (the router's uvicorn does)."""
+    extensions = scope.get("extensions")
+    return extensions.get(EXTENSION) if extensions else None

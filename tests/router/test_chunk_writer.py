@@ -1,0 +1,94 @@
+"""The streamed answer's chunks go to the client through the connection's chunk writer
+(:mod:`pd_http.chunk_writer`), in the framing uvicorn uses, and only when uvicorn would
+write them at once."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from pd_http.chunk_writer import ChunkWriter
+from tests.router.conftest import MODEL
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Transport:
+    def __init__(self, closing: bool = False) -> None:
+        self.closing, self.written = closing, []
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+
+def _cycle(**state) -> SimpleNamespace:
+    values = {"response_started": True, "response_complete": False, "disconnected": False,
+              "chunked_encoding": True, "flow": SimpleNamespace(write_paused=False), "transport": _Transport()}
+    return SimpleNamespace(**{**values, **state})
+
+
+@pytest.mark.parametrize("state", [
+    {"response_started": False},  # the start (status line, headers) is send's
+    {"response_complete": True},
+    {"disconnected": True},
+    {"chunked_encoding": False},  # a Content-Length answer
+    {"chunked_encoding": None},
+    {"flow": SimpleNamespace(write_paused=True)},  # the client pushes back: send waits for the drain
+    {"transport": _Transport(closing=True)},
+])
+def test_the_writer_declines_what_send_must_write(state):
+    cycle = _cycle(**state)
+    assert ChunkWriter(cycle).write(b"data: x\n\n") is False
+    assert cycle.transport.written == []
+
+
+def test_the_writer_frames_a_chunk_as_uvicorn_does():
+    cycle = _cycle()
+    writer = ChunkWriter(cycle)
+    assert writer.write(b"data: hello\n\n") is True
+    assert writer.write(b"") is False  # an empty chunk would end the body
+    assert cycle.transport.written == [b"d\r\ndata: hello\n\n\r\n"]
+
+
+def test_a_streamed_answer_reaches_the_client_through_the_chunk_writer(make_rig, monkeypatch):
+    """Every chunk after the first is written by the writer (none was before it existed),
+    the answer is whole and in order, and the connection serves the next request."""
+    rig = make_rig(decode={"token_delay": 0.003})
+    written: list[bytes] = []
+    original = ChunkWriter.write
+
+    def counting(self: ChunkWriter, chunk: bytes) -> bool:
+        done = original(self, chunk)
+        if done:
+            written.append(chunk)
+        return done
+
+    monkeypatch.setattr(ChunkWriter, "write", counting)
+    conn = http.client.HTTPConnection("127.0.0.1", int(rig.url.rsplit(":", 1)[1]), timeout=20)
+    try:
+        for i in range(2):  # the second on the same keep-alive connection
+            written.clear()
+            body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 20, "stream": True,
+                               "stream_options": {"include_usage": True}})
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                            "X-Request-Id": f"cw-{i}"})
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.getheader("transfer-encoding") == "chunked"
+            raw = resp.read()
+            events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
+            assert events[-1] == b"[DONE]"
+            payloads = [json.loads(e) for e in events[:-1]]
+            text = "".join(p["choices"][0]["text"] for p in payloads if p["choices"])
+            assert text == "".join(f"t{k} " for k in range(20))
+            assert payloads[-1]["usage"]["completion_tokens"] == 20
+            assert len(written) >= 15, f"only {len(written)} chunks went through the writer"
+            assert raw.endswith(b"".join(written[-2:]))  # in order, to the end
+    finally:
+        conn.close()
+    rig.assert_no_leaks()
