@@ -130,17 +130,27 @@ class LeaseTable:
                 self._queue.sort()
         return arrived_at + best
 
-    async def acquire(self, lease_id: str, wait_s: float = 0.0, holder: str = "", arrived_at: float = 0.0,
-                      sent_at: float = 0.0) -> int:
-        """A slot for ``lease_id`` (its index), now or within ``wait_s`` in arrival order;
-        raises :class:`LeaseRefused`. Cancelling the caller leaves the queue (a slot granted
-        at that moment goes back)."""
+    def grant_now(self, lease_id: str) -> int | None:
+        """A slot for ``lease_id`` (its index) if one is free and nobody waits; None when the
+        caller would have to queue (:meth:`acquire` does that); raises :class:`LeaseRefused`
+        (draining, or the id is held or queued). Synchronous: an immediate grant is answered
+        without a task."""
         if self._closed:
             raise self._refuse("closed", "the decode server is draining: it grants no lease")
         if lease_id in self._held or any(w.lease_id == lease_id for w in self._queue):
             raise self._refuse("duplicate", f"lease {lease_id!r} is already held or queued on this decode server")
         if self._free and not self._queue:
             return self._grant(lease_id).index
+        return None
+
+    async def acquire(self, lease_id: str, wait_s: float = 0.0, holder: str = "", arrived_at: float = 0.0,
+                      sent_at: float = 0.0) -> int:
+        """A slot for ``lease_id`` (its index), now or within ``wait_s`` in arrival order;
+        raises :class:`LeaseRefused`. Cancelling the caller leaves the queue (a slot granted
+        at that moment goes back)."""
+        now = self.grant_now(lease_id)
+        if now is not None:
+            return now
         if wait_s <= 0:
             raise self._refuse("timeout", f"all {self.capacity} decode slots are leased")
         if len(self._queue) >= self.max_queue:

@@ -223,3 +223,31 @@ def test_no_slot_is_double_booked_and_waiters_go_in_arrival_order(slots: int, op
         assert table.free == slots
 
     run(main())
+
+
+def test_grant_now_answers_without_waiting_and_never_jumps_the_queue() -> None:
+    """The lease route's fast path: a free slot with nobody waiting is granted at once (no
+    task); otherwise None (the caller queues) or the same refusals as acquire."""
+
+    async def main() -> None:
+        table = LeaseTable(2, ttl_s=60, max_queue=8)
+        assert table.grant_now("a") == 0 and table.grant_now("b") == 1
+        assert table.grant_now("c") is None  # full: acquire would queue it
+        with pytest.raises(LeaseRefused) as dup:
+            table.grant_now("a")
+        assert dup.value.reason == "duplicate"
+        waiter = asyncio.create_task(table.acquire("w", wait_s=10))
+        await _queued(table, 1)
+        with pytest.raises(LeaseRefused):
+            table.grant_now("w")  # queued: a duplicate too
+        table.release(["a"])  # the slot goes to the waiter, not to a later grant_now
+        assert table.grant_now("d") is None
+        assert await waiter == 0
+        table.release(["b"])
+        assert table.grant_now("d") == 1
+        table.close()
+        with pytest.raises(LeaseRefused) as closed:
+            table.grant_now("e")
+        assert closed.value.reason == "closed"
+
+    run(main())
