@@ -23,6 +23,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,8 +54,8 @@ def chat_messages() -> list[dict[str, str]]:
                                         "decoding errors, and which function should I use for streams?"}]
 
 
-def request_body(endpoint: str) -> dict:
-    body: dict = {"model": "tiny", "max_tokens": TOKENS, "stream": True, "stream_options": {"include_usage": True}}
+def request_body(endpoint: str, tokens: int = TOKENS) -> dict:
+    body: dict = {"model": "tiny", "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}
     if endpoint == "chat":
         body["messages"] = chat_messages()
     else:
@@ -87,8 +89,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, endpoint: str, direct: bool, rid: str,
-               phase: Phase) -> None:
-    body = request_body(endpoint)
+               phase: Phase, tokens: int = TOKENS) -> None:
+    body = request_body(endpoint, tokens)
     if direct:  # what the router would add: the handoff prefill returned
         body["kv_transfer_params"] = HandoffResult(
             handoff_id=rid,
@@ -117,20 +119,21 @@ async def _one(session: aiohttp.ClientSession, url: str, endpoint: str, direct: 
 
 
 async def _phase(
-    url: str, endpoint: str, direct: bool, concurrency: int, per_client: int, pid: int | None, tag: str
+    url: str, endpoint: str, direct: bool, concurrency: int, per_client: int, pid: int | None, tag: str,
+    tokens: int = TOKENS,
 ) -> Phase:
     phase = Phase()
     connector = aiohttp.TCPConnector(limit=0)
     url += ENDPOINTS[endpoint]
     async with aiohttp.ClientSession(connector=connector) as session:
-        await _one(session, url, endpoint, direct, f"warm-{tag}", Phase())
+        await _one(session, url, endpoint, direct, f"warm-{tag}", Phase(), tokens)
 
         async def client(c: int) -> None:
             # spread the clients' starts over one request's duration; identical requests
             # started together would stay in lock-step and measure bursts, not a steady load
-            await asyncio.sleep(c * TOKENS * TOKEN_DELAY / concurrency)
+            await asyncio.sleep(c * tokens * TOKEN_DELAY / concurrency)
             for i in range(per_client):
-                await _one(session, url, endpoint, direct, f"{tag}-{c}-{i}", phase)
+                await _one(session, url, endpoint, direct, f"{tag}-{c}-{i}", phase, tokens)
 
         cpu0 = _cpu_seconds(pid) if pid else 0.0
         t0 = time.perf_counter()
@@ -232,6 +235,26 @@ def _write_section(text: str) -> None:
     path.write_text(head + text.rstrip() + "\n" + ("\n" + rest if rest else ""))
 
 
+@contextmanager
+def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], int]]:
+    """A fake prefill and a fake decode server (1024 slots, a token every TOKEN_DELAY s) and
+    a router in front of them, each its own process; yields their URLs and the router's pid."""
+    ports = {name: free_port() for name in ("prefill", "decode", "router")}
+    fake = ["-m", "tests.fakes.fake_backends"]
+    decode_knobs = json.dumps({"model": "tiny", "slots": 1024, "token_delay": TOKEN_DELAY})
+    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+    with (
+        server(python_argv(*fake, "prefill", "--port", str(ports["prefill"])), logs / "prefill.log",
+               urls["prefill"] + "/health", 30),
+        server(python_argv(*fake, "decode", "--port", str(ports["decode"]), "--knobs", decode_knobs),
+               logs / "decode.log", urls["decode"] + "/ready", 30),
+        server(router_argv(RouterSpec((urls["prefill"],), (urls["decode"],), port=ports["router"],
+                                      extra_args=("--log-level", "warning", "--max-queue", "4096"))),
+               logs / "router.log", urls["router"] + "/ready", 30) as router,
+    ):
+        yield urls, router.proc.pid
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -247,40 +270,10 @@ def main() -> None:
     args = parser.parse_args()
     started, load_start = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()[0]
     per_client = dict(zip(CONCURRENCY, args.requests_per_client, strict=True))
-    ports = {name: free_port() for name in ("prefill", "decode", "router")}
     logs = Path(tempfile.mkdtemp(prefix="router-bench-"))
-    fake = ["-m", "tests.fakes.fake_backends"]
-    decode_knobs = json.dumps({"model": "tiny", "slots": 1024, "token_delay": TOKEN_DELAY})
-    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
-    with (
-        server(
-            python_argv(*fake, "prefill", "--port", str(ports["prefill"])),
-            logs / "prefill.log",
-            urls["prefill"] + "/health",
-            30,
-        ),
-        server(
-            python_argv(*fake, "decode", "--port", str(ports["decode"]), "--knobs", decode_knobs),
-            logs / "decode.log",
-            urls["decode"] + "/ready",
-            30,
-        ),
-        server(
-            router_argv(
-                RouterSpec(
-                    (urls["prefill"],),
-                    (urls["decode"],),
-                    port=ports["router"],
-                    extra_args=("--log-level", "warning", "--max-queue", "4096"),
-                )
-            ),
-            logs / "router.log",
-            urls["router"] + "/ready",
-            30,
-        ) as router,
-    ):
+    with fake_stack(logs) as (urls, router_pid):
         t0 = time.perf_counter()
-        rows = uvloop.run(_measure(urls["decode"], urls["router"], router.proc.pid, per_client, args.rounds,
+        rows = uvloop.run(_measure(urls["decode"], urls["router"], router_pid, per_client, args.rounds,
                                    args.endpoints))
         took = time.perf_counter() - t0
     table = _table(rows)

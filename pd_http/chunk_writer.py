@@ -30,22 +30,23 @@ class ChunkWriter:
     def __init__(self, cycle: Any) -> None:
         self._cycle = cycle  # uvicorn's httptools RequestResponseCycle
 
+    def writable(self) -> bool:
+        """Whether uvicorn's ``send`` would write a body chunk at once now."""
+        cycle = self._cycle
+        return (
+            cycle.response_started
+            and not cycle.response_complete
+            and not cycle.disconnected
+            and cycle.chunked_encoding is True
+            and not cycle.flow.write_paused
+            and not cycle.transport.is_closing()
+        )
+
     def write(self, chunk: bytes) -> bool:
         """Write ``chunk`` as one HTTP chunk now; False (nothing written) when ``send`` must do it."""
-        cycle = self._cycle
-        if (
-            not chunk
-            or not cycle.response_started
-            or cycle.response_complete
-            or cycle.disconnected
-            or cycle.chunked_encoding is not True
-            or cycle.flow.write_paused
-        ):
+        if not chunk or not self.writable():
             return False
-        transport = cycle.transport
-        if transport.is_closing():
-            return False
-        transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
         return True
 
 

@@ -607,7 +607,7 @@ class CompletionHandler:
                 tally.note(chunk, now)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if tally.writer is not None:
-                    resp.sink = tally.direct
+                    resp.sink = tally
         except UpstreamError as exc:
             err = self._mid_answer_error(backend, exc)
             if not ctx.started:
@@ -638,15 +638,18 @@ class CompletionHandler:
 
 
 class _Tally:
-    """A relayed stream's chunks: their count, times and last bytes (the ``[DONE]`` check)."""
+    """A relayed stream's chunks (their count, times and last bytes, for the ``[DONE]`` check
+    and the metrics) and, with a writer, the upstream's :class:`~pd_router.rawhttp.Sink`: the
+    chunks of one upstream read go to the client as one write, from the connection's callback."""
 
-    __slots__ = ("itl", "writer", "chunks", "t_first", "t_prev", "prev", "last")
+    __slots__ = ("itl", "writer", "chunks", "t_first", "t_prev", "prev", "last", "_pending")
 
     def __init__(self, itl: TokenHistogram, writer: ChunkWriter | None) -> None:
         self.itl, self.writer = itl, writer
         self.chunks = 0
         self.t_first = self.t_prev = 0.0
         self.prev = self.last = b""
+        self._pending: list[bytes] = []
 
     def note(self, chunk: bytes, now: float) -> None:
         if self.chunks:
@@ -655,13 +658,20 @@ class _Tally:
         self.t_prev = now
         self.prev, self.last = self.last, chunk
 
-    def direct(self, chunk: bytes) -> bool:
-        """The upstream's sink: ``chunk`` written to the client now, or declined."""
-        writer = self.writer
-        if writer is None or not writer.write(chunk):
+    def take(self, chunk: bytes) -> bool:
+        """Taken when the client's connection can be written to now (it stays so until
+        :meth:`flush`: both run in one callback of the event loop)."""
+        if not self._pending and (self.writer is None or not self.writer.writable()):
             return False
+        self._pending.append(chunk)
         self.note(chunk, perf_counter())
         return True
+
+    def flush(self) -> None:
+        pending = self._pending
+        if pending and self.writer is not None:
+            self.writer.write(pending[0] if len(pending) == 1 else b"".join(pending))
+            pending.clear()
 
 
 def _handoff_attributes(result: HandoffResult) -> dict[str, str | int]:

@@ -19,8 +19,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import httptools
 
@@ -57,6 +56,20 @@ class ResponseFailed(UpstreamError):
     pass
 
 
+class Sink(Protocol):
+    """Takes a streamed answer's body chunks in the connection's callback, instead of the reader."""
+
+    def take(self, chunk: bytes) -> bool:
+        """True: taken; False: declined (buffered for the reader, with every chunk after it
+        until the reader has them all, so that order holds)."""
+        ...
+
+    def flush(self) -> None:
+        """Called once after each read from the socket that gave it chunks (one read can hold
+        several: the sink may write them as one)."""
+        ...
+
+
 class Response:
     """One upstream answer: ``status`` and ``headers`` (lower-case names), then the body
     via :meth:`read` or ``async for chunk in response``. Always end with :meth:`release`."""
@@ -75,10 +88,9 @@ class Response:
         self.got_bytes = False
         self.keep_alive = False
         self._watchdog: asyncio.TimerHandle | None = None
-        # takes each body chunk as it arrives, in the protocol's callback (True: taken; False:
-        # buffered for the reader as usual); the reader is then woken only for what it declined,
-        # the end of the answer or a failure
-        self.sink: Callable[[bytes], bool] | None = None
+        # takes body chunks as they arrive, in the protocol's callback (see :class:`Sink`); the
+        # reader is then woken only for what it declined, the end of the answer or a failure
+        self.sink: Sink | None = None
 
     # producer side (called by the protocol)
     def _wake(self) -> None:
@@ -188,6 +200,10 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             resp._fail(ResponseFailed(f"malformed answer from {self.origin}: {exc}"))
             self.abort()
+        finally:
+            sink = resp.sink
+            if sink is not None:
+                sink.flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -216,7 +232,7 @@ class _Connection(asyncio.Protocol):
         resp = self.response
         if resp is not None:
             sink = resp.sink
-            if sink is not None and not resp._chunks and sink(body):  # nothing buffered before it: in order
+            if sink is not None and not resp._chunks and sink.take(body):  # nothing buffered before it: in order
                 return
             resp._chunks.append(body)
             resp._buffered += len(body)

@@ -10,7 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from prometheus_client import CollectorRegistry
+
 from pd_http.chunk_writer import ChunkWriter
+from pd_router.handler import _Tally
+from pd_router.metrics import TokenHistogram
 from tests.router.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,6 +48,7 @@ def _cycle(**state) -> SimpleNamespace:
 ])
 def test_the_writer_declines_what_send_must_write(state):
     cycle = _cycle(**state)
+    assert not ChunkWriter(cycle).writable()
     assert ChunkWriter(cycle).write(b"data: x\n\n") is False
     assert cycle.transport.written == []
 
@@ -54,6 +59,25 @@ def test_the_writer_frames_a_chunk_as_uvicorn_does():
     assert writer.write(b"data: hello\n\n") is True
     assert writer.write(b"") is False  # an empty chunk would end the body
     assert cycle.transport.written == [b"d\r\ndata: hello\n\n\r\n"]
+
+
+def test_the_chunks_of_one_upstream_read_leave_as_one_write():
+    """The relay's sink: what one read of the decode server's socket gave (several tokens'
+    events when the router fell behind) is one write to the client, in order; nothing is
+    taken while the client's connection cannot be written to."""
+    itl = TokenHistogram("t", "t", (0.001,), CollectorRegistry())
+    cycle = _cycle()
+    tally = _Tally(itl, ChunkWriter(cycle))
+    assert tally.take(b"data: 1\n\n") and tally.take(b"data: 2\n\n")
+    assert cycle.transport.written == []  # not before the read is over
+    tally.flush()
+    assert cycle.transport.written == [b"12\r\ndata: 1\n\ndata: 2\n\n\r\n"]
+    assert tally.chunks == 2 and tally.last == b"data: 2\n\n"
+    tally.flush()  # nothing pending: nothing written
+    assert len(cycle.transport.written) == 1
+    cycle.flow.write_paused = True
+    assert not tally.take(b"data: 3\n\n")  # the reader gets it, and send waits for the drain
+    assert tally.chunks == 2
 
 
 def test_a_streamed_answer_reaches_the_client_through_the_chunk_writer(make_rig, monkeypatch):

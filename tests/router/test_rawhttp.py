@@ -156,17 +156,23 @@ async def test_a_sink_takes_chunks_in_order_and_what_it_declines_reaches_the_rea
     server, origin = await _serve(handler)
     pool = ConnectionPool()
     taken: list[bytes] = []
+    flushed: list[int] = []
 
-    def sink(chunk: bytes) -> bool:
-        if chunk in (b"a", b"b"):
-            return False
-        taken.append(chunk)
-        step.set()
-        return True
+    class Sink:
+        def take(self, chunk: bytes) -> bool:
+            if chunk in (b"a", b"b"):
+                return False
+            taken.append(chunk)
+            return True
+
+        def flush(self) -> None:  # after each read: the server has the next chunk sent once it was written
+            flushed.append(len(taken))
+            if taken:
+                step.set()
 
     try:
         resp = await pool.post(origin, "/", b"{}", {})
-        resp.sink = sink
+        resp.sink = Sink()
         read: list[bytes] = []
         async for chunk in resp:
             read.append(chunk)
@@ -174,6 +180,7 @@ async def test_a_sink_takes_chunks_in_order_and_what_it_declines_reaches_the_rea
         resp.release()
         assert b"".join(read) == b"abc"
         assert taken == [b"d", b"e"]
+        assert 1 in flushed and 2 in flushed  # a flush after the read of d, and after e
     finally:
         pool.close()
         server.close()

@@ -1,0 +1,100 @@
+"""Where the router's CPU and added latency come from: per request, per token, per round trip.
+
+The same processes as ``bench/router_overhead.py`` (fake prefill, fake decode with 1024
+slots and a token every 3.19 ms, the router), chat completions, streaming. Measures
+
+* router CPU per request: 1-token streams at C=16 (lease, prefill, decode open, relay of
+  one chunk and the end, the access line): everything a request costs besides its tokens;
+* router CPU per token: 512-token streams at C=64, less their requests' share;
+* the loopback round trip of one small POST to a Python server (the fake decode's lease
+  release of an unknown id) paced like the C=1 run (one every 3.19 ms, so both ends sleep
+  in between), which bounds how low the router's added TTFT can go: a routed request waits
+  on more sequential exchanges than a direct one (the lease, the prefill, and the router's
+  own hop between client and decode server).
+
+Prints the split and what it predicts for the 64-token requests of router_overhead.py.
+
+    .venv/bin/python bench/router_cpu_split.py [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import uvloop
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.router_overhead import TOKEN_DELAY, TOKENS, _phase, fake_stack  # noqa: E402
+from decode_server.contract import LEASE_RELEASE_PATH, LeaseIds  # noqa: E402
+from pd_router.rawhttp import ConnectionPool, Origin  # noqa: E402
+
+LONG = 512
+
+
+async def _round_trips(decode_url: str, n: int = 300) -> list[float]:
+    host, port = decode_url.removeprefix("http://").rsplit(":", 1)
+    origin, pool = Origin(host, int(port)), ConnectionPool()
+    body = LeaseIds(lease_ids=["no-such-lease"]).model_dump_json().encode()
+    out = []
+    try:
+        for _ in range(n):
+            await asyncio.sleep(TOKEN_DELAY)
+            t0 = time.perf_counter()
+            resp = await pool.post(origin, LEASE_RELEASE_PATH, body, {})
+            await resp.read()
+            resp.release()
+            out.append(time.perf_counter() - t0)
+    finally:
+        pool.close()
+    return out
+
+
+async def _measure(urls: dict[str, str], pid: int, rounds: int) -> dict[str, float]:
+    per_request, per_token, rtts, direct_ttft = [], [], [], []
+    for r in range(rounds):
+        short = await _phase(urls["router"], "chat", False, 16, 20, pid, f"s{r}", tokens=1)
+        req_cpu = short.cpu / (16 * 20)
+        long = await _phase(urls["router"], "chat", False, 64, 1, pid, f"l{r}", tokens=LONG)
+        per_request.append(req_cpu)
+        per_token.append((long.cpu - 64 * req_cpu) / long.tokens)
+        rtts += await _round_trips(urls["decode"])
+        direct = await _phase(urls["decode"], "chat", True, 1, 20, None, f"d{r}")
+        direct_ttft += direct.ttft
+    return {"per_request_ms": statistics.median(per_request) * 1e3,
+            "per_token_us": statistics.median(per_token) * 1e6,
+            "rtt_p50_ms": statistics.median(rtts) * 1e3,
+            "direct_ttft_p50_ms": statistics.median(direct_ttft) * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the measurements (medians)")
+    args = parser.parse_args()
+    started, load_start = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()[0]
+    with fake_stack(Path(tempfile.mkdtemp(prefix="router-split-"))) as (urls, pid):
+        m = uvloop.run(_measure(urls, pid, args.rounds))
+    share = m["per_request_ms"] * 1e3 / TOKENS
+    print(f"router CPU per request (1-token chat streams, C=16): {m['per_request_ms']:.3f} ms")
+    print(f"router CPU per relayed token ({LONG}-token chat streams, C=64, less the requests' share): "
+          f"{m['per_token_us']:.1f} us")
+    print(f"at {TOKENS} tokens per request: {share:.1f} us/token from the request + {m['per_token_us']:.1f} "
+          f"per token = {share + m['per_token_us']:.1f} us/token")
+    print(f"loopback round trip of one small POST to a Python server, one every {TOKEN_DELAY * 1e3:.2f} ms: "
+          f"p50 {m['rtt_p50_ms']:.3f} ms; direct TTFT p50 {m['direct_ttft_p50_ms']:.3f} ms")
+    print(f"a routed request waits on 3 more sequential exchanges than a direct one (lease, prefill, the "
+          f"router's hop): ~{3 * m['rtt_p50_ms']:.2f} ms of added TTFT before the router's own work")
+    print(f"({started}; load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, "
+          f"{os.cpu_count()} CPUs)")
+
+
+if __name__ == "__main__":
+    main()
