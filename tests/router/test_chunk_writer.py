@@ -9,7 +9,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-
 from prometheus_client import CollectorRegistry
 
 from pd_http.chunk_writer import ChunkWriter
