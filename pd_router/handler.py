@@ -605,7 +605,11 @@ class CompletionHandler:
                     )
                     ctx.started, ctx.status = True, 200
                 tally.note(chunk, now)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                tally.sending = True  # until this chunk is written, later ones wait behind it
+                try:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                finally:
+                    tally.sending = False
                 if tally.writer is not None:
                     resp.sink = tally
         except UpstreamError as exc:
@@ -642,11 +646,14 @@ class _Tally:
     and the metrics) and, with a writer, the upstream's :class:`~pd_router.rawhttp.Sink`: the
     chunks of one upstream read go to the client as one write, from the connection's callback."""
 
-    __slots__ = ("itl", "writer", "chunks", "t_first", "t_prev", "prev", "last", "_pending")
+    __slots__ = ("itl", "writer", "chunks", "t_first", "t_prev", "prev", "last", "sending", "_pending")
 
     def __init__(self, itl: TokenHistogram, writer: ChunkWriter | None) -> None:
         self.itl, self.writer = itl, writer
         self.chunks = 0
+        # the relay task is in ``send`` with a chunk: uvicorn may be waiting for the client to
+        # drain before writing it, and a chunk written past it now would overtake it
+        self.sending = False
         self.t_first = self.t_prev = 0.0
         self.prev = self.last = b""
         self._pending: list[bytes] = []
@@ -661,7 +668,7 @@ class _Tally:
     def take(self, chunk: bytes) -> bool:
         """Taken when the client's connection can be written to now (it stays so until
         :meth:`flush`: both run in one callback of the event loop)."""
-        if not self._pending and (self.writer is None or not self.writer.writable()):
+        if not self._pending and (self.sending or self.writer is None or not self.writer.writable()):
             return False
         self._pending.append(chunk)
         self.note(chunk, perf_counter())

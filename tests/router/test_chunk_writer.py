@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -79,6 +81,17 @@ def test_the_chunks_of_one_upstream_read_leave_as_one_write():
     assert tally.chunks == 2
 
 
+def test_nothing_overtakes_a_chunk_the_relay_is_sending():
+    """The client drained (writable again) but the relay task has not yet been resumed to
+    write the chunk it gave ``send``: a chunk arriving now must wait behind it."""
+    cycle = _cycle()
+    tally = _Tally(TokenHistogram("t", "t", (0.001,), CollectorRegistry()), ChunkWriter(cycle))
+    tally.sending = True
+    assert not tally.take(b"data: 4\n\n")
+    tally.sending = False
+    assert tally.take(b"data: 5\n\n")
+
+
 def test_a_streamed_answer_reaches_the_client_through_the_chunk_writer(make_rig, monkeypatch):
     """Every chunk after the first is written by the writer (none was before it existed),
     the answer is whole and in order, and the connection serves the next request."""
@@ -114,4 +127,55 @@ def test_a_streamed_answer_reaches_the_client_through_the_chunk_writer(make_rig,
             assert raw.endswith(b"".join(written[-2:]))  # in order, to the end
     finally:
         conn.close()
+    rig.assert_no_leaks()
+
+
+def test_a_slow_client_gets_every_chunk_in_order(make_rig, monkeypatch):
+    """A client that reads slowly fills the router's socket buffers: uvicorn's flow control
+    pauses writing, the writer declines, the relay's ``send`` waits for the drain, and when
+    writing resumes no chunk overtakes the one ``send`` holds."""
+    rig = make_rig()
+    paused: list[bool] = []
+    original = ChunkWriter.writable
+
+    def recording(self: ChunkWriter) -> bool:
+        ok = original(self)
+        if not ok:
+            paused.append(self._cycle.flow.write_paused)
+        return ok
+
+    monkeypatch.setattr(ChunkWriter, "writable", recording)
+    n = 30000
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": n, "stream": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", int(rig.url.rsplit(":", 1)[1])))
+    received = bytearray()
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"X-Request-Id: slow-1\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+        while not received.endswith(b"0\r\n\r\n"):
+            part = sock.recv(2048)
+            assert part, "the router closed the connection mid-stream"
+            received += part
+            if len(received) < 2_000_000:
+                time.sleep(0.0005)  # a slow reader for the first 2 MB: the router's buffers fill up
+    finally:
+        sock.close()
+    head, _, chunked = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    payload, rest = bytearray(), chunked
+    while True:  # undo the chunked framing
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        payload += rest[:size]
+        rest = rest[size + 2:]
+    events = [e.removeprefix(b"data: ") for e in bytes(payload).split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert text == "".join(f"t{k} " for k in range(n))
+    assert True in paused, "the client never pushed back: the test did not reach uvicorn's flow control"
     rig.assert_no_leaks()
