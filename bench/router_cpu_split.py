@@ -35,14 +35,14 @@ sys.path.insert(0, str(REPO))
 
 from bench.router_overhead import TOKEN_DELAY, TOKENS, _phase, fake_stack  # noqa: E402
 from decode_server.contract import LEASE_RELEASE_PATH, LeaseIds  # noqa: E402
-from pd_router.rawhttp import ConnectionPool, Origin  # noqa: E402
+from pd_router.rawhttp import ConnectionPool  # noqa: E402
+from pd_router.upstream import Target  # noqa: E402
 
 LONG = 512
 
 
 async def _round_trips(decode_url: str, n: int = 300) -> list[float]:
-    host, port = decode_url.removeprefix("http://").rsplit(":", 1)
-    origin, pool = Origin(host, int(port)), ConnectionPool()
+    origin, pool = Target.parse(decode_url).origin, ConnectionPool()
     body = LeaseIds(lease_ids=["no-such-lease"]).model_dump_json().encode()
     out = []
     try:

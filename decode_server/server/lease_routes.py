@@ -68,14 +68,25 @@ async def acquire(request: Request) -> Response:
         return error_response(err)
     leases = state.slots.leases
     state.metrics.lease_requests.inc()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
     try:
-        now = leases.grant_now(body.lease_id)  # the common case, answered without a task
+        # the common case (a free slot, nobody waiting) is answered here, without a task
+        slot = leases.grant_now(body.lease_id)
+        if slot is None:
+            slot = await _wait_for_slot(request, leases, body)
     except LeaseRefused as exc:
         return error_response(_refusal(exc))
-    if now is not None:
-        state.metrics.lease_wait.observe(0.0)
-        return _grant(body, now, leases)
-    t0 = asyncio.get_running_loop().time()
+    if slot is None:  # the caller went away while it waited
+        return Response(status_code=499)
+    state.metrics.lease_wait.observe(loop.time() - t0)
+    return _json(LeaseGrant(lease_id=body.lease_id, slot=slot, ttl_s=leases.ttl_s, free=leases.free,
+                            queued=leases.queued))
+
+
+async def _wait_for_slot(request: Request, leases: LeaseTable, body: LeaseRequest) -> int | None:
+    """A slot after a wait in the queue (refusals raised as by :meth:`LeaseTable.acquire`);
+    None when the caller went away first."""
     grant = asyncio.ensure_future(leases.acquire(body.lease_id, body.wait_s, body.holder, body.arrived_at,
                                                 body.sent_at))
     gone = asyncio.ensure_future(_disconnected(request))
@@ -86,20 +97,11 @@ async def acquire(request: Request) -> Response:
         if not grant.done():
             grant.cancel()
     try:
-        slot = await grant
-    except asyncio.CancelledError:  # the caller went away while it waited
+        return await grant
+    except asyncio.CancelledError:
         if not grant.cancelled():
             raise
-        return Response(status_code=499)
-    except LeaseRefused as exc:
-        return error_response(_refusal(exc))
-    state.metrics.lease_wait.observe(asyncio.get_running_loop().time() - t0)
-    return _grant(body, slot, leases)
-
-
-def _grant(body: LeaseRequest, slot: int, leases: LeaseTable) -> Response:
-    return _json(LeaseGrant(lease_id=body.lease_id, slot=slot, ttl_s=leases.ttl_s, free=leases.free,
-                            queued=leases.queued))
+        return None
 
 
 @router.post(LEASE_RENEW_PATH)

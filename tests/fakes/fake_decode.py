@@ -136,13 +136,19 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             return await respond(send, 200, LeaseReleased(released=n, free=table.free).model_dump_json().encode())
         req = LeaseRequest.model_validate_json(raw)
         self.records.leases.append(req.lease_id)
-        try:  # as the real decode server: an immediate grant without a task
-            now = table.grant_now(req.lease_id)
+        try:
+            slot = table.grant_now(req.lease_id)  # as the real decode server: an immediate grant without a task
+            if slot is None:
+                slot = await self._wait_for_slot(table, req, receive)
         except LeaseRefused as exc:
             return await respond(send, 409 if exc.reason == "duplicate" else 429, error_body(exc.message, 429))
-        if now is not None:
-            return await respond(send, 200, LeaseGrant(lease_id=req.lease_id, slot=now, ttl_s=table.ttl_s,
-                                                       free=table.free, queued=table.queued).model_dump_json().encode())
+        if slot is None:  # the caller went away while it waited
+            return
+        await respond(send, 200, LeaseGrant(lease_id=req.lease_id, slot=slot, ttl_s=table.ttl_s, free=table.free,
+                                            queued=table.queued).model_dump_json().encode())
+
+    @staticmethod
+    async def _wait_for_slot(table: LeaseTable, req: LeaseRequest, receive: Receive) -> int | None:
         grant = asyncio.ensure_future(table.acquire(req.lease_id, req.wait_s, req.holder, req.arrived_at, req.sent_at))
         gone = asyncio.ensure_future(receive())
         await asyncio.wait({grant, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -150,13 +156,8 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         if not grant.done():
             grant.cancel()
             await asyncio.gather(grant, return_exceptions=True)
-            return
-        try:
-            slot = grant.result()
-        except LeaseRefused as exc:
-            return await respond(send, 409 if exc.reason == "duplicate" else 429, error_body(exc.message, 429))
-        await respond(send, 200, LeaseGrant(lease_id=req.lease_id, slot=slot, ttl_s=table.ttl_s, free=table.free,
-                                            queued=table.queued).model_dump_json().encode())
+            return None
+        return grant.result()
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         k, rec = self.knobs, self.records
