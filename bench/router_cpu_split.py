@@ -6,6 +6,8 @@ slots and a token every 3.19 ms, the router), chat completions, streaming. Measu
 * router CPU per request: 1-token streams at C=16 (lease, prefill, decode open, relay of
   one chunk and the end, the access line): everything a request costs besides its tokens;
 * router CPU per token: 512-token streams at C=64, less their requests' share;
+* the floor under it: the same streams through a byte relay (``bench/bare_relay.py``: no
+  HTTP parsing, one read and one write per chunk), its CPU per token;
 * the loopback round trip of one small POST to a Python server (the fake decode's lease
   release of an unknown id) paced like the C=1 run (one every 3.19 ms, so both ends sleep
   in between), which bounds how low the router's added TTFT can go: a routed request waits
@@ -37,6 +39,7 @@ from bench.router_overhead import TOKEN_DELAY, TOKENS, _phase, fake_stack  # noq
 from decode_server.contract import LEASE_RELEASE_PATH, LeaseIds  # noqa: E402
 from pd_router.rawhttp import ConnectionPool  # noqa: E402
 from pd_router.upstream import Target  # noqa: E402
+from tests.procs import free_port, python_argv, server  # noqa: E402
 
 LONG = 512
 
@@ -58,19 +61,23 @@ async def _round_trips(decode_url: str, n: int = 300) -> list[float]:
     return out
 
 
-async def _measure(urls: dict[str, str], pid: int, rounds: int) -> dict[str, float]:
-    per_request, per_token, rtts, direct_ttft = [], [], [], []
+async def _measure(urls: dict[str, str], pids: dict[str, int], rounds: int) -> dict[str, float]:
+    per_request, per_token, floor, rtts, direct_ttft = [], [], [], [], []
+    pid = pids["router"]
     for r in range(rounds):
         short = await _phase(urls["router"], "chat", False, 16, 20, pid, f"s{r}", tokens=1)
         req_cpu = short.cpu / (16 * 20)
         long = await _phase(urls["router"], "chat", False, 64, 1, pid, f"l{r}", tokens=LONG)
         per_request.append(req_cpu)
         per_token.append((long.cpu - 64 * req_cpu) / long.tokens)
+        bare = await _phase(urls["relay"], "chat", True, 64, 1, pids["relay"], f"b{r}", tokens=LONG)
+        floor.append(bare.cpu / bare.tokens)
         rtts += await _round_trips(urls["decode"])
         direct = await _phase(urls["decode"], "chat", True, 1, 20, None, f"d{r}")
         direct_ttft += direct.ttft
     return {"per_request_ms": statistics.median(per_request) * 1e3,
             "per_token_us": statistics.median(per_token) * 1e6,
+            "floor_us": statistics.median(floor) * 1e6,
             "rtt_p50_ms": statistics.median(rtts) * 1e3,
             "direct_ttft_p50_ms": statistics.median(direct_ttft) * 1e3}
 
@@ -80,12 +87,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the measurements (medians)")
     args = parser.parse_args()
     started, load_start = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()[0]
-    with fake_stack(Path(tempfile.mkdtemp(prefix="router-split-"))) as (urls, pid):
-        m = uvloop.run(_measure(urls, pid, args.rounds))
+    logs = Path(tempfile.mkdtemp(prefix="router-split-"))
+    with fake_stack(logs) as (urls, pid):
+        port = free_port()
+        upstream = urls["decode"].removeprefix("http://")
+        with server(python_argv("-m", "bench.bare_relay", "--port", str(port), "--upstream", upstream),
+                    logs / "relay.log", f"http://127.0.0.1:{port}/ready", 30) as relay:
+            m = uvloop.run(_measure({**urls, "relay": f"http://127.0.0.1:{port}"},
+                                    {"router": pid, "relay": relay.proc.pid}, args.rounds))
     share = m["per_request_ms"] * 1e3 / TOKENS
     print(f"router CPU per request (1-token chat streams, C=16): {m['per_request_ms']:.3f} ms")
     print(f"router CPU per relayed token ({LONG}-token chat streams, C=64, less the requests' share): "
           f"{m['per_token_us']:.1f} us")
+    print(f"the floor: a byte relay (bench/bare_relay.py) of the same streams: {m['floor_us']:.1f} us per token; "
+          f"the router's relay costs {m['per_token_us'] / m['floor_us']:.2f}x that")
     print(f"at {TOKENS} tokens per request: {share:.1f} us/token from the request + {m['per_token_us']:.1f} "
           f"per token = {share + m['per_token_us']:.1f} us/token")
     print(f"loopback round trip of one small POST to a Python server, one every {TOKEN_DELAY * 1e3:.2f} ms: "

@@ -13,6 +13,12 @@ written the same bytes at once: started, chunked, not complete, the client conne
 not pushing back (uvicorn's write flow control). Otherwise :meth:`ChunkWriter.write`
 declines and the caller uses ``send``. A response's start and its end always go through
 ``send``, so uvicorn's own view of the exchange (keep-alive, completion) stays right.
+
+The writer reads uvicorn's request/response cycle, which is not a public API:
+:meth:`ChunkWriter.of` gives no writer for a cycle that lacks any of what it reads (a
+uvicorn that renamed it), and the relay then sends every chunk through ``send``, slower
+but right. ``tests/router/test_chunk_writer.py`` fails when the installed uvicorn gets no
+writer.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from __future__ import annotations
 from typing import Any
 
 EXTENSION = "pd.chunk_writer"
+# what the writer reads of uvicorn's httptools RequestResponseCycle (and of its ``flow``)
+_CYCLE_STATE = ("response_started", "response_complete", "disconnected", "chunked_encoding", "flow", "transport")
 
 
 class ChunkWriter:
@@ -29,6 +37,13 @@ class ChunkWriter:
 
     def __init__(self, cycle: Any) -> None:
         self._cycle = cycle  # uvicorn's httptools RequestResponseCycle
+
+    @classmethod
+    def of(cls, cycle: Any) -> ChunkWriter | None:
+        """A writer for ``cycle``; None when the cycle lacks state the writer reads."""
+        if all(hasattr(cycle, name) for name in _CYCLE_STATE) and hasattr(cycle.flow, "write_paused"):
+            return cls(cycle)
+        return None
 
     def writable(self) -> bool:
         """Whether uvicorn's ``send`` would write a body chunk at once now."""

@@ -114,9 +114,10 @@ def limited_protocol(limits: HttpLimits, error_body: ErrorBody) -> type[HttpTool
             scope = self.scope
             super().on_headers_complete()
             cycle = self.cycle
-            if cycle is not None and cycle.scope is scope:  # a new request (not an upgrade)
+            writer = ChunkWriter.of(cycle) if cycle is not None and cycle.scope is scope else None
+            if writer is not None:  # a new request (not an upgrade) on a cycle the writer knows
                 extensions: dict[str, Any] = scope.setdefault("extensions", {})
-                extensions[EXTENSION] = ChunkWriter(cycle)
+                extensions[EXTENSION] = writer
 
         def on_message_complete(self) -> None:
             super().on_message_complete()

@@ -93,14 +93,12 @@ class SlotPool:
         backends: Backends,
         max_queue: int,
         queue_timeout: float,
-        on_change: Callable[[], None] = lambda: None,
         client: LeaseClient | None = None,
         hooks: LeaseHooks | None = None,
     ) -> None:
         self.backends = backends
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
-        self.on_change = on_change
         self.client = client
         self.hooks = hooks or LeaseHooks()
         self._queue: deque[_Waiter] = deque()
@@ -145,7 +143,6 @@ class SlotPool:
             self._queue.appendleft(waiter)
         else:
             self._queue.append(waiter)
-        self.on_change()
         timer = loop.call_later(wait, self._expire, waiter)
         try:
             return await waiter.future
@@ -173,7 +170,6 @@ class SlotPool:
                 return got
         self._check_queue(requeue, self._waiting)
         self._waiting += 1
-        self.on_change()
         t0 = perf_counter()
         polls: dict[asyncio.Future[Answer], DecodeBackend] = {
             asyncio.ensure_future(self.client.acquire(d.target, lease_id, wait, arrived)): d for d in servers}
@@ -197,7 +193,6 @@ class SlotPool:
         finally:
             self._remote_waiters.pop(gone, None)
             self._waiting -= 1
-            self.on_change()
             for poll, d in polls.items():
                 if poll not in seen:
                     self.hooks.spawn(self._drop_poll(poll, d, lease_id))
@@ -244,7 +239,6 @@ class SlotPool:
         self._live[lease_id] = lease
         if self._renewer is None or self._renewer.done():
             self._renewer = self.hooks.spawn(self._renew_while_leased(grant.ttl_s))
-        self.on_change()
         return lease
 
     async def _renew_while_leased(self, ttl: float) -> None:
@@ -280,7 +274,6 @@ class SlotPool:
         lease.backend.lease_free += 1
         if tell_server and self.client is not None:
             self.hooks.spawn(self.client.release(lease.backend.target, [lease.lease_id]))
-        self.on_change()
 
     def hold(self, lease: Lease) -> float:
         """The lease's server was busy although this pool counted its slot free: keep the
@@ -306,7 +299,6 @@ class SlotPool:
         for gone, model in list(self._remote_waiters.items()):
             if not gone.done() and not self.backends.decode_available(model):
                 gone.set_exception(NoHealthyBackend(f"no healthy, compatible decode server for model {model!r}"))
-        granted = False
         for waiter in list(self._queue):
             if waiter.future.done():
                 continue
@@ -320,15 +312,11 @@ class SlotPool:
             if backend is None:
                 continue
             self._forget(waiter)
-            waiter.future.set_result(self._grant(backend, waiter.model, notify=False))
-            granted = True
-        if granted or not self._queue:
-            self.on_change()
+            waiter.future.set_result(self._grant(backend, waiter.model))
 
-    def _grant(self, backend: DecodeBackend, model: str, notify: bool = True) -> Lease:
+    @staticmethod
+    def _grant(backend: DecodeBackend, model: str) -> Lease:
         backend.in_use += 1
-        if notify:
-            self.on_change()
         return Lease(backend, model)
 
     def _expire(self, waiter: _Waiter) -> None:
@@ -345,5 +333,4 @@ class SlotPool:
         try:
             self._queue.remove(waiter)
         except ValueError:
-            return
-        self.on_change()
+            pass

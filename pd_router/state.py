@@ -22,7 +22,7 @@ from pd_router.discovery import Discovery
 from pd_router.errors import RouterError, UpstreamRejected
 from pd_router.lease_client import LeaseClient
 from pd_router.load import LoadScraper
-from pd_router.metrics import RouterMetrics
+from pd_router.metrics import RouterMetrics, ServerView
 from pd_router.probes import Prober
 from pd_router.rawhttp import ConnectionPool
 from pd_router.settings import RouterSettings
@@ -43,7 +43,7 @@ class RouterState:
         self.settings = settings
         self.schema_limits = SchemaLimits(max_bytes=settings.max_schema_bytes, max_depth=settings.max_schema_depth)
         self.build = collect("router")
-        self.metrics = RouterMetrics(self.build)
+        self.metrics = RouterMetrics(self.build, self._server_view)
         self.tracing = tracing if tracing is not None else router_tracing(settings, self.build.version)
         self.backends = Backends.from_urls(
             settings.prefill, settings.decode, settings.decode_slots, settings.require_handshake,
@@ -52,7 +52,7 @@ class RouterState:
         self.backends.policy = settings.prefill_policy
         self.discovery = Discovery(settings, self.backends, self._added, self._discovered,
                                    resolver if resolver is not None else system_resolver)
-        self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout, self.update_gauges,
+        self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout,
                              LeaseClient(lambda: self.upstream, f"pd-router-{uuid.uuid4().hex[:8]}"),
                              LeaseHooks(self.spawn, self.metrics.lease_rtt.observe, self._lease_answered,
                                         self._decode_unreachable))
@@ -66,7 +66,6 @@ class RouterState:
         self.live: dict[asyncio.Task[Any], Callable[[], None]] = {}
         self.draining = False
         self._idle: asyncio.Event | None = None  # set when a drain finds nothing live
-        self.update_gauges()
 
     @property
     def upstream(self) -> ConnectionPool:
@@ -159,8 +158,6 @@ class RouterState:
             self.spawn(self._prober.probe_one(backend))
 
     def _discovered(self, gone: list[PrefillBackend | DecodeBackend]) -> None:
-        for backend in gone:
-            self.metrics.forget(backend.url)
         self._on_probe()
 
     def abort(self, lease: Lease, request_id: str, handoff_id: str | None = None, busy: bool = False) -> None:
@@ -216,25 +213,22 @@ class RouterState:
             self._on_probe()
 
     def _on_probe(self) -> None:
-        for backend in self.backends.sweep():  # what drained since the last look
-            self.metrics.forget(backend.url)
+        self.backends.sweep()  # drop what drained since the last look
         self.backends.refresh()
         self.pool.dispatch()
-        self.update_gauges()
 
-    def update_gauges(self) -> None:
-        m = self.metrics
-        m.queue_depth.set(self.pool.queue_depth if hasattr(self, "pool") else 0)
+    def _server_view(self) -> ServerView:
+        """The queue and the servers as the ``/metrics`` gauges report them."""
         counts = {(role, s): 0 for role in ("prefill", "decode") for s in ("ready", "unhealthy", "draining")}
+        free, healthy = {}, {}
         for d in self.backends.decode:
-            m.child(m.free_slots, d.url).set(d.free if d.accepting else 0)
-            m.child(m.backend_healthy, "decode", d.url).set(1 if d.usable else 0)
+            free[d.url] = d.free if d.accepting else 0.0
+            healthy["decode", d.url] = d.usable
             counts["decode", "draining" if d.draining else "ready" if d.usable else "unhealthy"] += 1
         for p in self.backends.prefill:
-            m.child(m.backend_healthy, "prefill", p.url).set(1 if p.healthy else 0)
+            healthy["prefill", p.url] = p.healthy
             counts["prefill", "draining" if p.draining else "ready" if p.healthy else "unhealthy"] += 1
-        for (role, s), n in counts.items():
-            m.child(m.backends, role, s).set(n)
+        return ServerView(self.pool.queue_depth, free, healthy, counts)
 
     def leaks(self) -> dict[str, int]:
         """Non-zero counts of things that should be zero when the router is idle."""

@@ -54,6 +54,18 @@ def test_the_writer_declines_what_send_must_write(state):
     assert cycle.transport.written == []
 
 
+@pytest.mark.parametrize("missing", ["response_started", "response_complete", "disconnected",
+                                     "chunked_encoding", "flow", "transport", "flow.write_paused"])
+def test_a_cycle_without_the_state_the_writer_reads_gets_no_writer(missing):
+    """A uvicorn whose request/response cycle renamed what the writer reads: no writer, so
+    the relay sends every chunk through ``send`` instead of failing in a callback."""
+    cycle = _cycle()
+    assert isinstance(ChunkWriter.of(cycle), ChunkWriter)
+    owner, _, name = missing.rpartition(".")
+    delattr(cycle.flow if owner else cycle, name)
+    assert ChunkWriter.of(cycle) is None
+
+
 def test_the_writer_frames_a_chunk_as_uvicorn_does():
     cycle = _cycle()
     writer = ChunkWriter(cycle)
