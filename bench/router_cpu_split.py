@@ -6,8 +6,10 @@ slots and a token every 3.19 ms, the router), chat completions, streaming. Measu
 * router CPU per request: 1-token streams at C=16 (lease, prefill, decode open, relay of
   one chunk and the end, the access line): everything a request costs besides its tokens;
 * router CPU per token: 512-token streams at C=64, less their requests' share;
-* the floor under it: the same streams through a byte relay (``bench/bare_relay.py``: no
-  HTTP parsing, one read and one write per chunk), its CPU per token;
+* the floors under both: the same streams through a byte relay (``bench/bare_relay.py``: no
+  HTTP parsing, one read and one write per chunk), its CPU per request (one exchange
+  relayed, where the router makes four: the client's, the lease, the prefill, the decode)
+  and per token;
 * the loopback round trip of one small POST to a Python server (the fake decode's lease
   release of an unknown id) paced like the C=1 run (one every 3.19 ms, so both ends sleep
   in between), which bounds how low the router's added TTFT can go: a routed request waits
@@ -62,7 +64,7 @@ async def _round_trips(decode_url: str, n: int = 300) -> list[float]:
 
 
 async def _measure(urls: dict[str, str], pids: dict[str, int], rounds: int) -> dict[str, float]:
-    per_request, per_token, floor, rtts, direct_ttft = [], [], [], [], []
+    per_request, per_token, floor, floor_req, rtts, direct_ttft = [], [], [], [], [], []
     pid = pids["router"]
     for r in range(rounds):
         short = await _phase(urls["router"], "chat", False, 16, 20, pid, f"s{r}", tokens=1)
@@ -70,14 +72,18 @@ async def _measure(urls: dict[str, str], pids: dict[str, int], rounds: int) -> d
         long = await _phase(urls["router"], "chat", False, 64, 1, pid, f"l{r}", tokens=LONG)
         per_request.append(req_cpu)
         per_token.append((long.cpu - 64 * req_cpu) / long.tokens)
+        bare_short = await _phase(urls["relay"], "chat", True, 16, 20, pids["relay"], f"bs{r}", tokens=1)
+        bare_req = bare_short.cpu / (16 * 20)
         bare = await _phase(urls["relay"], "chat", True, 64, 1, pids["relay"], f"b{r}", tokens=LONG)
-        floor.append(bare.cpu / bare.tokens)
+        floor_req.append(bare_req)
+        floor.append((bare.cpu - 64 * bare_req) / bare.tokens)
         rtts += await _round_trips(urls["decode"])
         direct = await _phase(urls["decode"], "chat", True, 1, 20, None, f"d{r}")
         direct_ttft += direct.ttft
     return {"per_request_ms": statistics.median(per_request) * 1e3,
             "per_token_us": statistics.median(per_token) * 1e6,
             "floor_us": statistics.median(floor) * 1e6,
+            "floor_request_ms": statistics.median(floor_req) * 1e3,
             "rtt_p50_ms": statistics.median(rtts) * 1e3,
             "direct_ttft_p50_ms": statistics.median(direct_ttft) * 1e3}
 
@@ -99,8 +105,9 @@ def main() -> None:
     print(f"router CPU per request (1-token chat streams, C=16): {m['per_request_ms']:.3f} ms")
     print(f"router CPU per relayed token ({LONG}-token chat streams, C=64, less the requests' share): "
           f"{m['per_token_us']:.1f} us")
-    print(f"the floor: a byte relay (bench/bare_relay.py) of the same streams: {m['floor_us']:.1f} us per token; "
-          f"the router's relay costs {m['per_token_us'] / m['floor_us']:.2f}x that")
+    print(f"the floors, a byte relay (bench/bare_relay.py) of the same streams: {m['floor_request_ms']:.3f} ms per "
+          f"request (one exchange; the router makes 4: x{m['per_request_ms'] / m['floor_request_ms']:.2f}), "
+          f"{m['floor_us']:.1f} us per token (the router's relay: x{m['per_token_us'] / m['floor_us']:.2f})")
     print(f"at {TOKENS} tokens per request: {share:.1f} us/token from the request + {m['per_token_us']:.1f} "
           f"per token = {share + m['per_token_us']:.1f} us/token")
     print(f"loopback round trip of one small POST to a Python server, one every {TOKEN_DELAY * 1e3:.2f} ms: "

@@ -46,9 +46,12 @@ async def wait_then_cut(
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]],
+                 started: Callable[[], object] | None = None) -> None:
+        """``started``: called once the application's start-up is over and the sockets listen."""
         super().__init__(config)
         self._drain = drain
+        self._started = started
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once started
         self._drain_task: asyncio.Task[None] | None = None
         self.draining = False
@@ -56,6 +59,8 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if self._started is not None and not self.should_exit:
+            self._started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.draining or self.loop is None or not self.started:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import uvicorn
 
 from pd_http.drain import DrainingServer
+from pd_http.heap import freeze_startup_heap
 from pd_http.limits import HttpLimits, limited_protocol
 from pd_router.app import RouterApp
 from pd_router.settings import RouterSettings
@@ -44,5 +45,6 @@ def uvicorn_config(app: RouterApp, settings: RouterSettings) -> uvicorn.Config:
 
 
 def router_server(app: RouterApp, settings: RouterSettings) -> DrainingServer:
-    """The server ``python -m pd_router`` runs: drains on the first SIGTERM/SIGINT."""
-    return DrainingServer(uvicorn_config(app, settings), app.state.drain)
+    """The server ``python -m pd_router`` runs: drains on the first SIGTERM/SIGINT; its
+    start-up heap (imports, structured output's warm-up) is frozen once it serves."""
+    return DrainingServer(uvicorn_config(app, settings), app.state.drain, lambda: freeze_startup_heap("router"))

@@ -34,6 +34,7 @@ from decode_server.structured import GrammarCompiler
 from pd_build.info import BuildInfo, collect
 from pd_grammar.spec import JsonWhitespace, SchemaLimits, warm_up
 from pd_http.drain import wait_then_cut
+from pd_http.heap import freeze_startup_heap
 from pd_http.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ class AppConfig:
     schema_limits: SchemaLimits = SchemaLimits()  # structured output's bounds on a request's schemas
     json_whitespace: JsonWhitespace = "any"  # structured output's JSON whitespace (as prefill's vLLM)
     api_key: str | None = field(default=None, repr=False)  # Bearer, on all routes but /health, /ready, /metrics
+    # freeze the start-up heap once loaded (pd_http.heap): the process entry point's, not a test's
+    freeze_heap: bool = False
 
 
 EngineFactory = Callable[[], Engine]
@@ -150,6 +153,8 @@ class DecodeState:
         self.context = GenerationContext(engine=self.engine, receiver=receiver, tokenizer=self.tokenizer,
                                          slots=self.slots, metrics=self.metrics, executor=self.executor,
                                          kv_timeout=cfg.kv_timeout, tracing=self.tracing, grammars=grammars)
+        if cfg.freeze_heap:
+            freeze_startup_heap("decode server")
         log.info("decode server ready: engine=%s slots=%d kv_endpoint=%s", caps.engine, cfg.slots, receiver.endpoint)
 
     async def drain(self, timeout: float) -> None:

@@ -54,6 +54,9 @@ def test_router_not_ready_until_workers_and_handshake_and_after_a_decode_restart
         procs.append(decode)
         decode.wait_http(f"{cfg.decode_urls[0]}/ready", 180)
         assert _ready(cfg.router_url).status_code == 503  # no prefill yet
+        # the process froze its start-up heap (pd_http.heap) before it turned ready
+        assert "decode server: " in (frozen := decode.log_path.read_text(errors="replace")) \
+            and "objects of the start-up heap frozen" in frozen
 
         # a prefill without MTP: the connector's handshake is rejected, vLLM must not serve
         bad = ManagedProcess("prefill-no-mtp", vllm_prefill_argv(cfg.prefill_spec()), tmp_path / "bad.log",

@@ -64,6 +64,8 @@ def test_router_json_logs_parse_line_by_line_and_join_the_trace(tmp_path, collec
         decode.stop()
 
     assert any(r["message"] == "Application shutdown complete." for r in records)  # uvicorn's own lines too
+    assert any(r["logger"] == "pd_http.heap" and r["message"].startswith("router: ") for r in records), \
+        "the router process froze its start-up heap"
     ok, missing, failed = (_access(records, rid) for rid in ("json-ok", "json-404", "json-502"))
     assert (ok["status"], ok["stage"], ok["endpoint"]) == (200, "decode", "/v1/completions")
     assert ok["latency_ms"] > 0 and ok["error_type"] is None
