@@ -41,7 +41,6 @@ from bench.router_overhead import TOKEN_DELAY, TOKENS, _phase, fake_stack  # noq
 from decode_server.contract import LEASE_RELEASE_PATH, LeaseIds  # noqa: E402
 from pd_router.rawhttp import ConnectionPool  # noqa: E402
 from pd_router.upstream import Target  # noqa: E402
-from tests.procs import free_port, python_argv, server  # noqa: E402
 
 LONG = 512
 
@@ -93,14 +92,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the measurements (medians)")
     args = parser.parse_args()
     started, load_start = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()[0]
-    logs = Path(tempfile.mkdtemp(prefix="router-split-"))
-    with fake_stack(logs) as (urls, pid):
-        port = free_port()
-        upstream = urls["decode"].removeprefix("http://")
-        with server(python_argv("-m", "bench.bare_relay", "--port", str(port), "--upstream", upstream),
-                    logs / "relay.log", f"http://127.0.0.1:{port}/ready", 30) as relay:
-            m = uvloop.run(_measure({**urls, "relay": f"http://127.0.0.1:{port}"},
-                                    {"router": pid, "relay": relay.proc.pid}, args.rounds))
+    with fake_stack(Path(tempfile.mkdtemp(prefix="router-split-"))) as (urls, pids):
+        m = uvloop.run(_measure(urls, pids, args.rounds))
     share = m["per_request_ms"] * 1e3 / TOKENS
     print(f"router CPU per request (1-token chat streams, C=16): {m['per_request_ms']:.3f} ms")
     print(f"router CPU per relayed token ({LONG}-token chat streams, C=64, less the requests' share): "

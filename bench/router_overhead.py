@@ -6,7 +6,9 @@ requests with ``stream_options.include_usage``, 64 output tokens, 3.19 ms betwee
 with a system and a user message of ~1k tokens together (English text). Prints the
 router's added TTFT p50/p99, added inter-token latency p50/p99, throughput ratio
 (router/direct) and router CPU microseconds per output token (from the router process's
-CPU time) per endpoint, each goal as met or not, writes them to docs/benchmarks.md under
+CPU time) per endpoint, each goal as met or not, and at C=64 the CPU per token of a byte
+relay (``bench/bare_relay.py``) of the same streams, the floor of any relay on the machine;
+writes them to docs/benchmarks.md under
 "## Router overhead", its rows to bench/results/router_overhead.json and draws
 docs/img/router_overhead.png from them (``python -m bench.plots`` redraws it).
 
@@ -41,6 +43,7 @@ from tests.procs import free_port, python_argv, server  # noqa: E402
 
 TOKENS, TOKEN_DELAY, PROMPT = 64, 0.00319, " ".join(f"w{i % 97}" for i in range(1000))
 CONCURRENCY = (1, 16, 64)
+FLOOR_CONCURRENCY = 64  # where the byte relay's CPU per token is measured beside the router's
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
@@ -155,18 +158,23 @@ def _merge(phases: list[Phase]) -> Phase:
 
 
 async def _measure(
-    decode_url: str, router_url: str, router_pid: int, per_client: dict[int, int], rounds: int,
-    endpoints: list[str],
+    urls: dict[str, str], pids: dict[str, int], per_client: dict[int, int], rounds: int, endpoints: list[str],
 ) -> list[dict]:
     rows = []
     for c in CONCURRENCY:
         for endpoint in endpoints:
-            directs, routeds = [], []
+            directs, routeds, relayed = [], [], []
             for r in range(rounds):  # alternate, so that drifting machine load hits both alike
                 n, tag = per_client[c], f"{endpoint[:4]}{c}.{r}"
-                directs.append(await _phase(decode_url, endpoint, True, c, n, None, f"d-{tag}"))
-                routeds.append(await _phase(router_url, endpoint, False, c, n, router_pid, f"r-{tag}"))
-            rows.append(_row(endpoint, c, per_client[c] * rounds, _merge(directs), _merge(routeds)))
+                directs.append(await _phase(urls["decode"], endpoint, True, c, n, None, f"d-{tag}"))
+                routeds.append(await _phase(urls["router"], endpoint, False, c, n, pids["router"], f"r-{tag}"))
+                if c == FLOOR_CONCURRENCY:  # the floor: the direct requests through a byte relay
+                    relayed.append(await _phase(urls["relay"], endpoint, True, c, n, pids["relay"], f"b-{tag}"))
+            row = _row(endpoint, c, per_client[c] * rounds, _merge(directs), _merge(routeds))
+            if relayed:
+                floor = _merge(relayed)
+                row["byte_relay_cpu_us_per_token"] = floor.cpu / floor.tokens * 1e6
+            rows.append(row)
     return rows
 
 
@@ -206,6 +214,18 @@ def verdicts(rows: list[dict]) -> list[str]:
     return out
 
 
+def floors(rows: list[dict]) -> list[str]:
+    """The router's CPU per token against a byte relay's of the same streams, same run."""
+    out = []
+    for r in rows:
+        floor = r.get("byte_relay_cpu_us_per_token")
+        if floor:
+            out.append(f"floor at C={r['concurrency']}, {r['endpoint']}: a byte relay (bench/bare_relay.py) of the "
+                       f"direct requests used {floor:.1f} us of CPU per token; the router "
+                       f"{r['router_cpu_us_per_token']:.1f} (x{r['router_cpu_us_per_token'] / floor:.2f})")
+    return out
+
+
 def _table(rows: list[dict]) -> str:
     lines = [
         "| endpoint | concurrency | requests | added TTFT p50 / p99 (ms) | added ITL p50 / p99 (ms) "
@@ -236,10 +256,11 @@ def _write_section(text: str) -> None:
 
 
 @contextmanager
-def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], int]]:
-    """A fake prefill and a fake decode server (1024 slots, a token every TOKEN_DELAY s) and
-    a router in front of them, each its own process; yields their URLs and the router's pid."""
-    ports = {name: free_port() for name in ("prefill", "decode", "router")}
+def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
+    """A fake prefill and a fake decode server (1024 slots, a token every TOKEN_DELAY s), a
+    router in front of them and a byte relay (``bench/bare_relay.py``) in front of the fake
+    decode, each its own process; yields their URLs and the pids of the router and the relay."""
+    ports = {name: free_port() for name in ("prefill", "decode", "router", "relay")}
     fake = ["-m", "tests.fakes.fake_backends"]
     decode_knobs = json.dumps({"model": "tiny", "slots": 1024, "token_delay": TOKEN_DELAY})
     urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
@@ -251,8 +272,11 @@ def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], int]]:
         server(router_argv(RouterSpec((urls["prefill"],), (urls["decode"],), port=ports["router"],
                                       extra_args=("--log-level", "warning", "--max-queue", "4096"))),
                logs / "router.log", urls["router"] + "/ready", 30) as router,
+        server(python_argv("-m", "bench.bare_relay", "--port", str(ports["relay"]), "--upstream",
+                           urls["decode"].removeprefix("http://")),
+               logs / "relay.log", urls["relay"] + "/ready", 30) as relay,
     ):
-        yield urls, router.proc.pid
+        yield urls, {"router": router.proc.pid, "relay": relay.proc.pid}
 
 
 def main() -> None:
@@ -271,14 +295,13 @@ def main() -> None:
     started, load_start = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()[0]
     per_client = dict(zip(CONCURRENCY, args.requests_per_client, strict=True))
     logs = Path(tempfile.mkdtemp(prefix="router-bench-"))
-    with fake_stack(logs) as (urls, router_pid):
+    with fake_stack(logs) as (urls, pids):
         t0 = time.perf_counter()
-        rows = uvloop.run(_measure(urls["decode"], urls["router"], router_pid, per_client, args.rounds,
-                                   args.endpoints))
+        rows = uvloop.run(_measure(urls, pids, per_client, args.rounds, args.endpoints))
         took = time.perf_counter() - t0
     table = _table(rows)
     load = os.getloadavg()[0]
-    goals = "\n".join(verdicts(rows))
+    goals = "\n".join(verdicts(rows) + floors(rows))
     print(table)
     print(goals)
     print(f"({started}, {took:.0f} s; load average {load_start:.1f} at the start, {load:.1f} at the end, "
@@ -300,7 +323,10 @@ def main() -> None:
             "`stream_options.include_usage`; `/v1/completions` with a ~1k-token prompt, "
             "`/v1/chat/completions` with a system + user message of ~1k tokens together; the router "
             f"process's CPU time from /proc; clients' starts spread over one request). Added = through the "
-            f"router minus direct to the fake decode, same run, {args.rounds} alternations pooled. "
+            f"router minus direct to the fake decode, same run, {args.rounds} alternations pooled; at "
+            f"C={FLOOR_CONCURRENCY} the direct requests also go through a byte relay (`bench/bare_relay.py`: "
+            "no HTTP parsing, one read and one write per chunk) in the same alternations, whose CPU per token "
+            "is the floor of any relay on the machine. "
             f"{started}, {took:.0f} s; machine: {os.cpu_count()} CPUs, load average {load_start:.1f} at the "
             f"start, {load:.1f} at the end.\n\n"
             f"{table}\n\n```\n{goals}\n```\n{figure}{_caveat(load)}"
