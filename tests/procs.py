@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import sys
 import time
@@ -22,10 +23,36 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, inter
         time.sleep(interval)
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_ports() -> range:
+    """The kernel's range for the local ports of outgoing connections (and of ``bind(0)``)."""
+    try:
+        low, high = (int(v) for v in EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now, outside the kernel's ephemeral range. A port from
+    ``bind(0)`` comes from that range, and until the server meant for it binds it (seconds
+    later for a stack whose vLLM starts first) any outgoing connection, a probe or vLLM's
+    own, may take it as its local port: the server then fails with EADDRINUSE (seen once
+    in a clean-clone run, the e2e stack's router)."""
+    ephemeral = ephemeral_ports()
+    below, above = range(20000, min(ephemeral.start, 65536)), range(max(ephemeral.stop, 20000), 65536)
+    outside = below if len(below) >= len(above) else above
+    for _ in range(200):
+        port = random.choice(outside) if outside else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port on 127.0.0.1 in {outside}")
 
 
 class ServerProcess(ManagedProcess):

@@ -19,7 +19,7 @@ from pd_deploy.commands import decode_server_argv, router_argv, vllm_prefill_arg
 from pd_deploy.stack.launcher import StackConfig
 from pd_deploy.stack.ports import PortInUse, PortNeed, check_free
 from pd_deploy.stack.process import ManagedProcess, NotOurServer
-from tests.procs import REPO, free_port
+from tests.procs import REPO, ephemeral_ports, free_port
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.integration]  # integration: real process trees, kill -9, the reaper
 
@@ -138,3 +138,14 @@ def test_one_otlp_endpoint_reaches_every_process():
         assert argv[i + 1] == "http://127.0.0.1:4317", argv
     plain = StackConfig(model_dir=Path("/m"), log_dir=Path("/l"))
     assert "--otlp-traces-endpoint" not in router_argv(plain.router_spec())
+
+
+def test_free_ports_are_outside_the_ephemeral_range():
+    """An outgoing connection takes its local port from the ephemeral range: a test server's
+    port chosen there can be taken before the server binds it."""
+    ephemeral = ephemeral_ports()
+    ports = {free_port() for _ in range(50)}
+    assert not any(p in ephemeral for p in ports), sorted(p for p in ports if p in ephemeral)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free indeed
