@@ -46,13 +46,13 @@ class Discovery:
         settings: RouterSettings,
         backends: Backends,
         on_added: Callable[[Backend], None] = lambda _: None,
-        on_change: Callable[[list[Backend]], None] = lambda _: None,
+        on_change: Callable[[], None] = lambda: None,
         resolver: Resolver = system_resolver,
     ) -> None:
         self.backends = backends
         self.interval = settings.discovery_interval
         self.on_added = on_added
-        self.on_change = on_change  # after each look; the servers dropped in it
+        self.on_change = on_change  # after each look
         self.resolver = resolver
         self._sources: dict[str, dict[Role, set[str]]] = {
             "static": {"prefill": set(settings.prefill), "decode": set(settings.decode)},
@@ -124,10 +124,9 @@ class Discovery:
                 if backend.url not in wanted and not backend.draining:
                     self.backends.drain(role, backend.url)
                     log.info("%s server %s removed: draining (%s in flight)", role, backend.url, _busy(backend))
-        gone = self.backends.sweep()
-        for backend in gone:
+        for backend in self.backends.sweep():
             log.info("%s server %s drained and dropped", _role(backend), backend.url)
-        self.on_change(gone)
+        self.on_change()
 
     # -- the admin API's source ---------------------------------------------------------
 

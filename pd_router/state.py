@@ -50,7 +50,7 @@ class RouterState:
             settings.decode_api_key(),
         )
         self.backends.policy = settings.prefill_policy
-        self.discovery = Discovery(settings, self.backends, self._added, self._discovered,
+        self.discovery = Discovery(settings, self.backends, self._added, self._on_probe,
                                    resolver if resolver is not None else system_resolver)
         self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout,
                              LeaseClient(lambda: self.upstream, f"pd-router-{uuid.uuid4().hex[:8]}"),
@@ -156,9 +156,6 @@ class RouterState:
         """A server discovery added: probe it now rather than at the next round."""
         if self._prober is not None:
             self.spawn(self._prober.probe_one(backend))
-
-    def _discovered(self, gone: list[PrefillBackend | DecodeBackend]) -> None:
-        self._on_probe()
 
     def abort(self, lease: Lease, request_id: str, handoff_id: str | None = None, busy: bool = False) -> None:
         """Cancel the request (its handoff ``handoff_id``, default the request id) on its

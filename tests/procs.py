@@ -44,15 +44,25 @@ def free_port() -> int:
     ephemeral = ephemeral_ports()
     below, above = range(20000, min(ephemeral.start, 65536)), range(max(ephemeral.stop, 20000), 65536)
     outside = below if len(below) >= len(above) else above
-    for _ in range(200):
-        port = random.choice(outside) if outside else 0
+    if not outside:  # the whole range is ephemeral: what bind(0) gives
         with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+            s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
+    for _ in range(200):
+        port = random.choice(outside)
+        if port_is_free(port):
+            return port
     raise RuntimeError(f"no free port on 127.0.0.1 in {outside}")
+
+
+def port_is_free(port: int) -> bool:
+    """Nothing is bound to 127.0.0.1:``port`` now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class ServerProcess(ManagedProcess):

@@ -3,7 +3,6 @@ second vLLM serving the same model alone, both on loopback, once per session."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 
 from pd_deploy.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
 from pd_deploy.stack.launcher import Stack, StackConfig
-from tests.procs import free_port, server
+from tests.procs import free_port, port_is_free, server
 
 
 def _ports(n: int) -> list[int]:
@@ -32,18 +31,9 @@ def _port_run(n: int, taken: set[int]) -> int:
     while True:
         base = free_port()
         run = range(base, base + n)
-        if base + n <= 65535 and not taken.intersection(run) and all(_free(p) for p in run[1:]):
+        if base + n <= 65535 and not taken.intersection(run) and all(port_is_free(p) for p in run[1:]):
             taken.update(run)
             return base
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def make_stack_config(model_dir: Path, log_dir: Path, **overrides) -> StackConfig:
