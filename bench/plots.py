@@ -55,9 +55,17 @@ def _save(fig: Any, plt: Any, path: Path, title: str, run: str) -> None:
     plt.close(fig)
 
 
+_FLOORS = {  # a panel's first key: the floors drawn on it (row key, marker, legend)
+    "ttft_p50_ms": (("pd_floor_ttft_p50_ms", "x", "minimal PD relay p50"),),
+    "router_cpu_us_per_token": (("pd_floor_cpu_us_per_token", "x", "minimal PD relay"),
+                                ("byte_relay_cpu_us_per_token", "+", "byte relay")),
+}
+
+
 def plot_router(data: Data, path: Path) -> None:
     """Added TTFT, added ITL, router CPU per token and throughput ratio against concurrency,
-    one line per endpoint (p50 solid, p99 dashed); each goal at the concurrency it is judged."""
+    one line per endpoint (p50 solid, p99 dashed); each goal at the concurrency it is judged,
+    and the floors measured beside it (x: the minimal PD relay, +: the byte relay)."""
     plt = _pyplot()
     rows, goals = data["rows"], data.get("goals", {})
     endpoints = sorted({r["endpoint"] for r in rows})
@@ -72,6 +80,10 @@ def plot_router(data: Data, path: Path) -> None:
             for key, style in zip(keys, ("-o", "--s"), strict=False):
                 label = endpoint + (f" {key.split('_')[1]}" if len(keys) > 1 else "")
                 ax.plot(xs, [r[key] for r in mine], style, color=f"C{i}", label=label)
+            for floor, marker, what in _FLOORS.get(keys[0], ()):
+                at = [r for r in mine if floor in r]
+                ax.plot([r["concurrency"] for r in at], [r[floor] for r in at], marker, color=f"C{i}",
+                        markersize=9, label=f"{endpoint}: {what}" if at else None)
         for key in keys:
             if key in goals:
                 c, limit = goals[key]

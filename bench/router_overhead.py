@@ -6,8 +6,11 @@ requests with ``stream_options.include_usage``, 64 output tokens, 3.19 ms betwee
 with a system and a user message of ~1k tokens together (English text). Prints the
 router's added TTFT p50/p99, added inter-token latency p50/p99, throughput ratio
 (router/direct) and router CPU microseconds per output token (from the router process's
-CPU time) per endpoint, each goal as met or not, and at C=64 the CPU per token of a byte
-relay (``bench/bare_relay.py``) of the same streams, the floor of any relay on the machine;
+CPU time) per endpoint, each goal as met or not, and the floors beside the goals: at C=1
+the added TTFT and at C=64 the CPU per token of a minimal PD relay (``bench/pd_floor.py``:
+the router's three upstream exchanges and a byte relay of the answer, nothing else), the
+floor of a Python router with this protocol on the machine, and at C=64 the CPU per token
+of a byte relay (``bench/bare_relay.py``) of the direct streams, the floor of any relay;
 writes them to docs/benchmarks.md under
 "## Router overhead", its rows to bench/results/router_overhead.json and draws
 docs/img/router_overhead.png from them (``python -m bench.plots`` redraws it).
@@ -44,6 +47,7 @@ from tests.procs import free_port, python_argv, server  # noqa: E402
 TOKENS, TOKEN_DELAY, PROMPT = 64, 0.00319, " ".join(f"w{i % 97}" for i in range(1000))
 CONCURRENCY = (1, 16, 64)
 FLOOR_CONCURRENCY = 64  # where the byte relay's CPU per token is measured beside the router's
+PD_FLOOR_CONCURRENCY = (1, 64)  # where the minimal PD relay is measured: the TTFT and the CPU goals
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
@@ -163,14 +167,21 @@ async def _measure(
     rows = []
     for c in CONCURRENCY:
         for endpoint in endpoints:
-            directs, routeds, relayed = [], [], []
-            for r in range(rounds):  # alternate, so that drifting machine load hits both alike
+            directs, routeds, relayed, minimal = [], [], [], []
+            for r in range(rounds):  # alternate, so that drifting machine load hits all alike
                 n, tag = per_client[c], f"{endpoint[:4]}{c}.{r}"
                 directs.append(await _phase(urls["decode"], endpoint, True, c, n, None, f"d-{tag}"))
                 routeds.append(await _phase(urls["router"], endpoint, False, c, n, pids["router"], f"r-{tag}"))
-                if c == FLOOR_CONCURRENCY:  # the floor: the direct requests through a byte relay
+                if c in PD_FLOOR_CONCURRENCY:  # the protocol's floor: the same requests, minimal relay
+                    minimal.append(await _phase(urls["floor"], endpoint, False, c, n, pids["floor"], f"f-{tag}"))
+                if c == FLOOR_CONCURRENCY:  # the relay's floor: the direct requests through a byte relay
                     relayed.append(await _phase(urls["relay"], endpoint, True, c, n, pids["relay"], f"b-{tag}"))
-            row = _row(endpoint, c, per_client[c] * rounds, _merge(directs), _merge(routeds))
+            direct = _merge(directs)
+            row = _row(endpoint, c, per_client[c] * rounds, direct, _merge(routeds))
+            if minimal:
+                floor = _merge(minimal)
+                row["pd_floor_ttft_p50_ms"] = (_pct(floor.ttft, 0.5) - _pct(direct.ttft, 0.5)) * 1e3
+                row["pd_floor_cpu_us_per_token"] = floor.cpu / floor.tokens * 1e6
             if relayed:
                 floor = _merge(relayed)
                 row["byte_relay_cpu_us_per_token"] = floor.cpu / floor.tokens * 1e6
@@ -215,14 +226,23 @@ def verdicts(rows: list[dict]) -> list[str]:
 
 
 def floors(rows: list[dict]) -> list[str]:
-    """The router's CPU per token against a byte relay's of the same streams, same run."""
+    """The router's added TTFT (C=1) and CPU per token (C=64) against the floors measured in
+    the same run: the minimal PD relay's (the protocol) and the byte relay's (any relay)."""
     out = []
     for r in rows:
+        where = f"floor at C={r['concurrency']}, {r['endpoint']}"
+        routed_cpu = r["router_cpu_us_per_token"]
+        if r["concurrency"] == GOALS["ttft_p50_ms"][0] and "pd_floor_ttft_p50_ms" in r:
+            out.append(f"{where}: a minimal PD relay (bench/pd_floor.py) added {r['pd_floor_ttft_p50_ms']:.2f} ms "
+                       f"TTFT p50; the router {r['ttft_p50_ms']:.2f}")
+        if r["concurrency"] == GOALS["router_cpu_us_per_token"][0] and "pd_floor_cpu_us_per_token" in r:
+            floor = r["pd_floor_cpu_us_per_token"]
+            out.append(f"{where}: a minimal PD relay (bench/pd_floor.py) used {floor:.1f} us of CPU per token; "
+                       f"the router {routed_cpu:.1f} (x{routed_cpu / floor:.2f})")
         floor = r.get("byte_relay_cpu_us_per_token")
         if floor:
-            out.append(f"floor at C={r['concurrency']}, {r['endpoint']}: a byte relay (bench/bare_relay.py) of the "
-                       f"direct requests used {floor:.1f} us of CPU per token; the router "
-                       f"{r['router_cpu_us_per_token']:.1f} (x{r['router_cpu_us_per_token'] / floor:.2f})")
+            out.append(f"{where}: a byte relay (bench/bare_relay.py) of the direct requests used {floor:.1f} us "
+                       f"of CPU per token; the router {routed_cpu:.1f} (x{routed_cpu / floor:.2f})")
     return out
 
 
@@ -258,9 +278,10 @@ def _write_section(text: str) -> None:
 @contextmanager
 def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
     """A fake prefill and a fake decode server (1024 slots, a token every TOKEN_DELAY s), a
-    router in front of them and a byte relay (``bench/bare_relay.py``) in front of the fake
-    decode, each its own process; yields their URLs and the pids of the router and the relay."""
-    ports = {name: free_port() for name in ("prefill", "decode", "router", "relay")}
+    router and a minimal PD relay (``bench/pd_floor.py``) in front of them and a byte relay
+    (``bench/bare_relay.py``) in front of the fake decode, each its own process; yields their
+    URLs and the pids of the router and the two relays."""
+    ports = {name: free_port() for name in ("prefill", "decode", "router", "relay", "floor")}
     fake = ["-m", "tests.fakes.fake_backends"]
     decode_knobs = json.dumps({"model": "tiny", "slots": 1024, "token_delay": TOKEN_DELAY})
     urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
@@ -275,8 +296,11 @@ def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
         server(python_argv("-m", "bench.bare_relay", "--port", str(ports["relay"]), "--upstream",
                            urls["decode"].removeprefix("http://")),
                logs / "relay.log", urls["relay"] + "/ready", 30) as relay,
+        server(python_argv("-m", "bench.pd_floor", "--port", str(ports["floor"]), "--prefill",
+                           urls["prefill"].removeprefix("http://"), "--decode", urls["decode"].removeprefix("http://")),
+               logs / "floor.log", urls["floor"] + "/ready", 30) as floor,
     ):
-        yield urls, {"router": router.proc.pid, "relay": relay.proc.pid}
+        yield urls, {"router": router.proc.pid, "relay": relay.proc.pid, "floor": floor.proc.pid}
 
 
 def main() -> None:
@@ -326,7 +350,10 @@ def main() -> None:
             f"router minus direct to the fake decode, same run, {args.rounds} alternations pooled; at "
             f"C={FLOOR_CONCURRENCY} the direct requests also go through a byte relay (`bench/bare_relay.py`: "
             "no HTTP parsing, one read and one write per chunk) in the same alternations, whose CPU per token "
-            "is the floor of any relay on the machine. "
+            "is the floor of any relay on the machine; at C=1 and C=64 the routed requests also go through a "
+            "minimal PD relay (`bench/pd_floor.py`: the router's lease, prefill and decode exchanges and a byte "
+            "relay of the answer, nothing checked, no metrics), the floor of a Python router with this "
+            "protocol on the machine. "
             f"{started}, {took:.0f} s; machine: {os.cpu_count()} CPUs, load average {load_start:.1f} at the "
             f"start, {load:.1f} at the end.\n\n"
             f"{table}\n\n```\n{goals}\n```\n{figure}{_caveat(load)}"
