@@ -9,7 +9,8 @@ slots and a token every 3.19 ms, the router), chat completions, streaming. Measu
 * the floors under both: the same streams through a byte relay (``bench/bare_relay.py``: no
   HTTP parsing, one read and one write per chunk), its CPU per request (one exchange
   relayed, where the router makes four: the client's, the lease, the prefill, the decode)
-  and per token;
+  and per token; and the routed requests through a minimal PD relay (``bench/pd_floor.py``:
+  the router's four exchanges, nothing checked), per request and per token;
 * the loopback round trip of one small POST to a Python server (the fake decode's lease
   release of an unknown id) paced like the C=1 run (one every 3.19 ms, so both ends sleep
   in between), which bounds how low the router's added TTFT can go: a routed request waits
@@ -64,6 +65,7 @@ async def _round_trips(decode_url: str, n: int = 300) -> list[float]:
 
 async def _measure(urls: dict[str, str], pids: dict[str, int], rounds: int) -> dict[str, float]:
     per_request, per_token, floor, floor_req, rtts, direct_ttft = [], [], [], [], [], []
+    pd_req, pd_token = [], []
     pid = pids["router"]
     for r in range(rounds):
         short = await _phase(urls["router"], "chat", False, 16, 20, pid, f"s{r}", tokens=1)
@@ -76,6 +78,10 @@ async def _measure(urls: dict[str, str], pids: dict[str, int], rounds: int) -> d
         bare = await _phase(urls["relay"], "chat", True, 64, 1, pids["relay"], f"b{r}", tokens=LONG)
         floor_req.append(bare_req)
         floor.append((bare.cpu - 64 * bare_req) / bare.tokens)
+        pd_short = await _phase(urls["floor"], "chat", False, 16, 20, pids["floor"], f"fs{r}", tokens=1)
+        pd_req.append(pd_short.cpu / (16 * 20))
+        pd_long = await _phase(urls["floor"], "chat", False, 64, 1, pids["floor"], f"f{r}", tokens=LONG)
+        pd_token.append((pd_long.cpu - 64 * pd_req[-1]) / pd_long.tokens)
         rtts += await _round_trips(urls["decode"])
         direct = await _phase(urls["decode"], "chat", True, 1, 20, None, f"d{r}")
         direct_ttft += direct.ttft
@@ -83,6 +89,8 @@ async def _measure(urls: dict[str, str], pids: dict[str, int], rounds: int) -> d
             "per_token_us": statistics.median(per_token) * 1e6,
             "floor_us": statistics.median(floor) * 1e6,
             "floor_request_ms": statistics.median(floor_req) * 1e3,
+            "pd_floor_request_ms": statistics.median(pd_req) * 1e3,
+            "pd_floor_us": statistics.median(pd_token) * 1e6,
             "rtt_p50_ms": statistics.median(rtts) * 1e3,
             "direct_ttft_p50_ms": statistics.median(direct_ttft) * 1e3}
 
@@ -101,6 +109,9 @@ def main() -> None:
     print(f"the floors, a byte relay (bench/bare_relay.py) of the same streams: {m['floor_request_ms']:.3f} ms per "
           f"request (one exchange; the router makes 4: x{m['per_request_ms'] / m['floor_request_ms']:.2f}), "
           f"{m['floor_us']:.1f} us per token (the router's relay: x{m['per_token_us'] / m['floor_us']:.2f})")
+    print(f"a minimal PD relay (bench/pd_floor.py) of the routed requests: {m['pd_floor_request_ms']:.3f} ms per "
+          f"request (the same 4 exchanges: the router x{m['per_request_ms'] / m['pd_floor_request_ms']:.2f}), "
+          f"{m['pd_floor_us']:.1f} us per token (the router's relay: x{m['per_token_us'] / m['pd_floor_us']:.2f})")
     print(f"at {TOKENS} tokens per request: {share:.1f} us/token from the request + {m['per_token_us']:.1f} "
           f"per token = {share + m['per_token_us']:.1f} us/token")
     print(f"loopback round trip of one small POST to a Python server, one every {TOKEN_DELAY * 1e3:.2f} ms: "
