@@ -11,7 +11,12 @@ and CPU per token, measured in the same run as the router's (``bench/router_over
 are the floor of a Python router with this protocol on the machine, as
 ``bench/bare_relay.py`` is the floor of any relay.
 
-    .venv/bin/python -m bench.pd_floor --port P --prefill 127.0.0.1:Q --decode 127.0.0.1:R
+With ``--no-lease`` it skips the lease exchange (the decode server then takes an implicit
+lease when the KV or the decode request comes): the protocol before issue 13, and the
+least a protocol with one sequential exchange fewer could cost (one where the decode
+request itself takes the lease, say).
+
+    .venv/bin/python -m bench.pd_floor --port P --prefill 127.0.0.1:Q --decode 127.0.0.1:R [--no-lease]
 """
 
 from __future__ import annotations
@@ -117,18 +122,20 @@ class _Pool:
 
 
 class _Relay:
-    def __init__(self, prefill: tuple[str, int], decode: tuple[str, int], kv_endpoint: str) -> None:
+    def __init__(self, prefill: tuple[str, int], decode: tuple[str, int], kv_endpoint: str, lease: bool) -> None:
         self.prefill, self.decode = _Pool(prefill), _Pool(decode)
         self.kv_endpoint = kv_endpoint
+        self.lease = lease
         self.ids = itertools.count()
 
     async def serve(self, head: bytes, raw: bytes, client: asyncio.Transport) -> None:
         path = head.split(b" ", 2)[1].decode()
         rid = f"floor-{next(self.ids)}".encode()
         body = json.loads(raw)
-        lease = await self.decode.take()
-        await lease.call(self.decode.host, "/v1/pd/lease", b'{"lease_id": "%s"}' % rid, rid)
-        self.decode.give(lease)
+        if self.lease:
+            lease = await self.decode.take()
+            await lease.call(self.decode.host, "/v1/pd/lease", b'{"lease_id": "%s"}' % rid, rid)
+            self.decode.give(lease)
         prefill = dict(body, stream=False, max_tokens=1,
                        kv_transfer_params={"handoff_id": rid.decode(), "kv_endpoint": self.kv_endpoint})
         prefill.pop("stream_options", None)
@@ -191,16 +198,16 @@ class _Client(asyncio.Protocol):
             self.task.cancel()
 
 
-async def start(port: int, prefill: tuple[str, int], decode: tuple[str, int]) -> asyncio.Server:
+async def start(port: int, prefill: tuple[str, int], decode: tuple[str, int], lease: bool = True) -> asyncio.Server:
     """The relay on 127.0.0.1:``port`` (0: any free port), its handoff target read from the
-    decode server's capabilities."""
+    decode server's capabilities; ``lease``: False skips the lease exchange."""
     reader, writer = await asyncio.open_connection(*decode)
     writer.write(b"GET /v1/pd/capabilities HTTP/1.1\r\nHost: %s:%d\r\nConnection: close\r\n\r\n"
                  % (decode[0].encode(), decode[1]))
     data = await reader.read()
     writer.close()
     kv_endpoint = json.loads(data[_head_end(data) + 4:])["kv_endpoint"]
-    relay = _Relay(prefill, decode, kv_endpoint)
+    relay = _Relay(prefill, decode, kv_endpoint, lease)
     return await asyncio.get_running_loop().create_server(lambda: _Client(relay), "127.0.0.1", port)
 
 
@@ -214,10 +221,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--prefill", required=True, help="host:port of the prefill server")
     parser.add_argument("--decode", required=True, help="host:port of the decode server")
+    parser.add_argument("--no-lease", action="store_true", help="skip the lease exchange")
     args = parser.parse_args()
 
     async def run() -> None:
-        async with await start(args.port, _addr(args.prefill), _addr(args.decode)) as server:
+        async with await start(args.port, _addr(args.prefill), _addr(args.decode), not args.no_lease) as server:
             await server.serve_forever()
 
     uvloop.run(run())

@@ -9,7 +9,8 @@ router's added TTFT p50/p99, added inter-token latency p50/p99, throughput ratio
 CPU time) per endpoint, each goal as met or not, and the floors beside the goals: at C=1
 the added TTFT and at C=64 the CPU per token of a minimal PD relay (``bench/pd_floor.py``:
 the router's three upstream exchanges and a byte relay of the answer, nothing else), the
-floor of a Python router with this protocol on the machine, and at C=64 the CPU per token
+floor of a Python router with this protocol on the machine (at C=1 also without its lease
+exchange: the floor of a protocol with one sequential exchange fewer), and at C=64 the CPU per token
 of a byte relay (``bench/bare_relay.py``) of the direct streams, the floor of any relay;
 writes them to docs/benchmarks.md under
 "## Router overhead", its rows to bench/results/router_overhead.json and draws
@@ -48,6 +49,7 @@ TOKENS, TOKEN_DELAY, PROMPT = 64, 0.00319, " ".join(f"w{i % 97}" for i in range(
 CONCURRENCY = (1, 16, 64)
 FLOOR_CONCURRENCY = 64  # where the byte relay's CPU per token is measured beside the router's
 PD_FLOOR_CONCURRENCY = (1, 64)  # where the minimal PD relay is measured: the TTFT and the CPU goals
+NO_LEASE_CONCURRENCY = 1  # where it is also measured without its lease exchange: the TTFT goal
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
@@ -167,13 +169,15 @@ async def _measure(
     rows = []
     for c in CONCURRENCY:
         for endpoint in endpoints:
-            directs, routeds, relayed, minimal = [], [], [], []
+            directs, routeds, relayed, minimal, leaseless = [], [], [], [], []
             for r in range(rounds):  # alternate, so that drifting machine load hits all alike
                 n, tag = per_client[c], f"{endpoint[:4]}{c}.{r}"
                 directs.append(await _phase(urls["decode"], endpoint, True, c, n, None, f"d-{tag}"))
                 routeds.append(await _phase(urls["router"], endpoint, False, c, n, pids["router"], f"r-{tag}"))
                 if c in PD_FLOOR_CONCURRENCY:  # the protocol's floor: the same requests, minimal relay
                     minimal.append(await _phase(urls["floor"], endpoint, False, c, n, pids["floor"], f"f-{tag}"))
+                if c == NO_LEASE_CONCURRENCY:  # one sequential exchange fewer
+                    leaseless.append(await _phase(urls["floor_no_lease"], endpoint, False, c, n, None, f"n-{tag}"))
                 if c == FLOOR_CONCURRENCY:  # the relay's floor: the direct requests through a byte relay
                     relayed.append(await _phase(urls["relay"], endpoint, True, c, n, pids["relay"], f"b-{tag}"))
             direct = _merge(directs)
@@ -182,6 +186,9 @@ async def _measure(
                 floor = _merge(minimal)
                 row["pd_floor_ttft_p50_ms"] = (_pct(floor.ttft, 0.5) - _pct(direct.ttft, 0.5)) * 1e3
                 row["pd_floor_cpu_us_per_token"] = floor.cpu / floor.tokens * 1e6
+            if leaseless:
+                floor = _merge(leaseless)
+                row["pd_floor_no_lease_ttft_p50_ms"] = (_pct(floor.ttft, 0.5) - _pct(direct.ttft, 0.5)) * 1e3
             if relayed:
                 floor = _merge(relayed)
                 row["byte_relay_cpu_us_per_token"] = floor.cpu / floor.tokens * 1e6
@@ -235,6 +242,9 @@ def floors(rows: list[dict]) -> list[str]:
         if r["concurrency"] == GOALS["ttft_p50_ms"][0] and "pd_floor_ttft_p50_ms" in r:
             out.append(f"{where}: a minimal PD relay (bench/pd_floor.py) added {r['pd_floor_ttft_p50_ms']:.2f} ms "
                        f"TTFT p50; the router {r['ttft_p50_ms']:.2f}")
+        if "pd_floor_no_lease_ttft_p50_ms" in r:
+            out.append(f"{where}: the minimal PD relay without its lease exchange (--no-lease: one sequential "
+                       f"exchange fewer) added {r['pd_floor_no_lease_ttft_p50_ms']:.2f} ms TTFT p50")
         if r["concurrency"] == GOALS["router_cpu_us_per_token"][0] and "pd_floor_cpu_us_per_token" in r:
             floor = r["pd_floor_cpu_us_per_token"]
             out.append(f"{where}: a minimal PD relay (bench/pd_floor.py) used {floor:.1f} us of CPU per token; "
@@ -278,10 +288,11 @@ def _write_section(text: str) -> None:
 @contextmanager
 def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
     """A fake prefill and a fake decode server (1024 slots, a token every TOKEN_DELAY s), a
-    router and a minimal PD relay (``bench/pd_floor.py``) in front of them and a byte relay
+    router and a minimal PD relay (``bench/pd_floor.py``, with and without its lease
+    exchange) in front of them and a byte relay
     (``bench/bare_relay.py``) in front of the fake decode, each its own process; yields their
     URLs and the pids of the router and the two relays."""
-    ports = {name: free_port() for name in ("prefill", "decode", "router", "relay", "floor")}
+    ports = {name: free_port() for name in ("prefill", "decode", "router", "relay", "floor", "floor_no_lease")}
     fake = ["-m", "tests.fakes.fake_backends"]
     decode_knobs = json.dumps({"model": "tiny", "slots": 1024, "token_delay": TOKEN_DELAY})
     urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
@@ -299,6 +310,10 @@ def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
         server(python_argv("-m", "bench.pd_floor", "--port", str(ports["floor"]), "--prefill",
                            urls["prefill"].removeprefix("http://"), "--decode", urls["decode"].removeprefix("http://")),
                logs / "floor.log", urls["floor"] + "/ready", 30) as floor,
+        server(python_argv("-m", "bench.pd_floor", "--port", str(ports["floor_no_lease"]), "--prefill",
+                           urls["prefill"].removeprefix("http://"), "--decode", urls["decode"].removeprefix("http://"),
+                           "--no-lease"),
+               logs / "floor-no-lease.log", urls["floor_no_lease"] + "/ready", 30),
     ):
         yield urls, {"router": router.proc.pid, "relay": relay.proc.pid, "floor": floor.proc.pid}
 
@@ -353,7 +368,8 @@ def main() -> None:
             "is the floor of any relay on the machine; at C=1 and C=64 the routed requests also go through a "
             "minimal PD relay (`bench/pd_floor.py`: the router's lease, prefill and decode exchanges and a byte "
             "relay of the answer, nothing checked, no metrics), the floor of a Python router with this "
-            "protocol on the machine. "
+            "protocol on the machine, and at C=1 through the same relay without its lease exchange "
+            "(`--no-lease`), the floor of a protocol with one sequential exchange fewer. "
             f"{started}, {took:.0f} s; machine: {os.cpu_count()} CPUs, load average {load_start:.1f} at the "
             f"start, {load:.1f} at the end.\n\n"
             f"{table}\n\n```\n{goals}\n```\n{figure}{_caveat(load)}"

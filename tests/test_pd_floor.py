@@ -17,8 +17,8 @@ from tests.procs import free_port
 pytestmark = pytest.mark.timeout(60)
 
 
-async def _two_requests(prefill: int, decode: int) -> list[bytes]:
-    floor = await start(0, ("127.0.0.1", prefill), ("127.0.0.1", decode))
+async def _two_requests(prefill: int, decode: int, lease: bool = True) -> list[bytes]:
+    floor = await start(0, ("127.0.0.1", prefill), ("127.0.0.1", decode), lease)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", floor.sockets[0].getsockname()[1])
         answers = []
@@ -60,3 +60,17 @@ def test_the_minimal_pd_relay_leases_prefills_and_relays_the_decode_answer():
     assert handoffs == decode_app.records.leases
     decoded = [r["body"]["kv_transfer_params"]["handoff_id"] for r in decode_app.records.requests]
     assert decoded == handoffs
+
+
+def test_without_its_lease_exchange_it_relays_the_same_answer_on_implicit_leases():
+    prefill_app, decode_app = FakePrefill(model="tiny"), FakeDecode(model="tiny", slots=1)
+    prefill, decode = ServerThread(prefill_app, free_port()).start(), ServerThread(decode_app, free_port()).start()
+    try:
+        answers = asyncio.run(_two_requests(prefill.port, decode.port, lease=False))
+    finally:
+        prefill.stop()
+        decode.stop()
+    assert all(a.count(b'"choices": [{') == 3 and b"data: [DONE]" in a for a in answers)
+    assert not prefill_app.records.errors and not decode_app.records.errors
+    assert decode_app.records.leases == []  # no lease asked: the decode server leased implicitly
+    assert len(decode_app.records.requests) == 2
