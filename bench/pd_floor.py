@@ -12,9 +12,8 @@ are the floor of a Python router with this protocol on the machine, as
 ``bench/bare_relay.py`` is the floor of any relay.
 
 With ``--no-lease`` it skips the lease exchange (the decode server then takes an implicit
-lease when the KV or the decode request comes): the protocol before issue 13, and the
-least a protocol with one sequential exchange fewer could cost (one where the decode
-request itself takes the lease, say).
+lease when the KV or the decode request comes): the protocol before issue 13 (prefill,
+then decode), two sequential exchanges instead of three.
 
     .venv/bin/python -m bench.pd_floor --port P --prefill 127.0.0.1:Q --decode 127.0.0.1:R [--no-lease]
 """

@@ -10,8 +10,8 @@ CPU time) per endpoint, each goal as met or not, and the floors beside the goals
 the added TTFT and at C=64 the CPU per token of a minimal PD relay (``bench/pd_floor.py``:
 the router's three upstream exchanges and a byte relay of the answer, nothing else), the
 floor of a Python router with this protocol on the machine (at C=1 also without its lease
-exchange: the floor of a protocol with one sequential exchange fewer), and at C=64 the CPU per token
-of a byte relay (``bench/bare_relay.py``) of the direct streams, the floor of any relay;
+exchange: two sequential exchanges instead of three), and at C=64 the CPU per token of a
+byte relay (``bench/bare_relay.py``) of the direct streams, the floor of any relay;
 writes them to docs/benchmarks.md under
 "## Router overhead", its rows to bench/results/router_overhead.json and draws
 docs/img/router_overhead.png from them (``python -m bench.plots`` redraws it).
@@ -287,11 +287,11 @@ def _write_section(text: str) -> None:
 
 @contextmanager
 def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
-    """A fake prefill and a fake decode server (1024 slots, a token every TOKEN_DELAY s), a
-    router and a minimal PD relay (``bench/pd_floor.py``, with and without its lease
-    exchange) in front of them and a byte relay
-    (``bench/bare_relay.py``) in front of the fake decode, each its own process; yields their
-    URLs and the pids of the router and the two relays."""
+    """A fake prefill and a fake decode server (1024 slots, a token every TOKEN_DELAY s); in
+    front of them a router and a minimal PD relay (``bench/pd_floor.py``, with and without
+    its lease exchange), and in front of the fake decode a byte relay
+    (``bench/bare_relay.py``); each its own process. Yields their URLs and the pids of the
+    router, the byte relay and the minimal PD relay."""
     ports = {name: free_port() for name in ("prefill", "decode", "router", "relay", "floor", "floor_no_lease")}
     fake = ["-m", "tests.fakes.fake_backends"]
     decode_knobs = json.dumps({"model": "tiny", "slots": 1024, "token_delay": TOKEN_DELAY})
