@@ -63,34 +63,36 @@ async def _round_trips(decode_url: str, n: int = 300) -> list[float]:
     return out
 
 
+async def _split(url: str, pid: int, direct: bool, tag: str) -> tuple[float, float]:
+    """(CPU seconds per request, per token) of the process ``pid`` serving ``url``: 1-token
+    streams at C=16, then LONG-token streams at C=64 less their requests' share."""
+    short = await _phase(url, "chat", direct, 16, 20, pid, f"{tag}s", tokens=1)
+    per_request = short.cpu / (16 * 20)
+    long = await _phase(url, "chat", direct, 64, 1, pid, f"{tag}l", tokens=LONG)
+    return per_request, (long.cpu - 64 * per_request) / long.tokens
+
+
 async def _measure(urls: dict[str, str], pids: dict[str, int], rounds: int) -> dict[str, float]:
-    per_request, per_token, floor, floor_req, rtts, direct_ttft = [], [], [], [], [], []
-    pd_req, pd_token = [], []
-    pid = pids["router"]
+    """``relay``: the byte relay, fed the direct requests; ``floor``: the minimal PD relay."""
+    cpu: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in ("router", "relay", "floor")}
+    rtts, direct_ttft = [], []
     for r in range(rounds):
-        short = await _phase(urls["router"], "chat", False, 16, 20, pid, f"s{r}", tokens=1)
-        req_cpu = short.cpu / (16 * 20)
-        long = await _phase(urls["router"], "chat", False, 64, 1, pid, f"l{r}", tokens=LONG)
-        per_request.append(req_cpu)
-        per_token.append((long.cpu - 64 * req_cpu) / long.tokens)
-        bare_short = await _phase(urls["relay"], "chat", True, 16, 20, pids["relay"], f"bs{r}", tokens=1)
-        bare_req = bare_short.cpu / (16 * 20)
-        bare = await _phase(urls["relay"], "chat", True, 64, 1, pids["relay"], f"b{r}", tokens=LONG)
-        floor_req.append(bare_req)
-        floor.append((bare.cpu - 64 * bare_req) / bare.tokens)
-        pd_short = await _phase(urls["floor"], "chat", False, 16, 20, pids["floor"], f"fs{r}", tokens=1)
-        pd_req.append(pd_short.cpu / (16 * 20))
-        pd_long = await _phase(urls["floor"], "chat", False, 64, 1, pids["floor"], f"f{r}", tokens=LONG)
-        pd_token.append((pd_long.cpu - 64 * pd_req[-1]) / pd_long.tokens)
+        for name, direct in (("router", False), ("relay", True), ("floor", False)):
+            request_cpu, token_cpu = await _split(urls[name], pids[name], direct, f"{name}{r}")
+            cpu[name][0].append(request_cpu)
+            cpu[name][1].append(token_cpu)
         rtts += await _round_trips(urls["decode"])
-        direct = await _phase(urls["decode"], "chat", True, 1, 20, None, f"d{r}")
-        direct_ttft += direct.ttft
-    return {"per_request_ms": statistics.median(per_request) * 1e3,
-            "per_token_us": statistics.median(per_token) * 1e6,
-            "floor_us": statistics.median(floor) * 1e6,
-            "floor_request_ms": statistics.median(floor_req) * 1e3,
-            "pd_floor_request_ms": statistics.median(pd_req) * 1e3,
-            "pd_floor_us": statistics.median(pd_token) * 1e6,
+        direct_ttft += (await _phase(urls["decode"], "chat", True, 1, 20, None, f"d{r}")).ttft
+
+    def ms(name: str) -> float:
+        return statistics.median(cpu[name][0]) * 1e3
+
+    def us(name: str) -> float:
+        return statistics.median(cpu[name][1]) * 1e6
+
+    return {"per_request_ms": ms("router"), "per_token_us": us("router"),
+            "floor_request_ms": ms("relay"), "floor_us": us("relay"),
+            "pd_floor_request_ms": ms("floor"), "pd_floor_us": us("floor"),
             "rtt_p50_ms": statistics.median(rtts) * 1e3,
             "direct_ttft_p50_ms": statistics.median(direct_ttft) * 1e3}
 

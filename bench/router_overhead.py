@@ -184,11 +184,10 @@ async def _measure(
             row = _row(endpoint, c, per_client[c] * rounds, direct, _merge(routeds))
             if minimal:
                 floor = _merge(minimal)
-                row["pd_floor_ttft_p50_ms"] = (_pct(floor.ttft, 0.5) - _pct(direct.ttft, 0.5)) * 1e3
+                row["pd_floor_ttft_p50_ms"] = _added_ms(floor.ttft, direct.ttft, 0.5)
                 row["pd_floor_cpu_us_per_token"] = floor.cpu / floor.tokens * 1e6
             if leaseless:
-                floor = _merge(leaseless)
-                row["pd_floor_no_lease_ttft_p50_ms"] = (_pct(floor.ttft, 0.5) - _pct(direct.ttft, 0.5)) * 1e3
+                row["pd_floor_no_lease_ttft_p50_ms"] = _added_ms(_merge(leaseless).ttft, direct.ttft, 0.5)
             if relayed:
                 floor = _merge(relayed)
                 row["byte_relay_cpu_us_per_token"] = floor.cpu / floor.tokens * 1e6
@@ -196,15 +195,20 @@ async def _measure(
     return rows
 
 
+def _added_ms(through: list[float], direct: list[float], q: float) -> float:
+    """What going through a relay added to the ``q`` quantile of a latency, in ms."""
+    return (_pct(through, q) - _pct(direct, q)) * 1e3
+
+
 def _row(endpoint: str, c: int, per_client: int, direct: Phase, routed: Phase) -> dict:
     return {
         "endpoint": endpoint,
         "concurrency": c,
         "requests": c * per_client,
-        "ttft_p50_ms": (_pct(routed.ttft, 0.5) - _pct(direct.ttft, 0.5)) * 1e3,
-        "ttft_p99_ms": (_pct(routed.ttft, 0.99) - _pct(direct.ttft, 0.99)) * 1e3,
-        "itl_p50_ms": (_pct(routed.itl, 0.5) - _pct(direct.itl, 0.5)) * 1e3,
-        "itl_p99_ms": (_pct(routed.itl, 0.99) - _pct(direct.itl, 0.99)) * 1e3,
+        "ttft_p50_ms": _added_ms(routed.ttft, direct.ttft, 0.5),
+        "ttft_p99_ms": _added_ms(routed.ttft, direct.ttft, 0.99),
+        "itl_p50_ms": _added_ms(routed.itl, direct.itl, 0.5),
+        "itl_p99_ms": _added_ms(routed.itl, direct.itl, 0.99),
         "throughput_ratio": (routed.tokens / routed.wall) / (direct.tokens / direct.wall),
         "router_cpu_us_per_token": routed.cpu / routed.tokens * 1e6,
         "direct_tok_s": direct.tokens / direct.wall,
@@ -296,6 +300,10 @@ def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
     fake = ["-m", "tests.fakes.fake_backends"]
     decode_knobs = json.dumps({"model": "tiny", "slots": 1024, "token_delay": TOKEN_DELAY})
     urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+
+    def floor_argv(name: str, *extra: str) -> list[str]:
+        return python_argv("-m", "bench.pd_floor", "--port", str(ports[name]), "--prefill",
+                           f"127.0.0.1:{ports['prefill']}", "--decode", f"127.0.0.1:{ports['decode']}", *extra)
     with (
         server(python_argv(*fake, "prefill", "--port", str(ports["prefill"])), logs / "prefill.log",
                urls["prefill"] + "/health", 30),
@@ -307,13 +315,9 @@ def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
         server(python_argv("-m", "bench.bare_relay", "--port", str(ports["relay"]), "--upstream",
                            urls["decode"].removeprefix("http://")),
                logs / "relay.log", urls["relay"] + "/ready", 30) as relay,
-        server(python_argv("-m", "bench.pd_floor", "--port", str(ports["floor"]), "--prefill",
-                           urls["prefill"].removeprefix("http://"), "--decode", urls["decode"].removeprefix("http://")),
-               logs / "floor.log", urls["floor"] + "/ready", 30) as floor,
-        server(python_argv("-m", "bench.pd_floor", "--port", str(ports["floor_no_lease"]), "--prefill",
-                           urls["prefill"].removeprefix("http://"), "--decode", urls["decode"].removeprefix("http://"),
-                           "--no-lease"),
-               logs / "floor-no-lease.log", urls["floor_no_lease"] + "/ready", 30),
+        server(floor_argv("floor"), logs / "floor.log", urls["floor"] + "/ready", 30) as floor,
+        server(floor_argv("floor_no_lease", "--no-lease"), logs / "floor-no-lease.log",
+               urls["floor_no_lease"] + "/ready", 30),
     ):
         yield urls, {"router": router.proc.pid, "relay": relay.proc.pid, "floor": floor.proc.pid}
 
