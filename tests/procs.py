@@ -5,22 +5,13 @@ from __future__ import annotations
 import random
 import socket
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from pd_deploy.stack.process import ManagedProcess
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.01) -> None:
-    """Poll ``predicate`` (observable state) until it is true; fail naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout:g}s waiting for {what}"
-        time.sleep(interval)
 
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")

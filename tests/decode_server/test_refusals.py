@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from typing import Any
 
 import httpx
@@ -18,6 +17,7 @@ import pytest
 from decode_server.contract import CANCEL_PATH
 from tests.decode_server.helpers import handoff, sse_events
 from tests.fakes.fake_engine import FakeEngineConfig
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,12 +42,6 @@ def _next_request_served(srv) -> None:
     assert resp.status_code == 200, resp.text
     srv.wait_idle()
 
-
-def _wait(predicate, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 REFUSED_BODIES = {
@@ -103,7 +97,7 @@ def test_busy_429_gives_the_kv_back_like_every_refusal(make_server):
         srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 30, "kv_transfer_params": _pushed(srv)},
         headers={"X-Request-Id": "holder"}, timeout=30))
     holder.start()
-    _wait(lambda: srv.state.slots.busy == 1)
+    wait_until(lambda: srv.state.slots.busy == 1, 15, "srv.state.slots.busy == 1")
     kv = _pushed(srv)
     resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": kv},
                       headers={"X-Request-Id": "second"})
@@ -134,7 +128,7 @@ def test_cancel_answers_once_the_slot_and_kv_are_free(make_server):
     t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
         srv.url + "/v1/completions", json=body, headers={"X-Request-Id": "victim"}, timeout=30)))
     t.start()
-    _wait(lambda: srv.engine.steps >= 3)
+    wait_until(lambda: srv.engine.steps >= 3, 15, "srv.engine.steps >= 3")
     assert httpx.post(srv.url + CANCEL_PATH, json={"request_id": "victim"}).json()["cancelled"] is True
     _assert_all_free(srv)
     t.join(10)
@@ -149,7 +143,7 @@ def test_cancel_of_another_attempts_handoff_leaves_the_generation_alone(make_ser
         srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 10, "kv_transfer_params": kv},
         headers={"X-Request-Id": "same"}, timeout=30)))
     t.start()
-    _wait(lambda: srv.engine.steps >= 2)
+    wait_until(lambda: srv.engine.steps >= 2, 15, "srv.engine.steps >= 2")
     answer = httpx.post(srv.url + CANCEL_PATH, json={"request_id": "same", "handoff_id": "same#1"}).json()
     assert answer["cancelled"] is False
     t.join(10)
@@ -164,7 +158,7 @@ def test_duplicate_request_id_409_frees_its_own_kv_not_the_running_ones(make_ser
         srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 10, "kv_transfer_params": running},
         headers={"X-Request-Id": "dup"}, timeout=30))
     t.start()
-    _wait(lambda: srv.engine.steps >= 1)
+    wait_until(lambda: srv.engine.steps >= 1, 15, "srv.engine.steps >= 1")
     other = _pushed(srv)
     for kv in (other, running):  # another handoff under the same id, then the running one's own
         resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": kv},
@@ -183,7 +177,7 @@ def test_client_gone_during_decode_frees_everything(make_server):
     sock = socket.create_connection((host, int(port)), timeout=10)
     sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  f"X-Request-Id: gone\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
-    _wait(lambda: srv.engine.steps >= 3)
+    wait_until(lambda: srv.engine.steps >= 3, 15, "srv.engine.steps >= 3")
     sock.close()
     # what the router does when its client left: cancel, then count the slot free
     httpx.post(srv.url + CANCEL_PATH, json={"request_id": "gone"})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -68,6 +69,9 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         self._permits = 0  # releases that came before the request they were meant for
         self._cancel: dict[str, asyncio.Event] = {}
         self._table: LeaseTable | None = None
+        # an in-process test may set it: awaited before each streamed token (its index), to
+        # pace the stream by what the test observes instead of by the clock
+        self.token_gate: Callable[[int], Awaitable[None]] | None = None
 
     @property
     def leases(self) -> LeaseTable | None:
@@ -309,6 +313,8 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             wait = t0 + i * k.token_delay - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
+            if self.token_gate is not None:
+                await self.token_gate(i)
             if watch.done():
                 self.records.disconnects.append(rid)
                 return

@@ -18,7 +18,8 @@ from pd_http.logs import JsonFormatter
 from pd_http.tracing import otlp_tracing
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
 from tests.fakes.otlp_collector import OtlpCollector
-from tests.procs import free_port, server, wait_until
+from tests.procs import free_port, server
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 KEYS = {"time", "level", "logger", "message"}

@@ -31,8 +31,9 @@ import yaml
 from pd_deploy.stack.launcher import Stack
 from tests.e2e.conftest import MODEL_NAME, make_stack_config, running_stack
 from tests.fakes.otlp_collector import CollectedSpan, OtlpCollector
-from tests.procs import free_port, server, wait_until
+from tests.procs import free_port, server
 from tests.test_metrics_doc import documented, exposed
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "observability"

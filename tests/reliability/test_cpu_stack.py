@@ -22,7 +22,7 @@ import pytest
 from decode_server.contract import CAPABILITIES_PATH
 from pd_deploy.stack.launcher import Stack
 from tests.e2e.conftest import make_stack_config, running_stack, vllm_kv_usage
-from tests.procs import wait_until
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(600)]
 PROMPT = "The quick brown fox"

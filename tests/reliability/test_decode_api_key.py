@@ -16,8 +16,9 @@ from decode_server.settings import SettingsError, load_settings
 from pd_router.settings import validate_settings
 from tests.decode_server.helpers import handoff
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
-from tests.procs import free_port, wait_until
+from tests.procs import free_port
 from tests.router.conftest import raw_completion
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

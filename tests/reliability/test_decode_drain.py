@@ -13,7 +13,7 @@ import pytest
 from tests.decode_server.conftest import start_server
 from tests.decode_server.helpers import handoff
 from tests.fakes.fake_engine import FakeEngineConfig
-from tests.procs import wait_until
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -37,11 +37,12 @@ from connector.protocol import (
 )
 from connector.receiver import ReceiverSettings
 from connector.scheduler import ConnectorScheduler
-from tests.connector.transport.helpers import SMALL, assert_no_leaks, eventually
+from tests.connector.transport.helpers import SMALL, assert_no_leaks
 from tests.connector.transport.synthetic import fill, layer_bytes, mismatches
 from tests.fakes.fake_admissions import FakeAdmissions
 from tests.fakes.fake_vllm import FakeRequest
 from tests.fakes.memory_transport import MemoryTransport
+from tests.waits import eventually
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,7 +21,8 @@ from pd_deploy.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, rou
 from pd_router.load import vllm_load
 from pd_router.wire import BackendList
 from tests.e2e.conftest import make_stack_config, vllm_kv_usage
-from tests.procs import server, wait_until
+from tests.procs import server
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(600)]
 INTERVAL = 0.25  # the router's --discovery-interval and --probe-interval, the connector's handshake_interval_s

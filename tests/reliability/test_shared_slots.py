@@ -24,7 +24,8 @@ from pd_deploy.commands import router_argv
 from pd_deploy.stack.launcher import Stack
 from pd_deploy.stack.process import ManagedProcess
 from tests.e2e.conftest import MODEL_NAME, make_stack_config, running_stack
-from tests.procs import free_port, wait_until
+from tests.procs import free_port
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(600)]
 PROMPTS = ["The quick brown fox", "Once upon a time", "In the beginning", "A long way from home"]

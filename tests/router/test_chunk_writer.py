@@ -4,14 +4,17 @@ write them at once."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
-import time
+import threading
 from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from pd_http.chunk_writer import ChunkWriter
 from pd_router.handler import _Tally
@@ -143,36 +146,90 @@ def test_a_streamed_answer_reaches_the_client_through_the_chunk_writer(make_rig,
 
 
 def test_a_slow_client_gets_every_chunk_in_order(make_rig, monkeypatch):
-    """A client that reads slowly fills the router's socket buffers: uvicorn's flow control
+    """A client that stops reading fills the router's socket buffers: uvicorn's flow control
     pauses writing, the writer declines, the relay's ``send`` waits for the drain, and when
-    writing resumes no chunk overtakes the one ``send`` holds."""
+    writing resumes no chunk overtakes the one ``send`` holds.
+
+    Nothing here rests on which thread is faster. The decode server streams in lockstep with
+    the router: token i+1 leaves only once the router has written token i (taken by the
+    writer, or written by ``send``). The router's connection has a small send buffer and the
+    client reads nothing until the router recorded a paused write. Then, right after each
+    drain, the token the decode server is let send arrives while ``send`` still holds the
+    older chunk: the moment at which it could overtake it, made to happen every time."""
     rig = make_rig()
-    paused: list[bool] = []
-    original = ChunkWriter.writable
+    for listener in rig.server.server.servers[0].sockets:  # accepted connections inherit it
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    permits = threading.Semaphore(1)  # tokens the decode server may send now
+
+    async def gate(_: int) -> None:
+        assert await asyncio.to_thread(permits.acquire, timeout=30), "the router stopped writing"
+
+    rig.decodes[0].app.token_gate = gate
+    paused = threading.Event()
+    port = int(rig.url.rsplit(":", 1)[1])
+
+    def routers(transport) -> bool:  # the router's side of a client connection (not the fakes')
+        return transport.get_extra_info("sockname")[1] == port
+
+    race = {"windows": 0, "raced": 0, "held": False}
+    window: list[asyncio.Event] = []  # set by the next chunk that reaches the router while open
+    writable, take, drain, send = ChunkWriter.writable, _Tally.take, FlowControl.drain, RequestResponseCycle.send
 
     def recording(self: ChunkWriter) -> bool:
-        ok = original(self)
-        if not ok:
-            paused.append(self._cycle.flow.write_paused)
+        ok = writable(self)
+        if not ok and self._cycle.flow.write_paused:
+            paused.set()
         return ok
 
+    def offered(self: _Tally, chunk: bytes) -> bool:
+        if window:
+            window[0].set()
+        taken = take(self, chunk)
+        if taken:
+            permits.release()
+        return taken
+
+    async def sent(self: RequestResponseCycle, message: dict) -> None:
+        await send(self, message)
+        if routers(self.transport) and message.get("body"):
+            if race["held"]:  # the window already let the next token go
+                race["held"] = False
+            else:
+                permits.release()
+
+    async def held_drain(self: FlowControl) -> None:
+        await drain(self)
+        if not routers(self._transport) or race["windows"] >= 20:
+            return
+        window.append(arrived := asyncio.Event())
+        race["held"] = True
+        permits.release()  # the next token, while send holds this one
+        try:
+            await asyncio.wait_for(arrived.wait(), 10)
+        finally:
+            window.clear()
+        race["windows"] += 1
+        race["raced"] += arrived.is_set()
+
     monkeypatch.setattr(ChunkWriter, "writable", recording)
-    n = 30000
+    monkeypatch.setattr(_Tally, "take", offered)
+    monkeypatch.setattr(RequestResponseCycle, "send", sent)
+    monkeypatch.setattr(FlowControl, "drain", held_drain)
+    n = 5000  # ~700 kB: far more than the buffers between the router and a client that reads nothing
     body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": n, "stream": True}).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.settimeout(30)
-    sock.connect(("127.0.0.1", int(rig.url.rsplit(":", 1)[1])))
+    sock.connect(("127.0.0.1", port))
     received = bytearray()
     try:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"X-Request-Id: slow-1\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+        assert paused.wait(60), "the router never paused writing though the client read nothing"
         while not received.endswith(b"0\r\n\r\n"):
-            part = sock.recv(2048)
+            part = sock.recv(65536)
             assert part, "the router closed the connection mid-stream"
             received += part
-            if len(received) < 2_000_000:
-                time.sleep(0.0005)  # a slow reader for the first 2 MB: the router's buffers fill up
     finally:
         sock.close()
     head, _, chunked = bytes(received).partition(b"\r\n\r\n")
@@ -188,6 +245,6 @@ def test_a_slow_client_gets_every_chunk_in_order(make_rig, monkeypatch):
     events = [e.removeprefix(b"data: ") for e in bytes(payload).split(b"\n\n") if e]
     assert events[-1] == b"[DONE]"
     text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
-    assert text == "".join(f"t{k} " for k in range(n))
-    assert True in paused, "the client never pushed back: the test did not reach uvicorn's flow control"
+    assert race["raced"] >= 1, f"no chunk arrived while send held one ({race})"
+    assert text == "".join(f"t{k} " for k in range(n)), "a chunk overtook another"
     rig.assert_no_leaks()

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from pd_router.rawhttp import ConnectFailed, ConnectionPool, Origin, ReadTimeout, ResponseFailed
+from tests.waits import eventually
 
 pytestmark = pytest.mark.timeout(30)
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -107,11 +108,13 @@ async def test_refused_malformed_and_mid_answer_close():
 
 
 async def test_read_timeout_and_flow_control():
+    timed_out = asyncio.Event()
+
     async def slow_then_big(reader, writer):
         await _read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
         await writer.drain()
-        await asyncio.sleep(0.3)  # longer than the read timeout of the first request
+        await timed_out.wait()  # silent until the first request's read has timed out
         for _ in range(48):
             writer.write(b"10000\r\n" + b"x" * 0x10000 + b"\r\n")
             await writer.drain()
@@ -123,10 +126,12 @@ async def test_read_timeout_and_flow_control():
     resp = await pool.post(origin, "/x", b"{}", {}, read_timeout=0.1)
     with pytest.raises(ReadTimeout):
         await resp.read()
+    timed_out.set()
     resp.close()
     resp = await pool.post(origin, "/x", b"{}", {}, read_timeout=5)
-    await asyncio.sleep(1.0)  # the server writes 3 MiB meanwhile; reading pauses at the high-water mark
-    assert resp._buffered <= 2 * (1 << 20) and resp._conn.paused
+    # the server writes 3 MiB, nothing reads them: reading pauses at the high-water mark
+    await eventually(lambda: resp._conn.paused, what="the connection to pause reading")
+    assert resp._buffered <= 2 * (1 << 20)
     total = 0
     async for chunk in resp:
         total += len(chunk)

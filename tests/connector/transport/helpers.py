@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -54,9 +53,3 @@ def assert_no_leaks(receiver: KVReceiver, *senders: KVSender) -> None:
         assert len(sender._free_staging) == len(sender.staging_buffer) // sender.slot_bytes, "staging leaked"
 
 
-async def eventually(predicate, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)

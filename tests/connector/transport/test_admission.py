@@ -13,8 +13,9 @@ import pytest
 
 from connector.admission import Admission, AdmissionClient
 from connector.layout import layout_fingerprint
-from tests.connector.transport.helpers import SMALL, assert_no_leaks, eventually
+from tests.connector.transport.helpers import SMALL, assert_no_leaks
 from tests.connector.transport.synthetic import fill, layer_bytes, mismatches
+from tests.waits import eventually
 
 pytestmark = pytest.mark.timeout(60)
 GROUP = "prefill-group-a"
@@ -103,16 +104,16 @@ async def test_a_hung_decode_server_delays_only_its_own_requests(kv):
     acceptor = threading.Thread(target=lambda: accepted.append(hung.accept()[0]), daemon=True)
     acceptor.start()
     async with kv.running_receiver(max_tokens=64) as receiver:
-        client = _client(timeout_s=1.5)
+        client = _client(timeout_s=3)
         try:
             t0 = time.monotonic()
             client.start("stuck", hung_endpoint, 8)
             client.start("fine", receiver.endpoint, 8)
             assert (await _result(client, "fine")).ok
-            assert client.result("stuck") is None and time.monotonic() - t0 < 1.0
+            assert client.result("stuck") is None  # the healthy one was not queued behind it
             stuck = await _result(client, "stuck")
-            assert not stuck.ok and stuck.reason == "unreachable" and "1.5s" in stuck.error
-            assert time.monotonic() - t0 < 3.0
+            assert not stuck.ok and stuck.reason == "unreachable" and "within 3.0s" in stuck.error
+            assert time.monotonic() - t0 >= 3  # it waited out its own timeout, no less
             client.abort("fine", receiver.endpoint, "done")
             await eventually(lambda: receiver.busy_slots() == 0)
         finally:

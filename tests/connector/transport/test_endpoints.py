@@ -13,9 +13,8 @@ import pytest
 from connector.config import ConnectorConfigError, ConnectorSettings, load_settings
 from connector.endpoints import DecodeEndpoints
 from connector.keeper import HandshakeKeeper
-from tests.connector.transport.helpers import eventually
 from tests.fakes.fake_resolver import FakeResolver
-from tests.procs import wait_until
+from tests.waits import eventually, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

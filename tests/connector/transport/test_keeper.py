@@ -10,8 +10,8 @@ import pytest
 
 from connector.keeper import HandshakeKeeper
 from connector.kv_errors import ControlChannelError, HandshakeRejected
-from tests.connector.transport.helpers import eventually
 from tests.procs import free_port
+from tests.waits import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,8 +35,9 @@ async def test_keeper_handshakes_a_receiver_started_later_and_again_after_a_rest
     keeper = HandshakeKeeper(sender, (f"127.0.0.1:{port}",), interval_s=0.1, timeout_s=2)
     keeper.start()
     try:
-        await asyncio.sleep(0.3)
-        assert keeper.state()[f"127.0.0.1:{port}"].startswith("unreachable")
+        endpoint = f"127.0.0.1:{port}"
+        await eventually(lambda: keeper.state().get(endpoint, "").startswith("unreachable"),
+                         what="the keeper to record the endpoint unreachable")
         for _ in range(2):  # first start, then a restart on the same port
             async with kv.running_receiver(port=port) as receiver:
                 await eventually(lambda: [p.state for p in receiver.peers()] == ["ok"], timeout=5)

@@ -10,10 +10,16 @@ import torch
 
 from connector.kv_errors import AdmissionRefused, HandoffFailed, HandoffTimeout
 from connector.layout import SenderPlan, glm5_fp8_ds_mla_layout
-from tests.connector.transport.helpers import SMALL, assert_no_leaks, eventually
+from tests.connector.transport.helpers import SMALL, assert_no_leaks
 from tests.connector.transport.synthetic import fill, layer_bytes, mismatches
+from tests.waits import eventually
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def _waiting(receiver) -> int:
+    """Calls of ``wait_for`` parked on the receiver's condition (waiting for a change)."""
+    return len(receiver._cond()._waiters or ())
 
 
 def _send(sender, endpoint, hid, tokens, layers, seed=1, layout=SMALL):
@@ -30,7 +36,7 @@ async def test_complete_handoff_waited_before_admission(kv, transport):
         sender = kv.make_sender(transport=transport)
         try:
             waiter = asyncio.create_task(receiver.wait_for("h", 10))
-            await asyncio.sleep(0.05)
+            await eventually(lambda: _waiting(receiver) == 1, what="the decode side to wait")
             handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "h", 50, range(3))
             assert await asyncio.to_thread(handoff.wait, 10) == "sent"
             kv = await waiter
@@ -172,7 +178,9 @@ async def test_tensor_parallel_ranks_complete_one_handoff_together(kv):
                                                         sender.plan_layers, 3, layout))
                 with pytest.raises(ValueError, match="not sent by this rank"):
                     handoffs[-1].post_layer((rank + 1) % 3)
-            await asyncio.sleep(0.1)
+            landed = sum(len(sender.plan_layers) for sender in senders[:2])
+            await eventually(lambda: len(receiver._handoffs["tp"].arrived) == landed,
+                             what="ranks 0 and 1's layers to land")
             assert not waiter.done()  # rank 2's layers are missing
             handoffs.append(await asyncio.to_thread(_send, senders[2], receiver.endpoint, "tp", 130,
                                                     senders[2].plan_layers, 3, layout))
@@ -198,7 +206,7 @@ async def test_stop_ends_every_wait_and_wait_before_start_is_an_error(kv):
         try:
             await asyncio.to_thread(_send, sender, receiver.endpoint, "admitted", 8, [0])
             waiters = [asyncio.create_task(receiver.wait_for(hid, 30)) for hid in ("admitted", "never-seen")]
-            await asyncio.sleep(0.05)
+            await eventually(lambda: _waiting(receiver) == 2, what="both waits to begin")
             await receiver.stop()
             results = await asyncio.wait_for(asyncio.gather(*waiters, return_exceptions=True), 5)
             assert all(isinstance(r, ReceiverError) for r in results), results
