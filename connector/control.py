@@ -26,6 +26,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from connector import kv_auth
 from connector.kv_errors import ControlChannelError
 from connector.protocol import AuthChallenge, AuthFailed, AuthOk, AuthProof, AuthStart, ControlMessage
+from pd_net.tcp import DeadPeer, detect_dead_peer, detect_dead_peer_on
 
 MAX_FRAME = 1 << 20
 ABORT_TIMEOUT_S = 5.0  # bound on telling a decode server that a handoff was given up
@@ -72,6 +73,7 @@ class ControlConnection:
 class ControlLimits:
     max_connections: int = 256  # open control connections at once; more are closed at once
     auth_timeout_s: float = 10.0  # a connection authenticates and says Hello within this, or is closed
+    dead_peer: DeadPeer = DeadPeer()  # a peer that vanished from the network is given up within its bound
 
 
 NO_SECRET = ("this KV receiver has no shared secret: remove kv_secret_file/kv_secret_env from the connector's "
@@ -124,6 +126,7 @@ class ControlServer:
         task = asyncio.current_task()
         peername = writer.get_extra_info("peername")
         conn = ControlConnection(f"{peername[0]}:{peername[1]}" if peername else "?")
+        detect_dead_peer_on(writer.transport, self._limits.dead_peer)
         if task is None or len(self._conns) >= self._limits.max_connections:
             self.refused_connections += 1
             writer.close()
@@ -212,6 +215,7 @@ class ControlClient:
         except OSError as exc:
             raise ControlChannelError(f"cannot reach the KV control endpoint {endpoint}: {exc}") from exc
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        detect_dead_peer(self._sock, DeadPeer())  # a receiver host gone: a kept connection breaks within 6 s
         self._broken = False
         if secret is not None:
             try:

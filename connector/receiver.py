@@ -64,6 +64,7 @@ from connector.transport import (
     host_tensor,
     nixl_transport,
 )
+from pd_net.tcp import DeadPeer
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +99,8 @@ class KVReceiver:
         self._welcome_parts: tuple[str, str] = ("", "")
         self._server = ControlServer(settings.host, settings.port, self._on_message, self._on_disconnect,
                                      secret=settings.secret,
-                                     limits=ControlLimits(settings.max_connections, settings.auth_timeout_s))
+                                     limits=ControlLimits(settings.max_connections, settings.auth_timeout_s,
+                                                          DeadPeer.within(settings.dead_peer_s)))
         self._slots: SlotSource = FreeSlots(settings.slots)
         self._handoffs: dict[str, HandoffState] = {}
         self._peers: dict[str, PeerStatus] = {}

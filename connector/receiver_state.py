@@ -63,6 +63,7 @@ class ReceiverSettings:
     max_connections: int = 256  # open control connections
     max_peers: int = 256  # sender agents remembered (a peer without a live connection is forgotten first)
     auth_timeout_s: float = 10.0  # a new connection authenticates and says Hello within this, or is closed
+    dead_peer_s: float = 10.0  # a sender host that vanished from the network is given up within this (pd_net.tcp)
 
     def __post_init__(self) -> None:
         if self.secret is None and not is_loopback(self.host):

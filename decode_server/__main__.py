@@ -14,6 +14,7 @@ from pd_grammar.spec import SchemaLimits
 from pd_http.drain import DrainingServer
 from pd_http.logs import configure_logging
 from pd_http.tracing import Tracing, otlp_tracing
+from pd_net.tcp import DeadPeer, dead_peer_protocol
 
 
 def engine_factory(settings: DecodeServerSettings):
@@ -36,7 +37,7 @@ def receiver_factory(settings: DecodeServerSettings):
 
         return KVReceiver(ReceiverSettings(layout=layout, max_tokens=max_tokens, slots=slots, host=settings.kv_host,
                                            port=settings.kv_port, device=settings.kv_device,
-                                           secret=settings.kv_secret()))
+                                           secret=settings.kv_secret(), dead_peer_s=settings.dead_peer_timeout))
     return build
 
 
@@ -68,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"decode_server: {exc}", file=sys.stderr)
         return 2
     import uvicorn
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     configure_logging(settings.log_level, settings.log_format)
     log = logging.getLogger("decode_server")
@@ -85,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      decode_tracing(settings))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
-                            loop="uvloop", http="httptools", access_log=False, timeout_graceful_shutdown=5)
+                            loop="uvloop", http=dead_peer_protocol(HttpToolsProtocol, DeadPeer.within(
+                                settings.dead_peer_timeout)), access_log=False, timeout_graceful_shutdown=5)
     state = app.state.decode
     server = DrainingServer(config, lambda: state.drain(settings.drain_timeout))  # SIGTERM: drain, then stop
     server.run()

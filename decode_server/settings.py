@@ -57,6 +57,10 @@ class DecodeServerSettings(EntrySettings):
     drain_timeout: float = Field(
         600.0, ge=0, description="on SIGTERM: seconds generations in flight may take to finish (new requests "
         "get 503) before the rest are ended with an error")
+    dead_peer_timeout: float = Field(
+        10.0, ge=3, le=3600, description="seconds after its last byte in which a router or prefill that vanished "
+        "from the network (link down, host gone) is given up: its generation ends and its slot and KV are freed "
+        "(TCP keepalive and user timeout, on HTTP and KV control connections; a slow peer is never cut)")
     served_model_name: str | None = Field(None, min_length=1, description="model name (default: model dir name)")
     reasoning_parser: Literal["none", "glm45"] = Field(
         "none", description="glm45: split <think>..</think> into reasoning_content (chat)")

@@ -32,6 +32,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pd_http.chunk_writer import EXTENSION, ChunkWriter
+from pd_net.tcp import DeadPeer, detect_dead_peer_on
 
 ErrorBody = Callable[[int, str, str], bytes]  # (status, error type, message) -> JSON body
 
@@ -43,6 +44,7 @@ class HttpLimits:
     header_timeout: float = 10.0
     max_connections: int = 1024
     retry_after: int = 1  # seconds, on the 503 past max_connections
+    dead_peer: DeadPeer | None = None  # a client that vanished from the network is given up within its bound
 
 
 class _Refused(Exception):
@@ -64,6 +66,7 @@ def limited_protocol(limits: HttpLimits, error_body: ErrorBody) -> type[HttpTool
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            detect_dead_peer_on(transport, limits.dead_peer)
             if len(self.connections) > limits.max_connections:
                 self._refuse(
                     503,

@@ -23,6 +23,8 @@ from typing import Any, NamedTuple, Protocol
 
 import httptools
 
+from pd_net.tcp import DeadPeer, detect_dead_peer_on
+
 _HIGH_WATER = 1 << 20  # pause reading the upstream while this much is buffered
 _LOW_WATER = 1 << 16
 
@@ -187,6 +189,7 @@ class _Connection(asyncio.Protocol):
     # asyncio.Protocol
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
+        detect_dead_peer_on(transport, self.pool.dead_peer)
 
     def data_received(self, data: bytes) -> None:
         resp = self.response
@@ -287,9 +290,10 @@ class ConnectionPool:
     """Keep-alive connections per upstream origin (LIFO, idle ones dropped after
     ``idle_ttl`` seconds, below the usual 5 s server keep-alive)."""
 
-    def __init__(self, connect_timeout: float = 5.0, idle_ttl: float = 2.0) -> None:
+    def __init__(self, connect_timeout: float = 5.0, idle_ttl: float = 2.0, dead_peer: DeadPeer | None = None) -> None:
         self.connect_timeout = connect_timeout
         self.idle_ttl = idle_ttl
+        self.dead_peer = dead_peer  # a vanished upstream fails its answer within dead_peer.bound_s
         self._tls: ssl.SSLContext | None = None
         self._idle: dict[Origin, deque[_Connection]] = {}
 

@@ -8,6 +8,7 @@ import uvicorn
 from pd_http.drain import DrainingServer
 from pd_http.heap import freeze_startup_heap
 from pd_http.limits import HttpLimits, limited_protocol
+from pd_net.tcp import DeadPeer
 from pd_router.app import RouterApp
 from pd_router.settings import RouterSettings
 from pd_router.wire import ErrorBody, ErrorDetail
@@ -25,6 +26,7 @@ def http_limits(settings: RouterSettings) -> HttpLimits:
         max_headers=settings.max_headers,
         header_timeout=settings.header_timeout,
         max_connections=settings.max_connections,
+        dead_peer=DeadPeer.within(settings.dead_peer_timeout),
     )
 
 

@@ -111,6 +111,12 @@ class RouterSettings(EntrySettings):
     max_connections: int = Field(
         1024, ge=1, description="open client connections; more are answered 503 and closed"
     )
+    dead_peer_timeout: float = Field(
+        10.0, ge=3, le=3600,
+        description="seconds after its last byte in which a peer that vanished from the network (link down, "
+        "host gone) is given up, on client and upstream connections alike (TCP keepalive and user timeout; "
+        "a peer that is only slow is never cut)"
+    )
     drain_timeout: float = Field(
         600.0,
         ge=0,

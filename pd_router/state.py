@@ -17,6 +17,7 @@ from decode_server.contract import CANCEL_PATH, CancelRequest
 from pd_build.info import collect
 from pd_grammar.spec import SchemaLimits, warm_up
 from pd_http.drain import wait_then_cut
+from pd_net.tcp import DeadPeer
 from pd_router.backends import Backends, DecodeBackend, PrefillBackend
 from pd_router.discovery import Discovery
 from pd_router.errors import RouterError, UpstreamRejected
@@ -80,7 +81,7 @@ class RouterState:
         return self._client
 
     async def start(self) -> None:
-        self._pool = ConnectionPool()
+        self._pool = ConnectionPool(dead_peer=DeadPeer.within(self.settings.dead_peer_timeout))
         probe_timeout = min(5.0, max(0.5, self.settings.probe_interval))
         self._client = httpx.AsyncClient(timeout=probe_timeout, trust_env=False)
         await self.discovery.refresh()

@@ -1,5 +1,5 @@
-"""The whole PD stack (vLLM prefill + TileRTConnector + reference decode + router) and a
-second vLLM serving the same model alone, both on loopback, once per session."""
+"""The whole PD stack (vLLM prefill + TileRTConnector + reference decode + router) on
+loopback, once per session (vLLM alone, to compare with: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pd_deploy.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
 from pd_deploy.stack.launcher import Stack, StackConfig
-from tests.procs import free_port, port_is_free, server
+from tests.procs import free_port, port_is_free
 
 
 def _ports(n: int) -> list[int]:
@@ -59,18 +58,6 @@ def running_stack(cfg: StackConfig) -> Iterator[Stack]:
 def pd_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with running_stack(make_stack_config(tiny_model_dir, tmp_path_factory.mktemp("pd-stack-logs"))) as stack:
         yield stack
-
-
-@pytest.fixture(scope="session")
-def vllm_alone(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    same_numerics = make_stack_config(tiny_model_dir, Path("/nonexistent")).prefill_extra_args()
-    argv = vllm_prefill_argv(PrefillSpec(model=tiny_model_dir, port=port, mtp=False, connector=False,
-                                         max_model_len=4096, served_model_name=MODEL_NAME,
-                                         extra_args=same_numerics))
-    url = f"http://127.0.0.1:{port}"
-    with server(argv, tmp_path_factory.mktemp("vllm-alone") / "vllm.log", f"{url}/health", 300, VLLM_CPU_ENV):
-        yield url
 
 
 @pytest.fixture(scope="session")

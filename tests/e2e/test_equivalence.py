@@ -4,6 +4,8 @@ and the decode server in float32 with vLLM's PyTorch rope: the stack's CPU setti
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import httpx
 import pytest
 
@@ -16,27 +18,36 @@ TOP = 5
 MAX_LOGPROB_DIFF = 1e-4  # measured 4.2e-6 (docs/decode_server.md); a one-token shift is > 1e-2
 
 
-def _completion(url: str, model: str, prompt: str) -> dict:
+Post = Callable[[str, dict], httpx.Response]  # (path, body) -> the answer of one side
+
+
+def poster(url: str, headers: dict[str, str] | None = None) -> Post:
+    """POSTs to ``url`` from this process (a side reachable from here)."""
+    return lambda path, body: httpx.post(url + path, json=body, headers=headers, timeout=120)
+
+
+def _completion(post: Post, model: str, prompt: str) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
             "logprobs": TOP, "ignore_eos": True}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    r = post("/v1/completions", body)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def _chat(url: str, model: str, messages: list[dict]) -> dict:
+def _chat(post: Post, model: str, messages: list[dict]) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.0,
             "logprobs": True, "top_logprobs": TOP, "ignore_eos": True}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    r = post("/v1/chat/completions", body)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def test_pd_stack_matches_vllm_alone(pd_stack, vllm_alone, model_name, tokenizer):
-    assert_matches_vllm_alone(pd_stack.config.router_url, vllm_alone, model_name)
+    assert_matches_vllm_alone(poster(pd_stack.config.router_url), poster(vllm_alone), model_name)
 
 
-def assert_matches_vllm_alone(router: str, vllm_alone: str, model_name: str) -> None:
+def assert_matches_vllm_alone(router: Post, vllm_alone: Post, model_name: str) -> None:
+    """Every prompt of tests/e2e/prompts.py through the PD stack (``router``) and vLLM alone."""
     verdicts = []
     for prompt in COMPLETION_PROMPTS:
         pd, alone = _completion(router, model_name, prompt), _completion(vllm_alone, model_name, prompt)

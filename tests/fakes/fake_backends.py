@@ -159,17 +159,20 @@ class FakePrefill(FakeBase[PrefillKnobs]):
 
 
 class ServerThread:
-    """An ASGI app on 127.0.0.1:port, served by uvicorn in its own thread and loop."""
+    """An ASGI app on 127.0.0.1:port (or ``host``), served by uvicorn in its own thread and loop."""
 
-    def __init__(self, app: Any, port: int, loop: str = "asyncio", server: uvicorn.Server | None = None) -> None:
-        """``server``: a server already configured for ``app`` on 127.0.0.1:``port`` (the
-        router's own, with its HTTP limits and drain); default a plain uvicorn one."""
+    def __init__(self, app: Any, port: int, loop: str = "asyncio", server: uvicorn.Server | None = None,
+                 host: str = "127.0.0.1", netns: str | None = None) -> None:
+        """``server``: a server already configured for ``app`` on ``host``:``port`` (the
+        router's own, with its HTTP limits and drain); default a plain uvicorn one.
+        ``netns``: serve from inside that network namespace (a node of tests/nodes.py): the
+        thread enters it before it makes its sockets."""
         self.app, self.port = app, port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         if server is None:
             config = uvicorn.Config(
                 app,
-                host="127.0.0.1",
+                host=host,
                 port=port,
                 loop=loop,
                 http="httptools",
@@ -179,7 +182,15 @@ class ServerThread:
             )
             server = uvicorn.Server(config)
         self.server = server
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name=f"uvicorn-{port}")
+
+        def run() -> None:
+            if netns is not None:
+                from tests.nodes import enter_netns
+
+                enter_netns(netns)
+            self.server.run()
+
+        self.thread = threading.Thread(target=run, daemon=True, name=f"uvicorn-{port}")
 
     def start(self, timeout: float = 20.0) -> ServerThread:
         self.thread.start()

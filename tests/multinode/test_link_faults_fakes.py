@@ -1,0 +1,108 @@
+"""Links between hosts failing under the real router, with fake prefill and decode servers
+on their own nodes (tests/nodes.py): fast, so every such fault is checked in seconds. The
+same faults on the real stack (vLLM, NIXL, the reference decode engine) are in
+test_stack_across_nodes.py.
+
+A pulled cable sends no FIN and no RST: before the router set TCP keepalive and a user
+timeout on its connections (pd_net.tcp), a stream whose decode host vanished waited for
+``--decode-timeout`` (120 s by default) before its client heard anything."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from pd_router import RouterApp, create_app
+from pd_router.serve import router_server
+from pd_router.settings import validate_settings
+from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
+from tests.multinode.streams import StreamRecord, read_stream
+from tests.nodes import Nodes
+from tests.waits import wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+MODEL = "tiny"
+API_KEY = "multinode-test-key"
+DEAD_PEER_S = 4.0  # the router's --dead-peer-timeout here
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ROUTER_PORT, PREFILL_PORT, DECODE_PORT = 8000, 8100, 8200  # each node has its own ports
+
+
+@dataclass
+class Cluster:
+    nodes: Nodes
+    router: RouterApp
+    servers: list[ServerThread] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.nodes[0].address}:{ROUTER_PORT}"
+
+    def ready(self) -> int:
+        return self.nodes[0].call(lambda: httpx.get(self.url + "/ready", timeout=5).status_code)
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    """Router and a fake prefill on node 0, a fake decode server on node 1 (tokens 10 ms apart)."""
+    with Nodes(2) as nodes:
+        prefill = ServerThread(FakePrefill(model=MODEL), PREFILL_PORT, host=nodes[0].address, netns=nodes[0].netns)
+        decode = ServerThread(FakeDecode(model=MODEL, token_delay=0.01), DECODE_PORT, host=nodes[1].address,
+                              netns=nodes[1].netns)
+        settings = validate_settings({
+            "prefill": (prefill.url,), "decode": (decode.url,), "host": nodes[0].address, "port": ROUTER_PORT,
+            "api_key": API_KEY, "probe_interval": 0.5, "dead_peer_timeout": DEAD_PEER_S, "log_level": "warning"})
+        app = create_app(settings)
+        router = ServerThread(app, ROUTER_PORT, server=router_server(app, settings), host=nodes[0].address,
+                              netns=nodes[0].netns)
+        running = Cluster(nodes, app, [prefill, decode, router])
+        try:
+            for server in running.servers:
+                server.start()
+            wait_until(lambda: running.ready() == 200, 20, "the router ready")
+            yield running
+        finally:
+            for server in running.servers:
+                server.server.should_exit = True
+            for server in running.servers:
+                server.stop()
+
+
+def test_a_decode_host_whose_link_goes_down_mid_stream(cluster: Cluster) -> None:
+    """The stream ends with an OpenAI error event within the bound (no hang), nothing is
+    left in the router, /ready says the decode server is unreachable, and once the cable
+    is back the next request is served without a restart."""
+    record = StreamRecord()
+    events, ended = record.events, record.ended
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 5000, "stream": True}
+    client = threading.Thread(target=cluster.nodes[0].call,
+                              args=(read_stream, cluster.url + "/v1/completions", body, AUTH, record))
+    client.start()
+    try:
+        wait_until(lambda: len(events) >= 10, 20, "the first tokens")
+        pulled = time.monotonic()
+        cluster.nodes[1].cable(up=False)
+        client.join(60)
+        assert ended, "the client still waits for the stream, 60 s after the decode host's link went down"
+        took = ended[0] - pulled
+        assert "error" in events[-1], f"the stream did not end with an error event: {events[-1]}"
+        bound = DEAD_PEER_S + 2.0  # the dead-peer bound, plus the relay's own reaction
+        assert took <= bound, f"the error came {took:.1f}s after the link went down (bound {bound:g}s)"
+        print(f"link down mid-stream: error event {took:.2f}s after the cable was pulled: {events[-1]}")
+        wait_until(lambda: cluster.ready() == 503, 10, "/ready to say the decode server is down")
+        wait_until(lambda: not cluster.router.state.leaks(), 10, "the router to let go of the request")
+    finally:
+        cluster.nodes[1].cable(up=True)
+        client.join(30)
+    wait_until(lambda: cluster.ready() == 200, 20, "/ready once the link is back")
+    resp = cluster.nodes[0].call(lambda: httpx.post(
+        cluster.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 5}, headers=AUTH,
+        timeout=30))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "".join(f"t{k} " for k in range(5))

@@ -1,0 +1,115 @@
+"""The real PD stack across three nodes (tests/multinode/stack.py): vLLM prefill with
+TileRTConnector and the router on node 0, reference decode servers on nodes 1 and 2, every
+role on its node's address, API key and KV secret on, UCX choosing its transport. One stack
+for the module: greedy output as vLLM alone's, both decode nodes serving; then a decode
+node's link pulled mid-stream."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pd_router.wire import ReadinessReport
+from tests.e2e.test_equivalence import assert_matches_vllm_alone, poster
+from tests.multinode.stack import API_KEY, NodeStack, node_stack
+from tests.multinode.streams import StreamRecord, read_stream
+from tests.nodes import Node
+from tests.waits import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+DEAD_PEER_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def stack3(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeStack]:
+    with node_stack(tiny_model_dir, tmp_path_factory.mktemp("multinode-logs"), dead_peer_s=DEAD_PEER_S) as stack:
+        yield stack
+
+
+def _served(stack: NodeStack, node: Node) -> float:
+    return stack.metric(stack.decode_url(node), "decode_server_requests_total")
+
+
+def test_greedy_output_as_vllm_alone_with_both_decode_nodes_serving(stack3: NodeStack, vllm_alone: str) -> None:
+    assert_matches_vllm_alone(lambda path, body: stack3.post(path, body), poster(vllm_alone), stack3.model_name)
+    # two at once: one slot per decode server, so each node serves one of them
+    before = {n.index: _served(stack3, n) for n in stack3.decode_nodes}
+    bodies = [{"model": stack3.model_name, "prompt": f"Request {i}: the quick brown fox", "max_tokens": 48,
+               "temperature": 0, "ignore_eos": True} for i in range(2)]
+    answers: list[httpx.Response] = []
+    pair = [threading.Thread(target=lambda b=b: answers.append(stack3.post("/v1/completions", b))) for b in bodies]
+    for thread in pair:
+        thread.start()
+    for thread in pair:
+        thread.join(300)
+    served = {n.index: _served(stack3, n) - before[n.index] for n in stack3.decode_nodes}
+    assert served == {n.index: 1 for n in stack3.decode_nodes}, f"requests per decode node: {served}"
+    alone = poster(vllm_alone)
+    got = sorted(a.json()["choices"][0]["text"] for a in answers)
+    assert got == sorted(alone("/v1/completions", b).json()["choices"][0]["text"] for b in bodies)
+    for node in stack3.decode_nodes:  # every peer of a decode server came from node 0's address
+        peers = stack3.capabilities(node).peers
+        assert peers and all(p.state == "ok" for p in peers), peers
+        assert stack3.capabilities(node).kv_endpoint == f"{node.name}:9100"
+
+
+def _serving(stack: NodeStack) -> Node:
+    """The decode node whose slot is busy (asked on each node itself)."""
+    busy = [n for n in stack.decode_nodes if stack.capabilities(n, from_node=n).busy_slots]
+    assert len(busy) == 1, f"{len(busy)} decode nodes busy"
+    return busy[0]
+
+
+def _report(stack: NodeStack) -> ReadinessReport:
+    return ReadinessReport.model_validate_json(
+        stack.from_head(lambda: httpx.get(stack.router_url + "/ready", timeout=5)).content)
+
+
+def test_a_decode_nodes_link_down_mid_stream(stack3: NodeStack) -> None:
+    """The stream ends with an OpenAI error event within the dead-peer bound, the decode
+    node frees its slot and KV slot (seen from the node itself, its cable still out), the
+    prefill's KV blocks are free, /ready names the node unreachable; with the cable back,
+    the same node serves again without a restart."""
+    record = StreamRecord()
+    events, ended = record.events, record.ended
+    body = {"model": stack3.model_name, "prompt": "Count: one, two, three,", "max_tokens": 2000, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    client = threading.Thread(target=stack3.from_head, args=(
+        read_stream, stack3.router_url + "/v1/completions", body, {"Authorization": f"Bearer {API_KEY}"}, record))
+    client.start()
+    node: Node | None = None
+    try:
+        wait_until(lambda: len(events) >= 5, 120, "the first tokens")
+        node = _serving(stack3)
+        served = _served(stack3, node)
+        pulled = time.monotonic()
+        node.cable(up=False)
+        client.join(60)
+        assert ended, "the client still waits, 60 s after the decode node's link went down"
+        took = ended[0] - pulled
+        assert "error" in events[-1], f"the stream did not end with an error event: {events[-1]}"
+        bound = DEAD_PEER_S + 2.0
+        assert took <= bound, f"the error event came {took:.1f}s after the link went down (bound {bound:g}s)"
+        print(f"\nlink down mid-stream: error event after {took:.2f}s: {events[-1]['error']['message']}")
+        # the decode node, on its own: its generation ended and both its slots are free
+        wait_until(lambda: (c := stack3.capabilities(node, from_node=node)).busy_slots == 0 and
+                   c.kv_busy_slots == 0, DEAD_PEER_S + 5, "the decode node to free its slots")
+        wait_until(lambda: stack3.metric(stack3.prefill_url, "vllm:kv_cache_usage_perc") == 0, 30,
+                   "vLLM to free the request's KV blocks")
+        wait_until(lambda: any(d.url.endswith(f"{node.name}:8200") and not d.healthy for d in _report(stack3).decode),
+                   10, "/ready to name the decode node unreachable")
+    finally:
+        if node is not None:
+            node.cable(up=True)
+        client.join(30)
+    wait_until(lambda: all(d.healthy for d in _report(stack3).decode), 30, "/ready once the link is back")
+    deadline = time.monotonic() + 60
+    while _served(stack3, node) == served:  # least-loaded: within a few requests it is the node's turn
+        assert time.monotonic() < deadline, "the node never served again after its link came back"
+        resp = stack3.post("/v1/completions", {"model": stack3.model_name, "prompt": "Hello", "max_tokens": 4})
+        assert resp.status_code == 200, resp.text
