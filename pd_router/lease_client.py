@@ -23,6 +23,9 @@ from pd_router.rawhttp import ConnectFailed, ConnectionPool, UpstreamError
 from pd_router.upstream import Target
 
 CALL_TIMEOUT_S = 5.0  # a renew or release, or the answer of a lease request past its wait
+# a lease asked without waiting is answered at once by a live server (a round trip): one
+# that says nothing for this long is hung (SIGSTOPped, its loop stuck) and is marked down
+IMMEDIATE_ANSWER_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -56,11 +59,14 @@ class LeaseClient:
         the request out of the server's queue."""
         t0 = perf_counter()
         body = LeaseRequest(lease_id=lease_id, wait_s=wait_s, holder=self.holder, arrived_at=arrived, sent_at=t0)
+        limit = IMMEDIATE_ANSWER_S if wait_s == 0 else wait_s + CALL_TIMEOUT_S
         try:
-            status, data = await self._post(target, LEASE_PATH, body, wait_s + CALL_TIMEOUT_S)
+            status, data = await self._post(target, LEASE_PATH, body, limit)
         except ConnectFailed as exc:
             return Answer(0, rtt=perf_counter() - t0, unreachable=str(exc))
-        except (UpstreamError, TimeoutError):
+        except TimeoutError:  # connected, and nothing answered: hung
+            return Answer(0, rtt=perf_counter() - t0, unreachable=f"no answer to a lease request within {limit:g}s")
+        except UpstreamError:
             return Answer(0, rtt=perf_counter() - t0)
         if status != 200:
             return Answer(status, rtt=perf_counter() - t0)

@@ -165,6 +165,9 @@ class SlotPool:
         assert self.client is not None
         first = max(servers, key=lambda d: d.lease_free)
         if first.lease_free > 0:
+            # counted taken until the server answers (its answer sets the count): requests
+            # arriving meanwhile ask another server, not all the one that may not answer
+            first.lease_free -= 1
             got = self._take(await self.client.acquire(first.target, lease_id, 0.0, arrived), first, model, lease_id)
             if got is not None:
                 return got

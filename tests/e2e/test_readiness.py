@@ -1,5 +1,7 @@
 """The router's readiness gate over real workers: not ready until every worker is ready and
-the KV handshake succeeded; a prefill without MTP keeps it not ready, saying why."""
+the KV handshake succeeded; a prefill without MTP fails at start-up naming the flag it lacks,
+the decode server's receiver records the rejected handshake with its reason, and the router
+stays not ready, saying why."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import time
 import httpx
 import pytest
 
+from connector.profiles import MTP_FLAG
+from decode_server.contract import CAPABILITIES_PATH, DecodeCapabilities
 from pd_deploy.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv
 from pd_deploy.stack.process import ManagedProcess
 from pd_router.wire import ReadinessReport
@@ -66,7 +70,14 @@ def test_router_not_ready_until_workers_and_handshake_and_after_a_decode_restart
         while bad.alive() and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not bad.alive(), "vLLM without MTP kept running against a decode server that needs MTP"
-        assert "speculative-config" in bad.log_path.read_text(errors="replace")
+        assert bad.proc.returncode != 0
+        bad_log = bad.log_path.read_text(errors="replace")
+        assert MTP_FLAG in bad_log, bad_log[-3000:]  # vLLM names the flag it lacks
+        assert "rejected the handshake" in bad_log and "num_layers mismatch" in bad_log
+        # the decode server's receiver recorded the rejection, with the reason
+        peers = DecodeCapabilities.model_validate_json(
+            httpx.get(cfg.decode_urls[0] + CAPABILITIES_PATH, timeout=5).content).peers
+        assert len(peers) == 1 and peers[0].state == "rejected" and "num_layers" in (peers[0].reason or ""), peers
         r = _wait_ready_status(cfg.router_url, 503, 5)
         assert r.status_code == 503
         assert "rejected" in r.text or "layer" in r.text, r.text  # the router says why

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -61,6 +62,15 @@ class FakeBase(Generic[K]):
 
     def __init__(self) -> None:
         self.records = Records()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, seen by the first request
+
+    def hang(self, until: threading.Event, at_most_s: float = 60.0) -> None:
+        """Stop this server's event loop until ``until`` is set (at most ``at_most_s``): as a
+        SIGSTOPped process looks from the network, the kernel still accepts connections and
+        acknowledges data, and nothing answers. Needs one request served before."""
+        if self._loop is None:
+            raise RuntimeError("hang(): the fake has served no request yet")
+        self._loop.call_soon_threadsafe(until.wait, at_most_s)
 
     def _rid(self, scope: Scope) -> str:
         for k, v in scope["headers"]:
@@ -70,6 +80,7 @@ class FakeBase(Generic[K]):
         return "?"
 
     async def _control(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        self._loop = asyncio.get_running_loop()
         path = scope["path"]
         if path == "/fake/config":
             update = json.loads(await read_body(scope, receive, 1 << 20) or b"{}")

@@ -1,0 +1,59 @@
+"""A decode server that hangs (a SIGSTOPped process: connections accepted, data
+acknowledged, nothing answered) costs one request a bounded wait, not every request a
+timeout: its first unanswered lease call marks it down, and the requests after it go to
+the other server without trying it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from pd_router.lease_client import IMMEDIATE_ANSWER_S
+from tests.router.conftest import MODEL
+
+pytestmark = pytest.mark.timeout(120)
+COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+
+
+def _unanswered_leases(rig, backend_url: str) -> float:
+    text = httpx.get(rig.url + "/metrics", timeout=5).text
+    line = f'pd_router_lease_requests_total{{backend="{backend_url}",result="error"}}'
+    return sum(float(row.rsplit(" ", 1)[1]) for row in text.splitlines() if row.startswith(line))
+
+
+def test_after_the_first_sign_of_a_hung_decode_server_no_request_waits_on_it(make_rig):
+    # probes far apart: what finds the hung server here is the lease path, not a probe
+    rig = make_rig(n_decode=2, decode={"slots": 1}, probe_interval=30.0)
+    for _ in range(4):  # both servers have served (and so have a serving loop the fake can stop)
+        assert httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=20).status_code == 200
+    hung, healthy = rig.decodes
+    released = threading.Event()
+    hung.app.hang(released)
+    latencies: list[float] = []
+    statuses: list[int] = []
+
+    def client() -> None:
+        for _ in range(4):
+            t0 = time.monotonic()
+            statuses.append(httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=60).status_code)
+            latencies.append(time.monotonic() - t0)
+
+    clients = [threading.Thread(target=client) for _ in range(4)]
+    try:
+        for thread in clients:
+            thread.start()
+        for thread in clients:
+            thread.join(60)
+        assert statuses == [200] * 16, statuses
+        # the lease calls left unanswered: the ones out when it hung, none after it was marked down
+        assert _unanswered_leases(rig, hung.url) <= 1, "requests kept asking the hung server for leases"
+        ordered = sorted(latencies)
+        print(f"\n16 requests, one decode server hung: p50 {ordered[7]:.2f}s p90 {ordered[14]:.2f}s "
+              f"max {ordered[-1]:.2f}s (a lease answer is given {IMMEDIATE_ANSWER_S:g}s)")
+    finally:
+        released.set()
+    rig.wait(lambda: rig.ready_status() == 200, 40, "the hung server back after its loop resumed")
+    rig.assert_no_leaks()
