@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
@@ -30,6 +31,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 MODEL = "tiny"
 API_KEY = "multinode-test-key"
 DEAD_PEER_S = 4.0  # the router's --dead-peer-timeout here
+QUEUE_TIMEOUT_S = 20.0  # a request still waiting for a slot after this gets 429
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ROUTER_PORT, PREFILL_PORT, DECODE_PORT = 8000, 8100, 8200  # each node has its own ports
 
@@ -48,20 +50,22 @@ class Cluster:
         return self.nodes[0].call(lambda: httpx.get(self.url + "/ready", timeout=5).status_code)
 
 
-@pytest.fixture
-def cluster() -> Iterator[Cluster]:
-    """Router and a fake prefill on node 0, a fake decode server on node 1 (tokens 10 ms apart)."""
-    with Nodes(2) as nodes:
+@contextmanager
+def _cluster(num_decode: int) -> Iterator[Cluster]:
+    """Router and a fake prefill on node 0, a fake decode server (one slot, tokens 10 ms
+    apart) on each of nodes 1..num_decode."""
+    with Nodes(1 + num_decode) as nodes:
         prefill = ServerThread(FakePrefill(model=MODEL), PREFILL_PORT, host=nodes[0].address, netns=nodes[0].netns)
-        decode = ServerThread(FakeDecode(model=MODEL, token_delay=0.01), DECODE_PORT, host=nodes[1].address,
-                              netns=nodes[1].netns)
+        decodes = [ServerThread(FakeDecode(model=MODEL, token_delay=0.01), DECODE_PORT, host=node.address,
+                                netns=node.netns) for node in nodes.nodes[1:]]
         settings = validate_settings({
-            "prefill": (prefill.url,), "decode": (decode.url,), "host": nodes[0].address, "port": ROUTER_PORT,
-            "api_key": API_KEY, "probe_interval": 0.5, "dead_peer_timeout": DEAD_PEER_S, "log_level": "warning"})
+            "prefill": (prefill.url,), "decode": tuple(d.url for d in decodes), "host": nodes[0].address,
+            "port": ROUTER_PORT, "api_key": API_KEY, "probe_interval": 0.5, "dead_peer_timeout": DEAD_PEER_S,
+            "queue_timeout": QUEUE_TIMEOUT_S, "log_level": "warning"})
         app = create_app(settings)
         router = ServerThread(app, ROUTER_PORT, server=router_server(app, settings), host=nodes[0].address,
                               netns=nodes[0].netns)
-        running = Cluster(nodes, app, [prefill, decode, router])
+        running = Cluster(nodes, app, [prefill, *decodes, router])
         try:
             for server in running.servers:
                 server.start()
@@ -72,6 +76,12 @@ def cluster() -> Iterator[Cluster]:
                 server.server.should_exit = True
             for server in running.servers:
                 server.stop()
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    with _cluster(1) as running:
+        yield running
 
 
 def test_a_decode_host_whose_link_goes_down_mid_stream(cluster: Cluster) -> None:
@@ -106,3 +116,40 @@ def test_a_decode_host_whose_link_goes_down_mid_stream(cluster: Cluster) -> None
         timeout=30))
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["text"] == "".join(f"t{k} " for k in range(5))
+
+
+def test_a_decode_host_gone_while_requests_queue(cluster_of_two: Cluster) -> None:
+    """Two decode hosts of one slot, six streams: two served, four queued. The host serving
+    one of them drops off the network: that stream ends with an error event within the
+    dead-peer bound, and the queued four are all served by the other host, none of them
+    waiting out a timeout (the queue's would be a 429 after 20 s)."""
+    c = cluster_of_two
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 100, "stream": True}  # ~1 s each
+    records = [StreamRecord() for _ in range(6)]
+    clients = [threading.Thread(target=c.nodes[0].call,
+                                args=(read_stream, c.url + "/v1/completions", body, AUTH, record))
+               for record in records]
+    for thread in clients:
+        thread.start()
+    try:
+        wait_until(lambda: c.router.state.pool.queue_depth == 4, 20, "four requests queued behind two")
+        c.nodes[1].cable(up=False)
+        for thread in clients:
+            thread.join(QUEUE_TIMEOUT_S + 20)
+        assert all(r.ended for r in records), "a client still waits"
+        outcomes = sorted("error" if "error" in r.events[-1] else "ok" for r in records)
+        assert outcomes == ["error"] + ["ok"] * 5, [r.events[-1] for r in records]
+        texts = {"".join(e["choices"][0]["text"] for e in r.events if e.get("choices")) for r in records
+                 if "error" not in r.events[-1]}
+        assert texts == {"".join(f"t{k} " for k in range(100))}
+    finally:
+        c.nodes[1].cable(up=True)
+        for thread in clients:
+            thread.join(30)
+    wait_until(lambda: not c.router.state.leaks(), 20, "the router to hold nothing")
+
+
+@pytest.fixture
+def cluster_of_two() -> Iterator[Cluster]:
+    with _cluster(2) as running:
+        yield running

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from pd_router.wire import ReadinessReport
+from tests.e2e.prompts import long_prompt
 from tests.e2e.test_equivalence import assert_matches_vllm_alone, poster
 from tests.multinode.stack import API_KEY, NodeStack, node_stack
 from tests.multinode.streams import StreamRecord, read_stream
@@ -113,3 +114,49 @@ def test_a_decode_nodes_link_down_mid_stream(stack3: NodeStack) -> None:
         assert time.monotonic() < deadline, "the node never served again after its link came back"
         resp = stack3.post("/v1/completions", {"model": stack3.model_name, "prompt": "Hello", "max_tokens": 4})
         assert resp.status_code == 200, resp.text
+
+
+def test_a_decode_nodes_link_down_during_the_kv_transfer(stack3: NodeStack) -> None:
+    """The cable of the decode node receiving a prompt's KV is pulled once its receiver has
+    admitted the handoff (before any token): the request is served by the other decode node
+    (failover before the first byte) or fails with an OpenAI error; either way nothing is
+    left held on either decode node, in vLLM or in the router."""
+    prompt = long_prompt(9000) + "\nIn summary,"  # ~2.7k tokens: seconds of prefill on a CPU
+    answer: list[httpx.Response] = []
+    client = threading.Thread(target=lambda: answer.append(stack3.post(
+        "/v1/completions", {"model": stack3.model_name, "prompt": prompt, "max_tokens": 8, "temperature": 0},
+        timeout=300)))
+    t0 = time.monotonic()
+    client.start()
+    node: Node | None = None
+    try:
+        def receiving() -> Node | None:
+            return next((n for n in stack3.decode_nodes
+                         if stack3.capabilities(n, from_node=n).kv_busy_slots), None)
+
+        wait_until(lambda: (found := receiving()) is not None and found, 120, "a decode node to admit the KV")
+        node = receiving()
+        assert node is not None
+        node.cable(up=False)
+        client.join(240)
+        assert answer, "no answer 240 s after the KV link went down"
+        resp = answer[0]
+        took = time.monotonic() - t0
+        print(f"\nKV link down mid-transfer: {resp.status_code} after {took:.1f}s: {resp.text[:300]}")
+        if resp.status_code != 200:
+            assert resp.json()["error"]["type"] and resp.json()["error"]["message"], resp.text
+        others = [n for n in stack3.decode_nodes if n is not node]
+        wait_until(lambda: all((c := stack3.capabilities(n, from_node=n)).busy_slots == 0 and c.kv_busy_slots == 0
+                               for n in stack3.decode_nodes), 60, "both decode nodes to hold nothing")
+        wait_until(lambda: stack3.metric(stack3.prefill_url, "vllm:kv_cache_usage_perc") == 0, 60,
+                   "vLLM to free the request's KV blocks")
+        wait_until(lambda: stack3.metric(stack3.router_url, "pd_router_in_flight_requests") == 0, 30,
+                   "the router to hold no request")
+        assert others and resp.status_code in (200, 502, 503, 504), resp.text
+    finally:
+        if node is not None:
+            node.cable(up=True)
+        client.join(30)
+    wait_until(lambda: all(d.healthy for d in _report(stack3).decode), 60, "/ready once the link is back")
+    ok = stack3.post("/v1/completions", {"model": stack3.model_name, "prompt": "Hello", "max_tokens": 4})
+    assert ok.status_code == 200, ok.text
