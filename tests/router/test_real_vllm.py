@@ -5,30 +5,22 @@ endpoint) its SSE bytes reach the openai SDK intact."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from pd_deploy.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
+from tests.e2e.conftest import MODEL_NAME
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
-from tests.procs import free_port, server
+from tests.procs import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
-@pytest.fixture(scope="module")
-def vllm_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    argv = vllm_prefill_argv(
-        PrefillSpec(model=tiny_model_dir, port=port, mtp=False, connector=False, max_model_len=2048)
-    )
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path_factory.mktemp("vllm-router") / "vllm.log"
-    with server(argv, log, f"{url}/health", 300, VLLM_CPU_ENV):
-        yield url
+@pytest.fixture
+def vllm_url(vllm_alone: str) -> str:
+    """The session's vLLM alone (tests/conftest.py): no connector, as this module needs."""
+    return vllm_alone
 
 
 @pytest.mark.parametrize(
@@ -62,15 +54,15 @@ def vllm_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         ),
     ],
 )
-def test_vllm_accepts_the_prefill_rewrite(make_rig, vllm_url, tiny_model_dir, path, body):
+def test_vllm_accepts_the_prefill_rewrite(make_rig, vllm_url, path, body):
     # real vLLM as the prefill server; without a connector it returns no kv_transfer_params,
     # so the router answers 502 saying so -- any 4xx would have been vLLM rejecting the rewrite
-    decode = ServerThread(FakeDecode(model=tiny_model_dir.name), free_port()).start()
+    decode = ServerThread(FakeDecode(model=MODEL_NAME), free_port()).start()
     rig = make_rig(
         n_prefill=0, n_decode=0, prefill_urls=(vllm_url,), decode_urls=(decode.url,), ready_timeout=60
     )
     rig.decodes.append(decode)
-    resp = httpx.post(rig.url + path, json={"model": tiny_model_dir.name, **body}, timeout=60)
+    resp = httpx.post(rig.url + path, json={"model": MODEL_NAME, **body}, timeout=60)
     assert resp.status_code == 502, resp.text
     assert "no kv_transfer_params" in resp.json()["error"]["message"]
     assert rig.records(decode)["requests"] == []
@@ -78,8 +70,8 @@ def test_vllm_accepts_the_prefill_rewrite(make_rig, vllm_url, tiny_model_dir, pa
     rig.assert_no_leaks()
 
 
-def test_vllm_as_plain_decode_server(make_rig, vllm_url, tiny_model_dir):
-    prefill = ServerThread(FakePrefill(model=tiny_model_dir.name), free_port()).start()
+def test_vllm_as_plain_decode_server(make_rig, vllm_url):
+    prefill = ServerThread(FakePrefill(model=MODEL_NAME), free_port()).start()
     rig = make_rig(
         n_prefill=0,
         n_decode=0,
@@ -93,7 +85,7 @@ def test_vllm_as_plain_decode_server(make_rig, vllm_url, tiny_model_dir):
     assert ready["decode"][0]["engine"] == "plain" and ready["decode"][0]["slots"] == 2
     client = OpenAI(base_url=rig.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     stream = client.completions.create(
-        model=tiny_model_dir.name,
+        model=MODEL_NAME,
         prompt="hello",
         max_tokens=6,
         stream=True,
@@ -108,7 +100,7 @@ def test_vllm_as_plain_decode_server(make_rig, vllm_url, tiny_model_dir):
         vllm_url + "/v1/completions",
         timeout=60,
         json={
-            "model": tiny_model_dir.name,
+            "model": MODEL_NAME,
             "prompt": "hello",
             "max_tokens": 6,
             "temperature": 0,
