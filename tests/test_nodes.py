@@ -15,7 +15,7 @@ from pd_deploy.stack.process import ManagedProcess
 from tests.nodes import ETC_NETNS, Nodes, _ip, netns_names, remove_stale
 from tests.waits import wait_until
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]  # root: network namespaces
 
 RESOLVE = "import socket; print(socket.gethostname(), *(socket.gethostbyname(n) for n in __import__('sys').argv[1:]))"
 

@@ -29,8 +29,15 @@ ROUTER_PORT, PREFILL_PORT, DECODE_PORT, KV_PORT = 8000, 8100, 8200, 9100  # each
 API_KEY = "router-key-for-the-multinode-tests"
 DECODE_KEY = "decode-key-for-the-multinode-tests"
 KV_SECRET = "kv-secret-for-the-multinode-tests"
-# vLLM and NIXL as on the one-host stack, less the loopback pin: UCX picks its devices
-ENV = {k: v for k, v in VLLM_CPU_ENV.items() if k != "UCX_NET_DEVICES"}
+# vLLM and NIXL as on the one-host stack, less the loopback pin: UCX picks its devices and
+# transports, except the ones between processes of one machine, which it would otherwise
+# pick here (it sees one machine through the namespaces: the KV bytes would go by
+# cross-memory attach, never over the nodes' link; docs/facts.md §5)
+INTRA_NODE_TLS = "^cma,posix,sysv,knem,xpmem"
+# "all" (UCX's own default) said explicitly: the test process's environment may carry the
+# loopback pin of other tests (tests/connector/transport/conftest.py sets it), which the
+# servers would inherit: UCX then finds no transport to a peer on another node
+ENV = {**VLLM_CPU_ENV, "UCX_NET_DEVICES": "all", "UCX_TLS": INTRA_NODE_TLS}
 ROUTER_ENV = {"PD_ROUTER_API_KEY": API_KEY}
 
 

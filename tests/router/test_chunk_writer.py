@@ -109,19 +109,36 @@ def test_nothing_overtakes_a_chunk_the_relay_is_sending():
 
 def test_a_streamed_answer_reaches_the_client_through_the_chunk_writer(make_rig, monkeypatch):
     """Every chunk after the first is written by the writer (none was before it existed),
-    the answer is whole and in order, and the connection serves the next request."""
-    rig = make_rig(decode={"token_delay": 0.003})
+    the answer is whole and in order, and the connection serves the next request. The
+    decode server streams in lockstep with the router (token i+1 leaves once the router
+    wrote token i), so that no chunk arrives while the first is still in ``send``: which
+    chunks the writer takes does not depend on the machine's speed."""
+    rig = make_rig()
+    port = int(rig.url.rsplit(":", 1)[1])
+    permits = threading.Semaphore(1)
+
+    async def gate(_: int) -> None:
+        assert await asyncio.to_thread(permits.acquire, timeout=30), "the router stopped writing"
+
+    rig.decodes[0].app.token_gate = gate
     written: list[bytes] = []
-    original = ChunkWriter.write
+    original, send = ChunkWriter.write, RequestResponseCycle.send
 
     def counting(self: ChunkWriter, chunk: bytes) -> bool:
         done = original(self, chunk)
         if done:
             written.append(chunk)
+            permits.release()
         return done
 
+    async def sent(self: RequestResponseCycle, message: dict) -> None:
+        await send(self, message)
+        if self.transport.get_extra_info("sockname")[1] == port and message.get("body"):
+            permits.release()
+
     monkeypatch.setattr(ChunkWriter, "write", counting)
-    conn = http.client.HTTPConnection("127.0.0.1", int(rig.url.rsplit(":", 1)[1]), timeout=20)
+    monkeypatch.setattr(RequestResponseCycle, "send", sent)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
     try:
         for i in range(2):  # the second on the same keep-alive connection
             written.clear()
@@ -138,7 +155,8 @@ def test_a_streamed_answer_reaches_the_client_through_the_chunk_writer(make_rig,
             text = "".join(p["choices"][0]["text"] for p in payloads if p["choices"])
             assert text == "".join(f"t{k} " for k in range(20))
             assert payloads[-1]["usage"]["completion_tokens"] == 20
-            assert len(written) >= 15, f"only {len(written)} chunks went through the writer"
+            through = sum(chunk.count(b"data: ") for chunk in written)
+            assert through >= 19, f"only {through} of the 19 events after the first went through the writer"
             assert raw.endswith(b"".join(written[-2:]))  # in order, to the end
     finally:
         conn.close()
