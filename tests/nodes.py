@@ -4,7 +4,7 @@ hostname and name resolution as on a cluster, all joined by one switch.
 
     with Nodes(3) as nodes:
         proc = ManagedProcess("decode", nodes[1].argv([...]), log)  # runs on node 1
-        nodes[0].call(httpx.get, f"http://{nodes[1].name}:8200/ready")  # from node 0
+        nodes[0].call(httpx.get, f"http://{nodes[1].address}:8200/ready")  # from node 0, by address
         nodes[1].cable(up=False)  # the link between node 1 and the switch goes down
 
 The switch is a bridge in a namespace of its own, so that nothing here touches the
@@ -107,11 +107,6 @@ class Node:
         """Plug (``up``) or pull this node's cable at the switch: the node keeps its own
         interface and address, packets between it and every other node stop."""
         _ip("-n", self.switch, "link", "set", f"n{self.index}", "up" if up else "down")
-
-    def sh(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """A short command on this node (``tc``, ``nft``, ``ip``...), its output captured."""
-        return subprocess.run(["ip", "netns", "exec", self.netns, *argv], check=check, capture_output=True,
-                              text=True, timeout=30)
 
 
 class Nodes:

@@ -1,9 +1,10 @@
 """The PD stack across nodes (tests/nodes.py), as deployed: router and vLLM prefill on node 0,
 one decode server on each further node. Every role binds and advertises its node's name
 (resolved to the node's address on every node; no 127.x between roles), the decode API key
-and the KV channel's secret are on, and UCX chooses its transport by itself (no
-``UCX_NET_DEVICES``). The command lines are the launcher's own (pd_deploy.commands, with
-the one-host stack's numerics from StackConfig); only host, ports and secrets differ.
+and the KV channel's secret are on, and UCX chooses its network device and transport by
+itself (only its shared-memory transports are off: see ``ENV``). The command lines are the
+launcher's own (pd_deploy.commands, with the one-host stack's numerics from StackConfig);
+only host, ports and secrets differ.
 
 The test process reaches the servers from a thread inside node 0 (``Node.call``), by
 address: the nodes' names resolve inside the nodes only."""
@@ -45,7 +46,6 @@ ROUTER_ENV = {"PD_ROUTER_API_KEY": API_KEY}
 class NodeStack:
     nodes: Nodes
     model_name: str
-    dead_peer_s: float
     processes: dict[str, ManagedProcess] = field(default_factory=dict)
 
     @property
@@ -121,7 +121,7 @@ def node_stack(model_dir: Path, log_dir: Path, num_decode: int = 2, dead_peer_s:
     local = StackConfig(model_dir=model_dir, log_dir=log_dir, num_decode=num_decode,
                         served_model_name="tiny-glm")  # the one-host stack: its numerics and flags
     with Nodes(1 + num_decode) as nodes:
-        stack = NodeStack(nodes, local.model_name, dead_peer_s)
+        stack = NodeStack(nodes, local.model_name)
         dead_peer = ("--dead-peer-timeout", str(dead_peer_s))
 
         def spawn(name: str, node: Node, argv: list[str], env: dict[str, str]) -> ManagedProcess:

@@ -107,6 +107,24 @@ def test_nothing_overtakes_a_chunk_the_relay_is_sending():
     assert tally.take(b"data: 5\n\n")
 
 
+def _in_lockstep(rig) -> threading.Semaphore:
+    """The rig's decode server sends a token only with a permit (one to start with): the
+    test releases one each time the router has written a token."""
+    permits = threading.Semaphore(1)
+
+    async def gate(_: int) -> None:
+        assert await asyncio.to_thread(permits.acquire, timeout=30), "the router stopped writing"
+
+    rig.decodes[0].app.token_gate = gate
+    return permits
+
+
+def _routers(rig):
+    """Whether a transport is the router's side of a client connection (not a fake's)."""
+    port = int(rig.url.rsplit(":", 1)[1])
+    return lambda transport: transport.get_extra_info("sockname")[1] == port
+
+
 def test_a_streamed_answer_reaches_the_client_through_the_chunk_writer(make_rig, monkeypatch):
     """Every chunk after the first is written by the writer (none was before it existed),
     the answer is whole and in order, and the connection serves the next request. The
@@ -114,13 +132,7 @@ def test_a_streamed_answer_reaches_the_client_through_the_chunk_writer(make_rig,
     wrote token i), so that no chunk arrives while the first is still in ``send``: which
     chunks the writer takes does not depend on the machine's speed."""
     rig = make_rig()
-    port = int(rig.url.rsplit(":", 1)[1])
-    permits = threading.Semaphore(1)
-
-    async def gate(_: int) -> None:
-        assert await asyncio.to_thread(permits.acquire, timeout=30), "the router stopped writing"
-
-    rig.decodes[0].app.token_gate = gate
+    permits, routers = _in_lockstep(rig), _routers(rig)
     written: list[bytes] = []
     original, send = ChunkWriter.write, RequestResponseCycle.send
 
@@ -133,12 +145,12 @@ def test_a_streamed_answer_reaches_the_client_through_the_chunk_writer(make_rig,
 
     async def sent(self: RequestResponseCycle, message: dict) -> None:
         await send(self, message)
-        if self.transport.get_extra_info("sockname")[1] == port and message.get("body"):
+        if routers(self.transport) and message.get("body"):
             permits.release()
 
     monkeypatch.setattr(ChunkWriter, "write", counting)
     monkeypatch.setattr(RequestResponseCycle, "send", sent)
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    conn = http.client.HTTPConnection("127.0.0.1", int(rig.url.rsplit(":", 1)[1]), timeout=20)
     try:
         for i in range(2):  # the second on the same keep-alive connection
             written.clear()
@@ -177,18 +189,9 @@ def test_a_slow_client_gets_every_chunk_in_order(make_rig, monkeypatch):
     rig = make_rig()
     for listener in rig.server.server.servers[0].sockets:  # accepted connections inherit it
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    permits = threading.Semaphore(1)  # tokens the decode server may send now
-
-    async def gate(_: int) -> None:
-        assert await asyncio.to_thread(permits.acquire, timeout=30), "the router stopped writing"
-
-    rig.decodes[0].app.token_gate = gate
+    permits, routers = _in_lockstep(rig), _routers(rig)  # permits: tokens the decode server may send now
     paused = threading.Event()
     port = int(rig.url.rsplit(":", 1)[1])
-
-    def routers(transport) -> bool:  # the router's side of a client connection (not the fakes')
-        return transport.get_extra_info("sockname")[1] == port
-
     race = {"windows": 0, "raced": 0, "held": False}
     window: list[asyncio.Event] = []  # set by the next chunk that reaches the router while open
     writable, take, drain, send = ChunkWriter.writable, _Tally.take, FlowControl.drain, RequestResponseCycle.send
