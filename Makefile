@@ -7,9 +7,10 @@ PIP     = $(VENV)/bin/pip
 STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 # Debian packages some tests run, installed by `make system-deps`: a real single-node Slurm
-# cluster (the Slurm tests) and Prometheus with promtool (the dashboard and alert-rule tests)
+# cluster (the Slurm tests), Prometheus with promtool (the dashboard and alert-rule tests) and
+# iproute2's ip (the multi-node tests' network-namespace hosts)
 SLURM_PACKAGES = slurm-wlm munge
-SYSTEM_PACKAGES = $(SLURM_PACKAGES) prometheus
+SYSTEM_PACKAGES = $(SLURM_PACKAGES) prometheus iproute2
 
 # AIPerf, which the Slurm CPU-stack test's benchmark step runs: a venv of its own (as in the
 # decode image's /opt/bench), so that its dependencies cannot move the serving environment's
@@ -60,6 +61,7 @@ system-deps:
 	@missing=""; \
 	{ command -v /usr/sbin/slurmctld && command -v /usr/sbin/munged; } >/dev/null 2>&1 || missing="$(SLURM_PACKAGES)"; \
 	{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	command -v ip >/dev/null 2>&1 || missing="$$missing iproute2"; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		echo ">> apt-get install $$missing (the Slurm and Prometheus tests)"; \
