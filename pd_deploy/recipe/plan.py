@@ -23,7 +23,7 @@ from pd_deploy.commands import (
     router_argv,
     vllm_prefill_argv,
 )
-from pd_deploy.recipe.schema import Recipe
+from pd_deploy.recipe.schema import BIND_NODE, Recipe
 from pd_deploy.recipe.topology import conversion_env
 from pd_deploy.secrets import DECODE_API_KEY, KV_SECRET, SECRETS_DIR
 from pd_settings.servers import DecodeEntry, ServersFile
@@ -56,8 +56,11 @@ KV_SECRET_FILE = f"@JOBDIR@/{SECRETS_DIR}/{KV_SECRET}"
 SERVERS_FILE = "@JOBDIR@/servers.yaml"
 
 
-def _bind(r: Recipe) -> str:
-    return "127.0.0.1" if r.slurm.colocate else r.slurm.bind_host
+def _bind(r: Recipe, node: int) -> str:
+    """The address the servers of node ``node`` listen on."""
+    if r.slurm.colocate:
+        return "127.0.0.1"
+    return host_placeholder(node) if r.slurm.bind_host == BIND_NODE else r.slurm.bind_host
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ def _workers(r: Recipe) -> list[Step]:
             model=r.decode_weights,
             port=port,
             kv_port=kv_port,
-            host=_bind(r),
+            host=_bind(r, node),
             engine=r.decode.engine,
             slots=r.decode.slots,
             max_seq_len=r.decode.max_seq_len,
@@ -192,7 +195,7 @@ def _workers(r: Recipe) -> list[Step]:
     pspec = PrefillSpec(
         model=r.model.source,
         port=r.prefill.port,
-        host=_bind(r),
+        host=_bind(r, prefill_node),
         mtp=r.mtp.enabled,
         num_speculative_tokens=r.mtp.num_speculative_tokens,
         profile=r.model.profile,
@@ -241,7 +244,7 @@ def _router(r: Recipe, workers: list[Step]) -> Step:
         prefill_urls=(),
         decode_urls=(),  # both from the servers file, which the job may rewrite while it runs
         port=r.router.port,
-        host=_bind(r),
+        host=_bind(r, prefill.node),
         decode_api_key_file=DECODE_API_KEY_FILE,
         extra_args=("--servers-file", SERVERS_FILE, *r.router.extra_args),
         python=r.router.python,

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from decode_server.model_dir import MODEL_FILES
 
+BIND_NODE = "node"  # slurm.bind_host: every server listens on its own node's name
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -133,7 +135,8 @@ class SlurmSpec(_Strict):
     bind_host: str = Field(
         default="0.0.0.0",
         min_length=1,
-        description="address the servers listen on (colocate: always 127.0.0.1)",
+        description=f"address the servers listen on; {BIND_NODE!r}: each server its own node's name "
+        "(the address the other nodes reach it by); colocate: always 127.0.0.1",
     )
     cpus_per_node: int | None = Field(default=None, ge=1)
     gate_timeout_s: int = Field(default=1800, ge=1)

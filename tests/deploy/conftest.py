@@ -1,4 +1,5 @@
-"""Fixtures of the deploy tests: a real single-node Slurm cluster, recipes, stubs."""
+"""Fixtures of the deploy tests: a real single-node Slurm cluster (the multi-node one is
+tests/deploy/test_slurm_multinode_cpu.py's), recipes, stubs."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from tests.deploy.slurm_cluster import SlurmCluster
 
 
 def submit_job(cluster: SlurmCluster, recipe: Path, job_dir: Path, env: dict[str, str]) -> str:
-    out = subprocess.run([str(SLURM_DIR / "submit.sh"), "--job-dir", str(job_dir), str(recipe)],
+    out = subprocess.run(cluster.on_login_node([str(SLURM_DIR / "submit.sh"), "--job-dir", str(job_dir), str(recipe)]),
                          capture_output=True, text=True, timeout=60,
                          env={**cluster.env, "PYTHON": sys.executable, **env})
     assert out.returncode == 0, out.stderr

@@ -200,6 +200,16 @@ def test_decode_nodes_scale_out() -> None:
     assert listed.prefill == ("http://@HOST0@:8100",)
 
 
+@pytest.mark.parametrize("bind", ["node", "0.0.0.0"])
+def test_servers_listen_on_their_nodes_name_or_the_bind_address(bind: str) -> None:
+    data = load_recipe_dict("cpu-tiny-3node.yaml")
+    data["slurm"]["bind_host"] = bind
+    plan = build_plan(parse_recipe(data))
+    hosts = {s.id: s.argv[s.argv.index("--host") + 1] for s in plan.services}
+    expect = {"decode0": "@HOST1@", "decode1": "@HOST2@", "prefill": "@HOST0@", "router": "@HOST0@"}
+    assert hosts == (expect if bind == "node" else dict.fromkeys(expect, bind))
+
+
 def test_conversion_sees_hf_settings_of_every_role() -> None:
     data = load_recipe_dict(GLM)
     data["prefill"]["env"]["HF_TOKEN"] = "hf_prefill_only"

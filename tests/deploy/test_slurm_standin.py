@@ -3,7 +3,8 @@
 The job is the real one (render, sbatch, srun steps, conversion, gates, router, smoke
 test, benchmarks, hold, stop); only the server processes are stand-ins
 (tests/fakes/deploy_standin.py) that record their argv and timing, so the order and the
-gates are checked exactly. tests/deploy/test_slurm_cpu_stack.py runs the real CPU stack.
+gates are checked exactly. tests/deploy/test_slurm_multinode_cpu.py runs the real CPU stack
+(on three nodes).
 """
 
 from __future__ import annotations
