@@ -12,6 +12,8 @@ address: the nodes' names resolve inside the nodes only."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,7 +22,16 @@ from typing import Any
 
 import httpx
 
-from decode_server.contract import CAPABILITIES_PATH, DecodeCapabilities
+from decode_server.contract import (
+    CAPABILITIES_PATH,
+    LEASE_PATH,
+    LEASE_RELEASE_PATH,
+    LEASE_RENEW_PATH,
+    DecodeCapabilities,
+    LeaseGrant,
+    LeaseIds,
+    LeaseRequest,
+)
 from pd_deploy.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv
 from pd_deploy.stack.launcher import StackConfig
 from pd_deploy.stack.process import ManagedProcess
@@ -91,6 +102,36 @@ class NodeStack:
         lines = self.get(url + "/metrics", node).text.splitlines()
         return sum(float(line.rsplit(" ", 1)[1]) for line in lines
                    if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "))
+
+    @contextmanager
+    def held_slot(self, node: Node) -> Iterator[LeaseGrant]:
+        """Decode ``node``'s slot leased by the test, as another router would (renewed until
+        the block ends, then released): the router sees it taken there."""
+        url = self.decode_url(node)
+
+        def post(path: str, body: LeaseRequest | LeaseIds) -> httpx.Response:
+            return self.head.call(lambda: httpx.post(url + path, content=body.model_dump_json(), timeout=10,
+                                                     headers={"Authorization": f"Bearer {DECODE_KEY}",
+                                                              "Content-Type": "application/json"}))
+
+        ids = LeaseIds(lease_ids=[f"test-holds-{uuid.uuid4().hex}"])
+        resp = post(LEASE_PATH, LeaseRequest(lease_id=ids.lease_ids[0], wait_s=30, holder="the test"))
+        assert resp.status_code == 200, f"{node.name} granted no lease: {resp.status_code} {resp.text}"
+        grant = LeaseGrant.model_validate_json(resp.content)
+        done = threading.Event()
+
+        def renew() -> None:  # at a third of the ttl, as the router does
+            while not done.wait(grant.ttl_s / 3):
+                post(LEASE_RENEW_PATH, ids)
+
+        renewer = threading.Thread(target=renew, name=f"lease-on-{node.name}", daemon=True)
+        renewer.start()
+        try:
+            yield grant
+        finally:
+            done.set()
+            renewer.join(15)
+            post(LEASE_RELEASE_PATH, ids)
 
     def ready(self) -> int:
         return self.from_head(lambda: httpx.get(self.router_url + "/ready", timeout=5).status_code)

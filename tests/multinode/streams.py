@@ -23,6 +23,8 @@ def read_stream(url: str, body: dict[str, Any], headers: dict[str, str], record:
     """POST ``body`` to ``url`` and read the stream to its end (run it on the client's node)."""
     try:
         with httpx.stream("POST", url, json=body, headers=headers, timeout=600) as resp:
+            if resp.status_code != 200:  # an answer, not a stream: kept whole for the test to show
+                record.events.append({"status": resp.status_code, "body": resp.read().decode(errors="replace")})
             for line in resp.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     record.events.append(json.loads(line[6:]))
