@@ -477,7 +477,9 @@ class KVReceiver:
                 continue
             h.arrived.update(layer for layer in done.layers if 0 <= layer < self._layout.num_layers)
             if len(h.arrived) == self._layout.num_layers:
-                h.state, h.since = "complete", time.monotonic()
+                now = time.monotonic()
+                self.stats.handoff_took(now - h.since)
+                h.state, h.since = "complete", now
                 self.stats.completed += 1
                 self.stats.bytes_received += self._layout.bytes_per_layer(h.num_tokens) * self._layout.num_layers
                 changed = True

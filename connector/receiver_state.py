@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -11,6 +12,10 @@ from pd_settings.secrets import is_loopback
 
 if TYPE_CHECKING:
     import torch
+
+# upper bounds (s) of the handoff-time histogram: a small prompt's KV on one host is
+# milliseconds, a long one across a slow or lossy link seconds
+HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class SlotSource(Protocol):
@@ -93,9 +98,17 @@ class ReceiverStats:
     completed: int = 0  # handoffs whose every layer arrived
     failed: int = 0  # admitted handoffs that failed (timed out, aborted, sender gone, released early)
     bytes_received: int = 0  # KV bytes of the completed handoffs
+    # admission to its last layer's notification, of each completed handoff: a histogram's
+    # counts per bound of HANDOFF_BUCKETS (not cumulative; the last one past every bound)
+    handoff_counts: list[int] = field(default_factory=lambda: [0] * (len(HANDOFF_BUCKETS) + 1))
+    handoff_seconds: float = 0.0  # their sum
 
     def refused(self, reason: str) -> None:
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
+
+    def handoff_took(self, seconds: float) -> None:
+        self.handoff_counts[bisect.bisect_left(HANDOFF_BUCKETS, seconds)] += 1
+        self.handoff_seconds += seconds
 
 
 @dataclass

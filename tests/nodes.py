@@ -33,7 +33,10 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from tests.link_emulator import EmulatedCable
 
 T = TypeVar("T")
 
@@ -112,8 +115,12 @@ class Node:
 class Nodes:
     """``n`` nodes behind one switch (see the module's docstring); a context manager."""
 
-    def __init__(self, n: int, name: str = "pdnode") -> None:
+    def __init__(self, n: int, name: str = "pdnode", emulated: frozenset[int] = frozenset()) -> None:
+        """``emulated``: the nodes whose cable is a user-space link that can be made lossy and
+        slow (:meth:`link`; tests/link_emulator.py), not a veth pair."""
         require_nodes()
+        self._emulated = emulated
+        self._links: dict[int, EmulatedCable] = {}
         self._run = f"{_PREFIX}{os.getpid()}-{id(self) & 0xffff:x}"
         self.switch = f"{self._run}-sw"
         hosts = list(NETWORK.hosts())
@@ -143,6 +150,8 @@ class Nodes:
         self.remove()
 
     def _create(self) -> None:
+        from tests.link_emulator import EmulatedCable  # noqa: PLC0415 - it imports this module
+
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "add", "sw", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "sw", "up")
@@ -152,14 +161,26 @@ class Nodes:
             (ETC_NETNS / node.netns).mkdir(parents=True, exist_ok=True)
             (ETC_NETNS / node.netns / "hosts").write_text(hosts)
             _ip("-n", node.netns, "link", "set", "lo", "up")
-            _ip("-n", node.netns, "link", "add", "eth0", "type", "veth", "peer", "name", f"n{node.index}",
-                "netns", self.switch)
+            if node.index in self._emulated:
+                _ip("-n", node.netns, "tuntap", "add", "dev", "eth0", "mode", "tap")
+                _ip("-n", self.switch, "tuntap", "add", "dev", f"n{node.index}", "mode", "tap")
+                self._links[node.index] = EmulatedCable(node.netns, "eth0", self.switch, f"n{node.index}")
+            else:
+                _ip("-n", node.netns, "link", "add", "eth0", "type", "veth", "peer", "name", f"n{node.index}",
+                    "netns", self.switch)
             _ip("-n", node.netns, "addr", "add", f"{node.address}/{NETWORK.prefixlen}", "dev", "eth0")
             _ip("-n", node.netns, "link", "set", "eth0", "up")
             _ip("-n", self.switch, "link", "set", f"n{node.index}", "master", "sw")
             _ip("-n", self.switch, "link", "set", f"n{node.index}", "up")
 
+    def link(self, i: int) -> EmulatedCable:
+        """Node ``i``'s emulated cable (it was made with ``emulated={i}``)."""
+        return self._links[i]
+
     def remove(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
         for netns in [node.netns for node in self.nodes] + [self.switch]:
             _remove_netns(netns)
 

@@ -1,12 +1,14 @@
 """The multi-node fixture itself (tests/nodes.py): hostnames, names resolved as on a
-cluster, traffic between nodes and only between them, a pulled cable, and nothing left
-behind, also by a run that was killed."""
+cluster, traffic between nodes and only between them, a pulled cable, an emulated lossy and
+slow cable (tests/link_emulator.py), and nothing left behind, also by a run that was killed."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,54 @@ def test_what_a_killed_run_left_is_removed_by_the_next() -> None:
         assert left not in netns_names() and not (ETC_NETNS / left).exists()
     finally:
         _ip("netns", "del", left, check=False)
+
+
+def _echo_server(srv: socket.socket) -> None:
+    """Echo every connection's bytes, one connection after another, until ``srv`` is shut down."""
+    while True:
+        try:
+            conn, _ = srv.accept()
+        except OSError:
+            return
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+
+def _round_trips(address: str, port: int, n: int, size: int) -> float:
+    """Seconds per round trip of ``size`` bytes echoed, mean of ``n``."""
+    with socket.create_connection((address, port), timeout=30) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            conn.sendall(b"x" * size)
+            got = 0
+            while got < size:
+                got += len(conn.recv(65536))
+        return (time.perf_counter() - t0) / n
+
+
+def test_an_emulated_cable_carries_drops_and_delays_frames() -> None:
+    """Node 1's cable is the link emulator's: traffic crosses it whole; impaired, frames are
+    dropped (each at most the MTU: TCP still delivers every byte) and a round trip takes at
+    least twice the delay; a pulled cable stops it."""
+    with Nodes(2, emulated=frozenset({1})) as nodes:
+        a, b, link = nodes[0], nodes[1], nodes.link(1)
+        srv = b.call(socket.create_server, (b.address, 8766))
+        threading.Thread(target=_echo_server, args=(srv,), daemon=True).start()
+        try:
+            a.call(_round_trips, b.address, 8766, 5, 100_000)
+            passed, dropped = link.stats()
+            assert passed > 2 * 5 * 100_000 // 1500 and dropped == 0  # MTU-sized frames, none lost
+            link.impair(loss=0.05, delay_s=0.01)
+            rtt = a.call(_round_trips, b.address, 8766, 5, 100_000)
+            assert link.stats()[1] > 0, "no frame dropped at 5% loss"
+            assert rtt >= 0.02, f"a round trip took {rtt * 1e3:.1f} ms through a 10 ms link each way"
+            link.impair()
+            b.cable(up=False)
+            assert not a.call(_connects, b.address, 8766, 1.0), "connected over a pulled cable"
+            b.cable(up=True)
+            wait_until(lambda: a.call(_connects, b.address, 8766, 1.0), 30, "the emulated link back up")
+        finally:
+            srv.shutdown(socket.SHUT_RDWR)  # wakes its accept()
+            srv.close()

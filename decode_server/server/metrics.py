@@ -6,17 +6,18 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from connector.protocol import REFUSAL_REASONS
-from connector.receiver_state import ReceiverStats
+from connector.receiver_state import HANDOFF_BUCKETS, ReceiverStats
 from decode_server.server.leases import LeaseTable
 from pd_build.info import LABELS, BuildInfo
 from pd_build.prometheus import DOC as BUILD_INFO_DOC
@@ -80,7 +81,12 @@ class _ReceiverCollector(Collector):
                                        labels=[*labels, "reason"])
         for reason in REFUSAL_REASONS:
             refusals.add_metric([self._model, reason], stats.refusals.get(reason, 0))
-        return [handoffs, received, refusals]
+        took = HistogramMetricFamily("decode_server_kv_handoff_seconds", "Admission of a KV handoff until its "
+                                     "every layer arrived (completed handoffs)", labels=labels)
+        cumulative = list(itertools.accumulate(stats.handoff_counts))
+        bounds = [*(f"{b:g}" for b in HANDOFF_BUCKETS), "+Inf"]
+        took.add_metric([self._model], list(zip(bounds, cumulative)), stats.handoff_seconds)
+        return [handoffs, received, refusals, took]
 
 
 class _LeaseCollector(Collector):

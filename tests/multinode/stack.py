@@ -154,14 +154,16 @@ def _secret(path: Path, value: str) -> str:
 
 @contextmanager
 def node_stack(model_dir: Path, log_dir: Path, num_decode: int = 2, dead_peer_s: float = 4.0,
-               router_args: tuple[str, ...] = (), start_timeout_s: float = 300.0) -> Iterator[NodeStack]:
+               router_args: tuple[str, ...] = (), start_timeout_s: float = 300.0,
+               emulated: frozenset[int] = frozenset()) -> Iterator[NodeStack]:
     """The stack on ``1 + num_decode`` nodes, started in the launcher's order with its gates
-    (decode servers ready, prefill healthy, every decode server handshook, router ready)."""
+    (decode servers ready, prefill healthy, every decode server handshook, router ready).
+    ``emulated``: the nodes whose cable can be made lossy and slow (``stack.nodes.link(i)``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     decode_key, secret = _secret(log_dir / "decode-key", DECODE_KEY), _secret(log_dir / "kv-secret", KV_SECRET)
     local = StackConfig(model_dir=model_dir, log_dir=log_dir, num_decode=num_decode,
                         served_model_name="tiny-glm")  # the one-host stack: its numerics and flags
-    with Nodes(1 + num_decode) as nodes:
+    with Nodes(1 + num_decode, emulated=emulated) as nodes:
         stack = NodeStack(nodes, local.model_name)
         dead_peer = ("--dead-peer-timeout", str(dead_peer_s))
 

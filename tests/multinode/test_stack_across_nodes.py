@@ -1,8 +1,9 @@
 """The real PD stack across three nodes (tests/multinode/stack.py): vLLM prefill with
 TileRTConnector and the router on node 0, reference decode servers on nodes 1 and 2, every
-role on its node's address, API key and KV secret on, UCX choosing its transport. One stack
-for the module: greedy output as vLLM alone's, both decode nodes serving; then a decode
-node's link pulled mid-stream."""
+role on its node's address, API key and KV secret on, UCX choosing its transport; node 2's
+cable is the link emulator's (tests/link_emulator.py), node 1's a veth pair. One stack for
+the module: greedy output as vLLM alone's, both decode nodes serving; the KV across a
+lossy, slow link; then a decode node's link pulled mid-stream and mid-transfer."""
 
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ from tests.waits import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 DEAD_PEER_S = 4.0
+LOSSY = 2  # node 2's cable is the link emulator's (tests/link_emulator.py): clean unless impaired
 
 
 @pytest.fixture(scope="module")
 def stack3(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeStack]:
-    with node_stack(tiny_model_dir, tmp_path_factory.mktemp("multinode-logs"), dead_peer_s=DEAD_PEER_S) as stack:
+    with node_stack(tiny_model_dir, tmp_path_factory.mktemp("multinode-logs"), dead_peer_s=DEAD_PEER_S,
+                    emulated=frozenset({LOSSY})) as stack:
         yield stack
 
 
@@ -56,6 +59,48 @@ def test_greedy_output_as_vllm_alone_with_both_decode_nodes_serving(stack3: Node
         peers = stack3.capabilities(node).peers
         assert peers and all(p.state == "ok" for p in peers), peers
         assert stack3.capabilities(node).kv_endpoint == f"{node.name}:9100"
+
+
+def test_kv_across_a_lossy_slow_link(stack3: NodeStack) -> None:
+    """1% loss and 2 ms delay on decode node 2's cable (both ways): every request succeeds with
+    the clean link's output; the handoff times (admission to KV complete, prefill's compute
+    included) are printed beside the clean link's (the link alone: bench/kv_link.py)."""
+    node = stack3.nodes[LOSSY]
+    other = next(n for n in stack3.decode_nodes if n is not node)
+    link = stack3.nodes.link(LOSSY)
+    url = stack3.decode_url(node)
+    bodies = [{"model": stack3.model_name, "prompt": f"{i}: " + long_prompt(3000), "max_tokens": 8,
+               "temperature": 0} for i in range(4)]
+
+    def handoffs() -> tuple[list[str], float, float]:
+        """The answers' texts, the mean handoff seconds and the KV bytes of one handoff."""
+        n0, s0, b0 = (stack3.metric(url, "decode_server_kv_handoff_seconds_count"),
+                      stack3.metric(url, "decode_server_kv_handoff_seconds_sum"),
+                      stack3.metric(url, "decode_server_kv_received_bytes_total"))
+        texts = []
+        for body in bodies:
+            resp = stack3.post("/v1/completions", body, timeout=300)
+            assert resp.status_code == 200, resp.text
+            texts.append(resp.json()["choices"][0]["text"])
+        n = stack3.metric(url, "decode_server_kv_handoff_seconds_count") - n0
+        assert n == len(bodies), f"{n} handoffs to {node.name} for {len(bodies)} requests"
+        return (texts, (stack3.metric(url, "decode_server_kv_handoff_seconds_sum") - s0) / n,
+                (stack3.metric(url, "decode_server_kv_received_bytes_total") - b0) / n)
+
+    with stack3.held_slot(other):  # every request is node 2's
+        clean, clean_s, kv_bytes = handoffs()
+        _, dropped_before = link.stats()
+        link.impair(loss=0.01, delay_s=0.002)
+        try:
+            lossy, lossy_s, _ = handoffs()
+            _, dropped = link.stats()
+        finally:
+            link.impair()
+    assert dropped > dropped_before, "the link emulator dropped no frame: the loss was not in force"
+    assert lossy == clean
+    print(f"\nKV handoff ({kv_bytes / 1e6:.2f} MB) to {node.name}: clean link {clean_s * 1e3:.1f} ms, "
+          f"1% loss + 2 ms delay {lossy_s * 1e3:.1f} ms (mean of {len(bodies)}; {dropped - dropped_before} "
+          f"frames dropped)")
 
 
 def _serving(stack: NodeStack) -> Node:

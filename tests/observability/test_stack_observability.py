@@ -172,6 +172,7 @@ def test_dashboard_and_alert_queries_return_series_from_a_real_prometheus(observ
         'sum(decode_server_kv_handoffs_total{job="pd-decode",outcome="complete"})': 5,
         'sum(decode_server_kv_received_bytes_total{job="pd-decode"})': 1,
         'sum(decode_server_kv_wait_seconds_count{job="pd-decode"})': 5,
+        'sum(decode_server_kv_handoff_seconds_count{job="pd-decode"})': 5,
         f'sum(pd_router_prompt_tokens_total{{model_name="{MODEL_NAME}"}})': 5,
         f'sum(decode_server_generation_tokens_total{{model_name="{MODEL_NAME}"}})': 5,
     }

@@ -261,6 +261,7 @@ async def test_foreign_admit_abort_and_layers_done_are_refused(kv):
         forger = MemoryTransport("mallory", kv.fabric)  # mallory's data agent
         try:
             handoff = await asyncio.to_thread(_send, owner, receiver.endpoint, "victim", 37, [0])
+            await eventually(lambda: receiver._handoffs["victim"].arrived == {0}, timeout=30)  # the owner's layer 0
             # Admit of a live id: refused without its state or size
             refused = await asyncio.to_thread(foreign.request, Admit(handoff_id="victim", num_tokens=37), 5)
             assert isinstance(refused, Refused) and refused.reason == "duplicate"

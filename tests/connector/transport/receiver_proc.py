@@ -21,8 +21,9 @@ from tests.connector.transport.synthetic import mismatches
 async def main(args: argparse.Namespace) -> None:
     layout = (glm5_fp8_ds_mla_layout(args.layers, args.mtp) if args.profile == "glm5"
               else cpu_mla_layout(args.layers, args.mtp))
+    secret = args.secret_file.read_bytes().strip() if args.secret_file else None
     receiver = KVReceiver(ReceiverSettings(layout=layout, max_tokens=args.max_tokens, slots=args.slots,
-                                           agent_name=args.agent_name))
+                                           agent_name=args.agent_name, host=args.host, secret=secret))
     await receiver.start()
     tmp = Path(str(args.endpoint_file) + ".tmp")
     tmp.write_text(receiver.endpoint)  # noqa: ASYNC240 - once, before serving
@@ -57,6 +58,8 @@ if __name__ == "__main__":
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--slots", type=int, default=1)
     ap.add_argument("--agent-name", default=None)
+    ap.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    ap.add_argument("--secret-file", type=Path, default=None, help="the KV channel's secret (off loopback)")
     ap.add_argument("--endpoint-file", type=Path, required=True)
     ap.add_argument("--result-file", type=Path, required=True)
     ap.add_argument("--handoff", action="append", default=[])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,11 +32,14 @@ class RemoteReceiver:
 
 
 @contextmanager
-def remote_receiver(tmp: Path, *args: str, start_timeout: float = 60.0) -> Iterator[RemoteReceiver]:
+def remote_receiver(tmp: Path, *args: str, start_timeout: float = 60.0, env: dict[str, str] = ENV,
+                    on: Callable[[list[str]], list[str]] = list) -> Iterator[RemoteReceiver]:
+    """The receiver process with ``env``; ``on``: how its command line runs elsewhere (e.g.
+    ``Node.argv``: on a node of tests/nodes.py)."""
     endpoint_file, result_file = tmp / "endpoint", tmp / "results.jsonl"
     argv = python_argv("-m", "tests.connector.transport.receiver_proc", "--endpoint-file", str(endpoint_file),
                        "--result-file", str(result_file), *args)
-    proc = ServerProcess(argv, tmp / "receiver.log", ENV)
+    proc = ServerProcess(on(argv), tmp / "receiver.log", env)
     try:
         deadline = time.monotonic() + start_timeout
         while not endpoint_file.exists():

@@ -57,6 +57,8 @@ async def test_sender_never_completes_receiver_times_out_and_frees_the_slot(kv, 
         sender = kv.make_sender(transport=transport)
         try:
             handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "partial", 10, [0])
+            # layer 0 landed (on a loaded machine a NIXL write can take longer than the wait below)
+            await eventually(lambda: receiver._handoffs["partial"].arrived == {0}, timeout=30)
             with pytest.raises(HandoffTimeout, match="1/3 layers arrived"):
                 await receiver.wait_for("partial", 0.5)
             assert receiver.busy_slots() == 0
@@ -109,6 +111,7 @@ async def test_busy_when_all_slots_are_taken_then_free_again(kv):
             stats = receiver.stats
             assert (stats.refusals, stats.completed, stats.failed) == ({"busy": 1}, 2, 0)
             assert stats.bytes_received == 2 * SMALL.num_layers * SMALL.bytes_per_layer(8)
+            assert sum(stats.handoff_counts) == 2 and stats.handoff_seconds > 0  # the two completed, timed
         finally:
             sender.close()
 
