@@ -172,6 +172,12 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
     assert "gate: http://pf0:8100/health" in node0 and "gate: http://pf0:8000/ready" in node0
     assert "gate: http://dc0:8200/ready" in node1
     assert "HF_TOKEN" not in text  # the shipped recipe sets none (see the next test for one that does)
+    # UCX and the InfiniBand devices per role, for the operator to adjust (docs/deploy.md, "KV network")
+    prefill_block = node0[node0.index("[prefill]"):node0.index("[router]")]
+    decode_block = node1[node1.index("[decode0]"):]
+    for block in (prefill_block, decode_block):
+        assert {"env MELLANOX_VISIBLE_DEVICES=all", "env UCX_NET_DEVICES=all", "env UCX_TLS=all"} <= {
+            line.strip() for line in block.splitlines()}
 
 
 def test_dry_run_masks_tokens_in_the_environment_it_prints(tmp_path: Path) -> None:
