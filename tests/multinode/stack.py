@@ -12,8 +12,6 @@ address: the nodes' names resolve inside the nodes only."""
 from __future__ import annotations
 
 import dataclasses
-import threading
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,19 +20,11 @@ from typing import Any
 
 import httpx
 
-from decode_server.contract import (
-    CAPABILITIES_PATH,
-    LEASE_PATH,
-    LEASE_RELEASE_PATH,
-    LEASE_RENEW_PATH,
-    DecodeCapabilities,
-    LeaseGrant,
-    LeaseIds,
-    LeaseRequest,
-)
+from decode_server.contract import CAPABILITIES_PATH, DecodeCapabilities, LeaseGrant
 from pd_deploy.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv
 from pd_deploy.stack.launcher import StackConfig
 from pd_deploy.stack.process import ManagedProcess
+from tests.leases import held_slot
 from tests.nodes import Node, Nodes
 
 ROUTER_PORT, PREFILL_PORT, DECODE_PORT, KV_PORT = 8000, 8100, 8200, 9100  # each node has its own ports
@@ -105,33 +95,10 @@ class NodeStack:
 
     @contextmanager
     def held_slot(self, node: Node) -> Iterator[LeaseGrant]:
-        """Decode ``node``'s slot leased by the test, as another router would (renewed until
-        the block ends, then released): the router sees it taken there."""
-        url = self.decode_url(node)
-
-        def post(path: str, body: LeaseRequest | LeaseIds) -> httpx.Response:
-            return self.head.call(lambda: httpx.post(url + path, content=body.model_dump_json(), timeout=10,
-                                                     headers={"Authorization": f"Bearer {DECODE_KEY}",
-                                                              "Content-Type": "application/json"}))
-
-        ids = LeaseIds(lease_ids=[f"test-holds-{uuid.uuid4().hex}"])
-        resp = post(LEASE_PATH, LeaseRequest(lease_id=ids.lease_ids[0], wait_s=30, holder="the test"))
-        assert resp.status_code == 200, f"{node.name} granted no lease: {resp.status_code} {resp.text}"
-        grant = LeaseGrant.model_validate_json(resp.content)
-        done = threading.Event()
-
-        def renew() -> None:  # at a third of the ttl, as the router does
-            while not done.wait(grant.ttl_s / 3):
-                post(LEASE_RENEW_PATH, ids)
-
-        renewer = threading.Thread(target=renew, name=f"lease-on-{node.name}", daemon=True)
-        renewer.start()
-        try:
+        """Decode ``node``'s slot leased by the test from node 0, as another router would
+        (tests/leases.py): the router sees it taken there."""
+        with held_slot(self.decode_url(node), DECODE_KEY, on=self.head.call) as grant:
             yield grant
-        finally:
-            done.set()
-            renewer.join(15)
-            post(LEASE_RELEASE_PATH, ids)
 
     def ready(self) -> int:
         return self.from_head(lambda: httpx.get(self.router_url + "/ready", timeout=5).status_code)

@@ -21,6 +21,7 @@ from pd_deploy.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, rou
 from pd_router.load import vllm_load
 from pd_router.wire import BackendList
 from tests.e2e.conftest import make_stack_config, vllm_kv_usage
+from tests.leases import held_slot
 from tests.procs import server
 from tests.waits import wait_until
 
@@ -101,7 +102,13 @@ def test_decode_server_added_and_removed_at_runtime(stack: dict) -> None:
         answers = list(pool.map(lambda i: complete(router, model, f"added-{i}"), range(6)))
     assert all(s == 200 for s, _ in answers), answers
     assert {text.split('"text":')[1][:40] for _, text in answers} == {baseline.split('"text":')[1][:40]}
-    assert served(urls[2]) >= 1  # its KV came over NIXL from vLLM: the request completed there
+    # with the other two slots held (as by another router), a request is the new server's: its KV
+    # comes over NIXL from vLLM and the request completes there
+    before = served(urls[2])
+    with held_slot(urls[0]), held_slot(urls[1]):
+        status, text = complete(router, model, "added-alone")
+    assert status == 200 and text.split('"text":')[1][:40] == baseline.split('"text":')[1][:40], text
+    assert served(urls[2]) == before + 1
 
     # remove decode-0 while a stream is in flight on it: it drains, the stream completes
     before = served(urls[0])  # the decode server counts a request when it answers its head
