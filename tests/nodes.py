@@ -9,7 +9,9 @@ hostname and name resolution as on a cluster, all joined by one switch.
 
 The switch is a bridge in a namespace of its own, so that nothing here touches the
 machine's own network: a node's cable is the veth pair from its ``eth0`` to the switch
-(the switch-side end is ``n<i>`` there). Processes run on a node through ``ip netns exec``
+(the switch-side end is ``n<i>`` there), or, for the nodes made ``emulated``, two TAP
+devices joined by a process that can drop and delay frames (tests/link_emulator.py: this
+kernel has no netem). Processes run on a node through ``ip netns exec``
 (which also gives them ``/etc/netns/<ns>/hosts`` as their ``/etc/hosts``: every node's
 name resolves to its address, on every node) and ``unshare --uts`` (their hostname is the
 node's). The test process itself reaches a node from a thread that entered the node's
