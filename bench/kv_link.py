@@ -56,7 +56,7 @@ def run_size(nodes: Nodes, tokens: int, reps: int, tmp: Path) -> dict[str, float
         args += ["--handoff", hid]
     env = {k: v for k, v in ENV.items() if k.startswith(("UCX_", "NIXL_"))}
     took: dict[str, list[float]] = {"clean": [], "lossy": []}
-    frames = {"clean": [0, 0], "lossy": [0, 0]}  # passed, dropped by the link
+    frames = [0, 0]  # passed, dropped by the link during the lossy pushes
     with remote_receiver(tmp, *args, env=env, on=nodes[1].argv) as rr:
 
         def push_all() -> None:  # on node 0
@@ -67,7 +67,7 @@ def run_size(nodes: Nodes, tokens: int, reps: int, tmp: Path) -> dict[str, float
                 for i, hid in enumerate(ids):
                     kind = hid.split("-")[0]
                     link.impair(LOSS, DELAY_S) if kind == "lossy" else link.impair()
-                    frames0 = link.stats()
+                    before = link.stats()
                     handoff = sender.begin(rr.endpoint, hid, tokens, timeout=30)
                     start = time.time()
                     handoff.post_layers(list(range(LAYOUT.num_layers)))
@@ -77,7 +77,8 @@ def run_size(nodes: Nodes, tokens: int, reps: int, tmp: Path) -> dict[str, float
                     if "error" in arrived:
                         raise RuntimeError(f"{hid}: receiver: {arrived['error']}")
                     took[kind].append(arrived["arrived"] - start)
-                    frames[kind] = [n + b - a for n, a, b in zip(frames[kind], frames0, link.stats())]
+                    if kind == "lossy":
+                        frames[:] = [n + b - a for n, a, b in zip(frames, before, link.stats())]
             finally:
                 link.impair()
                 sender.close()
@@ -88,7 +89,7 @@ def run_size(nodes: Nodes, tokens: int, reps: int, tmp: Path) -> dict[str, float
     return {"tokens": tokens, "MiB": nbytes / 2**20, "clean_ms": clean * 1e3, "lossy_ms": lossy * 1e3,
             "clean_MBps": nbytes / clean / 1e6, "lossy_MBps": nbytes / lossy / 1e6,
             "ratio": statistics.median(b / a for a, b in zip(took["clean"], took["lossy"])),
-            "frames": frames["lossy"][0] / reps, "dropped": frames["lossy"][1] / frames["lossy"][0]}
+            "frames": frames[0] / reps, "dropped": frames[1] / frames[0]}
 
 
 def main() -> None:
