@@ -15,8 +15,25 @@ from typing import Any
 from connector.profiles import prefill_vllm_args
 
 
-def mtp_spec_config(num_speculative_tokens: int = 1) -> dict[str, Any]:
-    return {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
+def mtp_spec_config(num_speculative_tokens: int = 1, attention_backend: str | None = None) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` for the MTP layer. ``attention_backend``: the target's
+    ``--attention-backend``, which vLLM does not hand to the drafter (it picks one itself: on
+    an AMX CPU another backend than the target's, docs/facts.md §1)."""
+    config: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
+    if attention_backend:
+        config["attention_backend"] = attention_backend
+    return config
+
+
+def flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    """The value ``args`` gives ``flag`` (``--flag VALUE`` or ``--flag=VALUE``; the last wins)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 @dataclass(frozen=True)
@@ -78,7 +95,8 @@ def vllm_prefill_argv(spec: PrefillSpec) -> list[str]:
     if spec.max_model_len:
         argv += ["--max-model-len", str(spec.max_model_len)]
     if spec.mtp:
-        argv += ["--speculative-config", json.dumps(mtp_spec_config(spec.num_speculative_tokens))]
+        backend = flag_value(spec.extra_args, "--attention-backend")
+        argv += ["--speculative-config", json.dumps(mtp_spec_config(spec.num_speculative_tokens, backend))]
     if spec.connector:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec))]
         argv += _unless_given(prefill_vllm_args(spec.profile), spec.extra_args)

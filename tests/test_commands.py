@@ -10,6 +10,14 @@ def test_prefill_argv_carries_one_speculative_config_with_the_draft_count():
     assert "--speculative-config" not in vllm_prefill_argv(PrefillSpec(model="/m/glm", port=8100, mtp=False))
 
 
+def test_the_mtp_drafter_gets_the_targets_attention_backend():
+    # vLLM picks the drafter's backend itself (AMX_MLA on an AMX CPU, beside a CPU_MLA target)
+    for extra in (("--attention-backend", "CPU_MLA"), ("--attention-backend=CPU_MLA",)):
+        argv = vllm_prefill_argv(PrefillSpec(model="/m/tiny", port=8100, extra_args=extra))
+        spec = json.loads(argv[argv.index("--speculative-config") + 1])
+        assert spec == {"method": "mtp", "num_speculative_tokens": 1, "attention_backend": "CPU_MLA"}
+
+
 def test_glm51_prefill_carries_the_cache_flags_its_profile_needs():
     argv = vllm_prefill_argv(PrefillSpec(model="/m/glm", port=8100, profile="glm5.1"))
     assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8_ds_mla"

@@ -14,7 +14,13 @@ MAX_POSITIONS = 4096
 # * vLLM downcasts float32 checkpoints and runs this bfloat16 one in bfloat16 by
 #   default; float32 (exact upcast of the bf16 weights) agrees with the reference
 #   engine to ~1e-5 in log-probabilities. The KV layout's dtype follows this choice.
-VLLM_CPU_EXACT_ARGS = ("--dtype", "float32", "--compilation-config", '{"custom_ops": ["-rotary_embedding"]}')
+# * on an x86 CPU with AMX tiles vLLM picks its AMX_MLA attention backend unless told
+#   otherwise: bfloat16 only (float32 weights fail at load, "expect weight to be bfloat16,
+#   float16, int8, fp8_e4m3 or uint8"), 32-token blocks, its own kernels. CPU_MLA, the
+#   backend every other CPU gets, is pinned: one numerics and one cache layout everywhere
+#   (docs/facts.md §1).
+VLLM_CPU_EXACT_ARGS = ("--dtype", "float32", "--compilation-config", '{"custom_ops": ["-rotary_embedding"]}',
+                       "--attention-backend", "CPU_MLA")
 
 
 def hf_config(num_layers: int, vocab_size: int, bos_id: int, eos_ids: list[int], pad_id: int) -> dict[str, Any]:

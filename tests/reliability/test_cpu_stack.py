@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -22,6 +23,7 @@ import pytest
 from decode_server.contract import CAPABILITIES_PATH
 from pd_deploy.stack.launcher import Stack
 from tests.e2e.conftest import make_stack_config, running_stack, vllm_kv_usage
+from tests.leases import held_slot
 from tests.waits import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(600)]
@@ -109,21 +111,35 @@ def test_a_disconnect_storm_leaves_nothing_behind(stack2):
 
 
 def test_a_decode_server_killed_before_its_first_token_costs_only_latency(stack2):
+    """The router still counts decode-0 healthy after its kill -9: the next request's lease
+    call finds it down before any prefill runs, and the client only waits. Which server the
+    router asks first follows its cache of free slots (stale after the storm), so the test
+    holds every slot of decode-1 the way another router would until the router has asked
+    decode-0: the request cannot avoid the dead server, whatever the cache says."""
     cfg = stack2.config
     url, model = cfg.router_url, cfg.model_name
+    dead = cfg.decode_urls[0]
     expected = _completion(url, model, "baseline").json()["choices"][0]["text"]
     decode0 = _proc(stack2, "decode-0")
     decode0.proc.send_signal(signal.SIGKILL)
     decode0.proc.wait(10)
+    lease_errors = f'pd_router_lease_requests_total{{backend="{dead}",result="error"'
     t0 = time.monotonic()
-    for i in range(4):  # the router still counts decode-0 healthy: the first of these asks it for a lease
-        resp = _completion(url, model, f"after-kill-{i}")
+    with ThreadPoolExecutor(1) as pool, ExitStack() as held:  # held ends first, on any failure too
+        grants = [held.enter_context(held_slot(cfg.decode_urls[1])) for _ in range(cfg.decode_slots)]
+        assert grants[-1].free == 0, grants[-1]
+        first = pool.submit(_completion, url, model, "after-kill-0")
+        _wait_until(lambda: _metric(url, lease_errors) >= 1 or first.done(), 60, "the router asking decode-0")
+        assert _metric(url, lease_errors) >= 1, f"decode-0 never asked: {first.result().text}"
+        held.close()  # decode-1's slots free again: the request waiting in its queue gets one
+        answers = [first.result(120)]
+    answers += [_completion(url, model, f"after-kill-{i}") for i in range(1, 4)]
+    elapsed = time.monotonic() - t0
+    for resp in answers:
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["text"] == expected
-    elapsed = time.monotonic() - t0
     # the lease call found decode-0 down before any prefill ran: no failover needed, it is marked down
-    assert _metric(url, f'pd_router_lease_requests_total{{backend="{cfg.decode_urls[0]}",result="error"') >= 1
-    assert _metric(url, f'pd_router_decode_failovers_total{{backend="{cfg.decode_urls[0]}"') == 0
+    assert _metric(url, f'pd_router_decode_failovers_total{{backend="{dead}"') == 0
     ready = httpx.get(url + "/ready", timeout=5).json()
     assert [d["healthy"] for d in ready["decode"]] == [False, True]
     _wait_until(lambda: vllm_kv_usage(cfg.prefill_url) == 0, 30, "vLLM's KV blocks freed")
@@ -208,23 +224,27 @@ def test_sigterm_to_the_router_during_8_live_streams_loses_none(stack2):
     url, model = cfg.router_url, cfg.model_name
     router = _proc(stack2, "router")
 
-    def busy() -> int:  # over the decode servers alive (decode-0 was killed by the previous test)
-        total = 0
-        for decode_url in cfg.decode_urls:
-            try:
-                total += httpx.get(decode_url + CAPABILITIES_PATH, timeout=5).json()["busy_slots"]
-            except httpx.HTTPError:
-                pass
-        return total
+    def busy() -> int:
+        return sum(httpx.get(u + CAPABILITIES_PATH, timeout=5).json()["busy_slots"] for u in cfg.decode_urls)
 
+    decoders = [_proc(stack2, f"decode-{i}") for i in range(len(cfg.decode_urls))]
     with ThreadPoolExecutor(8) as pool:
-        # 400 tokens each, no early end: the streams are still running after every check below
         streams = [pool.submit(_completion, url, model, f"live-{i}", True, 400, ignore_eos=True) for i in range(8)]
         _wait_until(lambda: busy() == 8, 120, "8 live streams")
-        router.proc.send_signal(signal.SIGTERM)
-        _wait_until(lambda: httpx.get(url + "/ready", timeout=5).status_code == 503, 10, "/ready 503")
-        refused = _completion(url, model, "late")
-        assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+        # the streams stay live through every check below, however fast this machine decodes:
+        # their decode servers are stopped until the router has been told to go
+        for d in decoders:
+            os.killpg(d.pid, signal.SIGSTOP)
+        try:
+            router.proc.send_signal(signal.SIGTERM)
+            _wait_until(lambda: httpx.get(url + "/ready", timeout=5).status_code == 503, 10, "/ready 503")
+            refused = _completion(url, model, "late")
+            assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+            assert not any(s.done() for s in streams), "a stream ended while its decode server was stopped"
+            assert router.proc.poll() is None, "the router exited with 8 streams live"
+        finally:
+            for d in decoders:
+                os.killpg(d.pid, signal.SIGCONT)
         answers = [s.result(300) for s in streams]
     for answer in answers:
         events = [e[6:] for e in answer.text.split("\n\n") if e.startswith("data: ")]
