@@ -62,6 +62,8 @@ class StagingPool(Protocol):
 
     def forget(self, handoff: OutgoingHandoff) -> None: ...
 
+    def carrier(self, handoff: OutgoingHandoff) -> str: ...
+
 
 class OutgoingHandoff:
     """One prompt's KV on its way to one decode server. Create with :meth:`KVSender.open`
@@ -76,6 +78,11 @@ class OutgoingHandoff:
         self.offsets = offsets
         self.deadline = deadline  # time.monotonic(): not fully written by then -> aborted
         self._t_last_post = 0.0
+        self._t_first_write = 0.0
+        # once every layer landed: what carried the WRITEs (the transport's word for it) and
+        # the time from the first WRITE posted to the last landed
+        self.carrier = ""
+        self.write_seconds: float | None = None
         self._staging_slot = staging
         self._layers = pool.plan_layers
         self._index = {layer: i for i, layer in enumerate(self._layers)}
@@ -131,6 +138,11 @@ class OutgoingHandoff:
         if self.fail(f"aborted: {reason}"):
             self._pool.abort_soon(self, reason)
 
+    @property
+    def nbytes(self) -> int:
+        """The KV bytes this handoff writes (every layer of this rank)."""
+        return len(self._layers) * self._pool.layout.bytes_per_layer(self.num_tokens)
+
     def progress(self) -> str:
         return f"{len(self._sent)}/{len(self._layers)} layers sent, {len(self._posted)} posted"
 
@@ -153,6 +165,8 @@ class OutgoingHandoff:
         """A WRITE reading this handoff's staging is about to be posted; :meth:`written` ends it."""
         with self._lock:
             self._inflight += 1
+            if not self._t_first_write:
+                self._t_first_write = time.perf_counter()
 
     def written(self, layers: list[int]) -> None:
         """A WRITE begun with :meth:`begin_write` ended; ``layers`` landed (empty: it failed)."""
@@ -160,14 +174,19 @@ class OutgoingHandoff:
             self._inflight -= 1
             self._sent.update(layers)
             landed = self._status == "pending" and len(self._sent) == len(self._layers)
+            now = time.perf_counter()
             if landed:
+                self.carrier = self._pool.carrier(self)
+                self.write_seconds = now - self._t_first_write
                 self._status = "sent"
                 self._done.set()
             if not self._inflight:
                 self._idle.notify_all()
         if landed:  # parsed by bench/prefill_tail.py
-            log.info("TileRT handoff %s: all %d layers landed, tail %.3f ms after the last post", self.handoff_id,
-                     len(self._layers), (time.perf_counter() - self._t_last_post) * 1e3)
+            log.info("TileRT handoff %s: all %d layers landed, tail %.3f ms after the last post; %.1f MB over %s "
+                     "in %.3f ms from the first WRITE", self.handoff_id, len(self._layers),
+                     (now - self._t_last_post) * 1e3, self.nbytes / 1e6, self.carrier,
+                     (self.write_seconds or 0.0) * 1e3)
         self._maybe_free()
 
     def fail(self, error: str) -> bool:

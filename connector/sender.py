@@ -455,6 +455,10 @@ class KVSender:
         for handoff in late:
             handoff.abort(f"not all layers were written by the transfer deadline ({handoff.progress()})")
 
+    def carrier(self, handoff: OutgoingHandoff) -> str:
+        """What carried ``handoff``'s WRITEs: the transport's word for WRITEs of its largest piece."""
+        return self._transport.carrier(max(p.nbytes(handoff.num_tokens) for p in self.layout.planes))
+
     def forget(self, handoff: OutgoingHandoff) -> None:
         with self._active_lock:
             if self._active.get(handoff.handoff_id) is handoff:

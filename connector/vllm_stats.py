@@ -17,6 +17,13 @@ server's ``/metrics`` next to ``vllm:*``:
   step computing the prompt's last token to its last layer posted (the tail the handoff
   adds to prefill; the transfer itself lands on the decode server's
   ``decode_server_kv_wait_seconds``);
+* ``vllm:tilert_kv_transport_bytes_total{transport}``: KV bytes of the handoffs that landed,
+  by what carried their WRITEs (the UCX transport UCX chose, e.g. ``rc_mlx5/mlx5_0:1``,
+  ``tcp/eth0``, ``cma/memory``; ``unknown`` when UCX did not say: ``connector.transport.ucx_proto``);
+* ``vllm:tilert_kv_write_seconds{transport}``: histogram, per handoff and rank, from its first
+  WRITE posted to its last landed; a handoff's bandwidth is its bytes over this, the mean
+  ``rate(..._transport_bytes_total) / rate(..._write_seconds_sum)`` (on the early path the
+  WRITEs wait for vLLM's layers, so this is a lower bound of the link's);
 * ``vllm:tilert_build_info{<BuildInfo fields>}``: 1, labelled with what the prefill server
   runs (:class:`pd_build.info.BuildInfo`: tilert-pd and its git revision, vLLM, NIXL, UCX,
   torch, CUDA, the KV layout fingerprint, the served model and its config.json checksum),
@@ -35,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from connector.config import load_settings
 from connector.profiles import resolve_profile
 from connector.protocol import FailureReason
-from connector.worker import POST_SECONDS, STAT_COUNTERS
+from connector.worker import POST_SECONDS, STAT_COUNTERS, WRITES
 from pd_build.info import BuildInfo, collect
 
 BUILD_INFO = "vllm:tilert_build_info"
@@ -43,6 +50,9 @@ FAILURE_REASONS: tuple[str, ...] = get_args(FailureReason)
 # a step's start to its last layer posted: the prefill tail the handoff adds (ms on a GPU)
 POST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
                 2.5, 5.0, 10.0)
+# a handoff's WRITEs, first posted to last landed: 1k-8k tokens of GLM-5.1 (61-486 MiB) over
+# 10-50 GB/s RDMA is milliseconds, over TCP up to seconds
+WRITE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0, 10.0, 30.0)
 
 
 def prefill_build_info(vllm_config: Any) -> BuildInfo:
@@ -66,17 +76,21 @@ class TileRTKVStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key in STAT_COUNTERS:
             self.data[key] = int(self.data.get(key, 0)) + int(other.data.get(key, 0))
-        self.data[POST_SECONDS] = [*self.data.get(POST_SECONDS, ()), *other.data.get(POST_SECONDS, ())]
+        for key in (POST_SECONDS, WRITES):
+            self.data[key] = [*self.data.get(key, ()), *other.data.get(key, ())]
         return self
 
     def reduce(self) -> dict[str, int | float]:
         reduced: dict[str, int | float] = {key: int(self.data.get(key, 0)) for key in STAT_COUNTERS}
         posts = self.data.get(POST_SECONDS) or []
         reduced["post_seconds_max"] = max(posts, default=0.0)
+        for carrier, nbytes, _ in self.data.get(WRITES) or ():
+            key = f"bytes_over_{carrier}"
+            reduced[key] = int(reduced.get(key, 0)) + int(nbytes)
         return reduced
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key) for key in (*STAT_COUNTERS, POST_SECONDS))
+        return not any(self.data.get(key) for key in (*STAT_COUNTERS, POST_SECONDS, WRITES))
 
 
 class TileRTPromMetrics(KVConnectorPromMetrics):
@@ -102,6 +116,17 @@ class TileRTPromMetrics(KVConnectorPromMetrics):
             labelnames=labelnames,
             buckets=POST_BUCKETS,
         )
+        self._transport_bytes = counter(
+            "vllm:tilert_kv_transport_bytes", "KV bytes of the handoffs that landed, by what carried their WRITEs "
+            "(the UCX transport, e.g. rc_mlx5/mlx5_0:1, tcp/eth0, cma/memory; unknown: UCX did not say)", "transport")
+        self._write_seconds: Any = self._histogram_cls(  # type: ignore[call-arg]  # a Histogram: vLLM's _histogram_cls
+            name="vllm:tilert_kv_write_seconds",
+            documentation="Per handoff and rank: from its first KV WRITE posted to its last landed, by what "
+            "carried them (bandwidth: bytes over this)",
+            labelnames=[*labelnames, "transport"],
+            buckets=WRITE_BUCKETS,
+        )
+        self._labelvalues = per_engine_labelvalues  # engine -> its label values (the transports' children come later)
         info = prefill_build_info(vllm_config).labels()
         build = self._gauge_cls(  # type: ignore[call-arg]  # a Gauge: vLLM's _gauge_cls
             name=BUILD_INFO,
@@ -135,3 +160,7 @@ class TileRTPromMetrics(KVConnectorPromMetrics):
                 child.inc(value)
         for seconds in transfer_stats_data.get(POST_SECONDS) or ():
             self._post[engine_idx].observe(seconds)
+        values = self._labelvalues[engine_idx]
+        for carrier, nbytes, seconds in transfer_stats_data.get(WRITES) or ():
+            self._transport_bytes.labels(*values, carrier).inc(int(nbytes))
+            self._write_seconds.labels(*values, carrier).observe(float(seconds))

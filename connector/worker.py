@@ -67,6 +67,11 @@ log = logging.getLogger(__name__)
 class Handoff(Protocol):
     error: str | None
     deadline: float  # time.monotonic(); the sender aborts a handoff not fully written by then
+    carrier: str  # once sent: what carried its WRITEs (e.g. the UCX transport "tcp/eth0")
+    write_seconds: float | None  # once sent: its first WRITE posted to its last landed
+
+    @property
+    def nbytes(self) -> int: ...
 
     def staging(self, layer: int) -> dict[str, torch.Tensor]: ...
 
@@ -103,10 +108,11 @@ class Reports(Protocol):
 STAT_COUNTERS = ("handoffs_posted", "handoffs_failed", "layers_early", "layers_late", "bytes_posted",
                  *(f"failed_{reason}" for reason in get_args(FailureReason)))
 POST_SECONDS = "post_seconds"  # per handoff this rank gathered: its last step's start to its last layer posted
+WRITES = "writes"  # per handoff this rank sent: [carrier, bytes, seconds from its first WRITE to its last landed]
 
 
 def empty_stats() -> dict[str, Any]:
-    return {**dict.fromkeys(STAT_COUNTERS, 0), POST_SECONDS: []}
+    return {**dict.fromkeys(STAT_COUNTERS, 0), POST_SECONDS: [], WRITES: []}
 
 
 @dataclass
@@ -424,6 +430,9 @@ class ConnectorWorker:
                     stats["bytes_posted"] += (early + late) * self._layout.bytes_per_layer(send.work.num_tokens)
             stats["layers_early"] += early
             stats["layers_late"] += late
+        handoff = send.handoff
+        if status == "sent" and handoff is not None and handoff.write_seconds is not None:
+            self._stats[WRITES].append([handoff.carrier, handoff.nbytes, handoff.write_seconds])
         send.reported = status
         self._reports.send(
             SendReport(

@@ -19,6 +19,8 @@ Contract:
   ("pending" / "done" / "error") and ``release``. Errors raise :class:`TransportError`.
 * ``notify(peer, msg)`` sends a standalone notification (no data) to a known peer.
 * ``notifications()`` drains the notifications received: ``[(peer_name, bytes)]``.
+* ``carrier(nbytes)`` names what carries this agent's WRITEs of ``nbytes`` to its peers
+  (NIXL: the UCX transport, e.g. ``tcp/eth0``; ``unknown`` when it cannot tell).
 
 Implementations are thread-safe: a sender thread writes while another thread
 handshakes. Nothing here has timeouts: callers bound every wait themselves.
@@ -130,6 +132,9 @@ class Transport(ABC):
 
     @abstractmethod
     def notifications(self) -> list[tuple[str, bytes]]: ...
+
+    def carrier(self, nbytes: int) -> str:
+        return self.kind
 
     @abstractmethod
     def close(self) -> None: ...

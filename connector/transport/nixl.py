@@ -9,14 +9,23 @@ transport is created, so modules using this one import without NIXL installed.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from connector.kv_errors import TransportError
+from connector.transport import ucx_proto
 from connector.transport.base import Piece, Region, Transport, XferHandle, XferState, merge_pieces
 
 _STATES: dict[str, XferState] = {"DONE": "done", "PROC": "pending"}  # NIXL's transfer states; else "error"
+# UCX reads its variables from the environment when an agent creates its backend: the few
+# lines that set them for one agent and put them back are serialised (tests make agents in threads)
+_UCX_ENV_LOCK = threading.Lock()
 
 if TYPE_CHECKING:
     import torch
@@ -50,14 +59,22 @@ class NixlTransport(Transport):
         # (poll / notifications). Measured on 2 cores: 486 MiB push 1.8 -> 3.5 GB/s.
         config = api.nixl_agent_config(backends=[], enable_prog_thread=False,
                                        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+        # UCX states which transport it chose for this agent's WRITEs in files (ucx_proto):
+        # the operator's UCX_PROTO_INFO_DIR, else a directory of this agent's own
+        operator_dir = os.environ.get(ucx_proto.PROTO_INFO_DIR)
+        self._own_proto_dir = None if operator_dir else tempfile.mkdtemp(prefix="ucx-proto-")
+        self._proto_dir = Path(operator_dir or self._own_proto_dir or "")
+        self._proto_seen: tuple[float, list[ucx_proto.PutChoice]] = (-1.0, [])
         try:
-            self._agent = api.nixl_agent(name, config)
-            # One UCX worker per posting thread: NIXL binds each thread that prepares
-            # transfers to one of its workers (round robin), and posts on different
-            # workers run in parallel (an intra-node CMA put is a synchronous copy in the
-            # posting thread, so one worker is one copying core).
-            self._agent.create_backend("UCX", {"num_workers": str(workers)})
+            with _UCX_ENV_LOCK, _environ(ucx_proto.proto_info_env(self._proto_dir, dict(os.environ))):
+                self._agent = api.nixl_agent(name, config)
+                # One UCX worker per posting thread: NIXL binds each thread that prepares
+                # transfers to one of its workers (round robin), and posts on different
+                # workers run in parallel (an intra-node CMA put is a synchronous copy in the
+                # posting thread, so one worker is one copying core).
+                self._agent.create_backend("UCX", {"num_workers": str(workers)})
         except Exception as exc:  # nixl raises its own binding errors
+            self._remove_proto_dir()
             raise TransportError(f"cannot create NIXL agent {name!r}: {exc}") from exc
         if "UCX" not in self._agent.backends:
             raise TransportError(f"NIXL agent {name!r}: the UCX backend plugin did not load")
@@ -91,6 +108,20 @@ class NixlTransport(Transport):
 
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()
+
+    def carrier(self, nbytes: int) -> str:
+        """The transport UCX chose for this agent's WRITEs of ``nbytes`` to its peers, as UCX
+        wrote it into the protocol-info directory (re-read only when a file was added)."""
+        try:
+            mtime = self._proto_dir.stat().st_mtime
+        except OSError:
+            return ucx_proto.UNKNOWN
+        seen, choices = self._proto_seen
+        if mtime != seen:
+            # its own directory holds only its files; the operator's, every agent's of theirs
+            choices = ucx_proto.read_choices(self._proto_dir, None if self._own_proto_dir else self._name)
+            self._proto_seen = (mtime, choices)
+        return ucx_proto.put_carrier(choices, self._mem_type, nbytes)
 
     def add_peer(self, metadata: bytes) -> str:
         try:
@@ -183,3 +214,23 @@ class NixlTransport(Transport):
                 pass
         with self._lock:
             self._buffers.clear()
+        self._remove_proto_dir()
+
+    def _remove_proto_dir(self) -> None:
+        if self._own_proto_dir is not None:
+            shutil.rmtree(self._own_proto_dir, ignore_errors=True)
+
+
+@contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """``values`` set in this process's environment for the block, then put back."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

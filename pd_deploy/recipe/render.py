@@ -79,6 +79,7 @@ def describe(plan: Plan, hosts: list[str] | None = None, job_dir: str = "<job-di
         f"decode engine {r.decode.engine}, MTP {'on' if r.mtp.enabled else 'off'}",
         "start order: convert (once) -> decode -> gates -> prefill -> gate -> router -> gate -> fingerprint "
         "-> benchmarks -> summary",
+        f"KV network: expects {r.kv_network.expect} (summary.md flags handoffs carried otherwise)",
     ]
     for node in range(r.num_nodes):
         lines.append(f"\n== node {node} ({names[node]}) ==")

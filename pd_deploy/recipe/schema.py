@@ -123,6 +123,17 @@ class BenchmarkSpec(_Strict):
     gsm8k: Gsm8kSpec | None = None
 
 
+KvCarrier = Literal["any", "rdma", "tcp", "shm"]
+
+
+class KvNetworkSpec(_Strict):
+    expect: KvCarrier = Field(
+        default="any",
+        description="what should carry the KV from prefill to decode: rdma (InfiniBand/RoCE), tcp, shm (one "
+        "host); the job's summary flags handoffs carried otherwise (a TCP fallback where RDMA was expected)",
+    )
+
+
 class SlurmSpec(_Strict):
     partition: str | None = None
     account: str | None = None
@@ -157,6 +168,7 @@ class Recipe(_Strict):
     router: RouterRole = Field(default_factory=RouterRole)
     conversion: ConversionSpec | None = None
     benchmark: BenchmarkSpec | None = None
+    kv_network: KvNetworkSpec = Field(default_factory=KvNetworkSpec)
     slurm: SlurmSpec = Field(default_factory=SlurmSpec)
 
     @property

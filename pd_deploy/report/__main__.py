@@ -22,7 +22,8 @@ class FingerprintCmd(BaseModel):
 
 
 class SummaryCmd(BaseModel):
-    """write JOB_DIR/summary.md: the benchmarks' headline numbers next to the fingerprint"""
+    """write JOB_DIR/summary.md: the benchmarks' headline numbers and the KV transfer next to the fingerprint
+    (saves the prefill and decode servers' /metrics into JOB_DIR/metrics first)"""
 
     job_dir: Path = Field(description="the job's directory (fingerprint.json and bench/)")
 
@@ -52,9 +53,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"pd_deploy.report: no build info from {', '.join(missing)} (see {FINGERPRINT_FILE})",
                   file=sys.stderr)
         return 0
+    from pd_deploy.report.kv_transfer import save_metrics
     from pd_deploy.report.summary import render_summary
 
     fp = Fingerprint.model_validate_json((cmd.job_dir / FINGERPRINT_FILE).read_text())
+    for step, why in save_metrics(fp, cmd.job_dir).items():
+        print(f"pd_deploy.report: no /metrics from {step}: {why}", file=sys.stderr)
     out = cmd.job_dir / SUMMARY_FILE
     out.write_text(render_summary(fp, cmd.job_dir))
     print(out)

@@ -1,6 +1,7 @@
 """``summary.md``: the benchmarks' headline numbers (AIPerf per concurrency, lm-eval gsm8k)
-next to the fingerprint they ran under. Reads the files the tools write; a result that is
-missing is said to be missing."""
+and the KV transfer (what carried the handoffs, how fast; :mod:`pd_deploy.report.kv_transfer`)
+next to the fingerprint they ran under. Reads the files the tools and the summary step
+write; a result that is missing is said to be missing."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pd_build.info import ABSENT
+from pd_deploy.report.kv_transfer import kv_section
 from pd_deploy.report.model import Fingerprint
 
 AIPERF_SUMMARY = "profile_export_aiperf.json"
@@ -117,10 +119,20 @@ def _gsm8k(job_dir: Path) -> list[str]:
     return lines
 
 
+def expected_kv_network(fp: Fingerprint) -> str:
+    """The recipe's ``kv_network.expect`` ("any" when the recipe has none)."""
+    import yaml
+
+    data = yaml.safe_load(fp.recipe.text)
+    network = data.get("kv_network") if isinstance(data, dict) else None
+    return str(network.get("expect", "any")) if isinstance(network, dict) else "any"
+
+
 def render_summary(fp: Fingerprint, job_dir: Path) -> str:
     lines = [f"# {fp.recipe.name}: job {fp.job_id or '-'}", "",
              f"* recipe: `{fp.recipe.source}` sha256 `{fp.recipe.sha256}`",
              f"* fingerprint: `fingerprint.json` ({fp.kind}, {fp.created}); hosts: {', '.join(fp.hosts)}",
              f"* server metrics collected from: {', '.join(fp.server_metrics)}", ""]
-    lines += _what_ran(fp) + [""] + _aiperf(fp, job_dir) + [""] + _gsm8k(job_dir)
+    lines += _what_ran(fp) + [""] + _aiperf(fp, job_dir) + [""] + kv_section(fp, job_dir, expected_kv_network(fp))
+    lines += [""] + _gsm8k(job_dir)
     return "\n".join(lines).rstrip() + "\n"

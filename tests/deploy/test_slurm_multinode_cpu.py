@@ -27,6 +27,7 @@ import openai
 import pytest
 
 from pd_build.info import ABSENT
+from pd_deploy.report.kv_transfer import METRICS_DIR, kv_section
 from pd_deploy.report.model import Fingerprint
 from pd_settings.servers import read_servers_file
 from tests.deploy.conftest import dump_recipe, load_recipe_dict
@@ -210,3 +211,8 @@ def _check_results(job_dir: Path, recipe: Path, nodes: Nodes, running: dict[int,
     for role in ("prefill", "decode", "router"):
         assert f"| {role} |" in text
     assert "| 1 | 4 |" in text, text
+    # the KV crossed the nodes' link over TCP, as the recipe expects (kv_network.expect: tcp) ...
+    assert "| tcp/eth0 | tcp |" in text and "Expected transport: tcp; every handoff went over it." in text, text
+    assert {p.name for p in (job_dir / METRICS_DIR).iterdir()} == {"prefill.prom", "decode0.prom", "decode1.prom"}
+    # ... and against a recipe that expected RDMA, the same job's numbers flag the TCP fallback
+    assert "(a TCP fallback)" in "\n".join(kv_section(fp, job_dir, "rdma"))

@@ -38,6 +38,12 @@ class FakeHandoff:
     error: str | None = None
     _status: Literal["pending", "sent", "failed"] = "pending"
     abort_reason: str | None = None
+    carrier: str = ""
+    write_seconds: float | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.layers) * self.sender.layout.bytes_per_layer(self.num_tokens)
 
     def _maybe_explode(self, method: str) -> None:
         if method in self.sender.explode:
@@ -63,7 +69,7 @@ class FakeHandoff:
             self._status, self.error = "failed", "nixlRemoteDisconnectError: receiver gone"
             self.sender.settle(self)
         elif sorted(self.posted) == sorted(self.layers):
-            self._status = "sent"
+            self._status, self.carrier, self.write_seconds = "sent", "fake", 0.001
             self.sender.settle(self)
 
     def status(self) -> Literal["pending", "sent", "failed"]:

@@ -98,9 +98,22 @@ def test_kv_across_a_lossy_slow_link(stack3: NodeStack) -> None:
             link.impair()
     assert dropped > dropped_before, "the link emulator dropped no frame: the loss was not in force"
     assert lossy == clean
+    # what carried the KV, as the connector reports it on vLLM's /metrics: TCP over the nodes' link
+    wait_until(lambda: _carried(stack3), 30, "the prefill reporting its handoffs' transport")
+    assert set(_carried(stack3)) == {"tcp/eth0"}, _carried(stack3)
     print(f"\nKV handoff ({kv_bytes / 1e6:.2f} MB) to {node.name}: clean link {clean_s * 1e3:.1f} ms, "
           f"1% loss + 2 ms delay {lossy_s * 1e3:.1f} ms (mean of {len(bodies)}; {dropped - dropped_before} "
           f"frames dropped)")
+
+
+def _carried(stack: NodeStack) -> dict[str, float]:
+    """KV bytes of the landed handoffs by what carried them (vllm:tilert_kv_transport_bytes_total)."""
+    found: dict[str, float] = {}
+    for line in stack.get(stack.prefill_url + "/metrics").text.splitlines():
+        if line.startswith("vllm:tilert_kv_transport_bytes_total{"):
+            transport = line.split('transport="', 1)[1].split('"', 1)[0]
+            found[transport] = found.get(transport, 0.0) + float(line.rsplit(" ", 1)[1])
+    return {t: n for t, n in found.items() if n}
 
 
 def _serving(stack: NodeStack) -> Node:

@@ -12,6 +12,7 @@ import pytest
 from connector.kv_errors import ControlChannelError
 from connector.layout import glm5_fp8_ds_mla_layout
 from connector.sender import KVSender
+from connector.transport.ucx_proto import transport_class
 from tests.connector.transport.remote import remote_receiver
 from tests.connector.transport.synthetic import fill, layer_bytes
 
@@ -36,6 +37,10 @@ def test_glm5_kv_79_layers_2k_tokens_arrive_byte_identical(tmp_path):
             (result,) = rr.results(1, timeout=30)
         finally:
             sender.close()
+    # what carried it, as UCX wrote it (two processes of one host: its shared memory or TCP over lo)
+    assert transport_class(handoff.carrier) in ("shm", "tcp"), handoff.carrier
+    assert handoff.write_seconds is not None and handoff.write_seconds > 0
+    assert handoff.nbytes == LAYOUT.num_layers * LAYOUT.bytes_per_layer(TOKENS)
     assert result.get("error") is None
     assert result["layers"] == 79 and result["num_tokens"] == TOKENS
     assert result["mismatches"] == []

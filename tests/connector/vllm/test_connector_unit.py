@@ -205,6 +205,7 @@ def test_transfer_failure_is_reported_failed_and_frees_blocks(rig):
     assert stats is not None
     assert (stats["handoffs_failed"], stats["failed_transfer"], stats["handoffs_posted"]) == (1, 1, 1)
     assert stats["bytes_posted"] == (N_MAIN + 1) * tiny_profile(N_MAIN, "float32").layout.bytes_per_layer(40)
+    assert [w[:2] for w in stats["writes"]] == [["fake", stats["bytes_posted"]]]  # b's: a's never landed
     r.assert_no_leaks()
 
 
@@ -334,6 +335,8 @@ def test_late_path_gathers_every_layer_in_wait_for_save(rig):
     posts = stats.pop("post_seconds")
     assert len(posts) == 1 and posts[0] > 0
     layer_bytes = tiny_profile(N_MAIN, "float32").layout.bytes_per_layer(40)
+    # the landed handoff: what carried its WRITEs, its bytes and WRITE time (the fake sender's)
+    assert stats.pop("writes") == [["fake", 3 * layer_bytes, 0.001]]
     assert {k: v for k, v in stats.items() if v} == {"handoffs_posted": 1, "layers_late": 3,
                                                      "bytes_posted": 3 * layer_bytes}
     assert r.workers[0].take_stats() is None  # taken: vLLM sums what each step's output carries

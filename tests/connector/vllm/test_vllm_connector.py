@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from connector.transport.ucx_proto import transport_class
 from tests.connector.vllm.conftest import N_MAIN, Prefill, receiver
 from tests.connector.vllm.hf_reference import deinterleave_rope, reference_kv
 
@@ -79,6 +80,12 @@ def test_received_kv_matches_an_independent_recomputation(
     posted = checked_prefill.wait_metric("vllm:tilert_kv_posted_bytes_total{", lambda v: sum(v.values()) > 0)
     posts = checked_prefill.wait_metric("vllm:tilert_kv_post_seconds_count{", lambda v: sum(v.values()) >= 2)
     assert sum(posted.values()) > 0 and sum(posts.values()) >= 2
+    # and what carried them, as UCX chose it (two processes of one host: its shared memory or TCP over lo);
+    # a handoff that lands after vLLM's last step is counted at its next one, so at least the first
+    carried = checked_prefill.wait_metric("vllm:tilert_kv_transport_bytes_total{", lambda v: sum(v.values()) > 0)
+    writes = checked_prefill.wait_metric("vllm:tilert_kv_write_seconds_count{", lambda v: sum(v.values()) >= 1)
+    assert carried and {transport_class(t) for t in carried} <= {"shm", "tcp"}, carried
+    assert set(writes) == set(carried) and sum(writes.values()) >= 1
     assert result.num_prompt_tokens == len(prompt) and result.last_prompt_token_id == prompt[-1]
     assert "error" not in got_result and got_result["num_tokens"] == len(prompt)
     assert_kv_matches_recomputation(recv.out, "kv-exact", prompt, result.first_token_id, tiny_model_dir)
