@@ -31,8 +31,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@echo ">> [2/4] lean NIXL (no torch/CUDA dependencies); torchvision/torchaudio removed (CUDA builds that break transformers)"
 	$(PIP) install --progress-bar off -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
-	@echo ">> [3/4] this project and its test tools"
-	$(PIP) install --progress-bar off -q -e ".[test]"
+	@echo ">> [3/4] this project, its test tools and the benchmarks' (py-spy, matplotlib)"
+	$(PIP) install --progress-bar off -q -e ".[test,bench]"
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 	@echo ">> [4/4] $(VENV) ready"

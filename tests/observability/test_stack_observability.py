@@ -169,6 +169,7 @@ def test_dashboard_and_alert_queries_return_series_from_a_real_prometheus(observ
         'sum(vllm:tilert_kv_handoffs_total{job="pd-prefill",outcome="posted"})': 5,
         'sum(vllm:tilert_kv_posted_bytes_total{job="pd-prefill"})': 1,
         'sum(vllm:tilert_kv_post_seconds_count{job="pd-prefill"})': 5,
+        'sum(vllm:tilert_kv_transport_bytes_total{job="pd-prefill"})': 1,
         'sum(decode_server_kv_handoffs_total{job="pd-decode",outcome="complete"})': 5,
         'sum(decode_server_kv_received_bytes_total{job="pd-decode"})': 1,
         'sum(decode_server_kv_wait_seconds_count{job="pd-decode"})': 5,
