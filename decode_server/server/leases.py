@@ -19,6 +19,13 @@ fastest transit observed, as NTP's minimum-delay filter), so the requests of one
 keep their exact order and those of two routers are ordered to within the difference of
 their fastest transits. Bounded: ``max_queue`` waiters, each at most its ``wait_s``. Loop
 thread only.
+
+The queue's events are logged (INFO, logger ``decode_server.server.leases``; only requests
+that wait: an immediate grant finds the queue empty): ``lease queued: ID arrived=T`` (T on
+this server's clock; again when a faster transit moves it), ``lease granted: ID
+arrived=T`` and ``lease left the queue: ID`` (timed out or gone). The order of the grants is
+this server's to answer for, and its log shows it (tests/reliability/test_shared_slots.py
+replays it).
 """
 
 from __future__ import annotations
@@ -26,10 +33,13 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
+
+log = logging.getLogger(__name__)
 
 Holder = Literal["lease", "kv", "job"]
 MAX_HOLDERS = 1024  # routers whose clock offset is remembered
@@ -126,6 +136,7 @@ class LeaseTable:
             for waiter in self._queue:
                 if waiter.holder == holder:
                     waiter.arrived, moved = waiter.arrived_at + best, True
+                    log.info("lease queued: %s arrived=%.6f", waiter.lease_id, waiter.arrived)
             if moved:
                 self._queue.sort()
         return arrived_at + best
@@ -159,6 +170,7 @@ class LeaseTable:
         waiter = _Waiter(self.arrival(holder, arrived_at, sent_at), next(self._seq), lease_id,
                          asyncio.get_running_loop().create_future(), holder, arrived_at)
         bisect.insort(self._queue, waiter)
+        log.info("lease queued: %s arrived=%.6f", lease_id, waiter.arrived)
         try:
             async with asyncio.timeout(wait_s):
                 slot = await waiter.future
@@ -209,6 +221,7 @@ class LeaseTable:
         for waiter in list(self._queue):
             if not waiter.future.done():
                 waiter.future.set_exception(self._refuse("closed", "the decode server is draining"))
+            log.info("lease left the queue: %s", waiter.lease_id)
         self._queue.clear()
 
     # ---- the KV receiver's and the generation's hold ----------------------------------
@@ -277,12 +290,15 @@ class LeaseTable:
     def _dispatch(self) -> None:
         while self._free and self._queue:
             waiter = self._queue.pop(0)
-            if waiter.future.done():
+            if waiter.future.done():  # its caller is leaving (cancelled): it never had a grant
+                log.info("lease left the queue: %s", waiter.lease_id)
                 continue
             waiter.future.set_result(self._grant(waiter.lease_id))
+            log.info("lease granted: %s arrived=%.6f", waiter.lease_id, waiter.arrived)
 
     def _forget(self, waiter: _Waiter) -> None:
         try:
             self._queue.remove(waiter)
         except ValueError:
-            pass
+            return
+        log.info("lease left the queue: %s", waiter.lease_id)
