@@ -23,7 +23,7 @@ from pd_deploy.commands import (
     router_argv,
     vllm_prefill_argv,
 )
-from pd_deploy.recipe.schema import BIND_NODE, Recipe
+from pd_deploy.recipe.schema import BIND_NODE, BenchmarkSpec, Recipe, ScenarioSpec
 from pd_deploy.recipe.topology import conversion_env
 from pd_deploy.secrets import DECODE_API_KEY, KV_SECRET, SECRETS_DIR
 from pd_settings.servers import DecodeEntry, ServersFile
@@ -276,6 +276,62 @@ def _report_step(r: Recipe, router: Step, kind: Literal["fingerprint", "summary"
     )
 
 
+def aiperf_run_id(scenario: ScenarioSpec, concurrency: int) -> str:
+    """A benchmark run's step id, also its artifact directory under ``bench/``."""
+    return f"aiperf-{scenario.name}-c{concurrency}"
+
+
+def requests_at(b: BenchmarkSpec, concurrency: int) -> tuple[int, int]:
+    """(warm-up, measured) requests of a run at ``concurrency`` (InferenceX: 2 x and 10 x it)."""
+    return b.warmups_per_concurrency * concurrency, b.requests_per_concurrency or 10 * concurrency
+
+
+def trace_lines(b: BenchmarkSpec, scenario: ScenarioSpec, concurrency: int) -> list[str]:
+    """The run's requests as AIPerf's mooncake-trace JSONL, warm-ups first: each prompt's and
+    answer's length drawn uniformly from [ratio x isl, isl] and [ratio x osl, osl] as
+    InferenceX's random dataset draws them (seeded: the same lengths in every job)."""
+    import json
+    import random
+
+    rng = random.Random(f"{b.seed}/{scenario.name}/{concurrency}")
+    warmups, measured = requests_at(b, concurrency)
+
+    def draw(length: int) -> int:
+        return rng.randint(max(1, int(length * b.random_range_ratio)), length)
+
+    return [json.dumps({"input_length": draw(scenario.isl), "output_length": draw(scenario.osl)})
+            for _ in range(warmups + measured)]
+
+
+def _aiperf_step(r: Recipe, router: Step, metrics_urls: list[str], scenario: ScenarioSpec, c: int) -> Step:
+    b = r.benchmark
+    assert b is not None
+    run = aiperf_run_id(scenario, c)
+    warmups, measured = requests_at(b, c)
+    argv = [
+        "aiperf", "profile",
+        "--model", r.model.name,
+        "--url", f"{_host(r, router.node)}:{r.router.port}",
+        "--endpoint-type", "completions",
+        "--streaming",
+        "--tokenizer", b.tokenizer or r.model.source,
+        # the lengths of plan/aiperf/<run>.jsonl (trace_lines), in order: warm-ups, then the measured
+        "--input-file", f"@JOBDIR@/plan/aiperf/{run}.jsonl",
+        "--custom-dataset-type", "mooncake_trace",
+        "--dataset-sampling-strategy", "sequential",
+        "--extra-inputs", "ignore_eos:true",
+        "--extra-inputs", "temperature:0.0",
+        "--concurrency", str(c),
+        "--request-count", str(measured),
+        *(["--warmup-request-count", str(warmups)] if warmups else []),
+        "--artifact-dir", f"@JOBDIR@/bench/{run}",
+        # every real /metrics (aiperf adds the router's own /metrics too)
+        "--server-metrics", *metrics_urls,
+    ]
+    return Step(id=run, role="benchmark", kind="task", node=router.node, image=r.router.image, argv=argv,
+                env=dict(AIPERF_ENV))
+
+
 def _benchmarks(r: Recipe, router: Step, metrics_urls: list[str]) -> list[Step]:
     b = r.benchmark
     if b is None:
@@ -284,76 +340,27 @@ def _benchmarks(r: Recipe, router: Step, metrics_urls: list[str]) -> list[Step]:
     tokenizer = b.tokenizer or r.model.source
     steps: list[Step] = []
     if b.aiperf:
-        for c in b.concurrency:
-            count = b.requests_per_concurrency or max(20, 10 * c)
-            argv = [
-                "aiperf",
-                "profile",
-                "--model",
-                r.model.name,
-                "--url",
-                base,
-                "--endpoint-type",
-                "chat",
-                "--streaming",
-                "--tokenizer",
-                tokenizer,
-                "--synthetic-input-tokens-mean",
-                str(b.isl),
-                "--synthetic-input-tokens-stddev",
-                "0",
-                "--output-tokens-mean",
-                str(b.osl),
-                "--output-tokens-stddev",
-                "0",
-                "--extra-inputs",
-                f"max_tokens:{b.osl}",
-                "--extra-inputs",
-                "ignore_eos:true",
-                "--concurrency",
-                str(c),
-                "--request-count",
-                str(count),
-                "--artifact-dir",
-                f"@JOBDIR@/bench/aiperf-c{c}",
-                # every real /metrics (aiperf adds the router's own /metrics too)
-                "--server-metrics",
-                *metrics_urls,
-            ]
-            steps.append(
-                Step(
-                    id=f"aiperf-c{c}",
-                    role="benchmark",
-                    kind="task",
-                    node=router.node,
-                    image=r.router.image,
-                    argv=argv,
-                    env=dict(AIPERF_ENV),
-                )
-            )
+        steps += [_aiperf_step(r, router, metrics_urls, scenario, c) for scenario in b.scenarios
+                  for c in scenario.concurrency]
     if b.gsm8k:
         g = b.gsm8k
+        # as InferenceX runs it (benchmarks/benchmark_lib.sh run_lm_eval), the tokenizer local
         model_args = (
             f"model={r.model.name},base_url=http://{base}/v1/chat/completions,"
             f"tokenizer={tokenizer},tokenizer_backend=huggingface,num_concurrent={g.concurrency},"
-            "max_retries=3,tokenized_requests=False"
+            f"eos_string=</s>,max_retries=5,timeout=1800,tokenized_requests=False,max_length={g.max_length}"
         )
         argv = [
             "lm_eval",
-            "--model",
-            "local-chat-completions",
-            "--model_args",
-            model_args,
-            "--tasks",
-            "gsm8k_local",
-            "--include_path",
-            "@JOBDIR@/plan/lm_eval_tasks",
-            "--num_fewshot",
-            str(g.num_fewshot),
+            "--model", "local-chat-completions",
+            "--model_args", model_args,
+            "--tasks", GSM8K_TASK,
+            "--include_path", "@JOBDIR@/plan/lm_eval_tasks",
+            "--num_fewshot", str(g.num_fewshot),
             "--apply_chat_template",
-            "--fewshot_as_multiturn",
-            "--output_path",
-            "@JOBDIR@/bench/gsm8k",
+            "--gen_kwargs", f"max_tokens={g.max_tokens},temperature=0.0,top_p=1.0",
+            "--log_samples",
+            "--output_path", "@JOBDIR@/bench/gsm8k",
         ]
         if g.limit:
             argv += ["--limit", str(g.limit)]
@@ -388,28 +395,25 @@ def build_plan(recipe: Recipe) -> Plan:
     )
 
 
+GSM8K_TASK = "gsm8k_local"
+
+
 def gsm8k_task_yaml(data_path: str) -> str:
-    """An lm-eval task reading gsm8k from a local directory (jsonl or parquet files of the
-    'main' config: question/answer), scored on the final '#### N' answer."""
+    """InferenceX's gsm8k task (its ``utils/evals/gsm8k.yaml``: the prompt asking for the answer
+    as ``#### N`` on the last line, strict-match and flexible-extract, greedy) on gsm8k's 'main'
+    config read from a local directory (jsonl or parquet files: question/answer)."""
     return "\n".join(
         [
-            "task: gsm8k_local",
-            "output_type: generate_until",
+            f"task: {GSM8K_TASK}",
             "dataset_path: " + data_path,
+            "output_type: generate_until",
             "test_split: test",
             "fewshot_split: train",
-            'doc_to_text: "Question: {{question}}\\nAnswer:"',
+            "num_fewshot: 5",
+            "repeats: 1",
+            'doc_to_text: "Question: {{question}}\\nEnd your response with the answer on the last line, '
+            'formatted as: #### [number]\\nAnswer:"',
             'doc_to_target: "{{answer}}"',
-            "generation_kwargs:",
-            '  until: ["Question:", "</s>", "<|im_end|>"]',
-            "  do_sample: false",
-            "  temperature: 0.0",
-            "filter_list:",
-            "  - name: strict-match",
-            "    filter:",
-            "      - function: regex",
-            '        regex_pattern: "#### (\\\\-?[0-9\\\\.\\\\,]+)"',
-            "      - function: take_first",
             "metric_list:",
             "  - metric: exact_match",
             "    aggregation: mean",
@@ -417,6 +421,25 @@ def gsm8k_task_yaml(data_path: str) -> str:
             "    ignore_case: true",
             "    ignore_punctuation: false",
             '    regexes_to_ignore: [",", "\\\\$", "(?s).*#### ", "\\\\.$"]',
+            "generation_kwargs:",
+            '  until: ["</s>", "<|im_end|>"]',
+            "  do_sample: false",
+            "  temperature: 0.0",
+            "filter_list:",
+            "  - name: strict-match",
+            "    filter:",
+            "      - function: regex",
+            '        regex_pattern: "#### (\\\\-?[0-9\\\\.\\\\,]+)"',
+            "        group_select: -1",
+            "      - function: take_first",
+            "  - name: flexible-extract",
+            "    filter:",
+            "      - function: regex",
+            '        regex_pattern: "(-?[$0-9.,]{2,})|(-?[0-9]+)"',
+            "        group_select: -1",
+            "      - function: take_first",
+            "metadata:",
+            "  version: 3.0",
             "",
         ]
     )

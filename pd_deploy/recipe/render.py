@@ -11,7 +11,10 @@ without Python on the compute nodes:
   host names filled in, to ``JOB_DIR/servers.yaml``, which the router and prefill's connector
   watch: rewrite that copy (write, then rename over) to add or remove servers while the job runs;
 * ``recipe.yaml``, ``recipe.source``: the recipe's bytes and the path it was rendered from
-  (what ``fingerprint.json`` hashes and rebuilds the plan from).
+  (what ``fingerprint.json`` hashes and rebuilds the plan from);
+* ``aiperf/<run>.jsonl``: each benchmark run's requests (their prompt and answer lengths), as
+  AIPerf's mooncake trace (:func:`pd_deploy.recipe.plan.trace_lines`);
+* ``lm_eval_tasks/gsm8k_local.yaml``: the gsm8k task lm-eval runs.
 
 ``@HOSTi@`` and ``@JOBDIR@`` in any of them are replaced by the job at run time.
 """
@@ -24,8 +27,20 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pd_deploy.recipe.plan import Plan, Step, build_plan, gsm8k_task_yaml, host_placeholder, servers_file
+from pd_deploy.recipe.plan import (
+    GSM8K_TASK,
+    Plan,
+    Step,
+    aiperf_run_id,
+    build_plan,
+    gsm8k_task_yaml,
+    host_placeholder,
+    requests_at,
+    servers_file,
+    trace_lines,
+)
 from pd_deploy.recipe.schema import Recipe, load_recipe_text
+from pd_deploy.recipe.thresholds import gsm8k_threshold
 from pd_deploy.recipe.topology import RecipeError, RecipeProblem, topology_problems
 from pd_deploy.secrets import generate as generate_secrets
 
@@ -70,6 +85,30 @@ def substitute(text: str, hosts: list[str], job_dir: str) -> str:
     return text.replace("@JOBDIR@", job_dir)
 
 
+def _benchmark_lines(r: Recipe) -> list[str]:
+    b = r.benchmark
+    if b is None:
+        return ["benchmark: none"]
+    e = b.entry
+    lines = [f"benchmark ({e.hw}, {e.framework}, {e.precision}, {e.model_prefix}): one after the other on the "
+             f"same servers; lengths uniform in [{b.random_range_ratio:g} x, 1 x] isl|osl, ignore_eos, "
+             "warm-ups not measured"]
+    for s in b.scenarios:
+        for c in s.concurrency:
+            warmups, measured = requests_at(b, c)
+            lines.append(f"  scenario {s.name}: isl {s.isl}, osl {s.osl}, concurrency {c}: {measured} requests "
+                         f"(+{warmups} warm-up)" + ("" if b.aiperf else " [aiperf off]"))
+    if b.gsm8k:
+        g = b.gsm8k
+        threshold, source = gsm8k_threshold(b)
+        asked = f"{g.limit} question(s)" if g.limit else "every question"
+        lines.append(f"  gsm8k: {asked} of {g.data_path} (test split), {g.num_fewshot}-shot, "
+                     f"concurrency {g.concurrency}, greedy, chat completions, max_tokens {g.max_tokens}; "
+                     f"passes when strict-match and flexible-extract are both >= {threshold:g} ({source}); "
+                     "below it the job fails")
+    return lines
+
+
 def describe(plan: Plan, hosts: list[str] | None = None, job_dir: str = "<job-dir>") -> str:
     """Human-readable plan: every process of every node with its exact command, in start order."""
     r = plan.recipe
@@ -80,6 +119,7 @@ def describe(plan: Plan, hosts: list[str] | None = None, job_dir: str = "<job-di
         "start order: convert (once) -> decode -> gates -> prefill -> gate -> router -> gate -> fingerprint "
         "-> benchmarks -> summary",
         f"KV network: expects {r.kv_network.expect} (summary.md flags handoffs carried otherwise)",
+        *_benchmark_lines(r),
     ]
     for node in range(r.num_nodes):
         lines.append(f"\n== node {node} ({names[node]}) ==")
@@ -172,10 +212,17 @@ def write_plan(plan: Plan, job_dir: Path, recipe_text: str = "", recipe_source: 
     (out / "dry-run.txt").write_text(describe(plan))
     (out / "servers.yaml").write_text(servers_yaml(plan))
     bench = plan.recipe.benchmark
+    if bench and bench.aiperf:
+        traces = out / "aiperf"
+        traces.mkdir(exist_ok=True)
+        for scenario in bench.scenarios:
+            for c in scenario.concurrency:
+                lines = trace_lines(bench, scenario, c)
+                (traces / f"{aiperf_run_id(scenario, c)}.jsonl").write_text("\n".join(lines) + "\n")
     if bench and bench.gsm8k:
         tasks = out / "lm_eval_tasks"
         tasks.mkdir(exist_ok=True)
-        (tasks / "gsm8k_local.yaml").write_text(gsm8k_task_yaml(bench.gsm8k.data_path))
+        (tasks / f"{GSM8K_TASK}.yaml").write_text(gsm8k_task_yaml(bench.gsm8k.data_path))
     return out
 
 

@@ -105,19 +105,65 @@ class ConversionSpec(_Strict):
 
 
 class Gsm8kSpec(_Strict):
+    """gsm8k as InferenceX grades it (its ``utils/evals/gsm8k.yaml``): the test split from local
+    files, 5-shot, greedy, chat completions through the router, both filters (strict-match,
+    flexible-extract) at or above the threshold."""
+
     data_path: str = Field(
         min_length=1, description="local directory with gsm8k's test split (no hub access)"
     )
-    limit: int | None = Field(default=None, ge=1)
+    limit: int | None = Field(default=None, ge=1, description="questions to ask (default: the whole test split)")
     num_fewshot: int = Field(default=5, ge=0)
     concurrency: int = Field(default=8, ge=1)
+    max_tokens: int = Field(
+        default=12288, ge=1,
+        description="generation length: InferenceX's (its 16384-token evaluation context less 4096 for the "
+        "prompt), so that a reasoning model's long answers are not cut",
+    )
+    max_length: int = Field(default=16384, ge=1, description="the evaluation's context length (lm-eval max_length)")
+    threshold: float | None = Field(
+        default=None, gt=0, le=1,
+        description="the lowest passing score of both filters (default: the model prefix's in "
+        "pd_deploy/report/thresholds.py, InferenceX's table)",
+    )
+
+
+def scenario_name(isl: int, osl: int) -> str:
+    """InferenceX's names: 1024/1024 is ``1k1k``, 8192/1024 ``8k1k``, others ``<isl>_<osl>``."""
+    known = {(1024, 1024): "1k1k", (8192, 1024): "8k1k"}
+    return known.get((isl, osl), f"{isl}_{osl}")
+
+
+class ScenarioSpec(_Strict):
+    isl: int = Field(ge=1, description="input sequence length (tokens; the longest prompt)")
+    osl: int = Field(ge=1, description="output sequence length (tokens; the longest answer)")
+    concurrency: list[int] = Field(min_length=1)
+
+    @property
+    def name(self) -> str:
+        return scenario_name(self.isl, self.osl)
+
+
+class EntrySpec(_Strict):
+    """The fields of the result files that name what ran (InferenceX's ``process_result.py``)."""
+
+    hw: str = Field(default="b200", min_length=1, description="hardware (InferenceX's runner type)")
+    framework: str = Field(default="vllm-tilert", min_length=1)
+    precision: str = Field(default="fp8", min_length=1)
+    model_prefix: str = Field(min_length=1, description="InferenceX's model prefix (glm5.1): names the thresholds")
 
 
 class BenchmarkSpec(_Strict):
-    isl: int = Field(ge=1, description="input sequence length (tokens)")
-    osl: int = Field(ge=1, description="output sequence length (tokens)")
-    concurrency: list[int] = Field(min_length=1)
-    requests_per_concurrency: int = Field(default=0, ge=0, description="0: 10 x concurrency (at least 20)")
+    scenarios: list[ScenarioSpec] = Field(min_length=1, description="run one after the other on the same servers")
+    entry: EntrySpec
+    random_range_ratio: float = Field(
+        default=0.8, gt=0, le=1,
+        description="each prompt's and answer's length drawn uniformly from [ratio x isl|osl, isl|osl] (InferenceX)",
+    )
+    requests_per_concurrency: int = Field(default=0, ge=0, description="0: 10 x concurrency (InferenceX)")
+    warmups_per_concurrency: int = Field(
+        default=2, ge=0, description="warm-up requests per unit of concurrency, not measured (InferenceX: 2)")
+    seed: int = Field(default=0, description="of the prompt and answer lengths")
     aiperf: bool = True
     tokenizer: str | None = Field(default=None, description="local tokenizer dir (default: model.source)")
     gsm8k: Gsm8kSpec | None = None

@@ -206,8 +206,18 @@ def _benchmark_checks(r: Recipe) -> list[RecipeProblem]:
         )
     if b and b.tokenizer and not b.tokenizer.startswith("/"):
         out.append(RecipeProblem("benchmark.tokenizer", b.tokenizer, "must be an absolute local directory"))
-    if b and any(c < 1 for c in b.concurrency):
-        out.append(RecipeProblem("benchmark.concurrency", b.concurrency, "every concurrency must be >= 1"))
+    for i, scenario in enumerate(b.scenarios if b else []):
+        if any(c < 1 for c in scenario.concurrency):
+            out.append(RecipeProblem(f"benchmark.scenarios.{i}.concurrency", scenario.concurrency,
+                                     "every concurrency must be >= 1"))
+        limit = min(r.decode.max_seq_len, r.prefill.max_model_len or r.decode.max_seq_len)
+        if scenario.isl + scenario.osl > limit:
+            out.append(RecipeProblem(f"benchmark.scenarios.{i}", f"isl {scenario.isl} + osl {scenario.osl}",
+                                     f"longer than the servers take ({limit} tokens: decode.max_seq_len, "
+                                     "prefill.max_model_len)"))
+    names = [s.name for s in b.scenarios] if b else []
+    if len(set(names)) < len(names):
+        out.append(RecipeProblem("benchmark.scenarios", names, "two scenarios with the same isl and osl"))
     return out
 
 

@@ -53,15 +53,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"pd_deploy.report: no build info from {', '.join(missing)} (see {FINGERPRINT_FILE})",
                   file=sys.stderr)
         return 0
+    from pd_deploy.report.entry import write_results
+    from pd_deploy.report.evals import grade_gsm8k
     from pd_deploy.report.kv_transfer import save_metrics
-    from pd_deploy.report.summary import render_summary
+    from pd_deploy.report.summary import job_recipe, render_summary
 
     fp = Fingerprint.model_validate_json((cmd.job_dir / FINGERPRINT_FILE).read_text())
     for step, why in save_metrics(fp, cmd.job_dir).items():
         print(f"pd_deploy.report: no /metrics from {step}: {why}", file=sys.stderr)
+    recipe = job_recipe(fp)
+    results: dict[str, object] = dict(write_results(recipe, cmd.job_dir)) if recipe else {}
+    grade = grade_gsm8k(recipe.benchmark, cmd.job_dir) if recipe and recipe.benchmark else None
     out = cmd.job_dir / SUMMARY_FILE
-    out.write_text(render_summary(fp, cmd.job_dir))
+    out.write_text(render_summary(fp, cmd.job_dir, results, grade))
     print(out)
+    for name, result in results.items():
+        if isinstance(result, str):  # summary.md says so too
+            print(f"pd_deploy.report: no {name}: {result}", file=sys.stderr)
+    if grade is not None and grade.verdict != "PASS":  # the job ends failed
+        print(f"pd_deploy.report: gsm8k {grade.verdict}: {grade.why}", file=sys.stderr)
+        return 1
     return 0
 
 

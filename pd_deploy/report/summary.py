@@ -1,43 +1,25 @@
-"""``summary.md``: the benchmarks' headline numbers (AIPerf per concurrency, lm-eval gsm8k)
+"""``summary.md``: the benchmark entry (a table per scenario from the result files,
+:mod:`pd_deploy.report.entry`), gsm8k's grade (:mod:`pd_deploy.report.evals`)
 and the KV transfer (what carried the handoffs, how fast; :mod:`pd_deploy.report.kv_transfer`)
 next to the fingerprint they ran under. Reads the files the tools and the summary step
 write; a result that is missing is said to be missing."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pd_build.info import ABSENT
+from pd_deploy.recipe.plan import aiperf_run_id
+from pd_deploy.recipe.schema import Recipe
+from pd_deploy.report.entry import RESULTS_DIR, EntryFields, Unavailable, result_name
+from pd_deploy.report.evals import Grade, gsm8k_section
 from pd_deploy.report.kv_transfer import kv_section
 from pd_deploy.report.model import Fingerprint
 
-AIPERF_SUMMARY = "profile_export_aiperf.json"
 AIPERF_SERVER_METRICS = "server_metrics_export.json"
 _VERSIONS = ("version", "git_revision", "vllm", "nixl", "ucx", "torch", "cuda", "tilert", "gpu", "gpu_driver")
-
-
-class AiperfMetric(BaseModel):
-    """One metric of AIPerf's ``profile_export_aiperf.json`` (the fields read here)."""
-
-    model_config = ConfigDict(extra="ignore")
-    unit: str
-    avg: float | None = None
-    p50: float | None = None
-    p99: float | None = None
-
-
-class AiperfSummary(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    aiperf_version: str | None = None
-    request_count: AiperfMetric | None = None
-    request_throughput: AiperfMetric | None = None
-    output_token_throughput: AiperfMetric | None = None
-    time_to_first_token: AiperfMetric | None = None
-    inter_token_latency: AiperfMetric | None = None
-    request_latency: AiperfMetric | None = None
 
 
 class ServerMetricsCollection(BaseModel):
@@ -51,11 +33,6 @@ class ServerMetricsCollection(BaseModel):
 class ServerMetricsExport(BaseModel):
     model_config = ConfigDict(extra="ignore")
     summary: ServerMetricsCollection
-
-
-def _num(metric: AiperfMetric | None, field: str = "avg") -> str:
-    value = getattr(metric, field) if metric is not None else None
-    return "-" if value is None else f"{value:.4g}"
 
 
 def _what_ran(fp: Fingerprint) -> list[str]:
@@ -78,61 +55,79 @@ def _what_ran(fp: Fingerprint) -> list[str]:
     return lines
 
 
-def _aiperf(fp: Fingerprint, job_dir: Path) -> list[str]:
-    """One row per AIPerf step of the job (its artifact directory is ``bench/<step id>``)."""
-    runs = [job_dir / "bench" / s.id for s in fp.steps if s.role == "benchmark" and s.id.startswith("aiperf-c")]
-    if not runs:
-        return ["## AIPerf", "", "no AIPerf run in this job (recipe: no benchmark, or aiperf off)"]
-    lines = ["## AIPerf", "",
-             "| concurrency | requests | req/s | output tok/s | TTFT avg (ms) | TTFT p99 (ms) | ITL avg (ms) "
-             "| latency avg (ms) | server metrics read |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for run in runs:
-        c = run.name.removeprefix("aiperf-c")
-        try:
-            s = AiperfSummary.model_validate_json((run / AIPERF_SUMMARY).read_text())
-        except (OSError, ValidationError) as exc:
-            lines.append(f"| {c} | no {AIPERF_SUMMARY}: {type(exc).__name__} |||||||")
-            continue
-        try:
-            metrics = ServerMetricsExport.model_validate_json((run / AIPERF_SERVER_METRICS).read_text()).summary
-            read = f"{len(metrics.endpoints_successful)}/{len(metrics.endpoints_configured)}"
-        except (OSError, ValidationError):
-            read = f"no {AIPERF_SERVER_METRICS}"
-        lines.append(" | ".join([
-            f"| {c}", _num(s.request_count), _num(s.request_throughput), _num(s.output_token_throughput),
-            _num(s.time_to_first_token), _num(s.time_to_first_token, "p99"), _num(s.inter_token_latency),
-            _num(s.request_latency), read]) + " |")
+def _cell(value: object, scale: float, why: list[str]) -> str:
+    """A table cell: the value scaled, or n/a with the number of its reason in ``why``."""
+    if isinstance(value, Unavailable):
+        if value.unavailable not in why:
+            why.append(value.unavailable)
+        return f"n/a[{why.index(value.unavailable) + 1}]"
+    return f"{float(value) * scale:.4g}"  # type: ignore[arg-type]  # a float field
+
+
+def _metrics_read(run: Path) -> str:
+    try:
+        metrics = ServerMetricsExport.model_validate_json((run / AIPERF_SERVER_METRICS).read_text()).summary
+    except (OSError, ValidationError):
+        return f"no {AIPERF_SERVER_METRICS}"
+    return f"{len(metrics.endpoints_successful)}/{len(metrics.endpoints_configured)}"
+
+
+_COLUMNS = (("mean_ttft", 1), ("p99_ttft", 1), ("mean_tpot", 1e3), ("p99_tpot", 1e3), ("mean_intvty", 1),
+            ("p99_itl", 1e3), ("mean_e2el", 1), ("tput_per_gpu", 1), ("output_tput_per_gpu", 1))
+
+
+def _scenarios(recipe: Recipe | None, job_dir: Path, results: dict[str, object]) -> list[str]:
+    """One table per scenario: the result files' headline fields (pd_deploy.report.entry)."""
+    b = recipe.benchmark if recipe else None
+    if recipe is None or b is None or not b.aiperf:
+        return ["## Benchmark", "", "no benchmark in this job (recipe: no benchmark, or aiperf off)", ""]
+    lines: list[str] = []
+    why: list[str] = []
+    for scenario in b.scenarios:
+        lines += [f"## Scenario {scenario.name}: isl {scenario.isl}, osl {scenario.osl}", "",
+                  f"Lengths uniform in [{b.random_range_ratio:g} x, 1 x], ignore_eos, warm-ups not measured; "
+                  f"{b.entry.hw}, {b.entry.framework}, {b.entry.precision}, "
+                  f"MTP {'on' if recipe.mtp.enabled else 'off'}.", "",
+                  "| conc | requests (failed) | TTFT mean (s) | TTFT p99 (s) | TPOT mean (ms) | TPOT p99 (ms) | "
+                  "interactivity mean (tok/s/user) | ITL p99 (ms) | E2EL mean (s) | tput/GPU (tok/s) | "
+                  "output tput/GPU (tok/s) | server metrics read | result file |", "|" + "---|" * 13]
+        for c in scenario.concurrency:
+            name = result_name(recipe, scenario, c)
+            run = job_dir / "bench" / aiperf_run_id(scenario, c)
+            res = results.get(name)
+            if not isinstance(res, EntryFields):
+                lines.append(f"| {c} | no result: {res or 'not computed'} |" + " |" * 9
+                             + f" {_metrics_read(run)} | - |")
+                continue
+            cells = [_cell(getattr(res, field), scale, why) for field, scale in _COLUMNS]
+            lines.append(f"| {c} | {res.requests} ({res.failed_requests}) | " + " | ".join(cells)
+                         + f" | {_metrics_read(run)} | `{RESULTS_DIR}/{name}` |")
+        lines.append("")
+    if why:
+        lines += [f"[{i}] {reason}" for i, reason in enumerate(why, 1)] + [""]
     return lines
 
 
-def _gsm8k(job_dir: Path) -> list[str]:
-    results = sorted(job_dir.glob("bench/gsm8k/**/results_*.json"))
-    if not results:
-        return []
-    lines = ["## lm-eval gsm8k", "", "| task | metric | value |", "|---|---|---|"]
-    data = json.loads(results[-1].read_text()).get("results", {})
-    for task, values in sorted(data.items()):
-        for metric, value in sorted(values.items()):
-            if isinstance(value, int | float) and "stderr" not in metric:
-                lines.append(f"| {task} | {metric} | {value:.4g} |")
-    return lines
-
-
-def expected_kv_network(fp: Fingerprint) -> str:
-    """The recipe's ``kv_network.expect`` ("any" when the recipe has none)."""
+def job_recipe(fp: Fingerprint) -> Recipe | None:
+    """The recipe the job ran (its text is in the fingerprint), or None if it no longer parses."""
     import yaml
 
-    data = yaml.safe_load(fp.recipe.text)
-    network = data.get("kv_network") if isinstance(data, dict) else None
-    return str(network.get("expect", "any")) if isinstance(network, dict) else "any"
+    from pd_deploy.recipe.render import parse_recipe
+    from pd_deploy.recipe.topology import RecipeError
+
+    try:
+        return parse_recipe(yaml.safe_load(fp.recipe.text), fp.recipe.source)
+    except (RecipeError, yaml.YAMLError, AttributeError):
+        return None
 
 
-def render_summary(fp: Fingerprint, job_dir: Path) -> str:
+def render_summary(fp: Fingerprint, job_dir: Path, results: dict[str, object] | None = None,
+                   grade: Grade | None = None) -> str:
     lines = [f"# {fp.recipe.name}: job {fp.job_id or '-'}", "",
              f"* recipe: `{fp.recipe.source}` sha256 `{fp.recipe.sha256}`",
              f"* fingerprint: `fingerprint.json` ({fp.kind}, {fp.created}); hosts: {', '.join(fp.hosts)}",
              f"* server metrics collected from: {', '.join(fp.server_metrics)}", ""]
-    lines += _what_ran(fp) + [""] + _aiperf(fp, job_dir) + [""] + kv_section(fp, job_dir, expected_kv_network(fp))
-    lines += [""] + _gsm8k(job_dir)
+    recipe = job_recipe(fp)
+    lines += _what_ran(fp) + [""] + _scenarios(recipe, job_dir, results or {})
+    lines += kv_section(fp, job_dir, recipe.kv_network.expect if recipe else "any") + [""] + gsm8k_section(grade)
     return "\n".join(lines).rstrip() + "\n"

@@ -27,12 +27,14 @@ def write_exe(path: Path, text: str) -> Path:
     return path
 
 
-def recording_stub(bin_dir: Path, name: str, record_dir: Path, exit_code: int = 0) -> Path:
-    """An executable NAME that appends its argv (NUL-separated, one file per call) to record_dir."""
+def recording_stub(bin_dir: Path, name: str, record_dir: Path, exit_code: int = 0, then: str = "") -> Path:
+    """An executable NAME that appends its argv (NUL-separated, one file per call) to record_dir,
+    runs the bash lines ``then`` (its arguments in "$@") and exits with ``exit_code``."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     return write_exe(bin_dir / name, f"""#!/usr/bin/env bash
 f=$(mktemp "{record_dir}/{name}.XXXXXX")
 printf '%s\\0' "$@" > "$f"
+{then}
 exit {exit_code}
 """)
 

@@ -127,8 +127,14 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
     node0, node1 = text.split("== node 1 (dc0) ==")
     assert "== node 0 (pf0) ==" in node0
     cmds = {line.split("] ")[0][1:]: None for line in text.splitlines() if line.startswith("[")}
-    assert list(cmds) == ["prefill", "router", "fingerprint", "aiperf-c1", "aiperf-c2", "aiperf-c4", "aiperf-c8",
+    assert list(cmds) == ["prefill", "router", "fingerprint", "aiperf-1k1k-c1", "aiperf-8k1k-c1",
                           "gsm8k", "summary", "convert", "decode0"]
+    # the benchmark entry: 1k/1k and 8k/1k at concurrency 1 (InferenceX's client settings), gsm8k graded
+    assert "  scenario 1k1k: isl 1024, osl 1024, concurrency 1: 10 requests (+2 warm-up)" in text
+    assert "  scenario 8k1k: isl 8192, osl 1024, concurrency 1: 10 requests (+2 warm-up)" in text
+    assert "lengths uniform in [0.8 x, 1 x] isl|osl, ignore_eos, warm-ups not measured" in text
+    assert ("passes when strict-match and flexible-extract are both >= 0.93 (InferenceX's threshold for glm5.1); "
+            "below it the job fails") in text and "  gsm8k: every question of /shared/datasets/gsm8k/main" in text
     commands = [shlex.split(line[4:]) for line in text.splitlines() if line.startswith("  $ ")]
     prefill, router, fingerprint, *bench, summary, convert, decode = commands
     assert fingerprint == ["python3", "-m", "pd_deploy.report", "fingerprint", "--job-dir", "/shared/run1"]
@@ -166,9 +172,17 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
             "the tilert engine") in node1
     assert all("/shared/run1/bench/" in " ".join(b) for b in bench)
     # aiperf reads every real /metrics: the router's, prefill's (vLLM) and each decode server's
-    for aiperf in bench[:-1]:
+    for aiperf, run in zip(bench[:-1], ("aiperf-1k1k-c1", "aiperf-8k1k-c1")):
         assert aiperf[aiperf.index("--server-metrics") + 1:] == [
             "http://pf0:8000/metrics", "http://pf0:8100/metrics", "http://dc0:8200/metrics"]
+        assert aiperf[aiperf.index("--input-file") + 1] == f"/shared/run1/plan/aiperf/{run}.jsonl"
+        assert [aiperf[aiperf.index(f) + 1] for f in ("--concurrency", "--request-count", "--warmup-request-count",
+                                                     "--custom-dataset-type", "--endpoint-type")] == [
+            "1", "10", "2", "mooncake_trace", "completions"]
+    gsm8k = bench[-1]
+    assert "--apply_chat_template" in gsm8k and gsm8k[gsm8k.index("--gen_kwargs") + 1] == (
+        "max_tokens=12288,temperature=0.0,top_p=1.0")
+    assert "--limit" not in gsm8k  # the whole test split
     assert "gate: http://pf0:8100/health" in node0 and "gate: http://pf0:8000/ready" in node0
     assert "gate: http://dc0:8200/ready" in node1
     assert "HF_TOKEN" not in text  # the shipped recipe sets none (see the next test for one that does)
@@ -229,8 +243,17 @@ def test_render_writes_what_the_slurm_scripts_read(tmp_path: Path) -> None:
     plan = build_plan(parse_recipe(load_recipe_dict(GLM)))
     out = write_plan(plan, tmp_path)
     rows = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
-    assert [r[0] for r in rows] == ["convert", "decode0", "prefill", "router", "fingerprint", "aiperf-c1",
-                                    "aiperf-c2", "aiperf-c4", "aiperf-c8", "gsm8k", "summary"]
+    assert [r[0] for r in rows] == ["convert", "decode0", "prefill", "router", "fingerprint", "aiperf-1k1k-c1",
+                                    "aiperf-8k1k-c1", "gsm8k", "summary"]
+    # each run's requests: 2 warm-ups + 10 measured, lengths uniform in [0.8 x, 1 x] (seeded: the same every time)
+    for run, isl in (("aiperf-1k1k-c1", 1024), ("aiperf-8k1k-c1", 8192)):
+        trace = [json.loads(line) for line in (out / "aiperf" / f"{run}.jsonl").read_text().splitlines()]
+        assert len(trace) == 12
+        assert all(int(0.8 * isl) <= t["input_length"] <= isl and 819 <= t["output_length"] <= 1024 for t in trace)
+        assert len({t["input_length"] for t in trace}) > 1
+    first = (out / "aiperf" / "aiperf-1k1k-c1.jsonl").read_text()
+    again = write_plan(plan, tmp_path / "again")
+    assert (again / "aiperf" / "aiperf-1k1k-c1.jsonl").read_text() == first
     assert all(len(r) == 6 for r in rows)
     for step in plan.steps:
         assert (out / f"{step.id}.argv").read_bytes().split(b"\0")[:-1] == [a.encode() for a in step.argv]
@@ -245,7 +268,11 @@ def test_render_writes_what_the_slurm_scripts_read(tmp_path: Path) -> None:
     assert "CONVERT_ENGINE=tilert\n" in job_env and "CONVERT_PYTHON=python3\n" in job_env
     task = yaml.safe_load((out / "lm_eval_tasks" / "gsm8k_local.yaml").read_text())
     assert task["task"] == "gsm8k_local" and task["dataset_path"] == "/shared/datasets/gsm8k/main"
-    assert task["filter_list"][0]["filter"][0]["regex_pattern"] == r"#### (\-?[0-9\.\,]+)"
+    # InferenceX's task (utils/evals/gsm8k.yaml): both filters, the last match of each
+    assert [(f["name"], f["filter"][0]["regex_pattern"], f["filter"][0]["group_select"]) for f in task["filter_list"]] \
+        == [("strict-match", r"#### (\-?[0-9\.\,]+)", -1), ("flexible-extract", r"(-?[$0-9.,]{2,})|(-?[0-9]+)", -1)]
+    assert task["doc_to_text"].endswith("formatted as: #### [number]\nAnswer:")
+    assert task["generation_kwargs"]["until"] == ["</s>", "<|im_end|>"]
     # the job's secrets: a private folder, one random value per file, kept when rendered again
     secrets_dir = tmp_path / "secrets"
     assert secrets_dir.stat().st_mode & 0o777 == 0o700

@@ -31,6 +31,7 @@ from pd_deploy.report.kv_transfer import METRICS_DIR, kv_section
 from pd_deploy.report.model import Fingerprint
 from pd_settings.servers import read_servers_file
 from tests.deploy.conftest import dump_recipe, load_recipe_dict
+from tests.deploy.entry_check import check_against_aiperf
 from tests.deploy.jobs import submit_job, wait_state
 from tests.deploy.slurm_cluster import ClusterNode, SlurmCluster, require_installed
 from tests.leases import held_slot
@@ -106,8 +107,7 @@ def test_the_cpu_stack_as_a_slurm_job_across_three_nodes(cluster3: tuple[Nodes, 
         data[role]["python"] = sys.executable
     data["prefill"]["env"]["VLLM_CACHE_ROOT"] = str(tmp_path / "vllm-cache")
     data["slurm"]["gate_timeout_s"] = 400
-    data["benchmark"] = {"isl": 32, "osl": 8, "concurrency": [1], "requests_per_concurrency": 4,
-                         "tokenizer": str(tiny_model_dir)}
+    data["benchmark"]["tokenizer"] = str(tiny_model_dir)  # the recipe's two scenarios (256/64, 1024/64)
     recipe = dump_recipe(data, tmp_path / "recipe.yaml")
     job_dir = tmp_path / "job"
     assert (AIPERF_BIN / "aiperf").exists(), f"no {AIPERF_BIN / 'aiperf'}: run `make bench-tools`"
@@ -190,14 +190,29 @@ def _check_results(job_dir: Path, recipe: Path, nodes: Nodes, running: dict[int,
         assert " ".join(service.command) in {c.strip() for c in running.values()}, service.id
         assert f"--host {hosts[service.id]}" in " ".join(service.command), service.id  # its node's name
     assert fp.services[0].build[0].kv_layout == fp.services[2].build[0].kv_layout != ABSENT
-    assert [s.id for s in fp.steps] == ["convert", "fingerprint", "aiperf-c1", "summary"]
+    assert [s.id for s in fp.steps] == ["convert", "fingerprint", "aiperf-256_64-c1", "aiperf-1024_64-c1", "summary"]
     urls = {f"http://{nodes[0].name}:{PORTS[role]}/metrics" for role in ("router", "prefill")}
     urls |= {f"http://{n.name}:{PORTS['decode']}/metrics" for n in nodes.nodes[1:]}
     assert set(fp.server_metrics) == urls
 
-    run = job_dir / "bench" / "aiperf-c1"
+    run = job_dir / "bench" / "aiperf-256_64-c1"
     summary = json.loads((run / "profile_export_aiperf.json").read_text())
-    assert summary["request_count"]["avg"] == 4
+    assert summary["request_count"]["avg"] == 4  # the warm-up not counted
+    # the benchmark entry: a result file per scenario, every field as InferenceX computes it from
+    # AIPerf's per-request export (the test's own arithmetic), and the requests' lengths as drawn
+    for scenario, isl in (("256_64", 256), ("1024_64", 1024)):
+        result = json.loads((job_dir / "results" / f"agg_tiny-glm_{scenario}_conc1.json").read_text())
+        export = job_dir / "bench" / f"aiperf-{scenario}-c1" / "profile_export.jsonl"
+        check_against_aiperf(result, export, prefill_gpus=0, decode_gpus=0)
+        assert (result["isl"], result["osl"], result["conc"], result["requests"]) == (isl, 64, 1, 4)
+        trace = [json.loads(line) for line in (job_dir / "plan" / "aiperf" / f"aiperf-{scenario}-c1.jsonl")
+                 .read_text().splitlines()]
+        assert len(trace) == 5 and all(0.8 * isl <= t["input_length"] <= isl for t in trace)
+        records = [json.loads(line) for line in export.read_text().splitlines()]
+        measured = [r for r in records if r["metadata"]["benchmark_phase"] == "profiling"]
+        # ignore_eos: every answer as long as its trace line asked (the tiny model's usage counts)
+        assert sorted(r["metrics"]["usage_completion_tokens"]["value"] for r in measured) == sorted(
+            t["output_length"] for t in trace[1:]), measured
     server = json.loads((run / "server_metrics_export.json").read_text())
     successful = " ".join(server["summary"]["endpoints_successful"])
     assert all(url.removesuffix("/metrics") in successful for url in urls), successful
@@ -210,7 +225,9 @@ def _check_results(job_dir: Path, recipe: Path, nodes: Nodes, running: dict[int,
     assert fp.recipe.sha256 in text
     for role in ("prefill", "decode", "router"):
         assert f"| {role} |" in text
-    assert "| 1 | 4 |" in text, text
+    for scenario in ("256_64: isl 256, osl 64", "1024_64: isl 1024, osl 64"):
+        assert f"## Scenario {scenario}" in text, text
+    assert text.count("| 1 | 4 (0) |") == 2 and "TPOT mean (ms)" in text and "interactivity mean" in text, text
     # the KV crossed the nodes' link over TCP, as the recipe expects (kv_network.expect: tcp) ...
     assert "| tcp/eth0 | tcp |" in text and "Expected transport: tcp; every handoff went over it." in text, text
     assert {p.name for p in (job_dir / METRICS_DIR).iterdir()} == {"prefill.prom", "decode0.prom", "decode1.prom"}

@@ -47,17 +47,27 @@ def _recipe(tmp: Path, python: Path, gate_timeout: int = 60) -> dict[str, Any]:
     data["decode"]["port"] = free_port()
     data["decode"]["kv_port"] = free_port()
     data["slurm"]["gate_timeout_s"] = gate_timeout
-    data["benchmark"] = {"isl": 16, "osl": 8, "concurrency": [1, 2], "tokenizer": data["model"]["source"],
+    data["benchmark"] = {"entry": {"hw": "cpu", "framework": "standin", "precision": "bf16", "model_prefix": "tiny"},
+                         "scenarios": [{"isl": 16, "osl": 8, "concurrency": [1, 2]}],
+                         "tokenizer": data["model"]["source"],
                          "gsm8k": {"data_path": str(tmp / "gsm8k"), "limit": 4, "concurrency": 2}}
     return data
+
+
+# lm_eval's stand-in: a results file in --output_path, every question answered and right
+LM_EVAL_PASSES = """out=; prev=; for a in "$@"; do [[ $prev == --output_path ]] && out=$a; prev=$a; done
+mkdir -p "$out/stub"
+echo '{"results": {"gsm8k_local": {"exact_match,strict-match": 1.0, "exact_match,flexible-extract": 1.0}},' \\
+     '"n-samples": {"gsm8k_local": {"original": 4, "effective": 4}}}' > "$out/stub/results_stub.json"
+"""
 
 
 def test_job_orders_gates_serves_and_stops(slurm_cluster: SlurmCluster, tmp_path: Path,
                                            standin_python: Path) -> None:
     records, stubs = tmp_path / "records", tmp_path / "bin"
     records.mkdir()
-    for tool in ("aiperf", "lm_eval"):
-        recording_stub(stubs, tool, records)
+    recording_stub(stubs, "aiperf", records)
+    recording_stub(stubs, "lm_eval", records, then=LM_EVAL_PASSES)
     data = _recipe(tmp_path, standin_python)
     recipe = dump_recipe(data, tmp_path / "recipe.yaml")
     job_dir = tmp_path / "job"
@@ -98,7 +108,8 @@ def test_job_orders_gates_serves_and_stops(slurm_cluster: SlurmCluster, tmp_path
     assert all(s.absent and s.metrics_url in s.absent for s in fp.services)
     assert (job_dir / "fingerprint.json").stat().st_mtime <= min(p.stat().st_mtime for p in records.glob("aiperf.*"))
     summary = (job_dir / "summary.md").read_text()
-    assert fp.recipe.sha256 in summary and "no profile_export_aiperf.json" in summary
+    assert fp.recipe.sha256 in summary and "| 1 | no result: FileNotFoundError" in summary
+    assert "**PASS**: both at or above 0.9" in summary  # the stub's results file, graded
     (lm_eval,) = read_records(records, "lm_eval")
     assert lm_eval[lm_eval.index("--include_path") + 1] == f"{job_dir}/plan/lm_eval_tasks"
     assert str(tmp_path / "gsm8k") in (job_dir / "plan" / "lm_eval_tasks" / "gsm8k_local.yaml").read_text()
@@ -157,3 +168,25 @@ def test_scancel_stops_every_server(slurm_cluster: SlurmCluster, tmp_path: Path,
     for role, pid in pids.items():
         assert json.loads((records / f"{role}.json").read_text())["stopped"], f"{role} got no SIGTERM"
         assert not alive(pid), role
+
+
+def test_gsm8k_below_its_threshold_fails_the_job(slurm_cluster: SlurmCluster, tmp_path: Path,
+                                                 standin_python: Path) -> None:
+    """lm-eval's scores under the threshold (0.9, InferenceX's default for a model without
+    one): summary.md says FAIL with both scores, and the job ends failed."""
+    records, stubs = tmp_path / "records", tmp_path / "bin"
+    records.mkdir()
+    recording_stub(stubs, "lm_eval", records, then=LM_EVAL_PASSES.replace('"exact_match,flexible-extract": 1.0',
+                                                                          '"exact_match,flexible-extract": 0.5'))
+    data = _recipe(tmp_path, standin_python)
+    data["benchmark"]["aiperf"] = False
+    job_dir = tmp_path / "job"
+    job_id = submit_job(slurm_cluster, dump_recipe(data, tmp_path / "recipe.yaml"), job_dir,
+                        {"STANDIN_DIR": str(records), "PATH": f"{stubs}:{os.environ['PATH']}"})
+    assert slurm_cluster.wait_job_end(job_id, timeout=120) == "FAILED"
+    assert (job_dir / "state").read_text().strip() == "failed"
+    summary = (job_dir / "summary.md").read_text()
+    assert "**FAIL**: flexible-extract below 0.9" in summary
+    assert "| strict-match | 1.0000 |" in summary and "| flexible-extract | 0.5000 |" in summary
+    job_log = next((job_dir / "logs").glob("job-*.out")).read_text()
+    assert "step summary failed" in job_log
