@@ -49,6 +49,7 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[Any] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (parse_request): the prompt's logprobs alone
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
@@ -85,6 +86,9 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], OpenA
         err = exc.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         raise InvalidRequest(f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+    if isinstance(request, CompletionRequest) and request.max_tokens == 0 and body.get("echo") is not True:
+        raise InvalidRequest("max_tokens: Input should be greater than or equal to 1 (0 only with echo: the "
+                             "prompt's logprobs alone)", param="max_tokens")
     if request.stream_options is not None and not request.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     return body, request

@@ -32,14 +32,25 @@ def parse_decode_view(endpoint: Endpoint, body: Mapping[str, Any]) -> DecodeRequ
         raise InvalidRequest("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
     if endpoint is Endpoint.COMPLETIONS and body.get("echo"):
         if body.get("stream") or body.get("logprobs") is not None or not isinstance(body.get("prompt"), str):
-            raise InvalidRequest("echo is supported for a string prompt without stream and logprobs",
-                                 param="echo")
+            raise InvalidRequest("echo is supported for a string prompt without stream and logprobs, and with "
+                                 "logprobs when max_tokens is 0 or 1 (the prompt's logprobs, as evaluation "
+                                 "clients ask for them)", param="echo")
     routed = any(name in body for name in ROUTER_FIELDS)
     view = {k: v for k, v in body.items() if k not in ROUTER_FIELDS} if routed else body
     req = parse("chat" if endpoint is Endpoint.CHAT else "completions", view)
     if isinstance(req, Refusal):
         raise _invalid(req)
     return req
+
+
+def served_by_prefill(endpoint: Endpoint, body: Mapping[str, Any]) -> bool:
+    """A completion that asks for the prompt's logprobs by ``echo`` and at most one new token
+    (what lm-eval's loglikelihood requests are): vLLM computes all of it in its prefill step,
+    so the prefill server answers it alone, exactly as vLLM does, and no decode slot is held."""
+    max_tokens = body.get("max_tokens")
+    return (endpoint is Endpoint.COMPLETIONS and body.get("echo") is True and body.get("logprobs") is not None
+            and not body.get("stream") and isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
+            and 0 <= max_tokens <= 1 and body.get("n", 1) == 1)
 
 
 def prefill_fields(req: DecodeRequest, capabilities: DecodeCapabilities | None) -> dict[str, Any]:

@@ -302,6 +302,9 @@ class CompletionHandler:
                 code="model_not_found",
             )
         ctx.model = request.model
+        if decode_check.served_by_prefill(ctx.endpoint, body):
+            await self._prefill_alone(ctx, body, request.model)
+            return
         decode_view = decode_check.parse_decode_view(ctx.endpoint, body)
         t_start = perf_counter()
         attempt = busy = 0
@@ -442,6 +445,28 @@ class CompletionHandler:
                                           f"{ctx.request_id[:240]}~plp", self.state.settings.prefill_timeout)
         finally:
             backend.in_flight -= 1
+
+    async def _prefill_alone(self, ctx: _Ctx, body: dict[str, Any], model: str) -> None:
+        """The whole request to a prefill server (:func:`decode_check.served_by_prefill`), its
+        answer relayed as it is: vLLM's own echo and logprobs."""
+        backend = self.state.backends.pick_prefill(model)
+        if backend is None:
+            raise NoHealthyBackend(f"no healthy prefill server for model {model!r}")
+        ctx.stage = "prefill"
+        backend.sent()
+        try:
+            answer = await upstream.prefill(self.state.upstream, backend.target, ctx.endpoint.value,
+                                            json.dumps(body).encode(), ctx.request_id,
+                                            self.state.settings.prefill_timeout)
+        finally:
+            backend.in_flight -= 1
+        usage = answer.get("usage")
+        tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        ctx.prompt_tokens = tokens if isinstance(tokens, int) else 0
+        ctx.status, ctx.finished = 200, True
+        ctx.ttft = perf_counter() - ctx.start
+        await respond(ctx.send, 200, json.dumps(answer).encode(), b"application/json",
+                      [(b"x-request-id", ctx.request_id.encode())])
 
     async def _prefill_leg(
         self, ctx: _Ctx, body: dict[str, Any], request: OpenAIRequest, handoff_id: str, target: Mapping[str, Any],

@@ -14,6 +14,7 @@ import pytest
 
 from pd_deploy.stack.launcher import Stack
 from tests.e2e.conftest import MODEL_NAME
+from tests.metrics import metric_sum
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -269,3 +270,18 @@ def test_echo_equals_vllm_alones(pd_stack, vllm_alone):
     assert pd.choices[0].text.startswith(COMPLETION["prompt"]) and len(pd.choices[0].text) > len(COMPLETION["prompt"])
     refused = httpx.post(pd_stack.config.router_url + "/v1/completions", json={**body, "logprobs": 1}, timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+    # what evaluation clients send for a loglikelihood (lm-eval's local-completions): the prompt's
+    # logprobs by echo, with 0 or 1 new token: the prefill server's answer, exactly vLLM's
+    grants = sum(metric_sum(u, "decode_server_lease_grants_total") for u in pd_stack.config.decode_urls)
+    for max_tokens in (0, 1):
+        scored = {"model": MODEL_NAME, "prompt": COMPLETION["prompt"], "echo": True, "logprobs": 1,
+                  "max_tokens": max_tokens, "temperature": 0.0}
+        pd_answer = httpx.post(pd_stack.config.router_url + "/v1/completions", json=scored, timeout=60)
+        alone_answer = httpx.post(vllm_alone + "/v1/completions", json=scored, timeout=60)
+        assert pd_answer.status_code == alone_answer.status_code == 200, (pd_answer.text, alone_answer.text)
+        got, want = pd_answer.json()["choices"][0], alone_answer.json()["choices"][0]
+        assert got["text"] == want["text"] and got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert got["logprobs"]["token_logprobs"][0] is None  # the first prompt token has none
+        assert got["logprobs"]["token_logprobs"][1:] == pytest.approx(want["logprobs"]["token_logprobs"][1:],
+                                                                      abs=1e-3)
+    assert sum(metric_sum(u, "decode_server_lease_grants_total") for u in pd_stack.config.decode_urls) == grants

@@ -24,6 +24,7 @@ from pd_deploy.commands import router_argv
 from pd_deploy.stack.launcher import Stack
 from pd_deploy.stack.process import ManagedProcess
 from tests.e2e.conftest import MODEL_NAME, make_stack_config, running_stack
+from tests.metrics import metric_sum
 from tests.procs import free_port
 from tests.waits import wait_until
 
@@ -97,17 +98,6 @@ def _replay_queue(log: Path) -> tuple[int, list[tuple[str, list[str]]]]:
     return grants, overtaken
 
 
-def _metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
-        if not line.startswith(name):
-            continue
-        key = line.split(" ", 1)[0]
-        if key.split("{", 1)[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 class Sampler(threading.Thread):
     """Every decode server's held slots and lease queue, sampled until stopped."""
 
@@ -168,8 +158,8 @@ def test_two_routers_serve_64_clients_as_one_queue(shared: TwoRouters) -> None:
         sampler.join(10)
     assert [r["status"] for r in results] == [200] * CLIENTS
     for url in shared.routers:
-        assert _metric(url, "pd_router_busy_requeues_total") == 0, url
-        assert _metric(url, "pd_router_requests_total", status="429") == 0, url
+        assert metric_sum(url, "pd_router_busy_requeues_total") == 0, url
+        assert metric_sum(url, "pd_router_requests_total", status="429") == 0, url
     # FIFO across the routers, where it is decided: each decode server's queue, replayed from its
     # log, granted in its arrival order (the routers' arrival stamps put on the server's clock).
     # No bound on time: a request whose lease request reaches a server after a grant was made
@@ -196,7 +186,7 @@ def test_two_routers_serve_64_clients_as_one_queue(shared: TwoRouters) -> None:
         got = {r["text"] for r in results if PROMPTS[r["i"] % len(PROMPTS)] == prompt}
         assert got == {alone}, (prompt, got, alone)
     for url in decode_urls:
-        assert _metric(url, "decode_server_lease_grants_total") > 0
+        assert metric_sum(url, "decode_server_lease_grants_total") > 0
 
 
 def test_a_router_killed_with_sigkill_leaks_no_slot(shared: TwoRouters) -> None:
@@ -217,7 +207,7 @@ def test_a_router_killed_with_sigkill_leaks_no_slot(shared: TwoRouters) -> None:
     doomed = [threading.Thread(target=load, args=(second, "second", 50, 64)) for _ in range(4)]
     for t in doomed:
         t.start()
-    wait_until(lambda: sum(_metric(u, "decode_server_busy_slots") for u in decode_urls) == 2, 60,
+    wait_until(lambda: sum(metric_sum(u, "decode_server_busy_slots") for u in decode_urls) == 2, 60,
                "both slots held through the second router")
     os.kill(shared.second.pid, signal.SIGKILL)
     survivor = threading.Thread(target=load, args=(first, "first", 6, 4))
@@ -227,6 +217,6 @@ def test_a_router_killed_with_sigkill_leaks_no_slot(shared: TwoRouters) -> None:
     for t in doomed:
         t.join(30)
     # the dead router's leases, queued requests and generations are gone within the lease expiry
-    wait_until(lambda: all(_metric(u, "decode_server_free_slots") == 1 and
-                           _metric(u, "decode_server_lease_queue") == 0 for u in decode_urls),
+    wait_until(lambda: all(metric_sum(u, "decode_server_free_slots") == 1 and
+                           metric_sum(u, "decode_server_lease_queue") == 0 for u in decode_urls),
                LEASE_TTL + 10, "every slot free again")
