@@ -270,7 +270,8 @@ def test_echo_equals_vllm_alones(pd_stack, vllm_alone):
     assert pd.choices[0].text.startswith(COMPLETION["prompt"]) and len(pd.choices[0].text) > len(COMPLETION["prompt"])
     refused = httpx.post(pd_stack.config.router_url + "/v1/completions", json={**body, "logprobs": 1}, timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
-    # what evaluation clients send for a loglikelihood (lm-eval's local-completions): the prompt's
+    # what evaluation clients send for a loglikelihood (lm-eval 0.4.13's local-completions: echo,
+    # logprobs 1, max_tokens 1; it sums token_logprobs and compares top_logprobs): the prompt's
     # logprobs by echo, with 0 or 1 new token: the prefill server's answer, exactly vLLM's
     grants = sum(metric_sum(u, "decode_server_lease_grants_total") for u in pd_stack.config.decode_urls)
     for max_tokens in (0, 1):
@@ -284,4 +285,6 @@ def test_echo_equals_vllm_alones(pd_stack, vllm_alone):
         assert got["logprobs"]["token_logprobs"][0] is None  # the first prompt token has none
         assert got["logprobs"]["token_logprobs"][1:] == pytest.approx(want["logprobs"]["token_logprobs"][1:],
                                                                       abs=1e-3)
+        assert [sorted(top or {}) for top in got["logprobs"]["top_logprobs"]] == [
+            sorted(top or {}) for top in want["logprobs"]["top_logprobs"]]
     assert sum(metric_sum(u, "decode_server_lease_grants_total") for u in pd_stack.config.decode_urls) == grants
