@@ -16,8 +16,9 @@
 #      it starts; gate: /health;
 #   4. the router, then its /ready gate (ready only once the KV handshake succeeded);
 #   5. a smoke chat completion; DIR/fingerprint.json (every server's build info, read from its
-#      /metrics, the recipe and its hash, the exact commands); the benchmark steps (aiperf with
-#      every server's /metrics, lm-eval gsm8k), if any; DIR/summary.md;
+#      /metrics, the recipe and its hash, the exact commands); the benchmark steps (aiperf per
+#      scenario and concurrency, with every server's /metrics; lm-eval gsm8k), if any; the
+#      results (DIR/results/agg_*.json) and DIR/summary.md (gsm8k below its threshold: failed);
 #   6. with hold: serve until the job is cancelled or DIR/STOP appears;
 #   then every step is stopped (router first) and the job ends.
 # DIR/state holds the current phase (converting, starting, ready, benchmark ID, serving,
@@ -35,7 +36,7 @@ submit() {
             --job-dir) job_dir=$2; shift 2 ;;
             --dry-run) dry_run=1; shift ;;
             --sbatch-arg) sbatch_args+=("$2"); shift 2 ;;
-            -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+            -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
             -*) die "unknown option $1" ;;
             *) [[ -z $recipe ]] || die "one recipe only"; recipe=$1; shift ;;
         esac
