@@ -13,7 +13,7 @@ link), started by :class:`EmulatedCable`; commands come one per line on stdin an
 answered ``ok`` on stdout once in force::
 
     impair <loss 0..1> <delay seconds>
-    stats          -> "ok <frames passed> <frames dropped>"
+    stats          -> "ok <frames passed> <frames dropped by the impairment> <frames lost: a port down or full>"
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class Link:
         self.peer = {a: b, b: a}
         self.loss, self.delay_s = 0.0, 0.0
         self.in_flight: list[tuple[float, int, int, bytes]] = []
-        self.passed = self.dropped = 0
+        self.passed = self.dropped = 0  # dropped: by the impairment (loss) only
+        self.lost = 0  # a write to a port failed (down: a pulled cable; or its queue full on a starved machine)
         self._seq = 0
 
     def carry(self, src: int, now: float) -> None:
@@ -73,8 +74,8 @@ class Link:
             try:
                 os.write(dst, frame)
                 self.passed += 1
-            except OSError:  # the port is down (a pulled cable): the frame is lost
-                self.dropped += 1
+            except OSError:  # the port is down (a pulled cable) or cannot take it now: the frame is lost
+                self.lost += 1
         return self.in_flight[0][0] - now if self.in_flight else None
 
 
@@ -84,7 +85,7 @@ def _command(link: Link, line: str) -> str:
         link.loss, link.delay_s = float(words[1]), float(words[2])
         return "ok"
     if words == ["stats"]:
-        return f"ok {link.passed} {link.dropped}"
+        return f"ok {link.passed} {link.dropped} {link.lost}"
     return f"error: unknown command {line.strip()!r}"
 
 
@@ -138,8 +139,8 @@ class EmulatedCable:
         self._ask(f"impair {loss!r} {delay_s!r}")
 
     def stats(self) -> tuple[int, int]:
-        """Frames passed and dropped so far."""
-        _, passed, dropped = self._ask("stats").split()
+        """Frames passed and dropped (by the impairment) so far."""
+        _, passed, dropped, _lost = self._ask("stats").split()
         return int(passed), int(dropped)
 
     def close(self) -> None:
