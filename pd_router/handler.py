@@ -435,31 +435,27 @@ class CompletionHandler:
         first (it skips the prefix-cache lookup, where the connector holds a request back
         until its decode server admitted the KV): the prompt's logprobs come from a plain
         one-token request to a prefill server, run next to the PD prefill."""
+        return await self._plain_prefill(ctx, model, decode_check.prompt_logprobs_body(ctx.endpoint, body),
+                                         f"{ctx.request_id[:240]}~plp")
+
+    async def _plain_prefill(self, ctx: _Ctx, model: str, data: bytes, request_id: str) -> dict[str, Any]:
+        """``data`` (no ``kv_transfer_params``: vLLM's KV connector leaves it alone) to the
+        least-loaded prefill server serving ``model``; its JSON answer."""
         backend = self.state.backends.pick_prefill(model)
         if backend is None:
             raise NoHealthyBackend(f"no healthy prefill server for model {model!r}")
         backend.sent()
         try:
-            return await upstream.prefill(self.state.upstream, backend.target, ctx.endpoint.value,
-                                          decode_check.prompt_logprobs_body(ctx.endpoint, body),
-                                          f"{ctx.request_id[:240]}~plp", self.state.settings.prefill_timeout)
+            return await upstream.prefill(self.state.upstream, backend.target, ctx.endpoint.value, data, request_id,
+                                          self.state.settings.prefill_timeout)
         finally:
             backend.in_flight -= 1
 
     async def _prefill_alone(self, ctx: _Ctx, body: dict[str, Any], model: str) -> None:
         """The whole request to a prefill server (:func:`decode_check.served_by_prefill`), its
         answer relayed as it is: vLLM's own echo and logprobs."""
-        backend = self.state.backends.pick_prefill(model)
-        if backend is None:
-            raise NoHealthyBackend(f"no healthy prefill server for model {model!r}")
         ctx.stage = "prefill"
-        backend.sent()
-        try:
-            answer = await upstream.prefill(self.state.upstream, backend.target, ctx.endpoint.value,
-                                            json.dumps(body).encode(), ctx.request_id,
-                                            self.state.settings.prefill_timeout)
-        finally:
-            backend.in_flight -= 1
+        answer = await self._plain_prefill(ctx, model, json.dumps(body).encode(), ctx.request_id)
         usage = answer.get("usage")
         tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         ctx.prompt_tokens = tokens if isinstance(tokens, int) else 0
