@@ -3,6 +3,12 @@
 Prefill (vLLM): ``GET /health`` and ``GET /v1/models``.
 Decode: ``GET CAPABILITIES_PATH``; 200 -> our decode server, then ``GET /ready``;
 404 -> a plain OpenAI server (e.g. vLLM), then ``GET /health`` and ``GET /v1/models``.
+
+An answer that says "not ready", a refused connection or a malformed answer marks a backend
+down at once. A probe that times out is a miss: a healthy backend is marked down only after
+``misses`` of them in a row (a starved machine answers late now and then; one late ``/health``
+must not turn every client away until the next round). A request that fails on the hot path
+still marks its backend down at once (``RouterState.mark_down``).
 """
 
 from __future__ import annotations
@@ -32,12 +38,15 @@ def _models(resp: httpx.Response) -> frozenset[str]:
 
 class Prober:
     def __init__(
-        self, backends: Backends, client: httpx.AsyncClient, interval: float, on_change: Callable[[], None]
+        self, backends: Backends, client: httpx.AsyncClient, interval: float, on_change: Callable[[], None],
+        misses: int = 1,
     ) -> None:
         self.backends = backends
         self.client = client
         self.interval = interval
         self.on_change = on_change
+        self.misses = misses
+        self._missed: dict[str, int] = {}  # backend url -> probes in a row that timed out
 
     async def run(self) -> None:
         while True:
@@ -49,6 +58,8 @@ class Prober:
             *(self._prefill(p) for p in self.backends.prefill),
             *(self._decode(d) for d in self.backends.decode),
         )
+        live = {b.url for b in self.backends.prefill} | {b.url for b in self.backends.decode}
+        self._missed = {url: n for url, n in self._missed.items() if url in live}
         self.backends.refresh()
         self.on_change()
 
@@ -76,6 +87,8 @@ class Prober:
         try:
             if await self._health_and_models(b):
                 self._set(b, bool(b.models), "ok" if b.models else "/v1/models lists no model")
+        except httpx.TimeoutException as exc:
+            self._miss(b, exc)
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
             self._set(b, False, f"unreachable: {type(exc).__name__}: {exc}")
 
@@ -95,11 +108,22 @@ class Prober:
             self._set(b, ready.status_code == 200, "ok" if ready.status_code == 200 else _why(ready))
         except ValidationError as exc:
             self._set(b, False, f"invalid capabilities: {exc.errors()[0]['msg']}")
+        except httpx.TimeoutException as exc:
+            self._miss(b, exc)
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
             self._set(b, False, f"unreachable: {type(exc).__name__}: {exc}")
 
-    @staticmethod
-    def _set(b: PrefillBackend | DecodeBackend, healthy: bool, reason: str) -> None:
+    def _miss(self, b: PrefillBackend | DecodeBackend, exc: httpx.TimeoutException) -> None:
+        """A probe timed out: down once ``misses`` probes in a row did, or at once if not healthy."""
+        missed = self._missed[b.url] = self._missed.get(b.url, 0) + 1
+        reason = f"unreachable: {type(exc).__name__}: {exc} ({missed} probe(s) in a row timed out)"
+        if b.healthy and missed < self.misses:
+            log.info("backend %s: probe timed out (%d of %d before it is marked down)", b.url, missed, self.misses)
+            return
+        self._set(b, False, reason, missed=missed)
+
+    def _set(self, b: PrefillBackend | DecodeBackend, healthy: bool, reason: str, missed: int = 0) -> None:
+        self._missed[b.url] = missed
         if healthy != b.healthy:
             log.log(
                 logging.INFO if healthy else logging.WARNING,

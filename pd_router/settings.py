@@ -76,6 +76,11 @@ class RouterSettings(EntrySettings):
         description="slots of a decode server without a capabilities endpoint (default: unlimited)",
     )
     probe_interval: float = Field(2.0, gt=0, le=3600, description="seconds between backend health probes")
+    probe_misses: int = Field(
+        2, ge=1, le=100,
+        description="probes in a row that time out before a healthy backend is marked down "
+        "(a refused connection or an error answer marks it down at once)",
+    )
     prefill_timeout: float = Field(
         300.0, gt=0, description="seconds allowed for one prefill request (then 504)"
     )

@@ -85,7 +85,8 @@ class RouterState:
         probe_timeout = min(5.0, max(0.5, self.settings.probe_interval))
         self._client = httpx.AsyncClient(timeout=probe_timeout, trust_env=False)
         await self.discovery.refresh()
-        prober = self._prober = Prober(self.backends, self._client, self.settings.probe_interval, self._on_probe)
+        prober = self._prober = Prober(self.backends, self._client, self.settings.probe_interval, self._on_probe,
+                                       misses=self.settings.probe_misses)
         # structured output's imports (jsonschema, xgrammar: seconds) before the first request, and
         # not while serving: an import in a thread holds the GIL in long stretches that stall this loop
         await asyncio.to_thread(warm_up)

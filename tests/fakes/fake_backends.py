@@ -16,6 +16,7 @@ the violation; FakeDecode checks ``kv_transfer_params`` and slot limits and stre
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import threading
 import time
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from connector.protocol import HandoffResult, HandoffTarget
 from pd_router.asgi import Receive, Scope, Send, read_body, respond
-from tests.fakes.fake_common import FakeBase, error_body, wait_or_disconnect
+from tests.fakes.fake_common import FakeBase, error_body, wait_or_disconnect, wait_or_event
 from tests.fakes.fake_decode import DecodeKnobs, FakeDecode
 
 __all__ = ["DecodeKnobs", "FakeDecode", "FakePrefill", "PrefillKnobs", "ServerThread", "main"]
@@ -37,6 +38,7 @@ class PrefillKnobs(BaseModel):
     model: str = "tiny"
     delay: float = 0.0
     healthy: bool = True
+    hold_health: int = 0  # the next N GET /health are held: answered only after a later one
     fail: str | None = None  # "status" | "handoff_failed" | "bad_json" | "no_params"
     fail_times: int | None = None  # fail only the next N requests (None: all)
     handoff_reason: str | None = None  # HandoffResult.reason of "handoff_failed" (e.g. "busy")
@@ -52,13 +54,14 @@ class FakePrefill(FakeBase[PrefillKnobs]):
     def __init__(self, **knobs: Any) -> None:
         super().__init__()
         self.knobs = PrefillKnobs(**knobs)
+        self._health_released = asyncio.Event()  # set by an answered /health: the held ones answer then
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or await self._control(scope, receive, send):
             return
         k, path = self.knobs, scope["path"]
         if path == "/health":
-            return await respond(send, 200 if k.healthy else 503, b"{}")
+            return await self._health(receive, send)
         if path == "/v1/models":
             return await respond(send, 200, self._models())
         if path == "/metrics" and k.running is not None:
@@ -91,6 +94,19 @@ class FakePrefill(FakeBase[PrefillKnobs]):
             await respond(send, 200, json.dumps(self._answer(path, body, rid, fail)).encode())
         finally:
             self.records.active.discard(rid)
+
+    async def _health(self, receive: Receive, send: Send) -> None:
+        """``hold_health``: this answer waits until a later /health is answered (or its client leaves)."""
+        if self.knobs.hold_health > 0:
+            self.knobs = self.knobs.model_copy(update={"hold_health": self.knobs.hold_health - 1})
+            self.records.health.append("held")
+            if not await wait_or_event(receive, self._health_released):
+                return
+        else:
+            self.records.health.append("answered")
+            self._health_released.set()
+            self._health_released = asyncio.Event()
+        await respond(send, 200 if self.knobs.healthy else 503, b"{}")
 
     def _load_metrics(self) -> bytes:
         k, labels = self.knobs, f'{{engine="0",model_name="{self.knobs.model}"}}'

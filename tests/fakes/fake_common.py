@@ -31,6 +31,22 @@ async def wait_or_disconnect(receive: Receive, delay: float) -> bool:
         watch.cancel()
 
 
+async def wait_or_event(receive: Receive, event: asyncio.Event) -> bool:
+    """Wait for ``event``; False if the client disconnected first (a body not yet read is read)."""
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watch, until = asyncio.ensure_future(disconnected()), asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({watch, until}, return_when=asyncio.FIRST_COMPLETED)
+        return not watch.done()
+    finally:
+        watch.cancel()
+        until.cancel()
+
+
 @dataclass
 class Records:
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -42,6 +58,7 @@ class Records:
     max_active: int = 0
     busy: list[str] = field(default_factory=list)  # requests answered 429: every slot taken
     leases: list[str] = field(default_factory=list)  # lease requests (their ids), decode fakes granting leases
+    health: list[str] = field(default_factory=list)  # GET /health of a prefill fake: answered | held
 
     def dump(self) -> dict[str, Any]:
         return {
@@ -54,6 +71,7 @@ class Records:
             "max_active": self.max_active,
             "busy": self.busy,
             "leases": self.leases,
+            "health": self.health,
         }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -140,3 +141,30 @@ def test_rejection_is_reported_even_without_a_healthy_prefill(make_rig):
     rig.wait(lambda: not rig.state.backends.prefill[0].healthy, 3, "prefill down")
     body = httpx.get(rig.url + "/ready").json()
     assert any(reason in p and rig.decodes[0].url in p for p in body["problems"]), body
+
+
+def _health_log(rig, after: list[str]) -> None:
+    """Wait until the prefill fake's /health log, from its start, ends with ``after``."""
+    rig.wait(lambda: rig.records(rig.prefills[0])["health"][-len(after):] == after, 10, f"/health: ... {after}")
+
+
+def test_one_probe_without_an_answer_does_not_mark_a_backend_down(make_rig, caplog):
+    """A starved machine answers one probe late: the backend stays healthy (every client is
+    still served); only ``--probe-misses`` probes in a row without an answer mark it down,
+    and the first answer after them brings it back."""
+    rig = make_rig(probe_interval=PROBE)  # probe timeout 0.5 s; --probe-misses 2
+    prefill = rig.prefills[0]
+    with caplog.at_level(logging.INFO, logger="pd_router.probes"):
+        rig.config(prefill, hold_health=1)
+        _health_log(rig, ["held", "answered"])  # probes are sequential: the miss was taken
+        assert httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=5).status_code == 200
+        assert [r.getMessage() for r in caplog.records if "unhealthy" in r.getMessage()] == []
+        assert any("probe timed out (1 of 2" in r.getMessage() for r in caplog.records), caplog.text
+
+        rig.config(prefill, hold_health=2)
+        _health_log(rig, ["held", "held", "answered"])
+        down = [r.getMessage() for r in caplog.records if "unhealthy" in r.getMessage()]
+        assert len(down) == 1 and "2 probe(s) in a row timed out" in down[0], caplog.text
+        _wait_status(rig, 200)
+    assert httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=5).status_code == 200
+    rig.assert_no_leaks()
