@@ -54,6 +54,9 @@ class PrefillSpec:
     enforce_eager: bool = True
     tensor_parallel: int = 1
     max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None  # vLLM's token budget per step (None: vLLM's default)
+    prefix_caching: bool | None = None  # None: vLLM's default
+    chunked_prefill: bool | None = None  # None: vLLM's default
     served_model_name: str | None = None  # default: the model directory's name
     kv_secret_file: str | None = None  # the KV channel's shared secret (the decode servers' --kv-secret-file)
     extra_args: tuple[str, ...] = ()
@@ -94,6 +97,11 @@ def vllm_prefill_argv(spec: PrefillSpec) -> list[str]:
         argv += ["--tensor-parallel-size", str(spec.tensor_parallel)]
     if spec.max_model_len:
         argv += ["--max-model-len", str(spec.max_model_len)]
+    if spec.max_num_batched_tokens:
+        argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
+    for flag, on in (("prefix-caching", spec.prefix_caching), ("chunked-prefill", spec.chunked_prefill)):
+        if on is not None:
+            argv.append(f"--{'' if on else 'no-'}enable-{flag}")
     if spec.mtp:
         backend = flag_value(spec.extra_args, "--attention-backend")
         argv += ["--speculative-config", json.dumps(mtp_spec_config(spec.num_speculative_tokens, backend))]

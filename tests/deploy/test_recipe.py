@@ -340,3 +340,18 @@ def test_prefill_and_decode_serve_the_recipes_model_name(name: str) -> None:
     for step in build_plan(parse_recipe(data)).workers:
         assert step.argv.count("--served-model-name") == 1, step.id
         assert step.argv[step.argv.index("--served-model-name") + 1] == data["model"]["name"], step.id
+
+
+def test_glm51_prefill_states_vllms_scheduling_on_b200() -> None:
+    """Chunked prefill, prefix caching and the token budget per step reach vLLM's command line
+    as the recipe states them; a recipe that states none leaves vLLM's defaults."""
+    data = load_recipe_dict(GLM)
+    prefill = build_plan(parse_recipe(data)).workers[0]
+    assert prefill.argv[prefill.argv.index("--max-num-batched-tokens") + 1] == "16384"
+    assert "--enable-prefix-caching" in prefill.argv and "--enable-chunked-prefill" in prefill.argv
+    data["prefill"].update(prefix_caching=False, max_num_batched_tokens=2048)
+    prefill = build_plan(parse_recipe(data)).workers[0]
+    assert "--no-enable-prefix-caching" in prefill.argv and "--enable-prefix-caching" not in prefill.argv
+    assert prefill.argv[prefill.argv.index("--max-num-batched-tokens") + 1] == "2048"
+    cpu = build_plan(parse_recipe(load_recipe_dict("cpu-tiny.yaml"))).workers[0]
+    assert not {"--max-num-batched-tokens", "--enable-prefix-caching", "--enable-chunked-prefill"} & set(cpu.argv)

@@ -1,13 +1,21 @@
 """A miniature of vLLM 0.32's engine loop around a KV connector, for unit tests of the
-connector's scheduler and worker sides without vLLM.
+connector's scheduler and worker sides with fakes vLLM cannot take: a sender and
+admissions that fail on cue, several worker ranks, steps under the test's control.
+
+Scheduling is not what it is for: chunked prefill, prefix-cache hits, preemption, aborts
+and async scheduling run under vLLM's own ``Scheduler`` / ``AsyncScheduler`` in
+``tests/connector/vllm/test_real_scheduler.py`` (``real_engine.py``). Where the two
+differed, this one was made to follow vLLM: a waiting request is admitted only when its
+whole prompt fits in the free blocks (vLLM 0.32's ``scheduler_reserve_full_isl``). What it
+still leaves out: prefix caching, preemption, the batch queue of async scheduling.
 
 It keeps the orders that matter (read from vllm/v1/core/sched/scheduler.py and
 vllm/v1/worker/gpu_model_runner.py with a speculative config):
 
 * scheduling: ``on_new_request`` when a request arrives; a waiting request is skipped
-  while ``get_num_new_matched_tokens`` answers None; ``update_state_after_alloc`` when it
-  gets its blocks, then ``build_connector_meta`` once per step; chunked prefill under a
-  token budget;
+  while ``get_num_new_matched_tokens`` answers None, or while its whole prompt does not
+  fit; ``update_state_after_alloc`` when it gets its blocks, then ``build_connector_meta``
+  once per step; chunked prefill under a token budget;
 * execution: bind metadata, per main layer the KV write then ``save_kv_layer``, then
   ``get_finished(finished_req_ids)`` (built before the drafter), then the MTP layer's
   write + ``save_kv_layer``, then ``wait_for_save``. ``saves_layer(i)`` False models
@@ -121,8 +129,8 @@ class MiniEngine:
         while self.waiting and budget > 0:
             req = self.waiting.pop(0)
             matched, _ = self.scheduler.get_num_new_matched_tokens(req, 0)
-            if matched is None:  # the connector cannot tell yet: schedule it in a later step
-                skipped.append(req)
+            if matched is None or -(-req.num_prompt_tokens // BLOCK) > len(self.free_blocks):
+                skipped.append(req)  # the connector cannot tell yet, or the prompt does not fit: later
                 continue
             n = min(req.num_prompt_tokens, budget)
             self._alloc(req, n)

