@@ -52,7 +52,7 @@ run: venv
 # ruff (style and bugs), import-linter (the import rules of docs/architecture.md), mypy (types)
 check: venv
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/lint-imports
+	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
 
 # System packages the tests need and pip cannot give: installed when missing, as root with
@@ -77,7 +77,7 @@ test: venv system-deps bench-tools check
 # Unit tests only (no vLLM, no model training, no subprocess stacks or Slurm): under 2 minutes.
 test-fast: venv
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/lint-imports
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest tests -m "not slow and not integration" -q $(PYTEST_ARGS)
 
 bench: venv

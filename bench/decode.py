@@ -38,12 +38,12 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from connector.protocol import HandoffResult  # noqa: E402
 from connector.receiver import ReceivedKV  # noqa: E402
 from decode_server.engine.base import SamplingParams  # noqa: E402
 from decode_server.engine.reference import ReferenceEngine  # noqa: E402
 from decode_server.reference import load_model, prefill  # noqa: E402
 from decode_server.tiny_model import ensure_tiny_model  # noqa: E402
+from pd_wire.handoff import HandoffResult
 
 PROMPTS = [
     "[gMASK]<sop><|user|>\nWhat does json.dumps do?<|assistant|>\n",

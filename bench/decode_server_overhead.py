@@ -22,9 +22,9 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from connector.protocol import HandoffResult
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import SamplingParams
+from pd_wire.handoff import HandoffResult
 from tests.decode_server.conftest import build_model_dir, start_server
 from tests.fakes.fake_engine import FakeEngine, FakeEngineConfig
 

@@ -312,12 +312,12 @@ DECODE_TOKENS = 32
 
 
 def _decode(model_dir: Path, device: str, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-    from connector.protocol import HandoffResult
     from connector.receiver import ReceivedKV
     from decode_server.engine.base import SamplingParams
     from decode_server.engine.reference import ReferenceEngine
     from decode_server.reference import prefill
     from decode_server.reference.model import load_model
+    from pd_wire.handoff import HandoffResult
 
     cpu_model = load_model(model_dir)
     engine = ReferenceEngine(model_dir, max_seq_len=1024, num_mtp=1, kv_dtype="float32", device=device)

@@ -40,8 +40,8 @@ import uvloop
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from connector.protocol import HandoffResult  # noqa: E402
 from pd_deploy.commands import RouterSpec, router_argv  # noqa: E402
+from pd_wire.handoff import HandoffResult
 from tests.e2e.prompts import long_prompt  # noqa: E402
 from tests.procs import free_port, python_argv, server  # noqa: E402
 

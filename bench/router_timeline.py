@@ -74,7 +74,7 @@ class Recorder:
 
 
 def _instrument(rec: Recorder) -> None:
-    from pd_router import api, decode_check, handler, lease_client, rawhttp, slots
+    from pd_router import api, decode_check, handler, lease_client, prefill_leg, rawhttp, relay, slots
 
     send = rawhttp._Connection.send
 
@@ -115,10 +115,10 @@ def _instrument(rec: Recorder) -> None:
         (decode_check, "parse_decode_view", "decode view"),
         (slots.SlotPool, "lease", "lease"),
         (lease_client.LeaseClient, "acquire", "lease call"),
-        (handler.CompletionHandler, "_prefill", "prefill leg"),
-        (handler, "prefill_body", "prefill body"),
-        (handler.CompletionHandler, "_handoff", "handoff check"),
-        (handler, "decode_body", "decode body"),
+        (prefill_leg, "prefill", "prefill leg"),
+        (prefill_leg, "prefill_body", "prefill body"),
+        (prefill_leg, "read_handoff", "handoff check"),
+        (relay, "decode_body", "decode body"),
     ):
         rec.wrap(owner, name, step)
 

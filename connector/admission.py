@@ -30,11 +30,9 @@ from typing import Any, Protocol
 from connector.control import ABORT_TIMEOUT_S, ControlClient
 from connector.kv_errors import ControlChannelError
 from connector.protocol import (
-    PROTOCOL_VERSION,
     Abort,
     Admit,
     Admitted,
-    FailureReason,
     Hello,
     LayoutFingerprint,
     Refused,
@@ -42,6 +40,7 @@ from connector.protocol import (
     Welcome,
     handshake_mismatch,
 )
+from pd_wire.handoff import PROTOCOL_VERSION, FailureReason
 
 log = logging.getLogger(__name__)
 

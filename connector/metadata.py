@@ -24,7 +24,7 @@ from collections import deque
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from connector.protocol import FailureReason, HandoffStatus
+from pd_wire.handoff import FailureReason, HandoffStatus
 
 log = logging.getLogger(__name__)
 

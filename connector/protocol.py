@@ -1,82 +1,18 @@
-"""Wire types shared by the router, the prefill connector and the decode server.
+"""The KV channel's messages: connector sender <-> decode server receiver (the connector's
+two halves: :mod:`connector.sender` and :mod:`connector.receiver`).
 
-This module is the single definition of every message that crosses a process
-boundary on the KV handoff path. It imports only pydantic, so the scheduler side
-of the connector (running inside stock vLLM) and the router can import it without
-torch or NIXL.
-
-Flow of ``kv_transfer_params`` for one request::
-
-    router  --HandoffTarget-->  vLLM prefill (TileRTConnector reads it)
-    vLLM    --HandoffResult-->  router (in the prefill HTTP response)
-    router  --HandoffResult (+ prefill_logprobs)-->  decode server
-
-The KV bytes themselves travel connector -> decode server over NIXL; the control
-messages of that channel (hello/welcome/admit/...) are defined here too, by the
-connector issue.
+The single definition of every message on that channel. It imports only pydantic and
+:mod:`pd_wire` (whose ``PROTOCOL_VERSION`` the handshake compares), so the scheduler side
+of the connector (running inside stock vLLM) imports it without torch or NIXL. What the
+router, vLLM and the decode server pass one another in ``kv_transfer_params`` is
+:mod:`pd_wire.handoff`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
-
-PROTOCOL_VERSION = 3  # 3: the KV control channel authenticates (AuthStart ... AuthOk) before Hello
-
-# "pending": admitted, the KV is on its way (the decode server waits for its last layer);
-# "sent": every layer had landed when vLLM answered; "failed": see ``reason`` and ``error``.
-HandoffStatus = Literal["sent", "pending", "failed"]
-# Why a handoff failed, for the router to act on: "busy" (the decode server had no free
-# KV receive slot: wait for a slot and try again), "too_long", "cancelled", "duplicate",
-# "unknown_peer" (refusals at admission, :class:`Refused`), "unreachable" (no handshake,
-# control channel or answer in time), "rejected" (the handshake found a mismatch),
-# "transfer" (a WRITE failed or timed out), "internal".
-FailureReason = Literal["busy", "too_long", "cancelled", "duplicate", "unknown_peer", "unreachable", "rejected",
-                        "transfer", "internal"]
-
-
-class HandoffTarget(BaseModel):
-    """What the router puts in the prefill request's ``kv_transfer_params``.
-
-    The connector only handles requests that carry both fields.
-    """
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    handoff_id: str = Field(min_length=1, max_length=256)
-    kv_endpoint: str = Field(description="host:port of the decode server's KV control endpoint")
-
-
-class HandoffResult(BaseModel):
-    """What the connector returns from ``request_finished``; vLLM echoes it in the
-    prefill HTTP response as ``kv_transfer_params`` and the router forwards it to
-    the decode server (adding ``prefill_logprobs``). Unknown keys (vLLM adds some)
-    are ignored."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    protocol_version: int = PROTOCOL_VERSION
-    handoff_id: str = Field(min_length=1, max_length=256)
-    kv_endpoint: str
-    num_prompt_tokens: int = Field(ge=1)
-    first_token_id: int = Field(ge=0)
-    last_prompt_token_id: int = Field(ge=0)
-    status: HandoffStatus
-    error: str | None = None
-    reason: FailureReason | None = Field(default=None, description="why, when status is 'failed'")
-    # How the prefill's layers left: gathered as vLLM computed each one (save_kv_layer,
-    # the CPU path) or all at the end of the step (wait_for_save, vLLM's CUDA path for
-    # GLM-5.1); summed over tensor-parallel ranks. None when a rank has not reported.
-    layers_early: int | None = Field(default=None, ge=0)
-    layers_late: int | None = Field(default=None, ge=0)
-    # choices[0].logprobs of the prefill response, verbatim (chat or completions
-    # shape), for the first generated token; set by the router, None otherwise.
-    prefill_logprobs: dict[str, Any] | None = None
-    # The prompt's token ids (prefill's answer to return_token_ids), for a decode engine that
-    # needs them (repetition_penalty counts prompt tokens); set by the router, None otherwise.
-    prompt_token_ids: list[int] | None = None
-
 
 # --------------------------------------------------------------------------------------
 # KV control channel (connector sender <-> decode server receiver).
@@ -88,17 +24,6 @@ class HandoffResult(BaseModel):
 # transport (NIXL WRITEs into the receive buffer); each WRITE carries a LayersDone
 # notification, and the receiver completes a handoff once every layer arrived.
 # --------------------------------------------------------------------------------------
-
-
-class PeerStatus(BaseModel):
-    """A prefill connector that performed the KV handshake with a decode server's receiver
-    (reported by the decode server's capabilities, read by the router's readiness)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    peer: str = Field(description="the connector's agent name")
-    state: Literal["ok", "rejected"]
-    reason: str | None = Field(default=None, description="why it was rejected")
 
 
 class PlaneSpec(BaseModel):

@@ -40,14 +40,12 @@ from connector.control import ControlConnection, ControlLimits, ControlServer
 from connector.kv_errors import HandoffFailed, HandoffTimeout, ReceiverError
 from connector.layout import layout_fingerprint, packed_layers_views, plane_offsets
 from connector.protocol import (
-    PROTOCOL_VERSION,
     Abort,
     Aborted,
     Admit,
     Admitted,
     Hello,
     LayersDone,
-    PeerStatus,
     Refused,
     Reject,
     Revoked,
@@ -65,6 +63,7 @@ from connector.transport import (
     nixl_transport,
 )
 from pd_net.tcp import DeadPeer
+from pd_wire.handoff import PROTOCOL_VERSION, PeerStatus
 
 if TYPE_CHECKING:
     import torch

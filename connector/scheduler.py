@@ -47,7 +47,7 @@ from pydantic import ValidationError
 
 from connector.admission import Admission, Admissions
 from connector.metadata import ReportInbox, RequestWork, SendReport, StepPlan
-from connector.protocol import FailureReason, HandoffResult, HandoffStatus, HandoffTarget
+from pd_wire.handoff import FailureReason, HandoffResult, HandoffStatus, HandoffTarget
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,6 @@ from connector.kv_errors import AdmissionRefused, ControlChannelError, Handshake
 from connector.lanes import LaneQueue
 from connector.layout import KVLayout, SenderPlan, layout_fingerprint
 from connector.protocol import (
-    PROTOCOL_VERSION,
     Abort,
     Admit,
     Admitted,
@@ -50,6 +49,7 @@ from connector.protocol import (
     handshake_mismatch,
 )
 from connector.transport import TransportFactory, XferHandle, decode_regions, host_tensor, nixl_transport
+from pd_wire.handoff import PROTOCOL_VERSION
 
 __all__ = ["AdmissionRefused", "HandshakeRejected", "KVSender", "OutgoingHandoff", "SenderPlan"]
 

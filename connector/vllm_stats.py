@@ -41,9 +41,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from connector.config import load_settings
 from connector.profiles import resolve_profile
-from connector.protocol import FailureReason
 from connector.worker import POST_SECONDS, STAT_COUNTERS, WRITES
 from pd_build.info import BuildInfo, collect
+from pd_wire.handoff import FailureReason
 
 BUILD_INFO = "vllm:tilert_build_info"
 FAILURE_REASONS: tuple[str, ...] = get_args(FailureReason)

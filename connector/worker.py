@@ -54,7 +54,7 @@ from connector.profiles import (
     observed_layout,
     scan_layers,
 )
-from connector.protocol import FailureReason
+from pd_wire.handoff import FailureReason
 
 if TYPE_CHECKING:
     import torch

@@ -13,10 +13,11 @@ if TYPE_CHECKING:
     from pd_router.app import RouterApp, create_app
     from pd_router.errors import RouterError
     from pd_router.settings import RouterSettings, load_settings
-    from pd_router.wire import ErrorBody, ModelList, ReadinessReport
+    from pd_router.wire import ModelList, ReadinessReport
+    from pd_wire.errors import ErrorBody
 
 _EXPORTS = {
-    "ErrorBody": "pd_router.wire",
+    "ErrorBody": "pd_wire.errors",
     "ModelList": "pd_router.wire",
     "ReadinessReport": "pd_router.wire",
     "RouterApp": "pd_router.app",

@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from connector.protocol import PROTOCOL_VERSION
-from decode_server.contract import DecodeCapabilities
 from pd_router.upstream import Target
 from pd_router.wire import DecodeStatus, PrefillStatus, ReadinessReport
+from pd_wire.decode import DecodeCapabilities
+from pd_wire.handoff import PROTOCOL_VERSION
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Refuse before prefill what the decode server would refuse after it.
 
 The decode server validates the body it gets (the client's body plus
-``kv_transfer_params``) with :mod:`decode_server.request_check` and refuses what its
+``kv_transfer_params``) with :mod:`pd_wire.requests` and refuses what its
 engine cannot do; by then prefill has run and pushed the KV. The router runs the same
 checks first: the body's validation once (:func:`parse`, engine-independent), then, once a
 decode slot is leased, the features that server advertises (:func:`refusal`). Both give
@@ -14,10 +14,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from decode_server.contract import DecodeCapabilities
-from decode_server.request_check import DecodeRequest, Refusal, parse, unsupported
 from pd_router.api import ROUTER_FIELDS, Endpoint, prefill_body
 from pd_router.errors import InvalidRequest
+from pd_wire.decode import DecodeCapabilities
+from pd_wire.requests import DecodeRequest, Refusal, parse, unsupported
 
 
 def _invalid(refusal: Refusal) -> InvalidRequest:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pd_router.wire import ErrorBody, ErrorDetail
+from pd_wire.errors import ErrorBody, ErrorDetail
 
 
 class RouterError(Exception):

@@ -1,7 +1,7 @@
 """``n > 1``: n PD requests, one answer.
 
 A KV handoff carries one sequence, so a request for n choices runs as n requests through
-the usual path (:meth:`CompletionHandler._serve`: each leases its own decode slot, runs its
+the usual path (the handler's ``serve_one``: each leases its own decode slot, runs its
 own prefill and decode, and gives its slot back whatever happens), with ``n`` removed and,
 when the client set a ``seed``, ``seed + i`` for choice i (as vLLM seeds the n children
 of a request). Their answers are merged: one JSON body whose choices carry ``index`` i and
@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pd_router.api import parse_request
+from pd_router.api import OpenAIRequest, parse_request
 from pd_router.asgi import SSE, Message, respond
+from pd_router.context import RequestContext
 from pd_router.errors import InvalidRequest, RouterError
 
 if TYPE_CHECKING:
-    from pd_router.api import OpenAIRequest
-    from pd_router.handler import CompletionHandler, _Ctx
+    from pd_router.state import RouterState
+
+# serves one request (one choice) whole: its own lease, prefill and decode; its slot back
+ServeOne = Callable[[RequestContext, dict[str, Any], OpenAIRequest], Awaitable[None]]
 
 _DONE = "[DONE]"
 
@@ -49,7 +53,7 @@ def sub_body(body: dict[str, Any], i: int) -> dict[str, Any]:
 class _Merge:
     """The n answers as they arrive; what is sent to the client, under one lock."""
 
-    ctx: _Ctx
+    ctx: RequestContext
     stream: bool
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     bodies: dict[int, bytearray] = field(default_factory=dict)
@@ -137,12 +141,9 @@ def merged_answer(answers: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-async def serve(handler: CompletionHandler, ctx: _Ctx, body: dict[str, Any], request: OpenAIRequest,
-                n: int) -> None:
-    """Run the n choices of ``body`` and answer the client with their merge."""
-    from pd_router.handler import _Ctx  # noqa: PLC0415 - the handler imports this module
-
-    state = handler.state
+async def serve(state: RouterState, ctx: RequestContext, body: dict[str, Any], request: OpenAIRequest,
+                n: int, serve_one: ServeOne) -> None:
+    """Run the n choices of ``body`` (each by ``serve_one``) and answer the client with their merge."""
     room = state.settings.max_queue + sum(b.slots for b in state.backends.decode if b.serves(request.model))
     if n > room:
         raise InvalidRequest(f"n={n} is more than this router can run at once ({room:g}: the decode slots of "
@@ -153,10 +154,10 @@ async def serve(handler: CompletionHandler, ctx: _Ctx, body: dict[str, Any], req
     for i in range(n):
         raw = json.dumps(sub_body(body, i)).encode()
         sub_dict, sub_request = parse_request(ctx.endpoint, raw)
-        sub = _Ctx(ctx.endpoint, f"{ctx.request_id[:240]}~n{i}", ctx.start, merge.send_for(i), raw=raw,
+        sub = RequestContext(ctx.endpoint, f"{ctx.request_id[:240]}~n{i}", ctx.start, merge.send_for(i), raw=raw,
                    trace=ctx.trace)
         subs.append((sub, sub_dict, sub_request))
-    tasks = [asyncio.ensure_future(handler._serve(sub, sub_dict, sub_request)) for sub, sub_dict, sub_request in subs]
+    tasks = [asyncio.ensure_future(serve_one(sub, sub_dict, sub_request)) for sub, sub_dict, sub_request in subs]
     try:
         await asyncio.gather(*tasks)
     except BaseException:

@@ -1,5 +1,5 @@
 """The router's calls to the decode servers' lease endpoints (contract:
-:mod:`decode_server.contract`), on the hot path's raw connection pool."""
+:mod:`pd_wire.decode`), on the hot path's raw connection pool."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from time import perf_counter
 
 from pydantic import BaseModel, ValidationError
 
-from decode_server.contract import (
+from pd_router.rawhttp import ConnectFailed, ConnectionPool, UpstreamError
+from pd_router.upstream import Target
+from pd_wire.decode import (
     LEASE_PATH,
     LEASE_RELEASE_PATH,
     LEASE_RENEW_PATH,
@@ -19,8 +21,6 @@ from decode_server.contract import (
     LeaseRenewed,
     LeaseRequest,
 )
-from pd_router.rawhttp import ConnectFailed, ConnectionPool, UpstreamError
-from pd_router.upstream import Target
 
 CALL_TIMEOUT_S = 5.0  # a renew or release, or the answer of a lease request past its wait
 # a lease asked without waiting is answered at once by a live server (a round trip): one

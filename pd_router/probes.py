@@ -20,8 +20,8 @@ from collections.abc import Callable
 import httpx
 from pydantic import ValidationError
 
-from decode_server.contract import CAPABILITIES_PATH, DecodeCapabilities
 from pd_router.backends import Backends, DecodeBackend, PrefillBackend
+from pd_wire.decode import CAPABILITIES_PATH, DecodeCapabilities
 
 log = logging.getLogger("pd_router.probes")
 

@@ -11,7 +11,7 @@ from pd_http.limits import HttpLimits, limited_protocol
 from pd_net.tcp import DeadPeer
 from pd_router.app import RouterApp
 from pd_router.settings import RouterSettings
-from pd_router.wire import ErrorBody, ErrorDetail
+from pd_wire.errors import ErrorBody, ErrorDetail
 
 GRACEFUL_SHUTDOWN_S = 5  # after the drain: what uvicorn still waits for (the drain has ended every request)
 

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from decode_server.contract import CANCEL_PATH, CancelRequest
 from pd_build.info import collect
 from pd_grammar.spec import SchemaLimits, warm_up
 from pd_http.drain import wait_then_cut
@@ -30,6 +29,7 @@ from pd_router.settings import RouterSettings
 from pd_router.slots import Lease, LeaseHooks, SlotPool
 from pd_router.upstream import Unreachable
 from pd_settings.servers import Resolver, system_resolver
+from pd_wire.decode import CANCEL_PATH, CancelRequest
 
 if TYPE_CHECKING:
     from pd_http.tracing import Tracing

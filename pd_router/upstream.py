@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-from decode_server.contract import REQUEST_ID_HEADER
 from pd_router.errors import BadUpstream, RouterError, UpstreamRejected, UpstreamTimeout
 from pd_router.rawhttp import ConnectFailed, ConnectionPool, Origin, ReadTimeout, Response, UpstreamError
+from pd_wire.decode import REQUEST_ID_HEADER
 
 
 class Unreachable(BadUpstream):

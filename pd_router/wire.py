@@ -1,5 +1,6 @@
-"""The router's own answers as pydantic models: OpenAI-shaped errors, the ``/ready``
-report and the ``/v1/models`` list. Clients, tests and probes parse them with these."""
+"""The router's own answers as pydantic models: the ``/ready`` report, the ``/v1/models``
+list, the admin API's bodies (its OpenAI-shaped errors are :mod:`pd_wire.errors`). Clients,
+tests and probes parse them with these."""
 
 from __future__ import annotations
 
@@ -7,26 +8,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from connector.protocol import PeerStatus
 from pd_build.info import BuildInfo
 from pd_settings.servers import check_url
-
-
-class ErrorDetail(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    message: str
-    type: str  # also the error_type label of pd_router_requests_total
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorBody(BaseModel):
-    """``{"error": {"message", "type", "param", "code"}}``, as OpenAI answers errors."""
-
-    model_config = ConfigDict(frozen=True)
-
-    error: ErrorDetail
+from pd_wire.handoff import PeerStatus
 
 
 class PrefillStatus(BaseModel):

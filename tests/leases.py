@@ -1,5 +1,5 @@
 """A decode server's slot held by the test, as another router holds it (the lease protocol of
-decode_server.contract): while the block runs, routers see that slot taken."""
+pd_wire.decode): while the block runs, routers see that slot taken."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from decode_server.contract import LEASE_PATH, LEASE_RELEASE_PATH, LEASE_RENEW_PATH, LeaseGrant, LeaseIds, LeaseRequest
+from pd_wire.decode import LEASE_PATH, LEASE_RELEASE_PATH, LEASE_RENEW_PATH, LeaseGrant, LeaseIds, LeaseRequest
 
 
 def _here(fn: Callable[[], Any]) -> Any:

@@ -2,7 +2,7 @@ import pytest
 from pydantic import ValidationError
 
 from connector.layout import cpu_mla_layout, glm5_fp8_ds_mla_layout
-from connector.protocol import HandoffResult, HandoffTarget
+from pd_wire.handoff import HandoffResult, HandoffTarget
 
 
 def test_handoff_target_ignores_foreign_keys():

@@ -16,11 +16,12 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, inter
         time.sleep(interval)
 
 
-async def eventually(predicate: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:
+async def eventually(predicate: Callable[[], object], timeout: float = 5.0, what: str = "condition",
+                     interval: float = 0.01) -> None:
     """:func:`wait_until` for a coroutine: the event loop runs while it polls."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not predicate():
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(interval)

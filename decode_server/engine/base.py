@@ -28,12 +28,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from decode_server.contract import EngineFeatures
+from pd_wire.decode import EngineFeatures
 
 if TYPE_CHECKING:
     from connector.layout import KVLayout
-    from connector.protocol import HandoffResult
     from connector.receiver import ReceivedKV
+    from pd_wire.handoff import HandoffResult
 
 
 # Temperatures below this decode greedily, as vLLM (its sampling epsilon) and TileRT do.

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from connector.layout import KVLayout, cpu_mla_layout
-from decode_server.contract import EngineFeatures
 from decode_server.engine.base import (
     Cancelled,
     DecodeSession,
@@ -37,13 +36,14 @@ from decode_server.engine.base import (
     TokenOut,
 )
 from decode_server.engine.grammar import Constraint
+from decode_server.engine.sampling import LogitsAdjuster, choose, token_out
 from decode_server.reference.decoder import Decoder
 from decode_server.reference.model import DTYPES, MlaMoeModel, load_model
-from decode_server.reference.sampling import LogitsAdjuster, choose, token_out
+from pd_wire.decode import EngineFeatures
 
 if TYPE_CHECKING:
-    from connector.protocol import HandoffResult
     from connector.receiver import ReceivedKV
+    from pd_wire.handoff import HandoffResult
 
 log = logging.getLogger(__name__)
 FEATURES = EngineFeatures(logprobs=True, penalties=True, logit_bias=True, min_p=True, seed=True,

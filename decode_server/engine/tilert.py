@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from connector.layout import GLM5_MAIN_LAYERS, KVLayout, glm5_fp8_ds_mla_layout
-from decode_server.contract import EngineFeatures
 from decode_server.engine.base import (
     Cancelled,
     DecodeSession,
@@ -49,10 +48,11 @@ from decode_server.engine.base import (
 )
 from decode_server.engine.grammar import Constraint
 from decode_server.engine.tilert_kv import INDEX_HEAD_DIM, convert_layers, hadamard_matrix
+from pd_wire.decode import EngineFeatures
 
 if TYPE_CHECKING:
-    from connector.protocol import HandoffResult
     from connector.receiver import ReceivedKV
+    from pd_wire.handoff import HandoffResult
 
 TILERT_NUM_MTP = 3  # TileRT's GLM-5 MTP verifies 3 drafts per step (--num-mtp 3, or 0: no MTP)
 TOP_K_POOL = 256  # TileRT's sampling kernel: top-k over at most 256 candidates; 256 means off

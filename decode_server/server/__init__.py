@@ -12,16 +12,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from decode_server.server.api_errors import ApiError
-    from decode_server.server.app import AppConfig, DecodeState, create_app
+    from decode_server.server.app import create_app
     from decode_server.server.glm import GlmChatParser, ToolCall, parse_tool_call
     from decode_server.server.sequence import Delta, SequenceProcessor, StopSpec, TokenLogprob
+    from decode_server.server.state import AppConfig, DecodeState
     from decode_server.server.stops import StopStringMatcher
     from decode_server.server.text import GenerationDefaults, IncrementalDetokenizer, TextTokenizer
 
 _EXPORTS = {
     "ApiError": "decode_server.server.api_errors",
-    "AppConfig": "decode_server.server.app",
-    "DecodeState": "decode_server.server.app",
+    "AppConfig": "decode_server.server.state",
+    "DecodeState": "decode_server.server.state",
     "Delta": "decode_server.server.sequence",
     "GenerationDefaults": "decode_server.server.text",
     "GlmChatParser": "decode_server.server.glm",

@@ -8,22 +8,8 @@ mapped to these at one boundary, :mod:`decode_server.server.generation`.
 
 from __future__ import annotations
 
-from pydantic import BaseModel
-
-from decode_server.request_check import validation_message as validation_message  # shared with the router
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-class ErrorBody(BaseModel):
-    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI sends it."""
-
-    error: ErrorDetail
+from pd_wire.errors import ErrorBody, ErrorDetail
+from pd_wire.requests import validation_message as validation_message
 
 
 class ApiError(Exception):

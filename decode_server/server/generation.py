@@ -28,7 +28,6 @@ from starlette.responses import Response
 
 from connector.kv_errors import HandoffFailed as KVHandoffFailed
 from connector.kv_errors import HandoffTimeout, ReceiverError
-from connector.protocol import HandoffResult
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import Cancelled as EngineCancelled
 from decode_server.engine.base import DecodeSession, Engine, EngineError, SamplingParams, TokenOut
@@ -42,6 +41,7 @@ from decode_server.server.slot_table import Slot, SlotManager
 from decode_server.server.text import TextTokenizer
 from decode_server.structured import GrammarCompiler
 from pd_http.tracing import Span, Tracing, fail
+from pd_wire.handoff import HandoffResult
 
 log = logging.getLogger(__name__)
 SLOT_RETURN_WAIT_S = 5.0

@@ -1,4 +1,4 @@
-"""The lease endpoints of the decode server (contract: :mod:`decode_server.contract`):
+"""The lease endpoints of the decode server (contract: :mod:`pd_wire.decode`):
 acquire (a long poll in the server's queue), renew, release."""
 
 from __future__ import annotations
@@ -9,7 +9,11 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ValidationError
 
-from decode_server.contract import (
+from decode_server.server.api_errors import ApiError, Busy, Conflict, InvalidRequest, NotReady, validation_message
+from decode_server.server.leases import LeaseRefused, LeaseTable
+from decode_server.server.routes import error_response
+from decode_server.server.state import DecodeState
+from pd_wire.decode import (
     LEASE_PATH,
     LEASE_RELEASE_PATH,
     LEASE_RENEW_PATH,
@@ -19,10 +23,6 @@ from decode_server.contract import (
     LeaseRenewed,
     LeaseRequest,
 )
-from decode_server.server.api_errors import ApiError, Busy, Conflict, InvalidRequest, NotReady, validation_message
-from decode_server.server.app import DecodeState
-from decode_server.server.leases import LeaseRefused, LeaseTable
-from decode_server.server.routes import error_response
 
 router = APIRouter()
 

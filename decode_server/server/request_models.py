@@ -2,13 +2,13 @@
 request plus ``kv_transfer_params`` (a :class:`connector.protocol.HandoffResult`). Unknown
 fields are accepted and ignored, as the router forwards the client's body untouched.
 
-The models live in :mod:`decode_server.request_check`, which the router shares (it refuses
+The models live in :mod:`pd_wire.requests`, which the router shares (it refuses
 what this server would refuse before prefill runs); fields this server cannot honour are
 rejected there, with a 400 naming the parameter."""
 
 from __future__ import annotations
 
-from decode_server.request_check import (
+from pd_wire.requests import (
     MAX_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,

@@ -9,15 +9,15 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from connector.protocol import PROTOCOL_VERSION, HandoffResult
-from decode_server.contract import EngineFeatures
 from decode_server.engine.base import SamplingParams
-from decode_server.request_check import logit_bias, unsupported
 from decode_server.server.api_errors import HandoffFailed, InvalidRequest
 from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest, Endpoint
 from decode_server.server.sequence import MIN_LOGPROB, StopSpec, TokenLogprob
 from decode_server.server.text import GenerationDefaults
 from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, grammar_param, grammar_spec
+from pd_wire.decode import EngineFeatures
+from pd_wire.handoff import PROTOCOL_VERSION, HandoffResult
+from pd_wire.requests import logit_bias, unsupported
 
 
 @dataclass(frozen=True)

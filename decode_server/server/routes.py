@@ -1,4 +1,4 @@
-"""HTTP routes of the decode server (contract: :mod:`decode_server.contract`)."""
+"""HTTP routes of the decode server (contract: :mod:`pd_wire.decode`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,13 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import ValidationError
 
-from connector.protocol import PROTOCOL_VERSION
-from decode_server.contract import (
+from decode_server.server.api_errors import ApiError, InvalidRequest, NotReady, validation_message
+from decode_server.server.generation import GenerationResponse, Job
+from decode_server.server.observe import RequestObservation
+from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest, Endpoint
+from decode_server.server.request_plan import build_plan
+from decode_server.server.state import DecodeState
+from pd_wire.decode import (
     CANCEL_PATH,
     CAPABILITIES_PATH,
     REQUEST_ID_HEADER,
@@ -18,12 +23,7 @@ from decode_server.contract import (
     CancelResponse,
     DecodeCapabilities,
 )
-from decode_server.server.api_errors import ApiError, InvalidRequest, NotReady, validation_message
-from decode_server.server.app import DecodeState
-from decode_server.server.generation import GenerationResponse, Job
-from decode_server.server.observe import RequestObservation
-from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest, Endpoint
-from decode_server.server.request_plan import build_plan
+from pd_wire.handoff import PROTOCOL_VERSION
 
 router = APIRouter()
 MAX_HANDOFF_ID = 256  # as connector.protocol.HandoffResult allows

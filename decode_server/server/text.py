@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from decode_server.contract import EngineFeatures, SamplingDefaults
+from pd_wire.decode import EngineFeatures, SamplingDefaults
 
 REPLACEMENT = "\ufffd"
 

@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
             sys.stdout.write(describe(plan, hosts or None, cmd.job_dir))
             if cmd.fingerprint is not None:
-                from pd_deploy.report.fingerprint import build_fingerprint, recipe_record, write
+                from pd_deploy.recipe.fingerprint import build_fingerprint, recipe_record, write
 
                 names = hosts or [f"node{i}" for i in range(plan.recipe.num_nodes)]
                 record = recipe_record(plan.recipe.name, str(cmd.recipe.resolve()), cmd.recipe.read_text())

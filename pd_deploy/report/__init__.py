@@ -1,5 +1,5 @@
 """What a deployment job leaves next to its benchmark results, so that a reader knows
-exactly what ran: ``fingerprint.json`` (:class:`~pd_deploy.report.model.Fingerprint`: the
+exactly what ran: ``fingerprint.json`` (:class:`~pd_deploy.recipe.fingerprint_model.Fingerprint`: the
 recipe and its hash, every step's exact command line, every role's build info read from its
 ``/metrics``) before the benchmarks, and ``summary.md`` (the benchmarks' headline numbers
 next to the fingerprint) after them.

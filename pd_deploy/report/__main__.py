@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 from pydantic_settings import CliSubCommand, SettingsConfigDict
 
-from pd_deploy.report.model import FINGERPRINT_FILE, SUMMARY_FILE, Fingerprint
+from pd_deploy.recipe.fingerprint_model import FINGERPRINT_FILE, SUMMARY_FILE, Fingerprint
 from pd_settings.loader import EntrySettings, load, subcommand
 from pd_settings.problems import SettingsError
 
@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pd_deploy.report: {exc}", file=sys.stderr)
         return 2
     if isinstance(cmd, FingerprintCmd):
-        from pd_deploy.report.fingerprint import job_fingerprint, write
+        from pd_deploy.recipe.fingerprint import job_fingerprint, write
 
         fp = job_fingerprint(cmd.job_dir)
         print(write(fp, cmd.job_dir / FINGERPRINT_FILE))

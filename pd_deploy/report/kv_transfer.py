@@ -24,7 +24,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from connector.transport.ucx_proto import transport_class
-from pd_deploy.report.model import Fingerprint
+from pd_deploy.recipe.fingerprint_model import Fingerprint
 
 METRICS_DIR = "metrics"
 TRANSPORT_BYTES = "vllm:tilert_kv_transport_bytes_total"

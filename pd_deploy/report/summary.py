@@ -11,12 +11,12 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pd_build.info import ABSENT
+from pd_deploy.recipe.fingerprint_model import Fingerprint
 from pd_deploy.recipe.plan import aiperf_run_id
 from pd_deploy.recipe.schema import Recipe
 from pd_deploy.report.entry import RESULTS_DIR, EntryFields, Unavailable, result_name
 from pd_deploy.report.evals import Grade, gsm8k_section
 from pd_deploy.report.kv_transfer import kv_section
-from pd_deploy.report.model import Fingerprint
 
 AIPERF_SERVER_METRICS = "server_metrics_export.json"
 _VERSIONS = ("version", "git_revision", "vllm", "nixl", "ucx", "torch", "cuda", "tilert", "gpu", "gpu_driver")

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import httpx
 
-from decode_server.contract import CAPABILITIES_PATH, DecodeCapabilities
 from pd_deploy.commands import (
     VLLM_CPU_ENV,
     DecodeSpec,
@@ -43,6 +42,7 @@ from pd_deploy.commands import (
 from pd_deploy.stack.ports import PortNeed, check_free
 from pd_deploy.stack.process import ManagedProcess, Reaper
 from pd_grammar.spec import JsonWhitespace, vllm_structured_outputs_args
+from pd_wire.decode import CAPABILITIES_PATH, DecodeCapabilities
 
 log = logging.getLogger("pd_stack")
 KV_HOST = "127.0.0.1"  # where the decode servers' KV control endpoints listen (their default)

@@ -7,8 +7,8 @@ import hashlib
 
 import httpx
 
-from decode_server.contract import CAPABILITIES_PATH, DecodeCapabilities
 from pd_build.prometheus import parse
+from pd_wire.decode import CAPABILITIES_PATH, DecodeCapabilities
 
 
 def test_build_info_on_metrics(make_server, model_dir) -> None:

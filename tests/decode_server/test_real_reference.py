@@ -15,13 +15,13 @@ import torch
 from tokenizers import Tokenizer
 
 from connector.layout import cpu_mla_layout
-from connector.protocol import HandoffResult
 from connector.sender import KVSender
-from decode_server.contract import CAPABILITIES_PATH
 from decode_server.engine.base import SamplingParams
 from decode_server.engine.reference import ReferenceEngine
 from decode_server.reference import load_model, prefill
 from pd_deploy.commands import VLLM_CPU_ENV, DecodeSpec, decode_server_argv
+from pd_wire.decode import CAPABILITIES_PATH
+from pd_wire.handoff import HandoffResult
 from tests.decode_server.helpers import client
 from tests.procs import free_port, server
 from tests.reference.helpers import handoff_for, received

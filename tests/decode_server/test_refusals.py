@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from decode_server.contract import CANCEL_PATH
+from pd_wire.decode import CANCEL_PATH
 from tests.decode_server.helpers import handoff, sse_events
 from tests.fakes.fake_engine import FakeEngineConfig
 from tests.waits import wait_until

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from decode_server.contract import EngineFeatures
 from decode_server.engine.reference import FEATURES as REFERENCE_FEATURES
 from decode_server.engine.tilert import FEATURES as TILERT_FEATURES
-from decode_server.request_check import ChatCompletionRequest, check
 from decode_server.server.api_errors import InvalidRequest
 from decode_server.server.request_plan import ServerLimits, build_plan
 from decode_server.server.text import GenerationDefaults
+from pd_wire.decode import EngineFeatures
+from pd_wire.requests import ChatCompletionRequest, check
 from tests.decode_server.helpers import handoff
 
 LIMITS = ServerLimits(max_seq_len=100, features=REFERENCE_FEATURES, engine="reference", model_name="m")

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from decode_server.contract import CANCEL_PATH, LEASE_PATH, LEASE_RELEASE_PATH
+from pd_wire.decode import CANCEL_PATH, LEASE_PATH, LEASE_RELEASE_PATH
 from tests.decode_server.helpers import client, handoff, script_for
 from tests.fakes.fake_engine import FakeEngineConfig
 from tests.waits import wait_until
@@ -32,6 +32,17 @@ def _assert_openai_error(resp: httpx.Response, status: int, error_type: str | No
 
 def _body(first: int = 5, **kw) -> dict:
     return {"prompt": "x", "max_tokens": 500, "kv_transfer_params": handoff(first), **kw}
+
+
+def _once_waiting_for_kv(srv, act, *args) -> None:
+    """``act(*args)``, from another thread, once the server waits for the KV: then it comes
+    while the request waits, however slow the server is to get there."""
+
+    def run() -> None:
+        wait_until(lambda: srv.receiver.waits, 15, "the server to wait for the KV")
+        act(*args)
+
+    threading.Thread(target=run, daemon=True).start()
 
 
 
@@ -91,7 +102,7 @@ def test_prefill_failed_handoff_502(make_server):
 def test_sender_failure_while_waiting_502(make_server):
     srv = make_server(auto_complete=False)
     kv = handoff(5)
-    threading.Timer(0.2, srv.receiver.fail, (kv["handoff_id"], "sender vanished")).start()
+    _once_waiting_for_kv(srv, srv.receiver.fail, kv["handoff_id"], "sender vanished")
     resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": kv})
     assert "sender vanished" in _assert_openai_error(resp, 502, "kv_handoff_failed")["message"]
     srv.wait_idle()
@@ -117,7 +128,7 @@ def test_late_kv_arrival_is_served(make_server, tokenizer):
     first, rest = script_for(tokenizer, "hello world")
     srv = make_server(FakeEngineConfig(script=rest), auto_complete=False)
     kv = handoff(first)
-    threading.Timer(0.2, srv.receiver.complete, (kv["handoff_id"],)).start()
+    _once_waiting_for_kv(srv, srv.receiver.complete, kv["handoff_id"])
     out = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": kv}).json()
     assert out["choices"][0]["text"] == "hello world"
     srv.wait_idle()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from connector.protocol import PROTOCOL_VERSION
+from pd_wire.handoff import PROTOCOL_VERSION
 from tests.decode_server.helpers import client, handoff, script_for, sse_events
 from tests.fakes.fake_engine import FakeEngineConfig, fake_logprob
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from connector.protocol import HandoffResult
-from decode_server.contract import EngineFeatures, SamplingDefaults
 from decode_server.engine.base import TokenOut
 from decode_server.server import (
     GlmChatParser,
@@ -22,6 +20,8 @@ from decode_server.server.request_models import ChatCompletionRequest, Completio
 from decode_server.server.request_plan import ServerLimits, build_plan, prefill_logprob
 from decode_server.server.text import GenerationDefaults
 from decode_server.settings import SettingsError, load_settings
+from pd_wire.decode import EngineFeatures, SamplingDefaults
+from pd_wire.handoff import HandoffResult
 from tests.decode_server.helpers import handoff
 
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from connector.layout import glm5_fp8_ds_mla_layout
-from connector.protocol import HandoffResult
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import EngineError, SamplingParams
 from decode_server.engine.tilert import TileRTEngine, tilert_top_k
 from decode_server.engine.tilert_kv import convert_layers, dequant_indexer, dequant_latent, hadamard_matrix
+from pd_wire.handoff import HandoffResult
 from tests.decode_server.helpers import handoff
 from tests.fakes.fake_tilert import VOCAB, FakeGLM5Generator, chain, install_fake_tilert
 

@@ -23,7 +23,6 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from connector.protocol import HandoffResult
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import SamplingParams
 from decode_server.engine.tilert import TileRTEngine
@@ -35,6 +34,7 @@ from decode_server.engine.tilert_kv import (
     dequant_latent,
     hadamard_matrix,
 )
+from pd_wire.handoff import HandoffResult
 from tests.fakes.fake_tilert import FakeGLM5Generator
 from tests.fakes.vllm_fp8 import quantize_fp8_ds_mla
 from tests.tilert_oracle import load_mla_nsa

@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from pd_deploy.recipe import RecipeError, build_plan, conversion_env, parse_recipe, write_plan
+from pd_deploy.recipe.fingerprint_model import Fingerprint
 from pd_deploy.recipe.plan import servers_file
-from pd_deploy.report.model import Fingerprint
 from tests.deploy.conftest import DEPLOY, dump_recipe, load_recipe_dict
 from tests.procs import REPO
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from pd_deploy.recipe import build_plan, parse_recipe
-from pd_deploy.report.fingerprint import build_fingerprint, recipe_record
+from pd_deploy.recipe.fingerprint import build_fingerprint, recipe_record
 from pd_deploy.report.summary import render_summary
 from tests.deploy.conftest import load_recipe_dict
 from tests.deploy.entry_check import check_against_aiperf

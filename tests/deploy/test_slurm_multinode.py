@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pd_deploy.recipe import build_plan, parse_recipe
-from pd_deploy.report.model import Fingerprint
+from pd_deploy.recipe.fingerprint_model import Fingerprint
 from pd_settings.servers import read_servers_file
 from tests.deploy.conftest import SLURM_DIR, dump_recipe, fake_checkpoint, load_recipe_dict, write_exe
 from tests.deploy.jobs import alive

@@ -27,8 +27,8 @@ import openai
 import pytest
 
 from pd_build.info import ABSENT
+from pd_deploy.recipe.fingerprint_model import Fingerprint
 from pd_deploy.report.kv_transfer import METRICS_DIR, kv_section
-from pd_deploy.report.model import Fingerprint
 from pd_settings.servers import read_servers_file
 from tests.deploy.conftest import dump_recipe, load_recipe_dict
 from tests.deploy.entry_check import check_against_aiperf

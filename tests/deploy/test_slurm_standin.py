@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from pd_deploy.recipe import build_plan, parse_recipe
-from pd_deploy.report.model import Fingerprint
+from pd_deploy.recipe.fingerprint_model import Fingerprint
 from tests.deploy.conftest import (
     dump_recipe,
     fake_checkpoint,

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from decode_server.contract import CAPABILITIES_PATH
+from pd_wire.decode import CAPABILITIES_PATH
 from tests.e2e.conftest import vllm_kv_usage
 
 pytestmark = pytest.mark.slow

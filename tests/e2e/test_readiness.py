@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 from connector.profiles import MTP_FLAG
-from decode_server.contract import CAPABILITIES_PATH, DecodeCapabilities
 from pd_deploy.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv
 from pd_deploy.stack.process import ManagedProcess
 from pd_router.wire import ReadinessReport
+from pd_wire.decode import CAPABILITIES_PATH, DecodeCapabilities
 from tests.e2e.conftest import make_stack_config
 
 pytestmark = pytest.mark.slow

@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from decode_server.contract import CAPABILITIES_PATH
 from pd_deploy.commands import RouterSpec, router_argv
 from pd_deploy.stack.launcher import Stack
 from pd_deploy.stack.process import ManagedProcess
+from pd_wire.decode import CAPABILITIES_PATH
 from tests.e2e.conftest import MODEL_NAME, make_stack_config
 from tests.e2e.test_lifecycle import _assert_idle
 from tests.procs import free_port
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 GOOD = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 8,
         "temperature": 0}
 # refused by the router before prefill with the decode server's 400 (json_schema, top_logprobs: the
-# decode server's own checks, decode_server/request_check.py), or by the decode server after vLLM
+# decode server's own checks, pd_wire/requests.py), or by the decode server after vLLM
 # prefilled and pushed the KV (too_long: the prompt's length is known only after prefill)
 BAD = {
     "top_logprobs": {**GOOD, "top_logprobs": 2},

@@ -25,8 +25,8 @@ from typing import Any
 import uvicorn
 from pydantic import BaseModel, ConfigDict
 
-from connector.protocol import HandoffResult, HandoffTarget
 from pd_router.asgi import Receive, Scope, Send, read_body, respond
+from pd_wire.handoff import HandoffResult, HandoffTarget
 from tests.fakes.fake_common import FakeBase, error_body, wait_or_disconnect, wait_or_event
 from tests.fakes.fake_decode import DecodeKnobs, FakeDecode
 

@@ -14,8 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from connector.protocol import PROTOCOL_VERSION, HandoffResult, PeerStatus
-from decode_server.contract import (
+from decode_server.server.leases import LeaseRefused, LeaseTable
+from pd_router.asgi import Receive, Scope, Send, read_body, respond
+from pd_wire.decode import (
     CANCEL_PATH,
     CAPABILITIES_PATH,
     LEASE_PATH,
@@ -31,8 +32,7 @@ from decode_server.contract import (
     LeaseRenewed,
     LeaseRequest,
 )
-from decode_server.server.leases import LeaseRefused, LeaseTable
-from pd_router.asgi import Receive, Scope, Send, read_body, respond
+from pd_wire.handoff import PROTOCOL_VERSION, HandoffResult, PeerStatus
 from tests.fakes.fake_common import FakeBase, error_body
 
 

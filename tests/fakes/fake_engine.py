@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, field
 
 from connector.layout import KVLayout, cpu_mla_layout
-from decode_server.contract import EngineFeatures
 from decode_server.engine.base import (
     Cancelled,
     DecodeSession,
@@ -23,6 +22,7 @@ from decode_server.engine.base import (
     SamplingParams,
     TokenOut,
 )
+from pd_wire.decode import EngineFeatures
 
 
 def fake_logprob(token_id: int) -> float:

@@ -13,8 +13,8 @@ import time
 
 from connector.kv_errors import HandoffFailed, HandoffTimeout
 from connector.layout import KVLayout
-from connector.protocol import PeerStatus
 from connector.receiver import ReceivedKV, ReceiverStats
+from pd_wire.handoff import PeerStatus
 
 
 class FakeReceiver:

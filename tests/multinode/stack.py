@@ -20,10 +20,10 @@ from typing import Any
 
 import httpx
 
-from decode_server.contract import CAPABILITIES_PATH, DecodeCapabilities, LeaseGrant
 from pd_deploy.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv
 from pd_deploy.stack.launcher import StackConfig
 from pd_deploy.stack.process import ManagedProcess
+from pd_wire.decode import CAPABILITIES_PATH, DecodeCapabilities, LeaseGrant
 from tests.leases import held_slot
 from tests.nodes import Node, Nodes
 

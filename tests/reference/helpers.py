@@ -6,11 +6,11 @@ from collections.abc import Sequence
 
 import torch
 
-from connector.protocol import HandoffResult
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import SamplingParams, TokenOut
 from decode_server.engine.reference import ReferenceEngine
 from decode_server.reference import MlaMoeModel, prefill
+from pd_wire.handoff import HandoffResult
 from tests.equivalence import Step
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from decode_server.engine.base import SamplingParams
-from decode_server.reference.sampling import choose, target_probs, token_out
+from decode_server.engine.sampling import choose, target_probs, token_out
 
 pytestmark = pytest.mark.timeout(120)
 

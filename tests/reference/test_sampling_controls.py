@@ -13,8 +13,8 @@ from tokenizers import Tokenizer
 
 from decode_server.engine.base import SamplingParams
 from decode_server.engine.reference import ReferenceEngine
+from decode_server.engine.sampling import LogitsAdjuster, choose, target_probs
 from decode_server.reference import MlaMoeModel, load_model, prefill
-from decode_server.reference.sampling import LogitsAdjuster, choose, target_probs
 from tests.reference.helpers import handoff_for, received
 
 pytestmark = pytest.mark.timeout(900)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from connector.kv_errors import AdmissionRefused
-from decode_server.contract import CANCEL_PATH
+from pd_wire.decode import CANCEL_PATH
 from tests.connector.transport.helpers import SMALL
 from tests.connector.transport.synthetic import fill, layer_bytes
 

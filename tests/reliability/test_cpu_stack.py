@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from decode_server.contract import CAPABILITIES_PATH
 from pd_deploy.stack.launcher import Stack
+from pd_wire.decode import CAPABILITIES_PATH
 from tests.e2e.conftest import make_stack_config, running_stack, vllm_kv_usage
 from tests.leases import held_slot
 from tests.waits import wait_until

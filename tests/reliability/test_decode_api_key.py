@@ -10,10 +10,10 @@ import socket
 import httpx
 import pytest
 
-from decode_server.contract import CANCEL_PATH, CAPABILITIES_PATH
 from decode_server.server.auth import RequireApiKey
 from decode_server.settings import SettingsError, load_settings
 from pd_router.settings import validate_settings
+from pd_wire.decode import CANCEL_PATH, CAPABILITIES_PATH
 from tests.decode_server.helpers import handoff
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
 from tests.procs import free_port

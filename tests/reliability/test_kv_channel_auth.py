@@ -20,7 +20,6 @@ from connector.control import ControlClient, decode_body, encode_frame, parse_en
 from connector.kv_errors import ControlChannelError, HandoffTimeout
 from connector.layout import layout_fingerprint
 from connector.protocol import (
-    PROTOCOL_VERSION,
     Abort,
     Aborted,
     Admit,
@@ -37,6 +36,7 @@ from connector.protocol import (
 )
 from connector.receiver import ReceiverSettings
 from connector.scheduler import ConnectorScheduler
+from pd_wire.handoff import PROTOCOL_VERSION
 from tests.connector.transport.helpers import SMALL, assert_no_leaks
 from tests.connector.transport.synthetic import fill, layer_bytes, mismatches
 from tests.fakes.fake_admissions import FakeAdmissions

@@ -13,7 +13,7 @@ from contextlib import closing
 import httpx
 import pytest
 
-from pd_router.wire import ErrorBody
+from pd_wire.errors import ErrorBody
 from tests.router.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(60)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from pd_router.serve import router_server
 from pd_router.settings import validate_settings
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
 from tests.procs import free_port
+from tests.waits import wait_until
 
 MODEL = "tiny"
 
@@ -54,11 +54,7 @@ class Rig:
         return httpx.get(backend.url + "/fake/records", timeout=5).json()
 
     def wait(self, predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-            time.sleep(0.01)
+        wait_until(predicate, timeout, what)
 
     def ready_status(self) -> int:
         return httpx.get(self.url + "/ready", timeout=5).status_code
@@ -132,9 +128,11 @@ def rig_factory() -> Iterator[Callable[..., Rig]]:
             rig.wait(lambda: rig.ready_status() == 200, ready_timeout, "router /ready")
         return rig
 
-    yield make
-    servers = [s for rig in rigs for s in [rig.server, *rig.prefills, *rig.decodes, *rig.extra]]
-    for s in servers:  # all at once, then wait for each
-        s.server.should_exit = True
-    for s in servers:
-        s.stop()
+    try:
+        yield make
+    finally:  # also when the body raised (a failed teardown check of a wider-scoped rig)
+        servers = [s for rig in rigs for s in [rig.server, *rig.prefills, *rig.decodes, *rig.extra]]
+        for s in servers:  # all at once, then wait for each
+            s.server.should_exit = True
+        for s in servers:
+            s.stop()

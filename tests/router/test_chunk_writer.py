@@ -17,8 +17,8 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from pd_http.chunk_writer import ChunkWriter
-from pd_router.handler import _Tally
 from pd_router.metrics import TokenHistogram
+from pd_router.relay import Tally as _Tally
 from tests.router.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,6 +1,6 @@
 """The router refuses, before prefill, what the leased decode server would refuse: the
 features it advertises on ``/v1/pd/capabilities`` (:class:`EngineFeatures`) and the body
-checks of ``decode_server.request_check``. Against fake backends: prefill never sees the
+checks of ``pd_wire.requests``. Against fake backends: prefill never sees the
 request, the slot is back, and a server that advertises the feature gets the request."""
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ import json
 import httpx
 import pytest
 
-from pd_router.wire import ErrorBody
+from pd_router import prefill_leg
+from pd_wire.errors import ErrorBody
 from tests.router.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(60)
@@ -225,7 +226,7 @@ def test_unexpected_failure_is_openai_shaped_and_frees_the_slot(make_rig, monkey
     def broken(*args, **kwargs):
         raise KeyError("simulated bug")
 
-    monkeypatch.setattr(rig.router.completions, "_handoff", broken)
+    monkeypatch.setattr(prefill_leg, "read_handoff", broken)
     err = _error(httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=10), 500, "internal_error")
     assert "simulated bug" not in err["message"] and "request_id=" in err["message"]
     rig.assert_no_leaks()

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from connector.protocol import PROTOCOL_VERSION
 from pd_router.wire import ReadinessReport
+from pd_wire.handoff import PROTOCOL_VERSION
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
 from tests.router.conftest import MODEL
 

@@ -9,17 +9,10 @@ import pytest
 from openai import AsyncOpenAI
 
 from tests.router.conftest import MODEL, raw_completion
+from tests.waits import eventually
 
 N_CLIENTS = 200
 TOKENS = 4
-
-
-async def _until(predicate, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("timed out")
-        await asyncio.sleep(0.001)
 
 
 @pytest.mark.timeout(120)
@@ -52,9 +45,10 @@ async def test_200_streaming_clients_fifo(make_rig):
     for i in range(N_CLIENTS):  # one at a time, so that the arrival order is known
         tasks.append(asyncio.create_task(one(i)))
         if i < 2:
-            await _until(lambda i=i: len(arrived()) == i + 1)
+            await eventually(lambda i=i: len(arrived()) == i + 1, 10.0, f"client {i} at a decode server",
+                             interval=0.001)
         else:
-            await _until(lambda i=i: pool.queue_depth == i - 1)
+            await eventually(lambda i=i: pool.queue_depth == i - 1, 10.0, f"client {i} queued", interval=0.001)
     assert rig.state.pool.leased() == 2
     async with httpx.AsyncClient(timeout=10) as http:
         for served in range(N_CLIENTS):  # free one slot at a time: exactly one waiter may move up
@@ -62,10 +56,11 @@ async def test_200_streaming_clients_fifo(make_rig):
             holder = next(d for d in rig.decodes if oldest in d.app.records.requests)
             await http.post(holder.url + "/fake/release", json={"request_id": oldest["request_id"]})
             rid, fake, want = oldest["request_id"], holder.app, min(N_CLIENTS, served + 3)
-            await _until(
+            await eventually(
                 lambda rid=rid, fake=fake, want=want: (
                     rid not in fake.records.active and len(arrived()) >= want
-                )
+                ),
+                10.0, f"{rid} to end and {want} clients at the decode servers", interval=0.001,
             )
     texts = await asyncio.wait_for(asyncio.gather(*tasks), 60)
     await client.close()

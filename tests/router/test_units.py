@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from connector.protocol import PROTOCOL_VERSION, PeerStatus
-from decode_server.contract import DecodeCapabilities
 from pd_router.api import Endpoint, decode_body, parse_request, prefill_body
 from pd_router.backends import Backends
 from pd_router.errors import InvalidRequest, NoHealthyBackend, Overloaded
 from pd_router.slots import SlotPool
+from pd_wire.decode import DecodeCapabilities
+from pd_wire.handoff import PROTOCOL_VERSION, PeerStatus
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,7 +11,8 @@ from connector import sender as sender_module
 from connector.control import ControlClient
 from connector.kv_errors import AdmissionRefused, ControlChannelError, HandshakeRejected
 from connector.layout import cpu_mla_layout, glm5_fp8_ds_mla_layout, layout_fingerprint
-from connector.protocol import PROTOCOL_VERSION, Admit, Hello, Refused, Reject
+from connector.protocol import Admit, Hello, Refused, Reject
+from pd_wire.handoff import PROTOCOL_VERSION
 from tests.connector.transport.helpers import assert_no_leaks
 
 pytestmark = pytest.mark.timeout(30)

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from connector.protocol import HandoffResult
 from decode_server.tiny_model import VLLM_CPU_EXACT_ARGS
 from pd_deploy.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
+from pd_wire.handoff import HandoffResult
 from tests.procs import ServerProcess, free_port, python_argv, server
 
 HERE = Path(__file__).resolve().parent

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from pd_build.info import BuildInfo, collect
 from pd_build.prometheus import parse
+from pd_deploy.recipe.fingerprint_model import Fingerprint, RecipeRecord, ServiceRecord, StepRecord
 from pd_deploy.recipe.plan import Plan, Step
 from pd_deploy.recipe.render import masked, substitute
-from pd_deploy.report.model import Fingerprint, RecipeRecord, ServiceRecord, StepRecord
 
 RECIPE_COPY = "recipe.yaml"  # in JOB_DIR/plan: the recipe's bytes, as rendered
 RECIPE_SOURCE = "recipe.source"  # in JOB_DIR/plan: the path it was rendered from

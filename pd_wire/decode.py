@@ -1,11 +1,11 @@
 """The decode-server HTTP contract: what a decode server serves and its clients (the
 router, the local launcher) read. Wire types only: this module imports pydantic and
-:mod:`connector.protocol` (the KV handoff's wire types), nothing else of ours.
+:mod:`pd_wire.handoff`, nothing else.
 
 A decode server speaks the OpenAI API itself:
 
 * ``POST /v1/completions`` and ``POST /v1/chat/completions`` take the client's
-  original body plus ``kv_transfer_params`` (a :class:`connector.protocol.HandoffResult`)
+  original body plus ``kv_transfer_params`` (a :class:`pd_wire.handoff.HandoffResult`)
   and answer exactly as an OpenAI server would (SSE when ``stream`` is true, else
   one JSON body; errors OpenAI-shaped). The router relays these bytes unchanged.
   The request id travels in the ``X-Request-Id`` header on both legs.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from connector.protocol import PeerStatus
+from pd_wire.handoff import PeerStatus
 
 CAPABILITIES_PATH = "/v1/pd/capabilities"
 CANCEL_PATH = "/v1/pd/cancel"
@@ -34,7 +34,7 @@ class EngineFeatures(BaseModel):
     """What a decode engine honours beyond temperature / top-p / top-k sampling, as its
     decode server advertises it (``DecodeCapabilities.features``). One flag per request
     feature; a request needing one that is false is refused with a 400 by
-    :func:`decode_server.request_check.unsupported`, in the router before prefill and in
+    :func:`pd_wire.requests.unsupported`, in the router before prefill and in
     the decode server itself. A new feature is a new flag, false by default (so an older
     server that does not send it is taken not to support it)."""
 

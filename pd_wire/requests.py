@@ -5,11 +5,10 @@ engine supports: ONE definition, used twice.
   :func:`unsupported` (after prefill ran: the KV is already there).
 * The router runs the same two checks on the body it will send to the decode server
   before it sends anything to prefill (:mod:`pd_router.decode_check`), against the
-  :class:`~decode_server.contract.EngineFeatures` the leased decode server advertises, so
+  :class:`~pd_wire.decode.EngineFeatures` the leased decode server advertises, so
   a request the decode server would refuse gets the same 400 without costing a prefill.
 
-Wire-level code: pydantic, :mod:`decode_server.contract` and :mod:`connector.protocol`
-only (the router may import it; import-linter contract ``decode-request-check``).
+Wire-level code: pydantic, the rest of :mod:`pd_wire` and :mod:`pd_grammar` only.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from connector.protocol import HandoffResult
-from decode_server.contract import EngineFeatures
 from pd_grammar.spec import grammar_param
+from pd_wire.decode import EngineFeatures
+from pd_wire.handoff import HandoffResult
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's sampling epsilon (and TileRT's)

@@ -1,0 +1,76 @@
+"""One request's context in the router (:class:`RequestContext`), the ids of its KV
+handoffs, and the failure that lets it run again on another decode server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pd_http.chunk_writer import ChunkWriter
+from pd_http.tracing import Span
+from pd_router.api import Endpoint
+from pd_router.asgi import Send, respond
+from pd_router.errors import RouterError
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
+
+class DecodeLegFailed(Exception):
+    """The decode server failed before any byte reached the client (connection refused, 5xx,
+    KV handoff failed, the connection lost before its first chunk): the request may run
+    again on another decode server (:meth:`CompletionHandler._serve`, once)."""
+
+    def __init__(self, error: RouterError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def attempt_handoff_id(request_id: str, attempt: int) -> str:
+    """The KV handoff id of a request's ``attempt``-th prefill: the request id, then a new
+    id per retry, so that a retry's handoff is never confused with (or cancelled as) an
+    earlier one's on the decode server."""
+    return request_id if attempt == 0 else f"{request_id[:240]}#{attempt}"
+
+
+@dataclass(eq=False)
+class RequestContext:
+    """One request on its way through the router: what each stage sets, what the access
+    log, the metrics and the trace read at its end."""
+
+    endpoint: Endpoint
+    request_id: str
+    start: float
+    send: Send
+    stage: str = "validating"
+    model: str = ""  # the model_name label: set once the model is known to be served
+    prompt_tokens: int = 0  # as prefill counted them (our connector's handoff)
+    ttft: float | None = None  # seconds from ``start`` to the first token relayed (the whole answer unstreamed)
+    leased: float | None = None  # seconds from ``start`` to its first decode slot lease (the end of its queue wait)
+    status: int = 0
+    error_type: str = ""
+    started: bool = False  # response headers sent
+    finished: bool = False  # last byte sent (or being sent)
+    disconnected: bool = False
+    cut_off: bool = False  # ended by the router's drain (--drain-timeout passed)
+    raw: bytes = b""  # the client's body as received
+    writer: ChunkWriter | None = None  # writes the streamed answer's chunks to the client (None: ``send`` does)
+    prompt_logprobs: Any = None  # prefill's, for a client that asked (merged into the decode answer)
+    span: Span | None = None  # the request's root span (tracing on)
+    trace: Context | None = None  # its context: the parent of the stage spans
+
+    async def fail(self, err: RouterError) -> None:
+        self.status, self.error_type = err.status, err.type
+        if self.started:  # the stream began: end it with an error event
+            self.finished = True
+            await self.send({"type": "http.response.body", "body": err.sse_event(), "more_body": False})
+            return
+        self.finished = True
+        ctype = getattr(err, "content_type", b"application/json")
+        await respond(
+            self.send,
+            err.status,
+            err.body(),
+            ctype,
+            [(b"x-request-id", self.request_id.encode()), *err.headers()],
+        )

@@ -1,0 +1,206 @@
+"""The prefill leg: the request to a prefill server with the KV handoff's target (the
+least-loaded healthy one, one retry elsewhere on a connection failure), the prompt's
+logprobs asked of another at the same time, and the ``kv_transfer_params`` its answer
+carries for decode; and a request a prefill server answers alone (echo with logprobs)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from pd_grammar.spec import GrammarSpec
+from pd_http.tracing import Span, SpanKind, Tracing
+from pd_router import decode_check, observe, upstream
+from pd_router.api import VLLM_REMOTE_DECODE_PARAMS, ChatCompletionRequest, OpenAIRequest, prefill_body
+from pd_router.asgi import respond
+from pd_router.context import RequestContext
+from pd_router.errors import BadUpstream, NoHealthyBackend, PromptTooLong, RouterError
+from pd_router.slots import Lease, Requeue
+from pd_wire.handoff import HandoffResult, HandoffTarget
+
+if TYPE_CHECKING:
+    from pd_router.state import RouterState
+
+
+class HandoffFailed(BadUpstream):
+    """Prefill ran but its KV did not reach the decode server (unreachable, rejected,
+    transfer failed): a failure of the decode leg, before anything reached the client."""
+
+
+
+async def prefill(
+    state: RouterState, ctx: RequestContext, lease: Lease, body: dict[str, Any], request: OpenAIRequest,
+    handoff_id: str, grammar: GrammarSpec | None = None,
+) -> dict[str, Any]:
+    decode = lease.backend
+    if decode.capabilities is None:
+        target: Mapping[str, Any] = VLLM_REMOTE_DECODE_PARAMS
+    else:
+        target = HandoffTarget(handoff_id=handoff_id, kv_endpoint=decode.capabilities.kv_endpoint).model_dump()
+    side: asyncio.Future[dict[str, Any]] | None = None
+    if body.get("prompt_logprobs") is not None:  # asked of a prefill server apart, at the same time
+        side = asyncio.ensure_future(prompt_logprobs(state, ctx, body, request.model))
+        body = {k: v for k, v in body.items() if k != "prompt_logprobs"}
+    try:
+        answer = await prefill_leg(state, ctx, body, request, handoff_id, target, grammar)
+        if side is not None:
+            ctx.prompt_logprobs = decode_check.prompt_logprobs_of(await side)
+    finally:
+        if side is not None and not side.done():
+            side.cancel()
+        elif side is not None and not side.cancelled():
+            side.exception()  # retrieved: the PD prefill's own failure is the one raised
+    with observe.span(state, ctx, "handoff") as span:
+        params = read_handoff(state, lease, answer, request, handoff_id, span)
+    tokens = params.get("num_prompt_tokens")
+    ctx.prompt_tokens = tokens if isinstance(tokens, int) else 0
+    return params
+
+
+async def prompt_logprobs(state: RouterState, ctx: RequestContext, body: dict[str, Any], model: str) -> dict[str, Any]:
+    """vLLM schedules a request with ``prompt_logprobs`` without asking the KV connector
+    first (it skips the prefix-cache lookup, where the connector holds a request back
+    until its decode server admitted the KV): the prompt's logprobs come from a plain
+    one-token request to a prefill server, run next to the PD prefill."""
+    return await plain_prefill(state, ctx, model, decode_check.prompt_logprobs_body(ctx.endpoint, body),
+                                     f"{ctx.request_id[:240]}~plp")
+
+
+async def plain_prefill(state: RouterState, ctx: RequestContext, model: str, data: bytes,
+                        request_id: str) -> dict[str, Any]:
+    """``data`` (no ``kv_transfer_params``: vLLM's KV connector leaves it alone) to the
+    least-loaded prefill server serving ``model``; its JSON answer."""
+    backend = state.backends.pick_prefill(model)
+    if backend is None:
+        raise NoHealthyBackend(f"no healthy prefill server for model {model!r}")
+    backend.sent()
+    try:
+        return await upstream.prefill(state.upstream, backend.target, ctx.endpoint.value, data, request_id,
+                                      state.settings.prefill_timeout)
+    finally:
+        backend.in_flight -= 1
+
+
+async def prefill_alone(state: RouterState, ctx: RequestContext, body: dict[str, Any], model: str) -> None:
+    """The whole request to a prefill server (:func:`decode_check.served_by_prefill`), its
+    answer relayed as it is: vLLM's own echo and logprobs."""
+    ctx.stage = "prefill"
+    answer = await plain_prefill(state, ctx, model, json.dumps(body).encode(), ctx.request_id)
+    usage = answer.get("usage")
+    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    ctx.prompt_tokens = tokens if isinstance(tokens, int) else 0
+    ctx.status, ctx.finished = 200, True
+    ctx.ttft = perf_counter() - ctx.start
+    await respond(ctx.send, 200, json.dumps(answer).encode(), b"application/json",
+                  [(b"x-request-id", ctx.request_id.encode())])
+
+
+async def prefill_leg(
+    state: RouterState, ctx: RequestContext, body: dict[str, Any], request: OpenAIRequest, handoff_id: str,
+    target: Mapping[str, Any], grammar: GrammarSpec | None,
+) -> dict[str, Any]:
+    data = prefill_body(ctx.endpoint, body, target, grammar)
+    t0 = perf_counter()
+    failed: upstream.Unreachable | None = None
+    failed_backend = None
+    with observe.span(state, ctx, "prefill", SpanKind.CLIENT) as span:
+        trace = None
+        if span is not None:
+            span.set_attribute("pd.handoff_id", handoff_id)
+            trace = Tracing.headers(span)  # vLLM parents its request span on it
+        for attempt in (0, 1):
+            backend = state.backends.pick_prefill(request.model, exclude=failed_backend)
+            if backend is None:
+                if failed is not None:
+                    raise failed
+                raise NoHealthyBackend(f"no healthy prefill server for model {request.model!r}")
+            if span is not None:
+                span.set_attributes({"pd.prefill.backend": backend.url, "pd.prefill.tries": attempt + 1})
+            backend.sent()
+            try:
+                answer = await upstream.prefill(state.upstream, backend.target, ctx.endpoint.value, data,
+                                                ctx.request_id, state.settings.prefill_timeout, trace)
+                break
+            except upstream.Unreachable as err:
+                state.upstream_failed("prefill", backend, err, mark_down=True)
+                if attempt:
+                    raise
+                failed, failed_backend = err, backend
+            except RouterError as err:  # a lost connection: the server is down until a probe says otherwise
+                state.upstream_failed("prefill", backend, err,
+                                      mark_down=isinstance(err, upstream.ConnectionLost))
+                raise
+            finally:
+                backend.in_flight -= 1
+    state.metrics.prefill_latency.observe(perf_counter() - t0)
+    return answer
+
+
+def read_handoff(
+    state: RouterState, lease: Lease, answer: dict[str, Any], request: OpenAIRequest, handoff_id: str,
+    span: Span | None = None,
+) -> dict[str, Any]:
+    """The ``kv_transfer_params`` for decode, from the prefill answer."""
+    params = answer.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        raise BadUpstream(
+            "prefill answer carries no kv_transfer_params (is the KV connector configured?)"
+        )
+    if lease.backend.capabilities is None:
+        return params  # plain vLLM decode: as prefill returned them
+    try:
+        result = HandoffResult.model_validate(params)
+    except ValidationError as exc:
+        raise BadUpstream(
+            f"prefill returned invalid kv_transfer_params: {exc.errors()[0]['msg']} "
+            f"at {'.'.join(map(str, exc.errors()[0]['loc']))}"
+        ) from None
+    if span is not None:
+        span.set_attributes(_handoff_attributes(result))
+    if result.status == "failed":
+        if result.reason == "busy":  # no free KV receive slot: wait for one, not a client error
+            raise Requeue("kv_receive_slot", f"KV handoff to {result.kv_endpoint} refused: {result.error}")
+        if result.reason in ("cancelled", "duplicate"):  # the id is still known there: take a new one
+            raise Requeue("stale_handoff_id", f"KV handoff id {handoff_id!r} refused by "
+                                              f"{result.kv_endpoint}: {result.error}", busy=False)
+        if result.reason == "too_long":
+            raise PromptTooLong(
+                f"the prompt ({result.num_prompt_tokens} tokens) does not fit the decode server: "
+                f"{result.error}",
+                param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+            )
+        raise HandoffFailed(f"KV handoff to {result.kv_endpoint} failed ({result.reason}): {result.error}")
+    if result.handoff_id != handoff_id:
+        raise BadUpstream(f"prefill returned handoff {result.handoff_id!r}, expected {handoff_id!r}")
+    state.pool.served(lease.backend)
+    ids = decode_check.prompt_token_ids(answer)  # there when the prefill leg asked (prefill_fields)
+    if ids is not None:
+        result = result.model_copy(update={"prompt_token_ids": ids})
+    if request.wants_logprobs():
+        choices = answer.get("choices")
+        logprobs = (
+            choices[0].get("logprobs")
+            if isinstance(choices, list) and choices and isinstance(choices[0], dict)
+            else None
+        )
+        if isinstance(logprobs, dict):
+            result = result.model_copy(update={"prefill_logprobs": logprobs})
+    return result.model_dump()
+
+
+def _handoff_attributes(result: HandoffResult) -> dict[str, str | int]:
+    """What prefill said of the KV handoff, as span attributes."""
+    attrs: dict[str, str | int] = {"pd.handoff.status": result.status, "pd.handoff.kv_endpoint": result.kv_endpoint,
+                                   "pd.handoff.prompt_tokens": result.num_prompt_tokens}
+    if result.reason is not None:
+        attrs["pd.handoff.reason"] = result.reason
+    if result.layers_early is not None:
+        attrs["pd.handoff.layers_early"] = result.layers_early
+    if result.layers_late is not None:
+        attrs["pd.handoff.layers_late"] = result.layers_late
+    return attrs

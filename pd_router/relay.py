@@ -1,0 +1,174 @@
+"""The decode leg: open the decode server's answer and relay it to the client, a JSON body
+whole or an SSE stream chunk by chunk (after the first chunk, from the upstream connection's
+callback through the request's :class:`~pd_http.chunk_writer.ChunkWriter`: no task switch
+per token), with its TTFT, TPOT and ITL."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+from pd_http.chunk_writer import ChunkWriter
+from pd_router import decode_check, upstream
+from pd_router.api import OpenAIRequest, decode_body
+from pd_router.asgi import SSE, respond
+from pd_router.backends import DecodeBackend
+from pd_router.context import RequestContext
+from pd_router.errors import BadUpstream, RouterError, UpstreamRejected
+from pd_router.rawhttp import Response, UpstreamError
+from pd_router.slots import Lease, Requeue
+
+if TYPE_CHECKING:
+    from pd_router.metrics import TokenHistogram
+    from pd_router.state import RouterState
+
+_DONE = b"data: [DONE]"
+
+
+async def decode(
+    state: RouterState, ctx: RequestContext, lease: Lease, body: dict[str, Any], request: OpenAIRequest,
+    kv_params: dict[str, Any], trace: Mapping[str, str] | None = None,
+) -> bool:
+    """Relay the decode answer; True when it ended cleanly. ``trace``: the ``traceparent`` header."""
+    backend = lease.backend
+    data = decode_body(ctx.raw, body, kv_params)
+    try:
+        resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.value, data,
+                                          ctx.request_id, state.settings.decode_timeout, trace)
+    except UpstreamRejected as err:
+        # 429: no slot for this request there (its lease ran out, or a server without
+        # leases whose slot this router counted free): wait for a slot again
+        if err.status != 429:
+            raise
+        raise Requeue("engine_slot", f"decode server {backend.url} busy (429): {err.message}") from None
+        # any other failure to open: the caller marks the server down and may fail over
+    try:
+        if request.stream:
+            return await relay_stream(state, ctx, resp, backend)
+        try:
+            data = await resp.read()
+        except UpstreamError as exc:  # nothing reached the client: the caller may fail over
+            raise mid_answer_error(state, backend, exc) from None
+        if ctx.prompt_logprobs is not None or body.get("echo"):
+            data = decode_check.merged(ctx.endpoint, data, body, ctx.prompt_logprobs)
+        ctx.status, ctx.finished = 200, True
+        ctx.ttft = perf_counter() - ctx.start
+        state.metrics.child(state.metrics.ttft, ctx.endpoint.label, ctx.model).observe(ctx.ttft)
+        await respond(
+            ctx.send,
+            200,
+            data,
+            resp.headers.get(b"content-type", b"application/json"),
+            [(b"x-request-id", ctx.request_id.encode())],
+        )
+        return True
+    finally:
+        resp.release()
+
+
+async def relay_stream(state: RouterState, ctx: RequestContext, resp: Response, backend: DecodeBackend) -> bool:
+    """Relay the SSE stream. The response starts with the decode server's first chunk, so
+    that a server failing before it costs the client nothing but a failover; a failure
+    after it ends the stream with an error event and marks the server down at once.
+    After the first chunk, each chunk goes to the client from the upstream connection's
+    callback through the request's :class:`ChunkWriter` where the server gives one (no
+    task switch per token); what it declines comes here and goes through ``send``."""
+    send = ctx.send
+    tally = Tally(state.metrics.itl, ctx.writer)
+    try:
+        async for chunk in resp:
+            now = perf_counter()
+            if not tally.chunks:
+                tally.t_first = now
+                ctx.ttft = now - ctx.start
+                state.metrics.child(state.metrics.ttft, ctx.endpoint.label, ctx.model).observe(ctx.ttft)
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [
+                            (b"content-type", resp.headers.get(b"content-type", SSE)),
+                            (b"cache-control", b"no-cache"),
+                            (b"x-request-id", ctx.request_id.encode()),
+                        ],
+                    }
+                )
+                ctx.started, ctx.status = True, 200
+            tally.note(chunk, now)
+            tally.sending = True  # until this chunk is written, later ones wait behind it
+            try:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            finally:
+                tally.sending = False
+            if tally.writer is not None:
+                resp.sink = tally
+    except UpstreamError as exc:
+        err = mid_answer_error(state, backend, exc)
+        if not ctx.started:
+            raise err from None
+        state.upstream_failed("decode", backend, err, mark_down=True)
+        await ctx.fail(err)
+        return False
+    finally:
+        resp.sink = None
+    if not (tally.prev[-16:] + tally.last).rstrip().endswith(_DONE):
+        err2 = BadUpstream(f"decode server {backend.url} ended the stream without data: [DONE]")
+        if not ctx.started:
+            raise err2
+        state.upstream_failed("decode", backend, err2, mark_down=True)
+        await ctx.fail(err2)
+        return False
+    ctx.finished = True
+    if tally.chunks > 1:
+        state.metrics.child(state.metrics.tpot, ctx.endpoint.label, ctx.model).observe(
+            (tally.t_prev - tally.t_first) / (tally.chunks - 1))
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return True
+
+
+def mid_answer_error(state: RouterState, backend: DecodeBackend, exc: UpstreamError) -> RouterError:
+    return upstream.map_error(
+        "decode", backend.target, exc, f"--decode-timeout {state.settings.decode_timeout:g}s"
+    )
+
+
+
+class Tally:
+    """A relayed stream's chunks (their count, times and last bytes, for the ``[DONE]`` check
+    and the metrics) and, with a writer, the upstream's :class:`~pd_router.rawhttp.Sink`: the
+    chunks of one upstream read go to the client as one write, from the connection's callback."""
+
+    __slots__ = ("itl", "writer", "chunks", "t_first", "t_prev", "prev", "last", "sending", "_pending")
+
+    def __init__(self, itl: TokenHistogram, writer: ChunkWriter | None) -> None:
+        self.itl, self.writer = itl, writer
+        self.chunks = 0
+        # the relay task is in ``send`` with a chunk: uvicorn may be waiting for the client to
+        # drain before writing it, and a chunk written past it now would overtake it
+        self.sending = False
+        self.t_first = self.t_prev = 0.0
+        self.prev = self.last = b""
+        self._pending: list[bytes] = []
+
+    def note(self, chunk: bytes, now: float) -> None:
+        if self.chunks:
+            self.itl.observe(now - self.t_prev)
+        self.chunks += 1
+        self.t_prev = now
+        self.prev, self.last = self.last, chunk
+
+    def take(self, chunk: bytes) -> bool:
+        """Taken when the client's connection can be written to now (it stays so until
+        :meth:`flush`: both run in one callback of the event loop)."""
+        if not self._pending and (self.sending or self.writer is None or not self.writer.writable()):
+            return False
+        self._pending.append(chunk)
+        self.note(chunk, perf_counter())
+        return True
+
+    def flush(self) -> None:
+        pending = self._pending
+        if pending and self.writer is not None:
+            self.writer.write(pending[0] if len(pending) == 1 else b"".join(pending))
+            pending.clear()
