@@ -14,7 +14,13 @@
   (:func:`prefill_overrides`).
 
 Every refusal is a :class:`StructuredOutputError` naming the parameter; schemas are
-bounded in size and nesting depth (:class:`SchemaLimits`)."""
+bounded in size and nesting depth (:class:`SchemaLimits`).
+
+Two depths of check (``compile``): the router checks a grammar's form, bounds and JSON-schema
+validity with jsonschema alone, never importing xgrammar (which loads torch and transformers);
+the decode server, where the engine and its grammar matcher live, also compiles it. The
+structural tag is written here as xgrammar's documented JSON (not with its pydantic classes),
+so that building it needs no xgrammar either."""
 
 from __future__ import annotations
 
@@ -89,8 +95,8 @@ def _depth(value: Any) -> int:
     return depth
 
 
-def check_schema(schema: Any, param: str, limits: SchemaLimits) -> str:
-    """A JSON schema, bounded and valid (its metaschema, then xgrammar), as compact JSON text."""
+def check_schema(schema: Any, param: str, limits: SchemaLimits, compile: bool = True) -> str:
+    """A JSON schema, bounded and valid (its metaschema, then, with ``compile``, xgrammar), as JSON text."""
     if not isinstance(schema, (dict, bool)):
         raise StructuredOutputError(f"{param} must be a JSON schema (an object), got {type(schema).__name__}", param)
     text = json.dumps(schema, ensure_ascii=False)
@@ -116,6 +122,8 @@ def check_schema(schema: Any, param: str, limits: SchemaLimits) -> str:
     except Exception as exc:  # e.g. a $schema naming an unknown metaschema, a $ref that does not resolve
         raise StructuredOutputError(f"{param} is not a valid JSON schema: {type(exc).__name__}: {exc}",
                                     param) from None
+    if not compile:
+        return text
     import xgrammar
 
     try:
@@ -125,7 +133,7 @@ def check_schema(schema: Any, param: str, limits: SchemaLimits) -> str:
     return text
 
 
-def _from_response_format(fmt: Any, limits: SchemaLimits) -> GrammarSpec | None:
+def _from_response_format(fmt: Any, limits: SchemaLimits, compile: bool) -> GrammarSpec | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
@@ -140,13 +148,13 @@ def _from_response_format(fmt: Any, limits: SchemaLimits) -> GrammarSpec | None:
         if not isinstance(spec, dict) or "schema" not in spec:
             raise StructuredOutputError("response_format.json_schema must be an object with a 'schema'",
                                         "response_format.json_schema")
-        text = check_schema(spec["schema"], "response_format.json_schema.schema", limits)
+        text = check_schema(spec["schema"], "response_format.json_schema.schema", limits, compile)
         return GrammarSpec(kind="json_schema", source=text)
     raise StructuredOutputError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
                                 "response_format.type")
 
 
-def _function_tools(tools: Any, limits: SchemaLimits) -> dict[str, Any]:
+def _function_tools(tools: Any, limits: SchemaLimits, compile: bool) -> dict[str, Any]:
     """name -> the tool's parameters schema (``{}`` for none), in the order given."""
     if not isinstance(tools, list) or not tools:
         raise StructuredOutputError("tool_choice 'required' or a named function needs a non-empty 'tools' list",
@@ -159,19 +167,20 @@ def _function_tools(tools: Any, limits: SchemaLimits) -> dict[str, Any]:
         params = fn.get("parameters")
         if params is None:
             params = {"type": "object", "properties": {}}
-        check_schema(params, f"tools[{i}].function.parameters", limits)
+        check_schema(params, f"tools[{i}].function.parameters", limits, compile)
         out[fn["name"]] = params
     return out
 
 
-def _tool_tag(name: str, params: Any) -> Any:
-    from xgrammar.structural_tag import JSONSchemaFormat, TagFormat
+def _tool_tag(name: str, params: Any) -> dict[str, Any]:
+    """One GLM tool call as an xgrammar structural-tag ``tag`` format."""
+    return {"type": "tag", "begin": f"<tool_call>{name}",
+            "content": {"type": "json_schema", "json_schema": params, "style": "glm_xml",
+                        "max_whitespace_cnt": TOOL_CALL_MAX_WHITESPACE},
+            "end": "</tool_call>"}
 
-    return TagFormat(begin=f"<tool_call>{name}", content=JSONSchemaFormat(
-        json_schema=params, style="glm_xml", max_whitespace_cnt=TOOL_CALL_MAX_WHITESPACE), end="</tool_call>")
 
-
-def _from_tool_choice(choice: Any, tools: Any, limits: SchemaLimits) -> GrammarSpec | None:
+def _from_tool_choice(choice: Any, tools: Any, limits: SchemaLimits, compile: bool) -> GrammarSpec | None:
     if choice is None or choice in ("none", "auto"):
         return None
     if choice == "required":
@@ -182,25 +191,24 @@ def _from_tool_choice(choice: Any, tools: Any, limits: SchemaLimits) -> GrammarS
     else:
         raise StructuredOutputError("tool_choice must be 'none', 'auto', 'required' or "
                                     "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
-    by_name = _function_tools(tools, limits)
-    from xgrammar.structural_tag import StructuralTag, TagsWithSeparatorFormat
-
+    by_name = _function_tools(tools, limits, compile)
     if named is not None:
         if named not in by_name:
             raise StructuredOutputError(f"tool_choice names {named!r}, which is not among the tools "
                                         f"{sorted(by_name)}", "tool_choice.function.name")
-        tag = StructuralTag(format=_tool_tag(named, by_name[named]))
+        fmt = _tool_tag(named, by_name[named])
     else:
-        tag = StructuralTag(format=TagsWithSeparatorFormat(
-            tags=[_tool_tag(n, p) for n, p in by_name.items()], separator="", at_least_one=True))
-    source = tag.model_dump_json()
-    import xgrammar
+        fmt = {"type": "tags_with_separator", "tags": [_tool_tag(n, p) for n, p in by_name.items()],
+               "separator": "", "at_least_one": True}
+    source = json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False, separators=COMPACT_SEPARATORS)
+    if compile:
+        import xgrammar
 
-    try:
-        xgrammar.Grammar.from_structural_tag(source)
-    except Exception as exc:
-        raise StructuredOutputError(f"the tools' parameters cannot be compiled for tool_choice: {exc}",
-                                    "tools") from None
+        try:
+            xgrammar.Grammar.from_structural_tag(source)
+        except Exception as exc:
+            raise StructuredOutputError(f"the tools' parameters cannot be compiled for tool_choice: {exc}",
+                                        "tools") from None
     return GrammarSpec(kind="structural_tag", source=source)
 
 
@@ -237,14 +245,15 @@ def warm_up(compiler: bool = True) -> None:
         import xgrammar  # noqa: F401
 
 
-def grammar_spec(body: Mapping[str, Any], limits: SchemaLimits, chat: bool) -> GrammarSpec | None:
+def grammar_spec(body: Mapping[str, Any], limits: SchemaLimits, chat: bool, compile: bool = True) -> GrammarSpec | None:
     """The grammar ``body`` asks for, or None; :class:`StructuredOutputError` when it
-    cannot be served."""
+    cannot be served. ``compile=False`` (the router): every check but xgrammar's compilation,
+    and no import of xgrammar; the same ``source``."""
     for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         if body.get(name) is not None:
             raise StructuredOutputError(f"{name} is not supported; use response_format", name)
-    from_format = _from_response_format(body.get("response_format"), limits)
-    from_tools = _from_tool_choice(body.get("tool_choice"), body.get("tools"), limits) if chat else None
+    from_format = _from_response_format(body.get("response_format"), limits, compile)
+    from_tools = _from_tool_choice(body.get("tool_choice"), body.get("tools"), limits, compile) if chat else None
     if from_format is not None and from_tools is not None:
         raise StructuredOutputError("response_format and tool_choice 'required'/named cannot be combined",
                                     "response_format")

@@ -1,67 +1,20 @@
 """The OpenAI request bodies the router accepts, and the two rewrites it makes.
 
-Only the fields the router reads are declared; every other field passes through to
-prefill and decode untouched (``extra="allow"``).
+A body is parsed once, with its endpoint's model from :mod:`pd_wire.requests` (the decode
+server's own), plus the rules of a client-facing server (:func:`parse_request`); every field
+passes through to prefill and decode untouched (``extra="allow"``).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
 from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, grammar_spec, prefill_overrides
 from pd_router.errors import InvalidRequest
-
-
-class Endpoint(StrEnum):
-    CHAT = "/v1/chat/completions"
-    COMPLETIONS = "/v1/completions"
-
-    @property
-    def label(self) -> str:
-        return "chat" if self is Endpoint.CHAT else "completions"
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str = Field(min_length=1)
-    stream: bool = False
-    max_tokens: int | None = Field(None, ge=1)
-    stream_options: dict[str, Any] | None = None
-
-
-class ChatCompletionRequest(_Common):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0)
-
-    def wants_logprobs(self) -> bool:
-        return bool(self.logprobs)
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[Any] = Field(min_length=1)
-    logprobs: int | None = Field(None, ge=0)
-    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (parse_request): the prompt's logprobs alone
-
-    def wants_logprobs(self) -> bool:
-        return self.logprobs is not None
-
-
-OpenAIRequest = ChatCompletionRequest | CompletionRequest
-_MODELS: Mapping[Endpoint, type[ChatCompletionRequest] | type[CompletionRequest]] = MappingProxyType(
-    {
-        Endpoint.CHAT: ChatCompletionRequest,
-        Endpoint.COMPLETIONS: CompletionRequest,
-    }
-)
+from pd_wire.requests import ChatCompletionRequest, CompletionRequest, Endpoint, OpenAIRequest, Refusal, parse
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
@@ -80,15 +33,21 @@ def json_object(raw: bytes) -> dict[str, Any]:
 def parse_request(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], OpenAIRequest]:
     """The body as a dict (what is forwarded) and its validated view; 400 otherwise."""
     body = json_object(raw)
-    try:
-        request = _MODELS[endpoint].model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise InvalidRequest(f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
-    if isinstance(request, CompletionRequest) and request.max_tokens == 0 and body.get("echo") is not True:
-        raise InvalidRequest("max_tokens: Input should be greater than or equal to 1 (0 only with echo: the "
-                             "prompt's logprobs alone)", param="max_tokens")
+    request = parse(endpoint, body)
+    if isinstance(request, Refusal):
+        raise InvalidRequest(request.message, param=request.param)
+    if request.model is None:
+        raise InvalidRequest("model: Field required", param="model")
+    if isinstance(request, ChatCompletionRequest) and not request.messages:
+        raise InvalidRequest("messages: List should have at least 1 item after validation, not 0", param="messages")
+    if isinstance(request, CompletionRequest):
+        prompt = request.prompt
+        if not isinstance(prompt, (str, list)) or not prompt:
+            raise InvalidRequest("prompt: a non-empty string or list (of strings or token ids) is required",
+                                 param="prompt")
+        if request.max_tokens == 0 and request.echo is not True:
+            raise InvalidRequest("max_tokens: Input should be greater than or equal to 1 (0 only with echo: the "
+                                 "prompt's logprobs alone)", param="max_tokens")
     if request.stream_options is not None and not request.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     return body, request
@@ -111,7 +70,7 @@ def structured_output(endpoint: Endpoint, body: Mapping[str, Any], limits: Schem
     """The grammar the request's output must follow (``response_format``, ``tool_choice``
     required/named), checked before any prefill: a bad or oversized schema is a 400 naming it."""
     try:
-        return grammar_spec(body, limits, chat=endpoint is Endpoint.CHAT)
+        return grammar_spec(body, limits, chat=endpoint is Endpoint.CHAT, compile=False)
     except StructuredOutputError as exc:
         raise InvalidRequest(exc.message, param=exc.param) from None
 

@@ -24,7 +24,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pd_router import tokens
 from pd_router.admin import add_admin_routes
-from pd_router.api import Endpoint
 from pd_router.asgi import Receive, Scope, Send
 from pd_router.errors import InvalidRequest, MethodNotAllowed, NotFound, RouterError, Unauthorized
 from pd_router.handler import CompletionHandler
@@ -32,12 +31,13 @@ from pd_router.settings import RouterSettings
 from pd_router.state import RouterState
 from pd_router.versions import version_report
 from pd_router.wire import ModelCard, ModelList, VersionReport
+from pd_wire.requests import Endpoint
 
 if TYPE_CHECKING:
     from pd_http.tracing import Tracing
     from pd_settings.servers import Resolver
 
-_ROUTES = MappingProxyType({e.value: e for e in Endpoint})
+_ROUTES = MappingProxyType({e.path: e for e in Endpoint})
 RESPONSES_PATH = "/v1/responses"
 
 

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 from pd_http.chunk_writer import ChunkWriter
 from pd_http.tracing import Span
-from pd_router.api import Endpoint
 from pd_router.asgi import Send, respond
 from pd_router.errors import RouterError
+from pd_wire.requests import Endpoint
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

@@ -2,10 +2,11 @@
 
 The decode server validates the body it gets (the client's body plus
 ``kv_transfer_params``) with :mod:`pd_wire.requests` and refuses what its
-engine cannot do; by then prefill has run and pushed the KV. The router runs the same
-checks first: the body's validation once (:func:`parse`, engine-independent), then, once a
-decode slot is leased, the features that server advertises (:func:`refusal`). Both give
-the decode server's own message and ``param`` in the router's OpenAI 400.
+engine cannot do; by then prefill has run and pushed the KV. The router validated the body
+with the same model (:func:`pd_router.api.parse_request`, once); here it runs the rest
+first: what no engine serves (:func:`check_decode_view`), then, once a decode slot is
+leased, what that server's advertised features exclude (:func:`refusal`). Both give the
+decode server's own message and ``param`` in the router's OpenAI 400.
 """
 
 from __future__ import annotations
@@ -14,19 +15,20 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from pd_router.api import ROUTER_FIELDS, Endpoint, prefill_body
+from pd_router.api import prefill_body
 from pd_router.errors import InvalidRequest
 from pd_wire.decode import DecodeCapabilities
-from pd_wire.requests import DecodeRequest, Refusal, parse, unsupported
+from pd_wire.requests import CompletionRequest, Endpoint, OpenAIRequest, Refusal, unsupported
 
 
 def _invalid(refusal: Refusal) -> InvalidRequest:
     return InvalidRequest(refusal.message, param=refusal.param)
 
 
-def parse_decode_view(endpoint: Endpoint, body: Mapping[str, Any]) -> DecodeRequest:
-    """The body as the decode server will validate it (less what the router serves itself,
-    :data:`~pd_router.api.ROUTER_FIELDS`); its 400 otherwise."""
+def check_decode_view(endpoint: Endpoint, body: Mapping[str, Any], req: OpenAIRequest) -> None:
+    """What the decode server and vLLM refuse, whatever the engine, in a body the router will
+    split into prefill and decode (``req``: the body as :func:`pd_router.api.parse_request`
+    validated it, once); its 400 otherwise."""
     prompt_logprobs = body.get("prompt_logprobs")
     if prompt_logprobs is not None and body.get("stream"):  # vLLM's rule (prefill runs with stream false)
         raise InvalidRequest("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
@@ -35,12 +37,9 @@ def parse_decode_view(endpoint: Endpoint, body: Mapping[str, Any]) -> DecodeRequ
             raise InvalidRequest("echo is supported for a string prompt without stream and logprobs, and with "
                                  "logprobs when max_tokens is 0 or 1 (the prompt's logprobs, as evaluation "
                                  "clients ask for them)", param="echo")
-    routed = any(name in body for name in ROUTER_FIELDS)
-    view = {k: v for k, v in body.items() if k not in ROUTER_FIELDS} if routed else body
-    req = parse("chat" if endpoint is Endpoint.CHAT else "completions", view)
-    if isinstance(req, Refusal):
-        raise _invalid(req)
-    return req
+    if isinstance(req, CompletionRequest) and req.max_tokens == 0:
+        raise InvalidRequest("max_tokens: Input should be greater than or equal to 1 (0 only with echo and "
+                             "logprobs: the prompt's logprobs alone)", param="max_tokens")
 
 
 def served_by_prefill(endpoint: Endpoint, body: Mapping[str, Any]) -> bool:
@@ -53,7 +52,7 @@ def served_by_prefill(endpoint: Endpoint, body: Mapping[str, Any]) -> bool:
             and 0 <= max_tokens <= 1 and body.get("n", 1) == 1)
 
 
-def prefill_fields(req: DecodeRequest, capabilities: DecodeCapabilities | None) -> dict[str, Any]:
+def prefill_fields(req: OpenAIRequest, capabilities: DecodeCapabilities | None) -> dict[str, Any]:
     """What the prefill leg must add for this decode server: ``return_token_ids`` when the
     repetition penalty (the request's, else the checkpoint's default) needs the prompt's
     token ids there (they travel in ``kv_transfer_params.prompt_token_ids``)."""
@@ -110,10 +109,10 @@ def merged(endpoint: Endpoint, data: bytes, body: Mapping[str, Any], prompt_logp
     return json.dumps(answer).encode()
 
 
-def refusal(req: DecodeRequest, capabilities: DecodeCapabilities | None) -> InvalidRequest | None:
+def refusal(req: OpenAIRequest, capabilities: DecodeCapabilities | None) -> InvalidRequest | None:
     """The 400 the decode server with these capabilities would answer, if any. A server
     without a capabilities endpoint (plain vLLM decode) checks for itself."""
     if capabilities is None:
         return None
-    found = unsupported(req, capabilities.features, capabilities.engine)
+    found = unsupported(req, capabilities.features, capabilities.engine, routed=True)
     return None if found is None else _invalid(found)

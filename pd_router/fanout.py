@@ -20,10 +20,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pd_router.api import OpenAIRequest, parse_request
+from pd_router.api import parse_request
 from pd_router.asgi import SSE, Message, respond
 from pd_router.context import RequestContext
 from pd_router.errors import InvalidRequest, RouterError
+from pd_wire.requests import OpenAIRequest
 
 if TYPE_CHECKING:
     from pd_router.state import RouterState
@@ -144,10 +145,11 @@ def merged_answer(answers: list[dict[str, Any]]) -> dict[str, Any]:
 async def serve(state: RouterState, ctx: RequestContext, body: dict[str, Any], request: OpenAIRequest,
                 n: int, serve_one: ServeOne) -> None:
     """Run the n choices of ``body`` (each by ``serve_one``) and answer the client with their merge."""
-    room = state.settings.max_queue + sum(b.slots for b in state.backends.decode if b.serves(request.model))
+    model = request.model or ""  # parse_request requires it
+    room = state.settings.max_queue + sum(b.slots for b in state.backends.decode if b.serves(model))
     if n > room:
         raise InvalidRequest(f"n={n} is more than this router can run at once ({room:g}: the decode slots of "
-                             f"model {request.model!r} plus --max-queue); each choice takes a decode slot",
+                             f"model {model!r} plus --max-queue); each choice takes a decode slot",
                              param="n")
     merge = _Merge(ctx, bool(request.stream))
     subs = []

@@ -34,7 +34,7 @@ from pd_grammar.spec import GrammarSpec, asks_for_grammar
 from pd_http.chunk_writer import chunk_writer
 from pd_http.tracing import SpanKind, Tracing
 from pd_router import decode_check, fanout, observe, prefill_leg, relay, responses_api
-from pd_router.api import Endpoint, OpenAIRequest, parse_request, structured_output
+from pd_router.api import parse_request, structured_output
 from pd_router.asgi import Receive, Scope, Send, header, read_body
 from pd_router.context import DecodeLegFailed, RequestContext, attempt_handoff_id
 from pd_router.errors import (
@@ -50,6 +50,7 @@ from pd_router.errors import (
 )
 from pd_router.prefill_leg import HandoffFailed
 from pd_router.slots import Lease, Requeue
+from pd_wire.requests import Endpoint, OpenAIRequest
 
 if TYPE_CHECKING:
     from pd_router.state import RouterState
@@ -151,22 +152,23 @@ class CompletionHandler:
     async def _serve(self, ctx: RequestContext, body: dict[str, Any], request: OpenAIRequest) -> None:
         state = self.state
         grammar = None
-        if asks_for_grammar(body):  # off the loop: compiling a large schema takes a while
+        if asks_for_grammar(body):  # off the loop: checking a large schema takes a while
             grammar = await asyncio.to_thread(structured_output, ctx.endpoint, body, state.schema_limits)
         served = state.backends.prefill_models()
         if not served:
             raise NoHealthyBackend("no healthy prefill server")
-        if request.model not in served:
+        model = request.model or ""  # parse_request requires it
+        if model not in served:
             raise ModelNotFound(
-                f"model {request.model!r} does not exist; served: {sorted(served)}",
+                f"model {model!r} does not exist; served: {sorted(served)}",
                 param="model",
                 code="model_not_found",
             )
-        ctx.model = request.model
+        ctx.model = model
         if decode_check.served_by_prefill(ctx.endpoint, body):
-            await prefill_leg.prefill_alone(state, ctx, body, request.model)
+            await prefill_leg.prefill_alone(state, ctx, body, model)
             return
-        decode_view = decode_check.parse_decode_view(ctx.endpoint, body)
+        decode_check.check_decode_view(ctx.endpoint, body, request)
         t_start = perf_counter()
         attempt = busy = 0
         failed_over = False
@@ -176,7 +178,7 @@ class CompletionHandler:
             remaining = state.settings.queue_timeout - (t_queue - t_start)
             with observe.span(state, ctx, "queue") as span:
                 try:
-                    lease = await state.pool.lease(request.model, timeout=remaining, requeue=attempt > 0,
+                    lease = await state.pool.lease(model, timeout=remaining, requeue=attempt > 0,
                                                    lease_id=attempt_handoff_id(ctx.request_id, attempt),
                                                    arrived=ctx.start)
                 except Overloaded as err:
@@ -193,18 +195,18 @@ class CompletionHandler:
             state.metrics.queue_wait.observe(now - t_queue)
             if ctx.leased is None:
                 ctx.leased = now - ctx.start
-            refused = decode_check.refusal(decode_view, lease.backend.capabilities)
+            refused = decode_check.refusal(request, lease.backend.capabilities)
             if refused is not None:  # what this decode server would refuse costs no prefill
                 state.pool.release(lease)
                 raise refused
-            extra = decode_check.prefill_fields(decode_view, lease.backend.capabilities)
+            extra = decode_check.prefill_fields(request, lease.backend.capabilities)
             try:
                 await self._attempt(ctx, lease, {**body, **extra} if extra else body, request,
                                     attempt_handoff_id(ctx.request_id, attempt), grammar)
                 return
             except DecodeLegFailed as failed:
                 state.upstream_failed("decode", lease.backend, failed.error, mark_down=True)
-                if failed_over or not state.backends.decode_available(request.model):
+                if failed_over or not state.backends.decode_available(model):
                     raise failed.error from None
                 failed_over = True
                 state.metrics.child(state.metrics.failovers, lease.backend.url, failed.error.type).inc()

@@ -10,7 +10,8 @@ from time import perf_counter
 
 from pydantic import BaseModel, ValidationError
 
-from pd_router.rawhttp import ConnectFailed, ConnectionPool, UpstreamError
+from pd_router.http_pool import ConnectionPool
+from pd_router.rawhttp import ConnectFailed, UpstreamError
 from pd_router.upstream import Target
 from pd_wire.decode import (
     LEASE_PATH,

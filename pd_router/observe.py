@@ -48,14 +48,14 @@ def finish(state: RouterState, ctx: RequestContext) -> None:
     log.info(
         "request_id=%s %s status=%d%s stage=%s %.1fms%s%s",
         rid,
-        endpoint.value,
+        endpoint.path,
         ctx.status,
         f" error={ctx.error_type}" if ctx.error_type else "",
         ctx.stage,
         latency * 1e3,
         "" if leased_ms is None else f" leased={leased_ms:.1f}ms",
         "" if ttft_ms is None else f" ttft={ttft_ms:.1f}ms",
-        extra={"fields": {"event": "access", "endpoint": endpoint.value, "status": ctx.status,
+        extra={"fields": {"event": "access", "endpoint": endpoint.path, "status": ctx.status,
                           "error_type": ctx.error_type or None, "stage": ctx.stage,
                           "latency_ms": round(latency * 1e3, 3), "leased_ms": leased_ms,
                           "ttft_ms": ttft_ms}},
@@ -64,8 +64,8 @@ def finish(state: RouterState, ctx: RequestContext) -> None:
 
 def _start_trace(tracing: Tracing, ctx: RequestContext, scope: Scope) -> None:
     """The request's root span, continuing the client's trace when it sent a ``traceparent``."""
-    span = tracing.start(f"POST {ctx.endpoint.value}", tracing.extract(scope["headers"]), SpanKind.SERVER,
-                         {"http.request.method": "POST", "url.path": ctx.endpoint.value,
+    span = tracing.start(f"POST {ctx.endpoint.path}", tracing.extract(scope["headers"]), SpanKind.SERVER,
+                         {"http.request.method": "POST", "url.path": ctx.endpoint.path,
                           "pd.request_id": ctx.request_id})
     ctx.span, ctx.trace = span, tracing.context(span)
     bind_request(ctx.request_id, span_ids(span)[0])

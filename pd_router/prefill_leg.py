@@ -16,12 +16,13 @@ from pydantic import ValidationError
 from pd_grammar.spec import GrammarSpec
 from pd_http.tracing import Span, SpanKind, Tracing
 from pd_router import decode_check, observe, upstream
-from pd_router.api import VLLM_REMOTE_DECODE_PARAMS, ChatCompletionRequest, OpenAIRequest, prefill_body
+from pd_router.api import VLLM_REMOTE_DECODE_PARAMS, prefill_body
 from pd_router.asgi import respond
 from pd_router.context import RequestContext
 from pd_router.errors import BadUpstream, NoHealthyBackend, PromptTooLong, RouterError
 from pd_router.slots import Lease, Requeue
 from pd_wire.handoff import HandoffResult, HandoffTarget
+from pd_wire.requests import ChatCompletionRequest, OpenAIRequest
 
 if TYPE_CHECKING:
     from pd_router.state import RouterState
@@ -44,7 +45,7 @@ async def prefill(
         target = HandoffTarget(handoff_id=handoff_id, kv_endpoint=decode.capabilities.kv_endpoint).model_dump()
     side: asyncio.Future[dict[str, Any]] | None = None
     if body.get("prompt_logprobs") is not None:  # asked of a prefill server apart, at the same time
-        side = asyncio.ensure_future(prompt_logprobs(state, ctx, body, request.model))
+        side = asyncio.ensure_future(prompt_logprobs(state, ctx, body, ctx.model))
         body = {k: v for k, v in body.items() if k != "prompt_logprobs"}
     try:
         answer = await prefill_leg(state, ctx, body, request, handoff_id, target, grammar)
@@ -80,7 +81,7 @@ async def plain_prefill(state: RouterState, ctx: RequestContext, model: str, dat
         raise NoHealthyBackend(f"no healthy prefill server for model {model!r}")
     backend.sent()
     try:
-        return await upstream.prefill(state.upstream, backend.target, ctx.endpoint.value, data, request_id,
+        return await upstream.prefill(state.upstream, backend.target, ctx.endpoint.path, data, request_id,
                                       state.settings.prefill_timeout)
     finally:
         backend.in_flight -= 1
@@ -114,16 +115,16 @@ async def prefill_leg(
             span.set_attribute("pd.handoff_id", handoff_id)
             trace = Tracing.headers(span)  # vLLM parents its request span on it
         for attempt in (0, 1):
-            backend = state.backends.pick_prefill(request.model, exclude=failed_backend)
+            backend = state.backends.pick_prefill(ctx.model, exclude=failed_backend)
             if backend is None:
                 if failed is not None:
                     raise failed
-                raise NoHealthyBackend(f"no healthy prefill server for model {request.model!r}")
+                raise NoHealthyBackend(f"no healthy prefill server for model {ctx.model!r}")
             if span is not None:
                 span.set_attributes({"pd.prefill.backend": backend.url, "pd.prefill.tries": attempt + 1})
             backend.sent()
             try:
-                answer = await upstream.prefill(state.upstream, backend.target, ctx.endpoint.value, data,
+                answer = await upstream.prefill(state.upstream, backend.target, ctx.endpoint.path, data,
                                                 ctx.request_id, state.settings.prefill_timeout, trace)
                 break
             except upstream.Unreachable as err:

@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 from pd_http.chunk_writer import ChunkWriter
 from pd_router import decode_check, upstream
-from pd_router.api import OpenAIRequest, decode_body
+from pd_router.api import decode_body
 from pd_router.asgi import SSE, respond
 from pd_router.backends import DecodeBackend
 from pd_router.context import RequestContext
 from pd_router.errors import BadUpstream, RouterError, UpstreamRejected
 from pd_router.rawhttp import Response, UpstreamError
 from pd_router.slots import Lease, Requeue
+from pd_wire.requests import OpenAIRequest
 
 if TYPE_CHECKING:
     from pd_router.metrics import TokenHistogram
@@ -34,7 +35,7 @@ async def decode(
     backend = lease.backend
     data = decode_body(ctx.raw, body, kv_params)
     try:
-        resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.value, data,
+        resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.path, data,
                                           ctx.request_id, state.settings.decode_timeout, trace)
     except UpstreamRejected as err:
         # 429: no slot for this request there (its lease ran out, or a server without

@@ -27,22 +27,19 @@ back-off, and the request waits again with ``requeue=True`` (at the head of the 
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 from collections import deque
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any
 
 from pd_router.backends import Backends, DecodeBackend
 from pd_router.errors import NoHealthyBackend, Overloaded
-from pd_router.lease_client import Answer, LeaseClient
+from pd_router.lease_client import LeaseClient
+from pd_router.remote_leases import Lease, LeaseHooks, RemoteLeases
 
-log = logging.getLogger("pd_router.slots")
+__all__ = ["Lease", "LeaseHooks", "Requeue", "SlotPool"]
 BUSY_HOLD_MIN_S = 0.05  # first back-off after a server refused for lack of a slot
 BUSY_HOLD_MAX_S = 1.0  # it doubles with each refusal in a row, up to this
-CALL_GRACE_S = 10.0  # how long a dropped poll may take to be answered after its release
 
 
 class Requeue(Exception):
@@ -61,30 +58,9 @@ class Requeue(Exception):
 
 
 @dataclass(eq=False)
-class Lease:
-    backend: DecodeBackend
-    model: str
-    lease_id: str | None = None  # granted by the decode server under this id; None: counted here
-    released: bool = False
-
-
-@dataclass(eq=False)
 class _Waiter:
     model: str
     future: asyncio.Future[Lease] = field(repr=False)
-
-
-class LeaseHooks:
-    """What the pool reports and how it runs background work (set by the router's state)."""
-
-    def __init__(self, spawn: Callable[[Coroutine[Any, Any, Any]], Any] = asyncio.ensure_future,
-                 rtt: Callable[[float], None] = lambda s: None,
-                 answered: Callable[[str, str], None] = lambda backend, result: None,
-                 unreachable: Callable[[DecodeBackend, str], None] = lambda backend, why: None) -> None:
-        self.spawn = spawn
-        self.unreachable = unreachable  # a lease call could not connect: mark the server down
-        self.rtt = rtt  # seconds of a lease call answered without waiting in a queue
-        self.answered = answered  # (backend url, "granted" | "refused" | "conflict" | "unavailable" | "error")
 
 
 class SlotPool:
@@ -102,14 +78,11 @@ class SlotPool:
         self.client = client
         self.hooks = hooks or LeaseHooks()
         self._queue: deque[_Waiter] = deque()
-        self._waiting = 0  # requests waiting in the decode servers' queues (leases)
-        self._live: dict[str, Lease] = {}  # granted leases by id
-        self._remote_waiters: dict[asyncio.Future[Answer], str] = {}  # failed by dispatch() -> model
-        self._renewer: asyncio.Future[None] | None = None
+        self.remote = RemoteLeases(backends, client, self.hooks, queue_timeout) if client is not None else None
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue) + self._waiting
+        return len(self._queue) + (self.remote.waiting if self.remote is not None else 0)
 
     def leased(self) -> int:
         return sum(d.in_use for d in self.backends.decode)
@@ -127,11 +100,12 @@ class SlotPool:
         if not self.backends.decode_available(model):
             raise NoHealthyBackend(f"no healthy, compatible decode server for model {model!r}")
         wait = self.queue_timeout if timeout is None else max(0.0, timeout)
-        if lease_id is not None and self.client is not None:
+        if lease_id is not None and self.remote is not None:
             servers = [d for d in self.backends.decode if d.accepting and d.serves(model) and d.leases]
             if servers:
-                return await self._remote(model, lease_id, servers, wait,
-                                          perf_counter() if arrived is None else arrived, requeue)
+                return await self.remote.lease(model, lease_id, servers, wait,
+                                               perf_counter() if arrived is None else arrived,
+                                               lambda waiting: self._check_queue(requeue, waiting))
         if requeue or not self._queue:
             backend = self.backends.pick_decode(model)
             if backend is not None:
@@ -159,124 +133,18 @@ class SlotPool:
         if not requeue and self.queue_depth >= self.max_queue:
             raise Overloaded(f"all decode slots are busy and {queued} requests are queued", retry_after=1)
 
-    # ---- leases granted by the decode servers ----------------------------------------
-    async def _remote(self, model: str, lease_id: str, servers: list[DecodeBackend], wait: float, arrived: float,
-                      requeue: bool) -> Lease:
-        assert self.client is not None
-        first = max(servers, key=lambda d: d.lease_free)
-        if first.lease_free > 0:
-            # counted taken until the server answers (its answer sets the count): requests
-            # arriving meanwhile ask another server, not all the one that may not answer
-            first.lease_free -= 1
-            got = self._take(await self.client.acquire(first.target, lease_id, 0.0, arrived), first, model, lease_id)
-            if got is not None:
-                return got
-        self._check_queue(requeue, self._waiting)
-        self._waiting += 1
-        t0 = perf_counter()
-        polls: dict[asyncio.Future[Answer], DecodeBackend] = {
-            asyncio.ensure_future(self.client.acquire(d.target, lease_id, wait, arrived)): d for d in servers}
-        gone: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()  # dispatch(): none usable
-        self._remote_waiters[gone] = model
-        winner: Lease | None = None
-        seen: set[asyncio.Future[Answer]] = set()
-        try:
-            pending: set[asyncio.Future[Answer]] = {*polls, gone}
-            while winner is None and len(pending) > 1:  # a poll still out (gone is always there)
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if gone in done:
-                    gone.result()  # raises NoHealthyBackend
-                for poll in done:
-                    seen.add(poll)
-                    got = self._take(poll.result(), polls[poll], model, lease_id)
-                    if got is not None and winner is None:
-                        winner = got
-                    elif got is not None:  # two grants at once: keep one
-                        self.release(got)
-        finally:
-            self._remote_waiters.pop(gone, None)
-            self._waiting -= 1
-            for poll, d in polls.items():
-                if poll not in seen:
-                    self.hooks.spawn(self._drop_poll(poll, d, lease_id))
-        if winner is None and not self.backends.decode_available(model):
-            raise NoHealthyBackend(f"no healthy, compatible decode server for model {model!r}")
-        if winner is None:
-            raise Overloaded(f"no decode slot became free within --queue-timeout {self.queue_timeout:g}s "
-                             f"(waited {perf_counter() - t0:.1f}s in {len(servers)} decode servers' queues)",
-                             retry_after=math.ceil(min(self.queue_timeout, 30)))
-        return winner
-
-    async def _drop_poll(self, poll: asyncio.Future[Answer], backend: DecodeBackend, lease_id: str) -> None:
-        """Take a poll nobody waits for any more out of its server's queue: the release makes
-        the server answer it (refused), so its connection stays open for the next call;
-        a grant that was on its way is ended by the same release."""
-        assert self.client is not None
-        if not poll.done():
-            await self.client.release(backend.target, [lease_id])
-        try:
-            async with asyncio.timeout(CALL_GRACE_S):
-                answer = await poll
-        except TimeoutError:
-            return  # the poll's own timeout closes it
-        if answer.grant is not None:  # granted before the release arrived
-            backend.lease_free = answer.grant.free
-            await self.client.release(backend.target, [lease_id])
-
-    def _take(self, answer: Answer, backend: DecodeBackend, model: str, lease_id: str) -> Lease | None:
-        grant = answer.grant
-        if grant is None:
-            if answer.status == 429:
-                backend.lease_free = 0
-            if answer.unreachable is not None:
-                self.hooks.unreachable(backend, answer.unreachable)
-            result = {429: "refused", 409: "conflict", 503: "unavailable"}.get(answer.status, "error")
-            self.hooks.answered(backend.url, result)
-            return None
-        self.hooks.answered(backend.url, "granted")
-        if answer.immediate:  # a round trip, not a wait in the queue
-            self.hooks.rtt(answer.rtt)
-        backend.lease_free = grant.free
-        backend.in_use += 1
-        lease = Lease(backend, model, lease_id)
-        self._live[lease_id] = lease
-        if self._renewer is None or self._renewer.done():
-            self._renewer = self.hooks.spawn(self._renew_while_leased(grant.ttl_s))
-        return lease
-
-    async def _renew_while_leased(self, ttl: float) -> None:
-        """Renew every live lease at a third of its ttl, one call per server."""
-        assert self.client is not None
-        while self._live:
-            await asyncio.sleep(ttl / 3)
-            by_server: dict[str, tuple[DecodeBackend, list[str]]] = {}
-            for lease_id, lease in self._live.items():
-                by_server.setdefault(lease.backend.url, (lease.backend, []))[1].append(lease_id)
-            for backend, ids in by_server.values():
-                t0 = perf_counter()
-                unknown = await self.client.renew(backend.target, ids)
-                if unknown is None:
-                    log.warning("renewing %d lease(s) on %s failed", len(ids), backend.url)
-                    continue
-                self.hooks.rtt(perf_counter() - t0)
-                if unknown:  # ended there already (their generations ended, or they ran out)
-                    log.debug("leases %s no longer held on %s", unknown, backend.url)
-
     # ---- giving back ----------------------------------------------------------------------
     def release(self, lease: Lease, tell_server: bool = True) -> None:
         """Give the lease back (idempotent). ``tell_server``: False when the decode server
         already ended it (its generation ended, or the cancel endpoint answered)."""
+        if lease.lease_id is not None and self.remote is not None:
+            self.remote.release(lease, tell_server)
+            return
         if lease.released:
             return
         lease.released = True
         lease.backend.in_use -= 1
-        if lease.lease_id is None:
-            self.dispatch()
-            return
-        self._live.pop(lease.lease_id, None)
-        lease.backend.lease_free += 1
-        if tell_server and self.client is not None:
-            self.hooks.spawn(self.client.release(lease.backend.target, [lease.lease_id]))
+        self.dispatch()
 
     def hold(self, lease: Lease) -> float:
         """The lease's server was busy although this pool counted its slot free: keep the
@@ -299,9 +167,8 @@ class SlotPool:
 
     def dispatch(self) -> None:
         """Give free slots to waiters (oldest first); fail waiters nobody can serve."""
-        for gone, model in list(self._remote_waiters.items()):
-            if not gone.done() and not self.backends.decode_available(model):
-                gone.set_exception(NoHealthyBackend(f"no healthy, compatible decode server for model {model!r}"))
+        if self.remote is not None:
+            self.remote.fail_unservable()
         for waiter in list(self._queue):
             if waiter.future.done():
                 continue

@@ -20,11 +20,11 @@ from pd_net.tcp import DeadPeer
 from pd_router.backends import Backends, DecodeBackend, PrefillBackend
 from pd_router.discovery import Discovery
 from pd_router.errors import RouterError, UpstreamRejected
+from pd_router.http_pool import ConnectionPool
 from pd_router.lease_client import LeaseClient
 from pd_router.load import LoadScraper
 from pd_router.metrics import RouterMetrics, ServerView
 from pd_router.probes import Prober
-from pd_router.rawhttp import ConnectionPool
 from pd_router.settings import RouterSettings
 from pd_router.slots import Lease, LeaseHooks, SlotPool
 from pd_router.upstream import Unreachable
@@ -87,9 +87,10 @@ class RouterState:
         await self.discovery.refresh()
         prober = self._prober = Prober(self.backends, self._client, self.settings.probe_interval, self._on_probe,
                                        misses=self.settings.probe_misses)
-        # structured output's imports (jsonschema, xgrammar: seconds) before the first request, and
-        # not while serving: an import in a thread holds the GIL in long stretches that stall this loop
-        await asyncio.to_thread(warm_up)
+        # the schema checker's import before the first request, not while serving (an import in a
+        # thread holds the GIL in long stretches that stall this loop); no xgrammar: the router
+        # checks grammars without compiling them (pd_grammar.spec), and stays free of torch
+        await asyncio.to_thread(warm_up, False)
         await prober.probe_all()
         loops = [prober.run(), self.discovery.run()]
         if self.settings.prefill_policy == "least-loaded":

@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from pd_router.errors import BadUpstream, RouterError, UpstreamRejected, UpstreamTimeout
-from pd_router.rawhttp import ConnectFailed, ConnectionPool, Origin, ReadTimeout, Response, UpstreamError
+from pd_router.http_pool import ConnectionPool
+from pd_router.rawhttp import ConnectFailed, Origin, ReadTimeout, Response, UpstreamError
 from pd_wire.decode import REQUEST_ID_HEADER
 
 

@@ -1,12 +1,15 @@
-"""What a decode server accepts in an OpenAI request body, and which request features each
-engine supports: ONE definition, used twice.
+"""The OpenAI request bodies of the two generation endpoints, and which request features
+each engine supports: ONE model per endpoint, used by both servers that read them.
 
-* The decode server validates every body with these models and refuses with
-  :func:`unsupported` (after prefill ran: the KV is already there).
-* The router runs the same two checks on the body it will send to the decode server
-  before it sends anything to prefill (:mod:`pd_router.decode_check`), against the
-  :class:`~pd_wire.decode.EngineFeatures` the leased decode server advertises, so
-  a request the decode server would refuse gets the same 400 without costing a prefill.
+* The router parses each client body once with these models (:mod:`pd_router.api` adds
+  the few rules only a client-facing server needs: ``model`` required, a non-empty prompt),
+  then, before it sends anything to prefill, runs :func:`unsupported` against the
+  :class:`~pd_wire.decode.EngineFeatures` the leased decode server advertises
+  (:mod:`pd_router.decode_check`), so a request the decode server would refuse gets the
+  same 400 without costing a prefill.
+* The decode server validates every body it gets (the client's body plus
+  ``kv_transfer_params``) with the same models and refuses with :func:`unsupported`
+  (after prefill ran: the KV is already there).
 
 Wire-level code: pydantic, the rest of :mod:`pd_wire` and :mod:`pd_grammar` only.
 """
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -25,7 +30,21 @@ from pd_wire.handoff import HandoffResult
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's sampling epsilon (and TileRT's)
-Endpoint = Literal["completions", "chat"]
+
+
+class Endpoint(StrEnum):
+    """An OpenAI generation endpoint; its value is its label (metrics, plans)."""
+
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self is Endpoint.CHAT else "/v1/completions"
+
+    @property
+    def label(self) -> str:
+        return self.value
 
 
 class StreamOptions(BaseModel):
@@ -38,8 +57,8 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
-    # required by the decode server (its route says so first), absent in the router's check
+    model: str | None = Field(default=None, min_length=1)  # the router requires it (pd_router.api)
+    # required by the decode server (its route says so first); a client's is refused by the router
     kv_transfer_params: HandoffResult | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -70,11 +89,15 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: Any = None
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0 only for the prompt's logprobs alone (echo), which prefill serves: refused everywhere else
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
 
 class ChatCompletionRequest(_Common):
@@ -87,12 +110,15 @@ class ChatCompletionRequest(_Common):
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
 
-DecodeRequest = CompletionRequest | ChatCompletionRequest
-MODELS: Mapping[Endpoint, type[CompletionRequest] | type[ChatCompletionRequest]] = {
-    "completions": CompletionRequest,
-    "chat": ChatCompletionRequest,
-}
+
+OpenAIRequest = CompletionRequest | ChatCompletionRequest
+MODELS: Mapping[Endpoint, type[CompletionRequest] | type[ChatCompletionRequest]] = MappingProxyType({
+    Endpoint.COMPLETIONS: CompletionRequest,
+    Endpoint.CHAT: ChatCompletionRequest,
+})
 
 
 LOGIT_BIAS_LIMIT = 100.0  # a bias is clamped to +-100, as OpenAI documents and vLLM does
@@ -123,8 +149,8 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | 
     return msg, loc or None
 
 
-def parse(endpoint: Endpoint, body: Mapping[str, Any]) -> DecodeRequest | Refusal:
-    """The body validated as the decode server validates it."""
+def parse(endpoint: Endpoint, body: Mapping[str, Any]) -> OpenAIRequest | Refusal:
+    """The body validated with its endpoint's model; the refusal (400) otherwise."""
     try:
         return MODELS[endpoint].model_validate(body)
     except ValidationError as exc:
@@ -135,8 +161,10 @@ def parse(endpoint: Endpoint, body: Mapping[str, Any]) -> DecodeRequest | Refusa
 _NEUTRAL_PENALTIES = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
 
 
-def unsupported(req: DecodeRequest, features: EngineFeatures, engine: str) -> Refusal | None:
-    """The first thing in ``req`` a decode server whose engine has ``features`` cannot do."""
+def unsupported(req: OpenAIRequest, features: EngineFeatures, engine: str, routed: bool = False) -> Refusal | None:
+    """The first thing in ``req`` a decode server whose engine has ``features`` cannot do.
+    ``routed``: the router's check, which serves ``echo`` and ``prompt_logprobs`` itself
+    (they never reach the decode server)."""
     if (req.n or 1) > 1:
         return Refusal("n > 1 is not supported: a KV handoff carries one sequence; send n requests", "n")
     if not features.penalties:
@@ -161,10 +189,13 @@ def unsupported(req: DecodeRequest, features: EngineFeatures, engine: str) -> Re
         param = grammar_param({**extra, "tool_choice": getattr(req, "tool_choice", None)}, chat)
         if param is not None:
             return Refusal(f"{param}: constrained decoding is not supported by the {engine} engine", param)
-    if extra.get("prompt_logprobs") is not None:
+    if extra.get("prompt_logprobs") is not None and not routed:
         return Refusal("prompt_logprobs is not supported by the decode server", "prompt_logprobs")
     if isinstance(req, CompletionRequest):
-        if req.echo:
+        if req.max_tokens == 0:
+            return Refusal("max_tokens: Input should be greater than or equal to 1 (0 only with echo and logprobs: "
+                           "the prompt's logprobs alone)", "max_tokens")
+        if req.echo and not routed:
             return Refusal("echo is not supported: the decode server never sees the prompt's logprobs", "echo")
         if req.suffix:
             return Refusal("suffix is not supported", "suffix")

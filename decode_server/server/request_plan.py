@@ -11,13 +11,12 @@ from typing import Any
 
 from decode_server.engine.base import SamplingParams
 from decode_server.server.api_errors import HandoffFailed, InvalidRequest
-from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest, Endpoint
 from decode_server.server.sequence import MIN_LOGPROB, StopSpec, TokenLogprob
 from decode_server.server.text import GenerationDefaults
 from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, grammar_param, grammar_spec
 from pd_wire.decode import EngineFeatures
 from pd_wire.handoff import PROTOCOL_VERSION, HandoffResult
-from pd_wire.requests import logit_bias, unsupported
+from pd_wire.requests import ChatCompletionRequest, CompletionRequest, Endpoint, logit_bias, unsupported
 
 
 @dataclass(frozen=True)
@@ -162,7 +161,7 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
     if tools is not None or reasoning:  # GLM's markers are special tokens: the parser must see them (as vLLM's)
         stop = replace(stop, skip_special_tokens=False)
     return Plan(
-        endpoint=endpoint, request_id=request_id, handoff=handoff, sampling=sampling, stop=stop,
+        endpoint=Endpoint(endpoint), request_id=request_id, handoff=handoff, sampling=sampling, stop=stop,
         stream=bool(req.stream), include_usage=bool(req.stream_options and req.stream_options.include_usage),
         continuous_usage=bool(req.stream_options and req.stream_options.include_usage
                               and req.stream_options.continuous_usage_stats),

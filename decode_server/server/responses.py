@@ -15,6 +15,7 @@ from typing import Any
 from decode_server.server.glm import ChatPiece, GlmChatParser, ToolCall
 from decode_server.server.request_plan import Plan
 from decode_server.server.sequence import MIN_LOGPROB, Delta, TokenLogprob
+from pd_wire.requests import Endpoint
 
 DONE = b"data: [DONE]\n\n"
 
@@ -199,4 +200,4 @@ class ChatRenderer(_Renderer):
 
 
 def renderer_for(plan: Plan) -> CompletionRenderer | ChatRenderer:
-    return ChatRenderer(plan) if plan.endpoint == "chat" else CompletionRenderer(plan)
+    return ChatRenderer(plan) if plan.endpoint == Endpoint.CHAT else CompletionRenderer(plan)

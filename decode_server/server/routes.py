@@ -12,7 +12,6 @@ from pydantic import ValidationError
 from decode_server.server.api_errors import ApiError, InvalidRequest, NotReady, validation_message
 from decode_server.server.generation import GenerationResponse, Job
 from decode_server.server.observe import RequestObservation
-from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest, Endpoint
 from decode_server.server.request_plan import build_plan
 from decode_server.server.state import DecodeState
 from pd_wire.decode import (
@@ -24,16 +23,11 @@ from pd_wire.decode import (
     DecodeCapabilities,
 )
 from pd_wire.handoff import PROTOCOL_VERSION
+from pd_wire.requests import MODELS, Endpoint
 
 router = APIRouter()
 MAX_HANDOFF_ID = 256  # as connector.protocol.HandoffResult allows
 CANCEL_WAIT_S = 5.0  # the cancel endpoint answers once the generation gave its slot back, or after this
-
-_MODELS: dict[Endpoint, type[CompletionRequest | ChatCompletionRequest]] = {
-    "completions": CompletionRequest,
-    "chat": ChatCompletionRequest,
-}
-
 
 def _state(request: Request) -> DecodeState:
     return request.app.state.decode
@@ -88,12 +82,12 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     state = _state(request)
     request_id = request.headers.get(REQUEST_ID_HEADER) or f"decode-{uuid.uuid4().hex}"
     headers = {REQUEST_ID_HEADER: request_id}
-    label = "chat" if endpoint == "chat" else "completions"
+    label = endpoint.label
     obs = RequestObservation(state.tracing, request.url.path, request_id, request.scope["headers"])
     body: Any = None
     try:
         body = await _read_json(request)
-        req = _validate(body, _MODELS[endpoint])
+        req = _validate(body, MODELS[endpoint])
         if not state.ready or state.context is None or state.limits is None:
             raise NotReady(f"decode server not ready: {state.not_ready_reason()}")
         plan = build_plan(endpoint, req, request_id, state.limits, state.defaults)
@@ -110,14 +104,14 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     return GenerationResponse(job, [(REQUEST_ID_HEADER.lower().encode(), request_id.encode())])
 
 
-@router.post("/v1/completions")
+@router.post(Endpoint.COMPLETIONS.path)
 async def completions(request: Request) -> Response:
-    return await _generate(request, "completions")
+    return await _generate(request, Endpoint.COMPLETIONS)
 
 
-@router.post("/v1/chat/completions")
+@router.post(Endpoint.CHAT.path)
 async def chat_completions(request: Request) -> Response:
-    return await _generate(request, "chat")
+    return await _generate(request, Endpoint.CHAT)
 
 
 @router.get(CAPABILITIES_PATH)

@@ -16,12 +16,12 @@ from decode_server.server import (
     parse_tool_call,
 )
 from decode_server.server.api_errors import HandoffFailed, InvalidRequest
-from decode_server.server.request_models import ChatCompletionRequest, CompletionRequest
 from decode_server.server.request_plan import ServerLimits, build_plan, prefill_logprob
 from decode_server.server.text import GenerationDefaults
 from decode_server.settings import SettingsError, load_settings
 from pd_wire.decode import EngineFeatures, SamplingDefaults
 from pd_wire.handoff import HandoffResult
+from pd_wire.requests import ChatCompletionRequest, CompletionRequest
 from tests.decode_server.helpers import handoff
 
 

@@ -18,6 +18,8 @@ import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
 
+from pd_wire.decode import CAPABILITIES_PATH
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -145,3 +147,23 @@ def test_bad_schema_is_refused_before_prefill(pd_stack, model_name, body, param,
     error = info.value.body
     assert info.value.status_code == 400 and error["param"] == param and words in error["message"], error
     assert _vllm_requests(prefill) == before
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#/$defs/missing"}, {"type": "string", "pattern": "(?<=a)b"}],
+                         ids=["dangling-ref", "lookbehind"])
+def test_a_schema_only_compilation_refuses_is_a_400_from_prefill_and_frees_everything(pd_stack, model_name, schema):
+    """The router checks a schema without compiling it (it loads no xgrammar); one that is valid
+    JSON schema but cannot be compiled is refused by vLLM's prefill, which compiles it before
+    running anything: a 400 to the client, nothing prefilled, and the next request served."""
+    router = pd_stack.config.router_url
+    before = _vllm_requests(pd_stack.config.prefill_url)
+    with pytest.raises(BadRequestError) as info:
+        _client(router).chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=8,
+                                                response_format=_schema_format(schema))
+    assert info.value.status_code == 400, info.value.body
+    assert _vllm_requests(pd_stack.config.prefill_url) == before
+    caps = [httpx.get(u + CAPABILITIES_PATH, timeout=5).json() for u in pd_stack.config.decode_urls]
+    assert [(c["busy_slots"], c["kv_busy_slots"]) for c in caps] == [(0, 0)] * len(caps)
+    out = _client(router).chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=8,
+                                                  response_format=_schema_format(SMALL))
+    assert out.choices[0].message.content

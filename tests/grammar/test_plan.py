@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from decode_server.server.api_errors import InvalidRequest
-from decode_server.server.request_models import ChatCompletionRequest
 from decode_server.server.request_plan import ServerLimits, build_plan
 from decode_server.server.text import GenerationDefaults
 from pd_grammar.spec import SchemaLimits
 from pd_wire.decode import EngineFeatures
+from pd_wire.requests import ChatCompletionRequest
 from tests.decode_server.helpers import handoff
 
 LIMITS = ServerLimits(max_seq_len=100, features=EngineFeatures(logprobs=True, structured_output=True),

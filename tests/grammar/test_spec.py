@@ -119,10 +119,48 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(st.fixed_dictionaries({}, optional={"response_format": values, "tool_choice": values, "tools": values}))
 def test_any_json_is_a_spec_or_a_named_refusal(body):
+    """And the router's check (no compilation) gives the same spec, or the same refusal unless
+    only xgrammar's compilation refuses it."""
     try:
-        grammar_spec(body, LIMITS, True)
+        spec = grammar_spec(body, LIMITS, True)
     except StructuredOutputError as exc:
         assert exc.param and exc.message
+        try:
+            grammar_spec(body, LIMITS, True, compile=False)
+        except StructuredOutputError as unchecked:
+            assert (unchecked.param, unchecked.message) == (exc.param, exc.message)
+        else:
+            assert "compiled" in exc.message or "not supported for structured output" in exc.message, exc.message
+        return
+    assert grammar_spec(body, LIMITS, True, compile=False) == spec
+
+
+def test_the_tool_call_tag_is_xgrammars_structural_tag():
+    """The tag is written as plain JSON (the router builds it without xgrammar): xgrammar reads
+    it as the same tag its own classes build."""
+    from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat
+
+    def tag(name: str, params: dict) -> TagFormat:
+        return TagFormat(begin=f"<tool_call>{name}", end="</tool_call>", content=JSONSchemaFormat(
+            json_schema=params, style="glm_xml", max_whitespace_cnt=1))
+
+    params = {"get": TOOLS[0]["function"]["parameters"], "now": {"type": "object", "properties": {}}}
+    required = grammar_spec({"tools": TOOLS, "tool_choice": "required"}, LIMITS, True, compile=False)
+    named = grammar_spec({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "now"}}},
+                         LIMITS, True, compile=False)
+    assert required is not None and named is not None
+    assert StructuralTag.model_validate_json(required.source) == StructuralTag(format=TagsWithSeparatorFormat(
+        tags=[tag(n, p) for n, p in params.items()], separator="", at_least_one=True))
+    assert StructuralTag.model_validate_json(named.source) == StructuralTag(format=tag("now", params["now"]))
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#/$defs/missing"}, {"type": "string", "pattern": "(?<=a)b"}],
+                         ids=["dangling-ref", "lookbehind"])
+def test_what_only_compilation_refuses_is_left_to_the_decode_server(schema):
+    """Valid JSON schemas xgrammar cannot compile: the router's check lets them through
+    (vLLM's prefill and the decode server, which compile, refuse them), the decode server's refuses."""
+    assert grammar_spec(_fmt(schema), LIMITS, False, compile=False) is not None
+    assert "not supported for structured output" in _refused(_fmt(schema)).message
 
 
 def test_schema_bounds_are_settings_checked_at_start(tmp_path):

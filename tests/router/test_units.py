@@ -7,12 +7,13 @@ import json
 
 import pytest
 
-from pd_router.api import Endpoint, decode_body, parse_request, prefill_body
+from pd_router.api import decode_body, parse_request, prefill_body
 from pd_router.backends import Backends
 from pd_router.errors import InvalidRequest, NoHealthyBackend, Overloaded
 from pd_router.slots import SlotPool
 from pd_wire.decode import DecodeCapabilities
 from pd_wire.handoff import PROTOCOL_VERSION, PeerStatus
+from pd_wire.requests import Endpoint
 
 pytestmark = pytest.mark.timeout(30)
 
