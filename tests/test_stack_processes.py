@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from pd_deploy.stack.launcher import StackConfig
 from pd_deploy.stack.ports import PortInUse, PortNeed, check_free
 from pd_deploy.stack.process import ManagedProcess, NotOurServer
 from tests.procs import REPO, ephemeral_ports, free_port
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.integration]  # integration: real process trees, kill -9, the reaper
 
@@ -30,14 +30,6 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def _wait_for(predicate, timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - t0 < timeout, f"{what} not reached within {timeout}s"
-        time.sleep(0.05)
-    return time.monotonic() - t0
 
 
 def test_a_taken_port_is_named_with_its_process():
@@ -114,9 +106,9 @@ def test_nothing_outlives_a_launcher_killed_by_sigkill(tmp_path):
         assert all(_alive(p) for p in started)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(10)
-        took = _wait_for(lambda: not any(_alive(p) for p in started), 5.0, "every child and grandchild gone")
+        took = wait_until(lambda: not any(_alive(p) for p in started), 5.0, "every child and grandchild gone", 0.05)
         print(f"stack gone {took:.2f}s after the launcher's SIGKILL")
-        _wait_for(lambda: not _alive(pids["reaper"]), 5.0, "the reaper gone")
+        wait_until(lambda: not _alive(pids["reaper"]), 5.0, "the reaper gone", 0.05)
     finally:
         if launcher.poll() is None:
             launcher.kill()

@@ -8,12 +8,15 @@ import time
 from collections.abc import Callable
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.01) -> None:
-    """Poll ``predicate`` until it is true; fail naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.01) -> float:
+    """Poll ``predicate`` until it is true; fail naming ``what`` after ``timeout`` s.
+    Returns the seconds it took."""
+    start = time.monotonic()
+    deadline = start + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout:g}s waiting for {what}"
         time.sleep(interval)
+    return time.monotonic() - start
 
 
 async def eventually(predicate: Callable[[], object], timeout: float = 5.0, what: str = "condition",

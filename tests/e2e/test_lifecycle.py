@@ -11,6 +11,7 @@ import pytest
 
 from pd_wire.decode import CAPABILITIES_PATH
 from tests.e2e.conftest import vllm_kv_usage
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -20,15 +21,17 @@ def _busy_slots(decode_url: str) -> int:
 
 
 def _assert_idle(stack, within_s: float = 1.0) -> None:
-    deadline = time.monotonic() + within_s
-    while True:
-        busy = [_busy_slots(u) for u in stack.config.decode_urls]
-        usage = vllm_kv_usage(stack.config.prefill_url)
-        if not any(busy) and usage == 0.0:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not idle after {within_s}s: decode busy slots {busy}, vLLM KV usage {usage}")
-        time.sleep(0.05)
+    seen: list[tuple[list[int], float]] = []
+
+    def idle() -> bool:
+        seen.append(([_busy_slots(u) for u in stack.config.decode_urls], vllm_kv_usage(stack.config.prefill_url)))
+        return not any(seen[-1][0]) and seen[-1][1] == 0.0
+
+    try:
+        wait_until(idle, within_s, "decode slots and vLLM's KV free", 0.05)
+    except AssertionError:
+        raise AssertionError(f"not idle after {within_s}s: decode busy slots {seen[-1][0]}, "
+                             f"vLLM KV usage {seen[-1][1]}") from None
 
 
 async def _queue_depth(http: httpx.AsyncClient, router_url: str) -> int:
@@ -45,11 +48,8 @@ def _decode_aborts(router_url: str) -> float:
 
 
 def _assert_decode_aborts(router_url: str, expected: float, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while (got := _decode_aborts(router_url)) != expected:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{got} client aborts at the decode stage after {within_s}s, not {expected}")
-        time.sleep(0.02)
+    wait_until(lambda: _decode_aborts(router_url) == expected, within_s,
+               f"{expected} client aborts at the decode stage", 0.02)
 
 
 async def test_16_concurrent_clients_one_slot_first_come_first_served(pd_stack, model_name):

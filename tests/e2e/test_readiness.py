@@ -16,6 +16,7 @@ from pd_deploy.stack.process import ManagedProcess
 from pd_router.wire import ReadinessReport
 from pd_wire.decode import CAPABILITIES_PATH, DecodeCapabilities
 from tests.e2e.conftest import make_stack_config
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -25,12 +26,11 @@ def _ready(url: str) -> httpx.Response:
 
 
 def _wait_ready_status(url: str, status: int, timeout: float) -> httpx.Response:
-    deadline = time.monotonic() + timeout
-    while True:
-        r = _ready(url)
-        if r.status_code == status or time.monotonic() > deadline:
-            return r
-        time.sleep(0.25)
+    """The router's /ready answer once it is ``status``."""
+    seen: list[httpx.Response] = []
+    wait_until(lambda: seen.append(_ready(url)) or seen[-1].status_code == status, timeout,
+               f"/ready {status} (last: {seen[-1].status_code if seen else None})", 0.25)
+    return seen[-1]
 
 
 def test_router_not_ready_until_workers_and_handshake_and_after_a_decode_restart(tiny_model_dir, tmp_path):

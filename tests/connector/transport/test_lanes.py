@@ -13,16 +13,9 @@ from connector.layout import glm5_fp8_ds_mla_layout
 from connector.sender import lane_cpus
 from tests.connector.transport.helpers import assert_no_leaks
 from tests.connector.transport.synthetic import fill, layer_bytes, mismatches
-from tests.waits import eventually
+from tests.waits import eventually, wait_until
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _wait_idle(queue: LaneQueue, lanes: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while queue.idle_lanes < lanes:
-        assert time.monotonic() < deadline, f"{queue.idle_lanes} of {lanes} lanes idle"
-        time.sleep(0.001)
 
 
 def _lanes_taking(queue: LaneQueue, lanes: int) -> tuple[list[threading.Thread], list[list[int]]]:
@@ -35,7 +28,7 @@ def _lanes_taking(queue: LaneQueue, lanes: int) -> tuple[list[threading.Thread],
     threads = [threading.Thread(target=lane) for _ in range(lanes)]
     for t in threads:
         t.start()
-    _wait_idle(queue, lanes)
+    wait_until(lambda: queue.idle_lanes >= lanes, 5.0, f"{lanes} idle lanes", 0.001)
     return threads, got
 
 
@@ -94,7 +87,7 @@ async def test_a_burst_of_layers_is_written_by_both_lanes(kv, transport):
             handoff = await asyncio.to_thread(sender.begin, receiver.endpoint, "burst", tokens, 5)
             for layer in range(layout.num_layers):
                 fill(handoff.staging(layer), layer_bytes(layout, layer, tokens, 3))
-            await asyncio.to_thread(_wait_idle, sender._queue, 2)
+            await asyncio.to_thread(wait_until, lambda: sender._queue.idle_lanes >= 2, 5.0, "2 idle lanes", 0.001)
             handoff.post_layers(list(range(layout.num_layers)))
             kv = await receiver.wait_for("burst", timeout=10)
             assert await asyncio.to_thread(handoff.wait, 10) == "sent"
