@@ -243,6 +243,8 @@ def test_server_with_tilert_adapter(tmp_path, make_server):
                                                         "kv_transfer_params": handoff(11, num_prompt_tokens=7)})
     assert out.status_code == 200, out.text
     assert out.json()["usage"]["completion_tokens"] == 9
+    # the session closes on the engine's thread after the answer's last byte, then frees the slot
+    srv.wait_idle()
     assert ("inject_cache", 79, 7) in gen.calls and gen.calls[-1] == ("reset_sequence",)
     lp = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "logprobs": 1,
                                                        "kv_transfer_params": handoff(11, num_prompt_tokens=7)})
