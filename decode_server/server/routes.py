@@ -29,6 +29,7 @@ router = APIRouter()
 MAX_HANDOFF_ID = 256  # as connector.protocol.HandoffResult allows
 CANCEL_WAIT_S = 5.0  # the cancel endpoint answers once the generation gave its slot back, or after this
 
+
 def _state(request: Request) -> DecodeState:
     return request.app.state.decode
 
