@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.router_overhead import TOKEN_DELAY, TOKENS, _phase, fake_stack  # noqa: E402
-from pd_router.rawhttp import ConnectionPool  # noqa: E402
+from pd_router.http_pool import ConnectionPool  # noqa: E402
 from pd_router.upstream import Target  # noqa: E402
 from pd_wire.decode import LEASE_RELEASE_PATH, LeaseIds
 

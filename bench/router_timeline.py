@@ -112,7 +112,7 @@ def _instrument(rec: Recorder) -> None:
 
     setattr(handler, "parse_request", parsed)  # noqa: B010
     for owner, name, step in (
-        (decode_check, "parse_decode_view", "decode view"),
+        (decode_check, "check_decode_view", "decode view"),
         (slots.SlotPool, "lease", "lease"),
         (lease_client.LeaseClient, "acquire", "lease call"),
         (prefill_leg, "prefill", "prefill leg"),
