@@ -35,12 +35,14 @@ from connector.protocol import (
     Admitted,
     Hello,
     LayoutFingerprint,
+    Noted,
+    Prefilled,
     Refused,
     Reject,
     Welcome,
     handshake_mismatch,
 )
-from pd_wire.handoff import PROTOCOL_VERSION, FailureReason
+from pd_wire.handoff import PROTOCOL_VERSION, FailureReason, HandoffResult
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ class Admissions(Protocol):
     def result(self, handoff_id: str) -> Admission | None: ...
 
     def abort(self, handoff_id: str, endpoint: str, reason: str) -> None: ...
+
+    def prefilled(self, result: HandoffResult) -> None: ...
 
     def forget(self, handoff_id: str) -> None: ...
 
@@ -110,6 +114,13 @@ class AdmissionClient:
         with self._lock:
             attempt = self._attempts.get(handoff_id, "")
         self._channel(endpoint).put(("abort", handoff_id, (reason, attempt), time.monotonic() + ABORT_TIMEOUT_S))
+
+    def prefilled(self, result: HandoffResult) -> None:
+        """Send the handoff's result to its decode server (after its Admit, on the same channel)."""
+        with self._lock:
+            attempt = self._attempts.get(result.handoff_id, "")
+        self._channel(result.kv_endpoint).put(("prefilled", result.handoff_id, (result, attempt),
+                                               time.monotonic() + self.timeout_s))
 
     def forget(self, handoff_id: str) -> None:
         with self._lock:
@@ -181,6 +192,8 @@ class _Channel:
             try:
                 if kind == "admit":
                     self.owner._settle(self._admit(handoff_id, int(arg), attempt, deadline))
+                elif kind == "prefilled":
+                    self._prefilled(arg, attempt, deadline)
                 else:
                     self._abort(handoff_id, str(arg), attempt, deadline)
             except Exception as exc:  # noqa: BLE001 - a bug must not leave admissions hanging
@@ -235,6 +248,24 @@ class _Channel:
             self._unsettled[handoff_id] = (reason, attempt)
             self._drop()
             log.warning("KV admission: could not abort %s at %s: %s", handoff_id, self.endpoint, exc)
+
+    def _prefilled(self, result: HandoffResult, attempt: str, deadline: float) -> None:
+        """The first token to the decode server. Not sent again on a new connection: a
+        decode server that misses it fails that request at its KV timeout."""
+        if self._client is None or self._client.broken:
+            log.warning("KV admission: no control connection to %s for the result of %s", self.endpoint,
+                        result.handoff_id)
+            return
+        try:
+            reply = self._client.request(Prefilled(result=result, attempt=attempt),
+                                         max(0.01, deadline - time.monotonic()))
+        except ControlChannelError as exc:
+            self._drop()
+            log.warning("KV admission: could not send the result of %s to %s: %s", result.handoff_id,
+                        self.endpoint, exc)
+            return
+        if not isinstance(reply, Noted) or not reply.known:
+            log.info("KV admission: %s dropped the result of %s (%r)", self.endpoint, result.handoff_id, reply)
 
     @staticmethod
     def _send_abort(client: ControlClient, handoff_id: str, reason: str, attempt: str, deadline: float) -> None:

@@ -31,7 +31,7 @@ from pd_net.tcp import DeadPeer, detect_dead_peer, detect_dead_peer_on
 MAX_FRAME = 1 << 20
 ABORT_TIMEOUT_S = 5.0  # bound on telling a decode server that a handoff was given up
 _LEN = struct.Struct(">I")
-_ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)  # type: ignore[arg-type, unused-ignore]  # 13-way union (flagged as needed in one checkout, unused in a fresh clone)
+_ADAPTER: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)  # type: ignore[arg-type, unused-ignore]  # 15-way union (flagged as needed in one checkout, unused in a fresh clone)
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:

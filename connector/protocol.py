@@ -14,13 +14,15 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pd_wire.handoff import HandoffResult
+
 # --------------------------------------------------------------------------------------
 # KV control channel (connector sender <-> decode server receiver).
 #
 # Frames are a 4-byte big-endian length followed by one JSON-encoded ControlMessage
 # (see connector/control.py). The sender opens the connection and sends Hello; the
-# receiver answers Welcome or Reject. Afterwards the sender sends Admit / Abort, the
-# receiver answers Admitted / Refused / Aborted. KV bytes travel over the data
+# receiver answers Welcome or Reject. Afterwards the sender sends Admit / Abort /
+# Prefilled, the receiver answers Admitted / Refused / Aborted / Noted. KV bytes travel over the data
 # transport (NIXL WRITEs into the receive buffer); each WRITE carries a LayersDone
 # notification, and the receiver completes a handoff once every layer arrived.
 # --------------------------------------------------------------------------------------
@@ -222,9 +224,31 @@ class Aborted(BaseModel):
     known: bool = Field(description="whether the receiver still held that handoff")
 
 
+class Prefilled(BaseModel):
+    """Sender (vLLM's scheduler side) -> receiver, after the handoff's Admitted on the same
+    connection, when vLLM finished the prefill: its :class:`~pd_wire.handoff.HandoffResult`
+    (the first token, the prompt's last token, how the layers left). Sent only for a handoff
+    whose target asked for it (``HandoffTarget.result_with_kv``): its decode request names
+    only the handoff and starts once this and the last layer have landed."""
+
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["prefilled"] = "prefilled"
+    result: HandoffResult
+    attempt: str = Field(default="", max_length=64, description="the try that admitted it (see Admit)")
+
+
+class Noted(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["noted"] = "noted"
+    handoff_id: str
+    known: bool = Field(description="whether the receiver held that handoff (else the result was dropped)")
+
+
 ControlMessage = Annotated[
     AuthStart | AuthChallenge | AuthProof | AuthOk | AuthFailed
-    | Hello | Welcome | Reject | Admit | Admitted | Refused | Abort | Aborted,
+    | Hello | Welcome | Reject | Admit | Admitted | Refused | Abort | Aborted | Prefilled | Noted,
     Field(discriminator="type"),
 ]
 

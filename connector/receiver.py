@@ -46,6 +46,8 @@ from connector.protocol import (
     Admitted,
     Hello,
     LayersDone,
+    Noted,
+    Prefilled,
     Refused,
     Reject,
     Revoked,
@@ -199,7 +201,10 @@ class KVReceiver:
 
     # ----------------------------------------------------------------- decode-server API
 
-    async def wait_for(self, handoff_id: str, timeout: float) -> ReceivedKV:
+    async def wait_for(self, handoff_id: str, timeout: float, with_result: bool = False) -> ReceivedKV:
+        """The handoff's KV once every layer landed (and, ``with_result``, the sender's
+        Prefilled: its first token), within ``timeout``; then the decode server owns it
+        until :meth:`release`."""
         changed = self._cond()
         deadline = time.monotonic() + timeout
         counted: HandoffState | None = None
@@ -212,7 +217,7 @@ class KVReceiver:
                     if h is not None and h is not counted:
                         h.waiters += 1
                         counted = h
-                    if h is not None and h.state in ("complete", "claimed"):
+                    if h is not None and h.state in ("complete", "claimed") and (h.result or not with_result):
                         h.state = "claimed"  # the decode server owns it until release()
                         return self._view(h)
                     if h is not None and h.state == "failed":
@@ -234,7 +239,8 @@ class KVReceiver:
         got = len(h.arrived)
         await self._fail(h, "timed out")
         self._handoffs.pop(handoff_id, None)
-        raise HandoffTimeout(f"handoff {handoff_id}: {got}/{self._layout.num_layers} layers arrived "
+        missing = " and the prefill's result (Prefilled)" if with_result and h.result is None else ""
+        raise HandoffTimeout(f"handoff {handoff_id}: {got}/{self._layout.num_layers} layers{missing} arrived "
                              f"within {timeout:.1f}s; slot freed")
 
     def release(self, handoff_id: str) -> None:
@@ -259,7 +265,7 @@ class KVReceiver:
     def _view(self, h: HandoffState) -> ReceivedKV:
         if self._buffer is None or h.slot is None or not h.views:
             raise ReceiverError(f"handoff {h.handoff_id}: its receive slot is gone (receiver stopped?)")
-        return ReceivedKV(h.handoff_id, h.num_tokens, h.views)
+        return ReceivedKV(h.handoff_id, h.num_tokens, h.views, h.result)
 
     def _free_slot(self, h: HandoffState) -> None:
         if h.slot is not None:
@@ -311,9 +317,10 @@ class KVReceiver:
         if isinstance(msg, Hello):
             return await self._on_hello(conn, msg)
         if conn.peer is None:
-            if isinstance(msg, (Admit, Abort)):
+            if isinstance(msg, (Admit, Abort, Prefilled)):
                 self.stats.refused("unknown_peer")
-                return Refused(handoff_id=msg.handoff_id, reason="unknown_peer",
+                hid = msg.result.handoff_id if isinstance(msg, Prefilled) else msg.handoff_id
+                return Refused(handoff_id=hid, reason="unknown_peer",
                                message="send Hello first: this connection has not completed the handshake")
             return None
         if isinstance(msg, Admit):
@@ -335,7 +342,27 @@ class KVReceiver:
                 self._handoffs.pop(h.handoff_id, None)
                 await self._fail(h, f"aborted by the sender {conn.peer}: {msg.reason}", revoke=False)
             return Aborted(handoff_id=msg.handoff_id, known=True)
+        if isinstance(msg, Prefilled):
+            return await self._on_prefilled(conn.peer, msg)
         return None
+
+    async def _on_prefilled(self, peer: str, msg: Prefilled) -> Noted:
+        """The first token of a handoff, from the sender group that admitted it (a failed
+        result fails the handoff, as its Abort would)."""
+        result = msg.result
+        h = self._handoffs.get(result.handoff_id)
+        group = self._group_of.get(peer, peer)
+        if (h is None or h.group != group or (msg.attempt and h.attempt != msg.attempt)
+                or h.state == "failed" or h.num_tokens != result.num_prompt_tokens):
+            return Noted(handoff_id=result.handoff_id, known=False)
+        if result.status == "failed":
+            if h.state == "complete":
+                self._handoffs.pop(h.handoff_id, None)
+            await self._fail(h, f"the prefill failed ({result.reason}): {result.error}", revoke=False)
+            return Noted(handoff_id=result.handoff_id, known=True)
+        h.result = result
+        await self._notify_all()
+        return Noted(handoff_id=result.handoff_id, known=True)
 
     async def _on_hello(self, conn: ControlConnection, hello: Hello) -> BaseModel:
         name = hello.agent_name

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from connector.layout import KVLayout
 from pd_settings.secrets import is_loopback
+from pd_wire.handoff import HandoffResult
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +48,7 @@ class ReceivedKV:
     handoff_id: str
     num_tokens: int
     layers: list[dict[str, torch.Tensor]]
+    result: HandoffResult | None = None  # the prefill's result, when it came with the KV (Prefilled)
 
 
 @dataclass(frozen=True)
@@ -129,3 +131,4 @@ class HandoffState:
     # the per-layer views handed to the engine, made at admission (off the path from the
     # last notification to wait_for returning)
     views: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    result: HandoffResult | None = None  # from the sender's Prefilled

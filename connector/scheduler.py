@@ -29,7 +29,9 @@ forward passes of every user):
    ``request_finished`` reads what is there without waiting: ``failed`` if a rank failed,
    else ``pending`` (the KV is on its way; the decode server waits for its last layer and
    learns of a later failure from the sender's Abort) or ``sent`` (already landed), with
-   the counts of layers gathered early and late.
+   the counts of layers gathered early and late. A target with ``result_with_kv`` also
+   gets that result (unless failed) sent to its decode server, behind its Admit
+   (:meth:`connector.admission.AdmissionClient.prefilled`): the first token with the KV.
 4. **Blocks are held** (``request_finished`` returns True) for every request the workers
    were told about, until each worker lists it in ``get_finished``: once all its layers
    are copied into staging, or its handoff failed. A request that ends before its last
@@ -187,21 +189,24 @@ class ConnectorScheduler:
             del self._tracked[req_id]
             self._release_admission(tracked, "the request finished before its prompt was computed")
             reason: FailureReason = tracked.reason if tracked.error else "cancelled"
-            return False, self._result(
+            return False, _dumped(self._result(
                 request, tracked, "failed", tracked.error or "request finished before its prompt was computed",
                 reason,
-            )
+            ))
         self._held.add(req_id)
         if not tracked.completed:
             self._aborts.append(req_id)
             self._release_admission(tracked, "the request finished before its prompt was computed")
-            return True, self._result(
+            return True, _dumped(self._result(
                 request, tracked, "failed", "request finished before its prompt was computed", "cancelled"
-            )
+            ))
         outcome = self._outcome(req_id)
         if outcome[0] == "failed":  # a rank may not have been able to tell the decode server itself
             self._release_admission(tracked, outcome[1] or "the KV transfer failed")
-        return True, self._result(request, tracked, *outcome)
+        result = self._result(request, tracked, *outcome)
+        if result is not None and outcome[0] != "failed" and tracked.target.result_with_kv:
+            self._admissions.prefilled(result)  # the first token goes with the KV, not through the router
+        return True, _dumped(result)
 
     def update_connector_output(self, finished_sending: set[str] | None) -> None:
         self._collect_reports()  # a failure reported with the request's release is acted on first
@@ -306,11 +311,11 @@ class ConnectorScheduler:
     @staticmethod
     def _result(request: Any, tracked: _Tracked, status: HandoffStatus, error: str | None,
                 reason: FailureReason | None = None, layers_early: int | None = None,
-                layers_late: int | None = None) -> dict[str, Any] | None:
+                layers_late: int | None = None) -> HandoffResult | None:
         outputs = list(request.output_token_ids)
         if not outputs:
             return None  # nothing was generated: there is no response to carry a handoff
-        result = HandoffResult(
+        return HandoffResult(
             handoff_id=tracked.target.handoff_id,
             kv_endpoint=tracked.target.kv_endpoint,
             num_prompt_tokens=tracked.num_tokens,
@@ -322,7 +327,10 @@ class ConnectorScheduler:
             layers_early=layers_early,
             layers_late=layers_late,
         )
-        return result.model_dump(exclude_none=True)
+
+
+def _dumped(result: HandoffResult | None) -> dict[str, Any] | None:
+    return None if result is None else result.model_dump(exclude_none=True)
 
 
 def _handoff_target(request: Any) -> HandoffTarget | None:

@@ -2,14 +2,22 @@
 server pass one another about a request's KV handoff, and the protocol version all three
 must speak.
 
-Flow for one request::
+Flow for one request, the first token with the KV (``HandoffTarget.result_with_kv``)::
 
     router  --HandoffTarget-->  vLLM prefill (TileRTConnector reads it)
+    router  --HandoffClaim-->  decode server (at the same time: it waits for the KV)
+    vLLM (the connector)  --HandoffResult-->  decode server (over the KV channel, Prefilled)
+    vLLM    --HandoffResult-->  router (in the prefill HTTP response: failures and usage)
+
+and the first token through the router (requests whose decode needs the prefill's answer:
+its logprobs, the prompt's token ids)::
+
+    router  --HandoffTarget-->  vLLM prefill
     vLLM    --HandoffResult-->  router (in the prefill HTTP response)
     router  --HandoffResult (+ prefill_logprobs)-->  decode server
 
 The KV bytes travel connector -> decode server over NIXL; that channel's own messages
-(hello, admit, ...) are the connector's (:mod:`connector.protocol`).
+(hello, admit, prefilled, ...) are the connector's (:mod:`connector.protocol`).
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-PROTOCOL_VERSION = 3  # 3: the KV control channel authenticates (AuthStart ... AuthOk) before Hello
+# 3: the KV control channel authenticates (AuthStart ... AuthOk) before Hello;
+# 4: the handoff's result can travel with the KV (Prefilled, HandoffClaim)
+PROTOCOL_VERSION = 4
 
 # "pending": admitted, the KV is on its way (the decode server waits for its last layer);
 # "sent": every layer had landed when vLLM answered; "failed": see ``reason`` and ``error``.
@@ -42,6 +52,21 @@ class HandoffTarget(BaseModel):
 
     handoff_id: str = Field(min_length=1, max_length=256)
     kv_endpoint: str = Field(description="host:port of the decode server's KV control endpoint")
+    result_with_kv: bool = Field(default=False, description="send the HandoffResult (the first token) to the "
+                                 "decode server over the KV control channel as vLLM finishes the prefill: the "
+                                 "decode request is then a HandoffClaim")
+
+
+class HandoffClaim(BaseModel):
+    """A decode request's ``kv_transfer_params`` when the handoff's result travels with the
+    KV (``HandoffTarget.result_with_kv``): the decode server waits for both, up to its KV
+    timeout, then decodes as with a :class:`HandoffResult`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    protocol_version: int = PROTOCOL_VERSION
+    handoff_id: str = Field(min_length=1, max_length=256)
+    result: Literal["with_kv"] = Field(description="where the result comes from: the KV control channel")
 
 
 class HandoffResult(BaseModel):

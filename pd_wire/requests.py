@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pd_grammar.spec import grammar_param
 from pd_wire.decode import EngineFeatures
-from pd_wire.handoff import HandoffResult
+from pd_wire.handoff import HandoffClaim, HandoffResult
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's sampling epsilon (and TileRT's)
@@ -59,7 +59,7 @@ class _Common(BaseModel):
 
     model: str | None = Field(default=None, min_length=1)  # the router requires it (pd_router.api)
     # required by the decode server (its route says so first); a client's is refused by the router
-    kv_transfer_params: HandoffResult | None = None
+    kv_transfer_params: HandoffResult | HandoffClaim | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=1, ge=1)

@@ -34,7 +34,7 @@ from decode_server.engine.base import DecodeSession, Engine, EngineError, Sampli
 from decode_server.server.api_errors import ApiError, Cancelled, EngineFailure, HandoffFailed, KVTimeout
 from decode_server.server.metrics import DecodeMetrics
 from decode_server.server.observe import RequestObservation
-from decode_server.server.request_plan import Plan
+from decode_server.server.request_plan import Plan, with_result
 from decode_server.server.responses import DONE, dumps, renderer_for, sse
 from decode_server.server.sequence import Delta, SequenceProcessor
 from decode_server.server.slot_table import Slot, SlotManager
@@ -54,7 +54,7 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 class Receiver(Protocol):
     """What the server uses of :class:`connector.receiver.KVReceiver`."""
 
-    async def wait_for(self, handoff_id: str, timeout: float) -> ReceivedKV: ...
+    async def wait_for(self, handoff_id: str, timeout: float, with_result: bool = False) -> ReceivedKV: ...
 
     def release(self, handoff_id: str) -> None: ...
 
@@ -168,7 +168,7 @@ class Job:
     def _release_kv(self) -> None:
         if not self._kv_released:
             self._kv_released = True
-            self.ctx.receiver.release(self.plan.handoff.handoff_id)
+            self.ctx.receiver.release(self.plan.handoff_id)
 
     def _from_worker(self, fn: Any, *args: Any) -> None:
         try:
@@ -193,10 +193,13 @@ class Job:
 
     async def _wait_kv_traced(self, span: Span | None) -> ReceivedKV:
         handoff = self.plan.handoff
+        claim = not isinstance(handoff, HandoffResult)  # the result (first token) comes with the KV
         if span is not None:
-            span.set_attributes({"pd.handoff_id": handoff.handoff_id,
-                                 "pd.handoff.prompt_tokens": handoff.num_prompt_tokens})
-        wait = asyncio.ensure_future(self.ctx.receiver.wait_for(handoff.handoff_id, self.ctx.kv_timeout))
+            span.set_attribute("pd.handoff_id", handoff.handoff_id)
+            if isinstance(handoff, HandoffResult):
+                span.set_attribute("pd.handoff.prompt_tokens", handoff.num_prompt_tokens)
+        wait = asyncio.ensure_future(self.ctx.receiver.wait_for(handoff.handoff_id, self.ctx.kv_timeout,
+                                                                with_result=claim))
         aborted = asyncio.ensure_future(self._aborted.wait())
         try:
             await asyncio.wait({wait, aborted}, return_when=asyncio.FIRST_COMPLETED)
@@ -214,6 +217,12 @@ class Job:
         except (KVHandoffFailed, ReceiverError) as exc:
             raise HandoffFailed(f"the KV handoff {handoff.handoff_id!r} failed: {exc}") from exc
         self.ctx.metrics.kv_wait.observe(time.monotonic() - self.arrived)
+        if claim:
+            if kv.result is None:  # a receiver that returned without it: a bug, not the client's
+                raise HandoffFailed(f"the KV of handoff {handoff.handoff_id!r} came without the prefill's result")
+            if span is not None:
+                span.set_attribute("pd.handoff.prompt_tokens", kv.result.num_prompt_tokens)
+            self.plan = with_result(self.plan, kv.result)
         return kv
 
     # ---- worker thread ----------------------------------------------------------------
@@ -226,7 +235,7 @@ class Job:
         try:
             span = self.obs.stage_span("engine_start")
             try:
-                session = self.ctx.engine.start(kv, self.plan.handoff, self._sampling())
+                session = self.ctx.engine.start(kv, self.plan.result, self._sampling())
             except BaseException as exc:
                 if span is not None:
                     fail(span, exc)
@@ -242,7 +251,7 @@ class Job:
                 session.cancel()
             self._post(_Started())
             span = self.obs.stage_span("generation")
-            self._decode(session, self.plan.handoff, span)
+            self._decode(session, self.plan.result, span)
         except EngineCancelled:
             pass
         except ApiError as exc:
@@ -364,10 +373,10 @@ class Job:
     async def run(self, send: Any, headers: list[tuple[bytes, bytes]]) -> None:
         """Answer the request; every failure becomes an OpenAI-shaped error (a status before
         the stream started, an error event after)."""
-        renderer = renderer_for(self.plan)
         status_sent = False
         try:
             await self._first_event()
+            renderer = renderer_for(self.plan)  # after the first event: a claim's plan is complete then
             if self.plan.stream:
                 await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + headers})
                 status_sent = True

@@ -15,7 +15,7 @@ from decode_server.server.sequence import MIN_LOGPROB, StopSpec, TokenLogprob
 from decode_server.server.text import GenerationDefaults
 from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, grammar_param, grammar_spec
 from pd_wire.decode import EngineFeatures
-from pd_wire.handoff import PROTOCOL_VERSION, HandoffResult
+from pd_wire.handoff import PROTOCOL_VERSION, HandoffClaim, HandoffResult
 from pd_wire.requests import ChatCompletionRequest, CompletionRequest, Endpoint, logit_bias, unsupported
 
 
@@ -34,7 +34,7 @@ class ServerLimits:
 class Plan:
     endpoint: Endpoint
     request_id: str
-    handoff: HandoffResult
+    handoff: HandoffResult | HandoffClaim  # a claim until the result came with the KV (:func:`with_result`)
     sampling: SamplingParams
     stop: StopSpec
     stream: bool
@@ -47,14 +47,26 @@ class Plan:
     tools: list[dict[str, Any]] | None  # parse tool calls when not None
     first_logprob: TokenLogprob | None
     grammar: GrammarSpec | None = None  # structured output (the engine gets its matcher)
+    max_tokens: tuple[int | None, str, int] = (None, "max_tokens", 0)  # (asked, its param, max_seq_len)
+
+    @property
+    def handoff_id(self) -> str:
+        return self.handoff.handoff_id
+
+    @property
+    def result(self) -> HandoffResult:
+        """The handoff's result (the plan of a claim has it once :func:`with_result` ran)."""
+        if not isinstance(self.handoff, HandoffResult):
+            raise RuntimeError(f"handoff {self.handoff.handoff_id!r}: its result has not come yet")
+        return self.handoff
 
 
-def _check_handoff(handoff: HandoffResult) -> None:
+def _check_handoff(handoff: HandoffResult | HandoffClaim) -> None:
     if handoff.protocol_version != PROTOCOL_VERSION:
         raise InvalidRequest(
             f"kv_transfer_params.protocol_version is {handoff.protocol_version}, this server speaks "
             f"{PROTOCOL_VERSION}", "kv_transfer_params.protocol_version")
-    if handoff.status == "failed":
+    if isinstance(handoff, HandoffResult) and handoff.status == "failed":
         raise HandoffFailed(f"prefill reported the KV handoff {handoff.handoff_id!r} as failed: "
                             f"{handoff.error or 'no reason given'}", "kv_transfer_params.status")
 
@@ -65,23 +77,38 @@ def _logprobs_k(req: CompletionRequest | ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-def _max_tokens(req: CompletionRequest | ChatCompletionRequest, prompt_tokens: int, limits: ServerLimits) -> int:
-    room = limits.max_seq_len - prompt_tokens
-    if room < 1:
-        raise InvalidRequest(f"This model's maximum context length is {limits.max_seq_len} tokens; the prompt has "
-                             f"{prompt_tokens} tokens, which leaves no room for output", "messages")
-    requested = req.max_tokens
-    param = "max_tokens"
+def _asked_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, str]:
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        requested, param = req.max_completion_tokens, "max_completion_tokens"
-    if requested is None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+def _max_tokens(asked: int | None, param: str, prompt_tokens: int, max_seq_len: int) -> int:
+    room = max_seq_len - prompt_tokens
+    if room < 1:
+        raise InvalidRequest(f"This model's maximum context length is {max_seq_len} tokens; the prompt has "
+                             f"{prompt_tokens} tokens, which leaves no room for output", "messages")
+    if asked is None:
         return room
-    if requested > room:
+    if asked > room:
         raise InvalidRequest(
-            f"This model's maximum context length is {limits.max_seq_len} tokens. However, you requested "
-            f"{prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, {requested} in the completion). "
+            f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
+            f"{prompt_tokens + asked} tokens ({prompt_tokens} in the prompt, {asked} in the completion). "
             f"Please reduce the length of the prompt or of {param}.", param)
-    return requested
+    return asked
+
+
+def with_result(plan: Plan, result: HandoffResult) -> Plan:
+    """The plan of a claim, completed by the result that came with the KV: the output's
+    bound now that the prompt's length is known (a 400 when it leaves no room)."""
+    _check_handoff(result)
+    if result.handoff_id != plan.handoff_id:
+        raise HandoffFailed(f"the KV channel delivered handoff {result.handoff_id!r} for {plan.handoff_id!r}",
+                            "kv_transfer_params.handoff_id")
+    asked, param, max_seq_len = plan.max_tokens
+    max_tokens = _max_tokens(asked, param, result.num_prompt_tokens, max_seq_len)
+    return replace(plan, handoff=result, sampling=replace(plan.sampling, max_tokens=max_tokens),
+                   stop=replace(plan.stop, max_tokens=max_tokens))
 
 
 def _grammar(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits) -> GrammarSpec | None:
@@ -113,12 +140,20 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
         raise InvalidRequest("kv_transfer_params is required", "kv_transfer_params")
     _check_handoff(handoff)
     k = _logprobs_k(req)
-    max_tokens = _max_tokens(req, handoff.num_prompt_tokens, limits)
+    asked, param = _asked_max_tokens(req)
+    claim = isinstance(handoff, HandoffClaim)
+    # a claim's prompt length comes with the KV (with_result); until then at least one token
+    prompt_tokens = handoff.num_prompt_tokens if isinstance(handoff, HandoffResult) else 1
+    max_tokens = _max_tokens(asked, param, prompt_tokens, limits.max_seq_len)
     dflt = defaults.sampling
     temperature = req.temperature if req.temperature is not None else dflt.temperature
     top_k = req.top_k if req.top_k is not None else dflt.top_k
     repetition = _or(req.repetition_penalty, dflt.repetition_penalty, 1.0)
-    if repetition != 1.0 and handoff.prompt_token_ids is None:
+    if claim and (k is not None or repetition != 1.0):
+        needs = "logprobs" if k is not None else "repetition_penalty"
+        raise InvalidRequest(f"{needs} needs the prefill's answer (the first token's logprobs, the prompt's token "
+                             "ids): send kv_transfer_params as the HandoffResult, not a claim", needs)
+    if isinstance(handoff, HandoffResult) and repetition != 1.0 and handoff.prompt_token_ids is None:
         raise InvalidRequest("repetition_penalty needs the prompt's token ids: kv_transfer_params.prompt_token_ids "
                              "(the router asks prefill for them)", "kv_transfer_params.prompt_token_ids")
     sampling = SamplingParams(
@@ -133,7 +168,8 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
         frequency_penalty=_or(req.frequency_penalty, dflt.frequency_penalty, 0.0),
         repetition_penalty=repetition,
         logit_bias=logit_bias(req.logit_bias),
-        prompt_token_ids=tuple(handoff.prompt_token_ids or ()) if repetition != 1.0 else (),
+        prompt_token_ids=(tuple(handoff.prompt_token_ids or ())
+                          if isinstance(handoff, HandoffResult) and repetition != 1.0 else ()),
     )
     stop = StopSpec(
         max_tokens=max_tokens,
@@ -167,8 +203,10 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
                               and req.stream_options.continuous_usage_stats),
         model=req.model or limits.model_name, logprobs=k, tokens_as_ids=bool(req.return_tokens_as_token_ids),
         reasoning=reasoning, tools=tools,
-        first_logprob=prefill_logprob(handoff.prefill_logprobs, k) if k is not None else None,
+        first_logprob=(prefill_logprob(handoff.prefill_logprobs, k)
+                       if k is not None and isinstance(handoff, HandoffResult) else None),
         grammar=grammar,
+        max_tokens=(asked, param, limits.max_seq_len),
     )
 
 

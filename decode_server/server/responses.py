@@ -63,7 +63,7 @@ class _Renderer:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
     def usage(self) -> dict[str, int]:
-        return usage(self.plan.handoff.num_prompt_tokens, self.completion_tokens)
+        return usage(self.plan.result.num_prompt_tokens, self.completion_tokens)
 
     def start(self) -> list[dict[str, Any]]:
         return []

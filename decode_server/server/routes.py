@@ -74,7 +74,7 @@ def _release_refused(state: DecodeState, handoff_id: str | None) -> None:
     request owns that handoff (a duplicate request id)."""
     if handoff_id is None or state.receiver is None:
         return
-    if any(job.plan.handoff.handoff_id == handoff_id for job in state.slots.jobs()):
+    if any(job.plan.handoff_id == handoff_id for job in state.slots.jobs()):
         return
     state.receiver.release(handoff_id)
 
@@ -94,7 +94,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         plan = build_plan(endpoint, req, request_id, state.limits, state.defaults)
         obs.stage = "slot"
         job = Job(state.context, plan, label, obs)
-        job.slot = state.slots.acquire(request_id, job, plan.handoff.handoff_id)
+        job.slot = state.slots.acquire(request_id, job, plan.handoff_id)
     except ApiError as err:
         _release_refused(state, handoff_id_of(body))  # every refusal gives the KV back before answering
         state.metrics.requests.labels(label, str(err.status)).inc()
@@ -143,7 +143,7 @@ async def cancel(request: Request) -> Response:
         return error_response(InvalidRequest(message, param))
     state = _state(request)
     job = state.slots.job(body.request_id)
-    if job is not None and body.handoff_id not in (None, job.plan.handoff.handoff_id):
+    if job is not None and body.handoff_id not in (None, job.plan.handoff_id):
         job = None  # the same request id, another attempt's handoff: leave that generation alone
     cancelled = False
     if job is not None:

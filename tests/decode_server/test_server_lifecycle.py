@@ -302,7 +302,7 @@ def test_cancel_while_the_engine_injects_kv(make_server):
 def test_unexpected_receiver_error_is_an_openai_error(make_server, monkeypatch):
     srv = make_server()
 
-    async def broken(handoff_id: str, timeout: float):
+    async def broken(handoff_id: str, timeout: float, with_result: bool = False):
         raise RuntimeError("receive buffer exploded")
 
     monkeypatch.setattr(srv.receiver, "wait_for", broken)

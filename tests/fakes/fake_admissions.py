@@ -2,12 +2,14 @@
 tests of the connector's scheduler side. Admissions are answered when the test says so
 (``settle_all``, or at once with ``immediate``); offsets follow the layout packed from 0.
 Knobs: ``refuse`` endpoint -> reason ("busy", "too_long", ...); ``held`` handoff ids left
-under way until released. Records ``started`` and ``aborted`` (handoff id, reason)."""
+under way until released. Records ``started``, ``aborted`` (handoff id, reason) and the
+results sent with the KV (``prefilled_results``)."""
 
 from __future__ import annotations
 
 from connector.admission import Admission
 from connector.layout import KVLayout, plane_offsets
+from pd_wire.handoff import HandoffResult
 
 
 class FakeAdmissions:
@@ -18,6 +20,7 @@ class FakeAdmissions:
         self.held: set[str] = set()
         self.started: list[str] = []
         self.aborted: list[tuple[str, str]] = []
+        self.prefilled_results: list[HandoffResult] = []
         self._pending: dict[str, tuple[str, int]] = {}
         self._results: dict[str, Admission] = {}
         self.closed = False
@@ -52,6 +55,9 @@ class FakeAdmissions:
 
     def abort(self, handoff_id: str, endpoint: str, reason: str) -> None:
         self.aborted.append((handoff_id, reason))
+
+    def prefilled(self, result: HandoffResult) -> None:
+        self.prefilled_results.append(result)
 
     def forget(self, handoff_id: str) -> None:
         self._results.pop(handoff_id, None)

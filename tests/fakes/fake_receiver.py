@@ -8,13 +8,14 @@ server's loop runs in another. ``held()`` lists handoffs not yet released (leak 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
 from connector.kv_errors import HandoffFailed, HandoffTimeout
 from connector.layout import KVLayout
 from connector.receiver import ReceivedKV, ReceiverStats
-from pd_wire.handoff import PeerStatus
+from pd_wire.handoff import HandoffResult, PeerStatus
 
 
 class FakeReceiver:
@@ -28,6 +29,7 @@ class FakeReceiver:
         self._lock = threading.Lock()
         self._done: dict[str, str | None] = {}  # handoff id -> None (complete) or failure reason
         self._held: set[str] = set()
+        self._results: dict[str, HandoffResult] = {}  # from prefilled(): what a claim waits for too
         self.released: list[str] = []
         self.release_calls: list[str] = []  # every release(), also of handoffs it does not hold
         self.waits: list[str] = []
@@ -76,6 +78,11 @@ class FakeReceiver:
         with self._lock:
             self._done[handoff_id] = reason
 
+    def prefilled(self, result: HandoffResult) -> None:
+        """The prefill's result came over the KV channel (a claim's decode waits for it)."""
+        with self._lock:
+            self._results[result.handoff_id] = result
+
     def arrive(self, handoff_id: str) -> None:
         """The handoff's KV landed (prefill pushed it): it holds a receive slot until the
         decode server claims and releases it, as in the real receiver."""
@@ -98,7 +105,7 @@ class FakeReceiver:
                    for p in self.layout.planes} for _ in range(self.layout.num_layers)]
         return ReceivedKV(handoff_id=handoff_id, num_tokens=self.num_tokens, layers=layers)
 
-    async def wait_for(self, handoff_id: str, timeout: float) -> ReceivedKV:
+    async def wait_for(self, handoff_id: str, timeout: float, with_result: bool = False) -> ReceivedKV:
         with self._lock:
             self._held.add(handoff_id)
             self.waits.append(handoff_id)
@@ -106,9 +113,10 @@ class FakeReceiver:
         while True:
             with self._lock:
                 state = self._done.get(handoff_id, "pending") if not self.auto_complete else self._done.get(handoff_id)
-            if state is None:
-                return self._kv(handoff_id)
-            if state != "pending":
+                result = self._results.get(handoff_id)
+            if state is None and (result is not None or not with_result):
+                return dataclasses.replace(self._kv(handoff_id), result=result)
+            if state is not None and state != "pending":
                 self.release(handoff_id)
                 raise HandoffFailed(f"handoff {handoff_id!r}: {state}")
             if time.monotonic() >= deadline:

@@ -12,7 +12,9 @@ import time
 import pytest
 
 from connector.admission import Admission, AdmissionClient
+from connector.kv_errors import HandoffFailed, HandoffTimeout
 from connector.layout import layout_fingerprint
+from pd_wire.handoff import HandoffResult
 from tests.connector.transport.helpers import SMALL, assert_no_leaks
 from tests.connector.transport.synthetic import fill, layer_bytes, mismatches
 from tests.waits import eventually
@@ -33,6 +35,16 @@ async def _result(client: AdmissionClient, handoff_id: str, timeout: float = 10.
     return result
 
 
+async def _write_every_layer(sender, endpoint: str, admission: Admission, num_tokens: int, seed: int) -> None:
+    """As the admitting group's worker does: open the admitted slot and WRITE every layer."""
+    await asyncio.to_thread(sender.connect, endpoint, 5)
+    handoff = sender.open(endpoint, admission.handoff_id, num_tokens, admission.offsets, time.monotonic() + 10)
+    assert handoff is not None
+    for layer in range(SMALL.num_layers):
+        fill(handoff.staging(layer), layer_bytes(SMALL, layer, num_tokens, seed))
+    handoff.post_layers(list(range(SMALL.num_layers)))
+
+
 async def test_admitted_in_the_background_and_written_by_the_groups_worker(kv):
     async with kv.running_receiver(max_tokens=64) as receiver:
         client, sender = _client(), kv.make_sender(group=GROUP)
@@ -42,12 +54,7 @@ async def test_admitted_in_the_background_and_written_by_the_groups_worker(kv):
             admission = await _result(client, "h")
             assert admission.ok and admission.slot == 0 and len(admission.offsets) == SMALL.num_layers
             assert receiver.busy_slots() == 1
-            await asyncio.to_thread(sender.connect, receiver.endpoint, 5)
-            handoff = sender.open(receiver.endpoint, "h", 40, admission.offsets, time.monotonic() + 10)
-            assert handoff is not None
-            for layer in range(SMALL.num_layers):
-                fill(handoff.staging(layer), layer_bytes(SMALL, layer, 40, 3))
-            handoff.post_layers(list(range(SMALL.num_layers)))
+            await _write_every_layer(sender, receiver.endpoint, admission, 40, seed=3)
             kv = await waiter
             assert mismatches(kv.layers, SMALL, 40, 3) == []
             receiver.release("h")
@@ -186,3 +193,55 @@ async def test_an_admit_given_up_on_is_cancelled_when_the_decode_server_resumes(
     finally:
         client.close()
         server.close()
+
+
+def _result_of(handoff_id: str, endpoint: str, num_tokens: int, status: str = "pending") -> HandoffResult:
+    return HandoffResult(handoff_id=handoff_id, kv_endpoint=endpoint, num_prompt_tokens=num_tokens,
+                         first_token_id=7, last_prompt_token_id=5, status=status,  # type: ignore[arg-type]
+                         reason="transfer" if status == "failed" else None)
+
+
+async def test_the_first_token_travels_with_the_kv(kv):
+    """A claim's decode waits for the KV *and* the scheduler's Prefilled (issue 34): the KV
+    alone does not end the wait, and the result comes back with the KV."""
+    async with kv.running_receiver(max_tokens=64) as receiver:
+        client, sender = _client(), kv.make_sender(group=GROUP)
+        try:
+            waiter = asyncio.create_task(receiver.wait_for("h", 10, with_result=True))
+            client.start("h", receiver.endpoint, 40)
+            admission = await _result(client, "h")
+            await _write_every_layer(sender, receiver.endpoint, admission, 40, seed=3)
+            await eventually(lambda: receiver.stats.completed == 1)
+            # an absence, so bounded: the completion woke the waiter, which kept waiting for the result
+            done, _ = await asyncio.wait({waiter}, timeout=0.2)
+            assert not done
+            client.prefilled(_result_of("h", receiver.endpoint, 40))
+            got = await waiter
+            assert got.result is not None and got.result.first_token_id == 7
+            assert mismatches(got.layers, SMALL, 40, 3) == []
+            receiver.release("h")
+            assert_no_leaks(receiver, sender)
+        finally:
+            client.close()
+            sender.close()
+
+
+async def test_a_result_is_taken_only_from_the_admitting_group_and_a_failed_one_fails_the_handoff(kv):
+    async with kv.running_receiver(max_tokens=64, slots=2) as receiver:
+        ours, theirs = _client(), _client(group="prefill-group-b")
+        try:
+            ours.start("h", receiver.endpoint, 10)
+            assert (await _result(ours, "h")).ok
+            theirs.start("x", receiver.endpoint, 10)  # its channel, handshaken
+            assert (await _result(theirs, "x")).ok
+            theirs.prefilled(_result_of("h", receiver.endpoint, 10))  # not its handoff: dropped
+            theirs.prefilled(_result_of("x", receiver.endpoint, 10, status="failed"))
+            with pytest.raises(HandoffFailed, match="the prefill failed"):
+                await receiver.wait_for("x", 10, with_result=True)
+            assert receiver.busy_slots() == 1  # x's slot is free again, h holds its own
+            with pytest.raises(HandoffTimeout, match=r"0/\d+ layers and the prefill's result"):
+                await receiver.wait_for("h", 0.2, with_result=True)
+            assert receiver.busy_slots() == 0
+        finally:
+            ours.close()
+            theirs.close()

@@ -143,6 +143,36 @@ def test_one_step_prefill_is_sent_with_first_token_and_exact_kv(rig):
     r.assert_no_leaks()
 
 
+@pytest.mark.parametrize("with_kv", [False, True])
+def test_the_result_goes_to_the_decode_server_when_the_target_asks(rig, with_kv):
+    """``result_with_kv``: the first token goes to the decode server over the KV channel as
+    vLLM finishes the request (issue 34), the same result vLLM answers; otherwise only vLLM's answer."""
+    r = rig()
+    req = request("a", 40, seed=3)
+    req.kv_transfer_params = {**req.kv_transfer_params, "result_with_kv": with_kv}
+    r.engine.add(req)
+    r.engine.step()
+    _, params = r.engine.results["a"]
+    if with_kv:
+        assert [x.model_dump(exclude_none=True) for x in r.admissions.prefilled_results] == [params]
+        assert params["first_token_id"] == 103
+    else:
+        assert r.admissions.prefilled_results == []
+    r.assert_no_leaks()
+
+
+def test_a_failed_handoffs_result_is_not_sent_with_the_kv(rig):
+    r = rig()
+    r.admissions.refuse[ENDPOINT] = "busy"
+    req = request("a", 20)
+    req.kv_transfer_params = {**req.kv_transfer_params, "result_with_kv": True}
+    r.engine.add(req)
+    r.engine.run_until_idle()
+    assert r.engine.results["a"][1]["status"] == "failed"
+    assert r.admissions.prefilled_results == []
+    r.assert_no_leaks()
+
+
 def test_requests_without_a_handoff_target_are_untouched(rig):
     r = rig()
     r.engine.add(request("plain", 20, handoff=False))
