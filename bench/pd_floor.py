@@ -13,9 +13,13 @@ are the floor of a Python router with this protocol on the machine, as
 
 With ``--no-lease`` it skips the lease exchange (the decode server then takes an implicit
 lease when the KV or the decode request comes): the protocol before issue 13 (prefill,
-then decode), two sequential exchanges instead of three.
+then decode), two sequential exchanges instead of three. With ``--overlap`` (issue 34) it
+sends the prefill and the decode request at once after the lease: the prefill asks for its
+result to go with the KV (``result_with_kv``), the decode request names only the handoff,
+and the prefill's answer is read beside the relay: two sequential exchanges, the second
+one the decode's.
 
-    .venv/bin/python -m bench.pd_floor --port P --prefill 127.0.0.1:Q --decode 127.0.0.1:R [--no-lease]
+    .venv/bin/python -m bench.pd_floor --port P --prefill 127.0.0.1:Q --decode 127.0.0.1:R [--no-lease|--overlap]
 """
 
 from __future__ import annotations
@@ -121,10 +125,12 @@ class _Pool:
 
 
 class _Relay:
-    def __init__(self, prefill: tuple[str, int], decode: tuple[str, int], kv_endpoint: str, lease: bool) -> None:
+    def __init__(self, prefill: tuple[str, int], decode: tuple[str, int], kv_endpoint: str, lease: bool,
+                 overlap: bool = False) -> None:
         self.prefill, self.decode = _Pool(prefill), _Pool(decode)
         self.kv_endpoint = kv_endpoint
         self.lease = lease
+        self.overlap = overlap
         self.ids = itertools.count()
 
     async def serve(self, head: bytes, raw: bytes, client: asyncio.Transport) -> None:
@@ -135,9 +141,13 @@ class _Relay:
             lease = await self.decode.take()
             await lease.call(self.decode.host, "/v1/pd/lease", b'{"lease_id": "%s"}' % rid, rid)
             self.decode.give(lease)
+        target = {"handoff_id": rid.decode(), "kv_endpoint": self.kv_endpoint}
         prefill = dict(body, stream=False, max_tokens=1,
-                       kv_transfer_params={"handoff_id": rid.decode(), "kv_endpoint": self.kv_endpoint})
+                       kv_transfer_params=dict(target, result_with_kv=True) if self.overlap else target)
         prefill.pop("stream_options", None)
+        if self.overlap:
+            await self._overlapped(path, rid, json.dumps(prefill).encode(), raw, client)
+            return
         conn = await self.prefill.take()
         answer = json.loads(await conn.call(self.prefill.host, path, json.dumps(prefill).encode(), rid))
         self.prefill.give(conn)
@@ -146,6 +156,16 @@ class _Relay:
         conn = await self.decode.take()
         await conn.relay(self.decode.host, path, decode, rid, client)
         self.decode.give(conn)
+
+    async def _overlapped(self, path: str, rid: bytes, prefill: bytes, raw: bytes, client: asyncio.Transport) -> None:
+        claim = b'{"handoff_id": "%s", "result": "with_kv"}' % rid
+        decode = raw.rstrip()[:-1] + b', "kv_transfer_params": ' + claim + b"}"
+        pconn, dconn = await self.prefill.take(), await self.decode.take()
+        answer = asyncio.ensure_future(pconn.call(self.prefill.host, path, prefill, rid))
+        await dconn.relay(self.decode.host, path, decode, rid, client)
+        self.decode.give(dconn)
+        await answer  # read beside the relay (long there by now), for its connection
+        self.prefill.give(pconn)
 
 
 class _Client(asyncio.Protocol):
@@ -197,16 +217,18 @@ class _Client(asyncio.Protocol):
             self.task.cancel()
 
 
-async def start(port: int, prefill: tuple[str, int], decode: tuple[str, int], lease: bool = True) -> asyncio.Server:
+async def start(port: int, prefill: tuple[str, int], decode: tuple[str, int], lease: bool = True,
+                overlap: bool = False) -> asyncio.Server:
     """The relay on 127.0.0.1:``port`` (0: any free port), its handoff target read from the
-    decode server's capabilities; ``lease``: False skips the lease exchange."""
+    decode server's capabilities; ``lease``: False skips the lease exchange; ``overlap``:
+    prefill and decode at once, the first token with the KV."""
     reader, writer = await asyncio.open_connection(*decode)
     writer.write(b"GET /v1/pd/capabilities HTTP/1.1\r\nHost: %s:%d\r\nConnection: close\r\n\r\n"
                  % (decode[0].encode(), decode[1]))
     data = await reader.read()
     writer.close()
     kv_endpoint = json.loads(data[_head_end(data) + 4:])["kv_endpoint"]
-    relay = _Relay(prefill, decode, kv_endpoint, lease)
+    relay = _Relay(prefill, decode, kv_endpoint, lease, overlap)
     return await asyncio.get_running_loop().create_server(lambda: _Client(relay), "127.0.0.1", port)
 
 
@@ -221,10 +243,13 @@ def main() -> None:
     parser.add_argument("--prefill", required=True, help="host:port of the prefill server")
     parser.add_argument("--decode", required=True, help="host:port of the decode server")
     parser.add_argument("--no-lease", action="store_true", help="skip the lease exchange")
+    parser.add_argument("--overlap", action="store_true", help="prefill and decode at once (the first token "
+                        "with the KV)")
     args = parser.parse_args()
 
     async def run() -> None:
-        async with await start(args.port, _addr(args.prefill), _addr(args.decode), not args.no_lease) as server:
+        async with await start(args.port, _addr(args.prefill), _addr(args.decode), not args.no_lease,
+                               args.overlap) as server:
             await server.serve_forever()
 
     uvloop.run(run())

@@ -169,7 +169,7 @@ async def _measure(
     rows = []
     for c in CONCURRENCY:
         for endpoint in endpoints:
-            directs, routeds, relayed, minimal, leaseless = [], [], [], [], []
+            directs, routeds, relayed, minimal, leaseless, overlapped = [], [], [], [], [], []
             for r in range(rounds):  # alternate, so that drifting machine load hits all alike
                 n, tag = per_client[c], f"{endpoint[:4]}{c}.{r}"
                 directs.append(await _phase(urls["decode"], endpoint, True, c, n, None, f"d-{tag}"))
@@ -178,6 +178,7 @@ async def _measure(
                     minimal.append(await _phase(urls["floor"], endpoint, False, c, n, pids["floor"], f"f-{tag}"))
                 if c == NO_LEASE_CONCURRENCY:  # one sequential exchange fewer
                     leaseless.append(await _phase(urls["floor_no_lease"], endpoint, False, c, n, None, f"n-{tag}"))
+                    overlapped.append(await _phase(urls["floor_overlap"], endpoint, False, c, n, None, f"o-{tag}"))
                 if c == FLOOR_CONCURRENCY:  # the relay's floor: the direct requests through a byte relay
                     relayed.append(await _phase(urls["relay"], endpoint, True, c, n, pids["relay"], f"b-{tag}"))
             direct = _merge(directs)
@@ -188,6 +189,8 @@ async def _measure(
                 row["pd_floor_cpu_us_per_token"] = floor.cpu / floor.tokens * 1e6
             if leaseless:
                 row["pd_floor_no_lease_ttft_p50_ms"] = _added_ms(_merge(leaseless).ttft, direct.ttft, 0.5)
+            if overlapped:
+                row["pd_floor_overlap_ttft_p50_ms"] = _added_ms(_merge(overlapped).ttft, direct.ttft, 0.5)
             if relayed:
                 floor = _merge(relayed)
                 row["byte_relay_cpu_us_per_token"] = floor.cpu / floor.tokens * 1e6
@@ -249,6 +252,9 @@ def floors(rows: list[dict]) -> list[str]:
         if "pd_floor_no_lease_ttft_p50_ms" in r:
             out.append(f"{where}: the minimal PD relay without its lease exchange (--no-lease: one sequential "
                        f"exchange fewer) added {r['pd_floor_no_lease_ttft_p50_ms']:.2f} ms TTFT p50")
+        if "pd_floor_overlap_ttft_p50_ms" in r:
+            out.append(f"{where}: the minimal PD relay with prefill and decode at once (--overlap: the first "
+                       f"token with the KV) added {r['pd_floor_overlap_ttft_p50_ms']:.2f} ms TTFT p50")
         if r["concurrency"] == GOALS["router_cpu_us_per_token"][0] and "pd_floor_cpu_us_per_token" in r:
             floor = r["pd_floor_cpu_us_per_token"]
             out.append(f"{where}: a minimal PD relay (bench/pd_floor.py) used {floor:.1f} us of CPU per token; "
@@ -296,7 +302,8 @@ def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
     its lease exchange), and in front of the fake decode a byte relay
     (``bench/bare_relay.py``); each its own process. Yields their URLs and the pids of the
     router, the byte relay and the minimal PD relay."""
-    ports = {name: free_port() for name in ("prefill", "decode", "router", "relay", "floor", "floor_no_lease")}
+    ports = {name: free_port() for name in ("prefill", "decode", "router", "relay", "floor", "floor_no_lease",
+                                            "floor_overlap")}
     fake = ["-m", "tests.fakes.fake_backends"]
     decode_knobs = json.dumps({"model": "tiny", "slots": 1024, "token_delay": TOKEN_DELAY})
     urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
@@ -318,6 +325,8 @@ def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
         server(floor_argv("floor"), logs / "floor.log", urls["floor"] + "/ready", 30) as floor,
         server(floor_argv("floor_no_lease", "--no-lease"), logs / "floor-no-lease.log",
                urls["floor_no_lease"] + "/ready", 30),
+        server(floor_argv("floor_overlap", "--overlap"), logs / "floor-overlap.log",
+               urls["floor_overlap"] + "/ready", 30),
     ):
         yield urls, {"router": router.proc.pid, "relay": relay.proc.pid, "floor": floor.proc.pid}
 
@@ -373,7 +382,8 @@ def main() -> None:
             "minimal PD relay (`bench/pd_floor.py`: the router's lease, prefill and decode exchanges and a byte "
             "relay of the answer, nothing checked, no metrics), the floor of a Python router with this "
             "protocol on the machine, and at C=1 through the same relay without its lease exchange "
-            "(`--no-lease`), the floor of a protocol with one sequential exchange fewer. "
+            "(`--no-lease`), the floor of a protocol with one sequential exchange fewer, and with prefill and "
+            "decode at once (`--overlap`: the first token with the KV, issue 34). "
             f"{started}, {took:.0f} s; machine: {os.cpu_count()} CPUs, load average {load_start:.1f} at the "
             f"start, {load:.1f} at the end.\n\n"
             f"{table}\n\n```\n{goals}\n```\n{figure}{_caveat(load)}"

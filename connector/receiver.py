@@ -361,6 +361,7 @@ class KVReceiver:
             await self._fail(h, f"the prefill failed ({result.reason}): {result.error}", revoke=False)
             return Noted(handoff_id=result.handoff_id, known=True)
         h.result = result
+        self.stats.prefilled += 1
         await self._notify_all()
         return Noted(handoff_id=result.handoff_id, known=True)
 

@@ -100,6 +100,7 @@ class ReceiverStats:
     completed: int = 0  # handoffs whose every layer arrived
     failed: int = 0  # admitted handoffs that failed (timed out, aborted, sender gone, released early)
     bytes_received: int = 0  # KV bytes of the completed handoffs
+    prefilled: int = 0  # handoff results (first tokens) that came with the KV (Prefilled) and were kept
     # admission to its last layer's notification, of each completed handoff: a histogram's
     # counts per bound of HANDOFF_BUCKETS (not cumulative; the last one past every bound)
     handoff_counts: list[int] = field(default_factory=lambda: [0] * (len(HANDOFF_BUCKETS) + 1))

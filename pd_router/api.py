@@ -14,7 +14,15 @@ from typing import Any
 
 from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, grammar_spec, prefill_overrides
 from pd_router.errors import InvalidRequest
-from pd_wire.requests import ChatCompletionRequest, CompletionRequest, Endpoint, OpenAIRequest, Refusal, parse
+from pd_wire.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Endpoint,
+    OpenAIRequest,
+    Refusal,
+    parse,
+    zero_max_tokens,
+)
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
@@ -46,8 +54,8 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], OpenA
             raise InvalidRequest("prompt: a non-empty string or list (of strings or token ids) is required",
                                  param="prompt")
         if request.max_tokens == 0 and request.echo is not True:
-            raise InvalidRequest("max_tokens: Input should be greater than or equal to 1 (0 only with echo: the "
-                                 "prompt's logprobs alone)", param="max_tokens")
+            zero = zero_max_tokens()
+            raise InvalidRequest(zero.message, param=zero.param)
     if request.stream_options is not None and not request.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     return body, request

@@ -18,7 +18,7 @@ from typing import Any
 from pd_router.api import prefill_body
 from pd_router.errors import InvalidRequest
 from pd_wire.decode import DecodeCapabilities
-from pd_wire.requests import CompletionRequest, Endpoint, OpenAIRequest, Refusal, unsupported
+from pd_wire.requests import CompletionRequest, Endpoint, OpenAIRequest, Refusal, unsupported, zero_max_tokens
 
 
 def _invalid(refusal: Refusal) -> InvalidRequest:
@@ -38,8 +38,7 @@ def check_decode_view(endpoint: Endpoint, body: Mapping[str, Any], req: OpenAIRe
                                  "logprobs when max_tokens is 0 or 1 (the prompt's logprobs, as evaluation "
                                  "clients ask for them)", param="echo")
     if isinstance(req, CompletionRequest) and req.max_tokens == 0:
-        raise InvalidRequest("max_tokens: Input should be greater than or equal to 1 (0 only with echo and "
-                             "logprobs: the prompt's logprobs alone)", param="max_tokens")
+        raise _invalid(zero_max_tokens())
 
 
 def served_by_prefill(endpoint: Endpoint, body: Mapping[str, Any]) -> bool:
@@ -62,6 +61,17 @@ def prefill_fields(req: OpenAIRequest, capabilities: DecodeCapabilities | None) 
     if repetition is None:
         repetition = capabilities.sampling_defaults.repetition_penalty
     return {"return_token_ids": True} if repetition not in (None, 1.0) else {}
+
+
+def result_with_kv(body: Mapping[str, Any], req: OpenAIRequest, capabilities: DecodeCapabilities | None,
+                   extra: Mapping[str, Any]) -> bool:
+    """Whether the first token can travel with the KV (``HandoffTarget.result_with_kv``): the
+    decode request then goes out with the prefill, naming only its handoff. Not when the
+    decode needs something of vLLM's answer (the first token's logprobs, the prompt's token
+    ids: ``extra``) or the router merges something of it (``prompt_logprobs``, ``echo``),
+    nor for a decode server that is not ours."""
+    return (capabilities is not None and not extra and not req.wants_logprobs()
+            and body.get("prompt_logprobs") is None and not body.get("echo"))
 
 
 def prompt_token_ids(answer: Mapping[str, Any]) -> list[int] | None:

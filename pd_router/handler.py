@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from pd_grammar.spec import GrammarSpec, asks_for_grammar
 from pd_http.chunk_writer import chunk_writer
 from pd_http.tracing import SpanKind, Tracing
-from pd_router import decode_check, fanout, observe, prefill_leg, relay, responses_api
+from pd_router import decode_check, fanout, observe, overlap, prefill_leg, relay, responses_api
 from pd_router.api import parse_request, structured_output
 from pd_router.asgi import Receive, Scope, Send, header, read_body
 from pd_router.context import DecodeLegFailed, RequestContext, attempt_handoff_id
@@ -200,9 +200,10 @@ class CompletionHandler:
                 state.pool.release(lease)
                 raise refused
             extra = decode_check.prefill_fields(request, lease.backend.capabilities)
+            with_kv = decode_check.result_with_kv(body, request, lease.backend.capabilities, extra)
             try:
                 await self._attempt(ctx, lease, {**body, **extra} if extra else body, request,
-                                    attempt_handoff_id(ctx.request_id, attempt), grammar)
+                                    attempt_handoff_id(ctx.request_id, attempt), grammar, with_kv)
                 return
             except DecodeLegFailed as failed:
                 state.upstream_failed("decode", lease.backend, failed.error, mark_down=True)
@@ -224,25 +225,34 @@ class CompletionHandler:
 
     async def _attempt(
         self, ctx: RequestContext, lease: Lease, body: dict[str, Any], request: OpenAIRequest, handoff_id: str,
-        grammar: GrammarSpec | None = None,
+        grammar: GrammarSpec | None = None, with_kv: bool = False,
     ) -> None:
-        """Prefill and decode on one lease; always gives the lease back: at once after a clean
-        end or a 4xx answer (prefill refused before computing anything; decode refused after
-        giving its slot and the KV back), held back when the decode server was busy, else
-        after a cancel on the decode server (it may still hold the KV or the generation)."""
+        """Prefill and decode on one lease (``with_kv``: at once, the first token with the KV,
+        :mod:`pd_router.overlap`; else one after the other); always gives the lease back: at
+        once after a clean end or a 4xx answer (prefill refused before computing anything;
+        decode refused after giving its slot and the KV back), held back when the decode
+        server was busy, else after a cancel on the decode server (it may still hold the KV
+        or the generation)."""
         state = self.state
         outcome = "aborted"
         try:
             ctx.stage = "prefill"
-            kv_params = await prefill_leg.prefill(state, ctx, lease, body, request, handoff_id, grammar)
-            ctx.stage = "decode"
+            if with_kv:
+                kv_params: dict[str, Any] = {}
+            else:
+                kv_params = await prefill_leg.prefill(state, ctx, lease, body, request, handoff_id, grammar)
+                ctx.stage = "decode"
             with observe.span(state, ctx, "decode", SpanKind.CLIENT) as span:
                 trace = None
                 if span is not None:
                     span.set_attributes({"pd.decode.backend": lease.backend.url, "pd.handoff_id": handoff_id,
-                                         "pd.stream": request.stream})
+                                         "pd.stream": request.stream, "pd.result_with_kv": with_kv})
                     trace = Tracing.headers(span)
-                clean = await relay.decode(state, ctx, lease, body, request, kv_params, trace)
+                if with_kv:
+                    clean = await overlap.prefill_and_decode(state, ctx, lease, body, request, handoff_id, grammar,
+                                                             trace)
+                else:
+                    clean = await relay.decode(state, ctx, lease, body, request, kv_params, trace)
             if clean:
                 outcome = "clean"
         except Requeue as again:

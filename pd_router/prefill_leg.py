@@ -36,13 +36,16 @@ class HandoffFailed(BadUpstream):
 
 async def prefill(
     state: RouterState, ctx: RequestContext, lease: Lease, body: dict[str, Any], request: OpenAIRequest,
-    handoff_id: str, grammar: GrammarSpec | None = None,
+    handoff_id: str, grammar: GrammarSpec | None = None, result_with_kv: bool = False,
 ) -> dict[str, Any]:
+    """The prefill leg; the ``kv_transfer_params`` its answer carries for decode.
+    ``result_with_kv``: the connector also sends them to the decode server with the KV."""
     decode = lease.backend
     if decode.capabilities is None:
         target: Mapping[str, Any] = VLLM_REMOTE_DECODE_PARAMS
     else:
-        target = HandoffTarget(handoff_id=handoff_id, kv_endpoint=decode.capabilities.kv_endpoint).model_dump()
+        target = HandoffTarget(handoff_id=handoff_id, kv_endpoint=decode.capabilities.kv_endpoint,
+                               result_with_kv=result_with_kv).model_dump(exclude_defaults=True)
     side: asyncio.Future[dict[str, Any]] | None = None
     if body.get("prompt_logprobs") is not None:  # asked of a prefill server apart, at the same time
         side = asyncio.ensure_future(prompt_logprobs(state, ctx, body, ctx.model))

@@ -32,10 +32,19 @@ async def decode(
     kv_params: dict[str, Any], trace: Mapping[str, str] | None = None,
 ) -> bool:
     """Relay the decode answer; True when it ended cleanly. ``trace``: the ``traceparent`` header."""
+    resp = await open_answer(state, ctx, lease, body, kv_params, trace)
+    return await relay(state, ctx, lease, resp, body, request)
+
+
+async def open_answer(
+    state: RouterState, ctx: RequestContext, lease: Lease, body: dict[str, Any], kv_params: dict[str, Any],
+    trace: Mapping[str, str] | None = None,
+) -> Response:
+    """The decode request, open once the decode server answered 200 (its first event)."""
     backend = lease.backend
     data = decode_body(ctx.raw, body, kv_params)
     try:
-        resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.path, data,
+        return await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.path, data,
                                           ctx.request_id, state.settings.decode_timeout, trace)
     except UpstreamRejected as err:
         # 429: no slot for this request there (its lease ran out, or a server without
@@ -44,6 +53,12 @@ async def decode(
             raise
         raise Requeue("engine_slot", f"decode server {backend.url} busy (429): {err.message}") from None
         # any other failure to open: the caller marks the server down and may fail over
+
+
+async def relay(state: RouterState, ctx: RequestContext, lease: Lease, resp: Response, body: dict[str, Any],
+                request: OpenAIRequest) -> bool:
+    """Relay an open decode answer to the client (and give its connection back); True when it ended cleanly."""
+    backend = lease.backend
     try:
         if request.stream:
             return await relay_stream(state, ctx, resp, backend)

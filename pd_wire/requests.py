@@ -193,8 +193,7 @@ def unsupported(req: OpenAIRequest, features: EngineFeatures, engine: str, route
         return Refusal("prompt_logprobs is not supported by the decode server", "prompt_logprobs")
     if isinstance(req, CompletionRequest):
         if req.max_tokens == 0:
-            return Refusal("max_tokens: Input should be greater than or equal to 1 (0 only with echo and logprobs: "
-                           "the prompt's logprobs alone)", "max_tokens")
+            return zero_max_tokens()
         if req.echo and not routed:
             return Refusal("echo is not supported: the decode server never sees the prompt's logprobs", "echo")
         if req.suffix:
@@ -211,6 +210,13 @@ def unsupported(req: OpenAIRequest, features: EngineFeatures, engine: str, route
     if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
         return Refusal("stop_token_ids must be non-negative token ids", "stop_token_ids")
     return None
+
+
+def zero_max_tokens() -> Refusal:
+    """``max_tokens`` 0 asks for the prompt's logprobs alone, which only a prefill server
+    answers (a completion with ``echo`` and ``logprobs``): refused everywhere else."""
+    return Refusal("max_tokens: Input should be greater than or equal to 1 (0 only with echo and logprobs: the "
+                   "prompt's logprobs alone)", "max_tokens")
 
 
 def check(endpoint: Endpoint, body: Mapping[str, Any], features: EngineFeatures, engine: str) -> Refusal | None:

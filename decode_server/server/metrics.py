@@ -81,12 +81,16 @@ class _ReceiverCollector(Collector):
                                        labels=[*labels, "reason"])
         for reason in REFUSAL_REASONS:
             refusals.add_metric([self._model, reason], stats.refusals.get(reason, 0))
+        prefilled = CounterMetricFamily("decode_server_kv_prefilled", "Handoff results (the first token) that "
+                                        "came with the KV from the prefill (Prefilled), for decode requests "
+                                        "naming only their handoff", labels=labels)
+        prefilled.add_metric([self._model], stats.prefilled)
         took = HistogramMetricFamily("decode_server_kv_handoff_seconds", "Admission of a KV handoff until its "
                                      "every layer arrived (completed handoffs)", labels=labels)
         cumulative = list(itertools.accumulate(stats.handoff_counts))
         bounds = [*(f"{b:g}" for b in HANDOFF_BUCKETS), "+Inf"]
         took.add_metric([self._model], list(zip(bounds, cumulative)), stats.handoff_seconds)
-        return [handoffs, received, refusals, took]
+        return [handoffs, received, refusals, prefilled, took]
 
 
 class _LeaseCollector(Collector):

@@ -12,7 +12,7 @@ import pytest
 
 from pd_deploy.stack.launcher import Stack
 from tests.e2e.conftest import make_stack_config, running_stack
-from tests.e2e.test_equivalence import assert_matches_vllm_alone, poster
+from tests.e2e.test_equivalence import assert_first_token_with_kv_matches, assert_matches_vllm_alone, poster
 
 pytestmark = pytest.mark.slow
 HANDOFF_LINE = re.compile(r"TileRT handoff \S+: \d+ tokens, (\d+) layers \((\d+) early, (\d+) late\)")
@@ -28,6 +28,7 @@ def cuda_path_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
 
 def test_every_layer_gathered_late_matches_vllm_alone(cuda_path_stack, vllm_alone, model_name):
     assert_matches_vllm_alone(poster(cuda_path_stack.config.router_url), poster(vllm_alone), model_name)
+    assert_first_token_with_kv_matches(cuda_path_stack.config, poster(vllm_alone), model_name)
     log = (cuda_path_stack.config.log_dir / "prefill.log").read_text(errors="replace")
     counts = [tuple(map(int, m.groups())) for m in HANDOFF_LINE.finditer(log)]
     assert counts, "no handoff line in the prefill log"

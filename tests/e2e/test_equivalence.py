@@ -11,6 +11,7 @@ import pytest
 
 from tests.e2e.prompts import CHAT_PROMPTS, COMPLETION_PROMPTS
 from tests.equivalence import judge, steps_from_chat_logprobs, steps_from_completion_logprobs
+from tests.metrics import metric_sum
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 32
@@ -44,6 +45,33 @@ def _chat(post: Post, model: str, messages: list[dict]) -> dict:
 
 def test_pd_stack_matches_vllm_alone(pd_stack, vllm_alone, model_name, tokenizer):
     assert_matches_vllm_alone(poster(pd_stack.config.router_url), poster(vllm_alone), model_name)
+    assert_first_token_with_kv_matches(pd_stack.config, poster(vllm_alone), model_name)
+
+
+def assert_first_token_with_kv_matches(config, vllm_alone: Post, model_name: str) -> None:
+    """The same prompts without logprobs take the path where the first token travels with
+    the KV (issue 34: the router sends the decode request with the prefill, the connector
+    sends the result over the KV channel): the same greedy text as vLLM alone, and the
+    decode servers counted every result as come with the KV."""
+    router, decode_urls = poster(config.router_url), config.decode_urls
+    before = sum(metric_sum(url, "decode_server_kv_prefilled_total") for url in decode_urls)
+    bodies = [("/v1/completions", {"prompt": p}) for p in COMPLETION_PROMPTS]
+    bodies += [("/v1/chat/completions", {"messages": m}) for m in CHAT_PROMPTS]
+    for path, body in bodies:
+        body = {**body, "model": model_name, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+        pd, alone = router(path, body), vllm_alone(path, body)
+        assert pd.status_code == 200 and alone.status_code == 200, (pd.text, alone.text)
+        text = [_text(r.json()) for r in (pd, alone)]
+        assert text[0] == text[1], (path, str(body)[:80], text)
+        counts = [{k: r.json()["usage"][k] for k in ("prompt_tokens", "completion_tokens")} for r in (pd, alone)]
+        assert counts[0] == counts[1], (path, counts)
+    after = sum(metric_sum(url, "decode_server_kv_prefilled_total") for url in decode_urls)
+    assert after - before == len(bodies), "a request did not take the first-token-with-the-KV path"
+
+
+def _text(answer: dict) -> str:
+    choice = answer["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
 def assert_matches_vllm_alone(router: Post, vllm_alone: Post, model_name: str) -> None:

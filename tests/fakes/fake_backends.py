@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+import httpx
 import uvicorn
 from pydantic import BaseModel, ConfigDict
 
@@ -44,6 +45,7 @@ class PrefillKnobs(BaseModel):
     handoff_reason: str | None = None  # HandoffResult.reason of "handoff_failed" (e.g. "busy")
     running: float | None = None  # vLLM's load gauges on /metrics (None: no /metrics, like a non-vLLM server)
     waiting: float = 0.0
+    hold_answer: bool = False  # after sending the result with the KV, answer only on POST /fake/release
     fail_status: int = 400
     fail_body: str = (
         '{"error": {"message": "prompt too long", "type": "BadRequestError", "param": null, "code": 400}}'
@@ -55,6 +57,8 @@ class FakePrefill(FakeBase[PrefillKnobs]):
         super().__init__()
         self.knobs = PrefillKnobs(**knobs)
         self._health_released = asyncio.Event()  # set by an answered /health: the held ones answer then
+        self._kv_client: httpx.AsyncClient | None = None
+        self._answers_released = asyncio.Event()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or await self._control(scope, receive, send):
@@ -62,6 +66,10 @@ class FakePrefill(FakeBase[PrefillKnobs]):
         k, path = self.knobs, scope["path"]
         if path == "/health":
             return await self._health(receive, send)
+        if path == "/fake/release":  # the answers held back (hold_answer) go out
+            self._answers_released.set()
+            self._answers_released = asyncio.Event()
+            return await respond(send, 200, b"{}")
         if path == "/v1/models":
             return await respond(send, 200, self._models())
         if path == "/metrics" and k.running is not None:
@@ -91,9 +99,28 @@ class FakePrefill(FakeBase[PrefillKnobs]):
                 return await respond(send, k.fail_status, k.fail_body.encode())
             if fail == "bad_json":
                 return await respond(send, 200, b"{not json")
-            await respond(send, 200, json.dumps(self._answer(path, body, rid, fail)).encode())
+            answer = self._answer(path, body, rid, fail)
+            await self._send_with_kv(body, answer)
+            if k.hold_answer:  # still in records.active meanwhile
+                if not await wait_or_event(receive, self._answers_released):
+                    self.records.disconnects.append(rid)
+                    return
+            await respond(send, 200, json.dumps(answer).encode())
         finally:
             self.records.active.discard(rid)
+
+    async def _send_with_kv(self, body: dict[str, Any], answer: dict[str, Any]) -> None:
+        """``result_with_kv``: the result to the fake decode server at the target's KV endpoint,
+        as the connector sends Prefilled (not when the handoff failed)."""
+        params, result = body["kv_transfer_params"], answer.get("kv_transfer_params")
+        if not params.get("result_with_kv") or not isinstance(result, dict) or result.get("status") == "failed":
+            return
+        if self._kv_client is None:  # made on this server's loop, kept (one connection per decode fake)
+            self._kv_client = httpx.AsyncClient(timeout=5)
+        try:
+            await self._kv_client.post(f"http://{params['kv_endpoint']}/fake/prefilled", json=result)
+        except httpx.HTTPError as exc:  # as a lost Prefilled: the decode server's wait runs out
+            self.records.errors.append(f"prefill: result not delivered to {params['kv_endpoint']}: {exc}")
 
     async def _health(self, receive: Receive, send: Send) -> None:
         """``hold_health``: this answer waits until a later /health is answered (or its client leaves)."""

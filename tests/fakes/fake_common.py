@@ -59,6 +59,8 @@ class Records:
     busy: list[str] = field(default_factory=list)  # requests answered 429: every slot taken
     leases: list[str] = field(default_factory=list)  # lease requests (their ids), decode fakes granting leases
     health: list[str] = field(default_factory=list)  # GET /health of a prefill fake: answered | held
+    claims: list[str] = field(default_factory=list)  # decode requests naming only their handoff (HandoffClaim)
+    closed_claims: list[str] = field(default_factory=list)  # their handoff ids, closed before the result came
 
     def dump(self) -> dict[str, Any]:
         return {
@@ -72,6 +74,8 @@ class Records:
             "busy": self.busy,
             "leases": self.leases,
             "health": self.health,
+            "claims": self.claims,
+            "closed_claims": self.closed_claims,
         }
 
 

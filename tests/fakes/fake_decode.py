@@ -32,7 +32,7 @@ from pd_wire.decode import (
     LeaseRenewed,
     LeaseRequest,
 )
-from pd_wire.handoff import PROTOCOL_VERSION, HandoffResult, PeerStatus
+from pd_wire.handoff import PROTOCOL_VERSION, HandoffClaim, HandoffResult, PeerStatus
 from tests.fakes.fake_common import FakeBase, error_body
 
 
@@ -43,7 +43,10 @@ class DecodeKnobs(BaseModel):
     slots: int = 1
     protocol_version: int = PROTOCOL_VERSION
     peers: list[PeerStatus] = [PeerStatus(peer="prefill-0", state="ok")]
-    kv_endpoint: str = "127.0.0.1:1"
+    # the KV endpoint it advertises; None: its own address, where the fake prefill posts the
+    # results sent with the KV (POST /fake/prefilled: the KV channel's Prefilled, in fake land)
+    kv_endpoint: str | None = None
+    kv_timeout: float = 10.0  # a claim's wait for its result, then 504 as the real server's KV timeout
     ready: bool = True
     tokens: int = 8  # when the body has no max_tokens
     token_delay: float = 0.0
@@ -67,7 +70,9 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         self.knobs = DecodeKnobs(**knobs)
         self._held: dict[str, asyncio.Event] = {}  # hold mode: waiting requests, oldest first
         self._permits = 0  # releases that came before the request they were meant for
+        self._permits_for: set[str] = set()  # releases by request id that came before it was held
         self._cancel: dict[str, asyncio.Event] = {}
+        self._results: dict[str, asyncio.Event] = {}  # handoff id -> set once its result came with the KV
         self._table: LeaseTable | None = None
         # an in-process test may set it: awaited before each streamed token (its index), to
         # pace the stream by what the test observes instead of by the clock
@@ -89,6 +94,10 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         if path == "/fake/release":
             self._release(json.loads(await read_body(scope, receive, 1 << 20) or b"{}"))
             return await respond(send, 200, b"{}")
+        if path == "/fake/prefilled":
+            result = HandoffResult.model_validate_json(await read_body(scope, receive, 1 << 20))
+            self._result_event(result.handoff_id).set()
+            return await respond(send, 200, b"{}")
         if path in ("/health", "/ready"):
             return await respond(
                 send,
@@ -106,7 +115,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 busy_slots=len(self.records.active),
                 max_seq_len=4096,
                 num_mtp=1,
-                kv_endpoint=k.kv_endpoint,
+                kv_endpoint=k.kv_endpoint or "{}:{}".format(*scope["server"]),
                 layout_fingerprint="fake",
                 peers=k.peers,
                 lease_ttl_s=k.lease_ttl if self.leases is not None else None,
@@ -192,6 +201,8 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         rec.max_active = max(rec.max_active, len(rec.active))
         watch = asyncio.ensure_future(receive())  # completes when the client goes away
         try:
+            if rid in rec.claims and not await self._result_came(body, rid, cancel, watch, send):
+                return
             if k.hold and not await self._hold(rid, cancel, watch):
                 return
             await self._emit(send, path, body, rid, cancel, watch)
@@ -203,6 +214,31 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             else:
                 self._ended(rid, lease_id)
 
+    def _result_event(self, handoff_id: str) -> asyncio.Event:
+        return self._results.setdefault(handoff_id, asyncio.Event())
+
+    async def _result_came(self, body: dict[str, Any], rid: str, cancel: asyncio.Event, watch: asyncio.Future[Any],
+                           send: Send) -> bool:
+        """A claim waits for its result as the real server does for KV and result: False when
+        cancelled, the client left (recorded) or the wait ran out (answered 504)."""
+        handoff_id = body["kv_transfer_params"]["handoff_id"]
+        came = asyncio.ensure_future(self._result_event(handoff_id).wait())
+        stop = asyncio.ensure_future(cancel.wait())
+        try:
+            await asyncio.wait([came, stop, watch], timeout=self.knobs.kv_timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            came.cancel()
+            stop.cancel()
+            self._results.pop(handoff_id, None)
+        if came.done() and not came.cancelled():
+            return True
+        if watch.done():
+            self.records.disconnects.append(rid)
+            self.records.closed_claims.append(handoff_id)
+        elif not cancel.is_set():
+            await respond(send, 504, error_body("fake decode: no KV and result within kv_timeout", 504))
+        return False
+
     def _ended(self, rid: str, lease_id: str) -> None:
         self.records.active.discard(rid)
         if self.leases is not None:
@@ -211,7 +247,11 @@ class FakeDecode(FakeBase[DecodeKnobs]):
     def _release(self, what: dict[str, Any]) -> None:
         """``{"request_id": id}`` releases that held request, ``{"n": n}`` the n oldest."""
         if "request_id" in what:
-            self._held.pop(what["request_id"]).set()
+            gate = self._held.pop(what["request_id"], None)
+            if gate is not None:
+                gate.set()
+            else:  # not held yet (a claim still waiting for its result): it goes on when it is
+                self._permits_for.add(what["request_id"])
             return
         for _ in range(what.get("n", 1)):
             if self._held:
@@ -221,6 +261,9 @@ class FakeDecode(FakeBase[DecodeKnobs]):
 
     async def _hold(self, rid: str, cancel: asyncio.Event, watch: asyncio.Future[Any]) -> bool:
         """Wait for a release; False if cancelled or the client left first."""
+        if rid in self._permits_for:
+            self._permits_for.discard(rid)
+            return True
         if self._permits:
             self._permits -= 1
             return True
@@ -243,12 +286,15 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         if self.knobs.plain:
             return None if params.get("do_remote_prefill") else "decode body: not vLLM's kv_transfer_params"
         try:
-            result = HandoffResult.model_validate(params)
+            result: HandoffResult | HandoffClaim = (HandoffClaim.model_validate(params) if "result" in params
+                                                    else HandoffResult.model_validate(params))
         except ValidationError as exc:
             return f"decode body: bad kv_transfer_params: {exc}"
+        if isinstance(result, HandoffClaim):  # the first token came with the KV (not here: nothing to wait for)
+            self.records.claims.append(rid)
         if result.handoff_id != rid and not result.handoff_id.startswith(rid + "#"):
             return f"decode body: handoff_id {result.handoff_id} is not X-Request-Id {rid} or a retry's ({rid}#N)"
-        if body.get("logprobs") and result.prefill_logprobs is None:
+        if body.get("logprobs") and (isinstance(result, HandoffClaim) or result.prefill_logprobs is None):
             return "decode body: logprobs asked, no prefill_logprobs"
         return None
 

@@ -33,14 +33,22 @@ def _handoff_ids(rig, backend) -> list[str]:
     return [r["body"]["kv_transfer_params"]["handoff_id"] for r in rig.records(backend)["requests"]]
 
 
+def _decoded(rig, backend) -> list[str]:
+    """The handoffs a decode server decoded: its requests less those the router closed
+    unanswered (the decode request goes out with the prefill; a failed prefill closes it)."""
+    closed = rig.records(backend)["closed_claims"]
+    return [h for h in _handoff_ids(rig, backend) if h not in closed]
+
+
 def test_kv_receive_slot_busy_waits_and_prefills_again(make_rig):
     rig = make_rig(decode=COUNTED, prefill={**BUSY, "fail_times": 2})
     resp = httpx.post(rig.url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "r1"}, timeout=20)
     assert resp.status_code == 200, resp.text
     assert _handoff_ids(rig, rig.prefills[0]) == ["r1", "r1#1", "r1#2"]  # a new handoff per attempt
-    assert _handoff_ids(rig, rig.decodes[0]) == ["r1#2"]
     assert _requeues(rig, "kv_receive_slot") == 2
     rig.wait(lambda: rig.records(rig.decodes[0])["cancel_handoffs"] == ["r1", "r1#1"], what="cancels")
+    rig.wait(lambda: rig.records(rig.decodes[0])["closed_claims"] == ["r1", "r1#1"], what="closed decode requests")
+    assert _decoded(rig, rig.decodes[0]) == ["r1#2"]
     rig.assert_no_leaks()
 
 
@@ -62,8 +70,9 @@ def test_busy_server_is_held_back_and_another_one_serves(make_rig):
     rig = make_rig(n_decode=2, decode=COUNTED, prefill={**BUSY, "fail_times": 1})
     resp = httpx.post(rig.url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "r2"}, timeout=20)
     assert resp.status_code == 200, resp.text
-    served = [d for d in rig.decodes if rig.records(d)["requests"]]
     refused = [d for d in rig.decodes if rig.records(d)["cancels"]]
+    rig.wait(lambda: sum(len(rig.records(d)["closed_claims"]) for d in rig.decodes) == 1, what="closed decode request")
+    served = [d for d in rig.decodes if _decoded(rig, d)]
     assert len(served) == 1 and refused and refused[0] is not served[0], "the retry went to the busy server"
     rig.assert_no_leaks()
 
@@ -103,7 +112,8 @@ def test_a_requeued_request_keeps_its_place_in_the_queue(make_rig):
     first.join(20)
     second.join(20)
     assert results["first"].status_code == 200 and results["second"].status_code == 200
-    assert [r["request_id"] for r in rig.records(rig.decodes[0])["requests"]] == ["first", "second"]
+    rig.wait(lambda: rig.records(rig.decodes[0])["closed_claims"] == ["first"], what="first's closed decode request")
+    assert _decoded(rig, rig.decodes[0]) == ["first#1", "second"]
     rig.assert_no_leaks()
 
 
@@ -114,7 +124,8 @@ def test_prompt_too_long_for_the_decode_server_is_413(make_rig):
     assert resp.status_code == 413, resp.text
     err = resp.json()["error"]
     assert err["type"] == "request_too_large" and err["param"] == "messages"
-    assert rig.records(rig.decodes[0])["requests"] == []
+    rig.wait(lambda: len(rig.records(rig.decodes[0])["closed_claims"]) == 1, what="the decode request closed")
+    assert _decoded(rig, rig.decodes[0]) == []
     assert _requeues(rig, "kv_receive_slot") == 0
     rig.assert_no_leaks()
 

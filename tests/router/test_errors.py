@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from pd_router import prefill_leg
+from pd_router import relay
 from pd_wire.errors import ErrorBody
 from tests.router.conftest import MODEL
 
@@ -123,9 +123,10 @@ def test_502_bad_prefill(make_rig, knobs, needle):
     rig = make_rig(prefill=knobs)
     err = _error(httpx.post(rig.url + "/v1/completions", json=COMPLETION), 502, "bad_upstream_response")
     assert needle in err["message"]
-    assert rig.records(rig.decodes[0])["requests"] == []  # decode never called
+    # the decode request went out with the prefill and was closed before any result came
+    rid = rig.records(rig.prefills[0])["requests"][0]["request_id"]
+    rig.wait(lambda: rig.records(rig.decodes[0])["closed_claims"] == [rid], what="the decode request closed")
     if knobs["fail"] in ("handoff_failed", "bad_json", "no_params"):  # the KV may have reached decode
-        rid = rig.records(rig.prefills[0])["requests"][0]["request_id"]
         rig.wait(lambda: rig.records(rig.decodes[0])["cancels"] == [rid], what="decode cancel")
     rig.assert_no_leaks()
 
@@ -226,7 +227,7 @@ def test_unexpected_failure_is_openai_shaped_and_frees_the_slot(make_rig, monkey
     def broken(*args, **kwargs):
         raise KeyError("simulated bug")
 
-    monkeypatch.setattr(prefill_leg, "read_handoff", broken)
+    monkeypatch.setattr(relay, "open_answer", broken)  # on the path before the first byte, in either order
     err = _error(httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=10), 500, "internal_error")
     assert "simulated bug" not in err["message"] and "request_id=" in err["message"]
     rig.assert_no_leaks()

@@ -1,0 +1,99 @@
+"""Prefill and decode at once, the first token with the KV (issue 34).
+
+When the decode needs nothing of vLLM's answer (:func:`decode_check.result_with_kv`), the
+prefill asks the connector to send its result (the first token) to the decode server over
+the KV channel (``HandoffTarget.result_with_kv``), and the decode request goes out at the
+same time, naming only the handoff (``HandoffClaim``). The decode server answers once the
+KV and the first token have landed; its first event goes to the client at once. vLLM's
+answer is read beside it: for the handoff's failures (which it classifies: busy, too
+long, cancelled, failed) and the prompt's length, never waited for before the first token.
+
+Whatever ends first, nothing is left behind: a failed prefill closes the decode request
+(the decode server frees what it held for it), a decode that failed before its first byte
+waits for the prefill's answer (its failure says more: a busy KV slot is a requeue, not a
+failed server), and the prefill's answer is read to its end after a clean decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from pd_grammar.spec import GrammarSpec
+from pd_router import prefill_leg, relay
+from pd_router.context import RequestContext
+from pd_router.errors import RouterError
+from pd_router.slots import Lease
+from pd_wire.handoff import HandoffClaim
+from pd_wire.requests import OpenAIRequest
+
+if TYPE_CHECKING:
+    from pd_router.rawhttp import Response
+    from pd_router.state import RouterState
+
+log = logging.getLogger("pd_router.requests")
+
+
+async def prefill_and_decode(
+    state: RouterState, ctx: RequestContext, lease: Lease, body: dict[str, Any], request: OpenAIRequest,
+    handoff_id: str, grammar: GrammarSpec | None, trace: Mapping[str, str] | None = None,
+) -> bool:
+    """Run both legs on one lease; True when the answer ended cleanly. Raises as the
+    sequential legs do (``ctx.stage`` says which leg failed)."""
+    prefill = asyncio.ensure_future(
+        prefill_leg.prefill(state, ctx, lease, body, request, handoff_id, grammar, result_with_kv=True))
+    claim = HandoffClaim(handoff_id=handoff_id, result="with_kv").model_dump()
+    # the decode leg is what remains once the prefill answered well (an unstreamed answer
+    # opens only when whole): the stage a failure or a client leaving is counted under
+    prefill.add_done_callback(lambda leg: _prefilled(ctx, leg))
+    opening = asyncio.ensure_future(relay.open_answer(state, ctx, lease, body, claim, trace))
+    relayed = False
+    try:
+        await asyncio.wait({prefill, opening}, return_when=asyncio.FIRST_COMPLETED)
+        if prefill.done():
+            prefill.result()  # its failure first: the decode request is closed below
+        resp = await _opened(ctx, prefill, opening)
+        ctx.stage = "decode"
+        relayed = True  # the relay gives the connection back
+        clean = await relay.relay(state, ctx, lease, resp, body, request)
+        if clean:
+            await _answered(ctx, prefill)
+        return clean
+    finally:
+        for leg in (opening, prefill):
+            if not leg.done():
+                leg.cancel()  # a decode request closed: the decode server frees what it held for it
+            elif not leg.cancelled() and leg.exception() is None and leg is opening and not relayed:
+                opening.result().close()  # opened as the prefill failed: closed the same way
+
+
+def _prefilled(ctx: RequestContext, leg: asyncio.Future[Any]) -> None:
+    if not leg.cancelled() and leg.exception() is None and ctx.stage == "prefill":
+        ctx.stage = "decode"
+
+
+async def _opened(ctx: RequestContext, prefill: asyncio.Future[Any], opening: asyncio.Future[Response]) -> Response:
+    """The open decode answer; when the decode request failed before its first byte, the
+    prefill's own failure if it has one (it knows why the KV did not come), else the decode's."""
+    try:
+        return await opening
+    except RouterError:
+        await asyncio.wait({prefill})
+        prefill.result()
+        ctx.stage = "decode"
+        raise
+
+
+async def _answered(ctx: RequestContext, prefill: asyncio.Future[Any]) -> None:
+    """vLLM's answer after a clean decode (it came long before, as the first token did): its
+    connection goes back to the pool, its prompt count to the access log. A failure now
+    changes nothing the client got."""
+    try:
+        await prefill
+    except RouterError as err:
+        log.warning("request_id=%s: the prefill answered %s after its decode ended cleanly", ctx.request_id,
+                    err.message)
+    except Exception:  # a bug reading it: logged, the client's answer is whole
+        log.exception("request_id=%s: reading the prefill's answer after a clean decode failed", ctx.request_id)

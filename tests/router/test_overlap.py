@@ -1,0 +1,60 @@
+"""Prefill and decode at once, the first token with the KV (issue 34), against the fake
+servers (the real stack: tests/e2e): the decode request goes out with the prefill and names
+only its handoff; the client's first token does not wait for vLLM's answer; what needs that
+answer keeps the order of before."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.router.conftest import MODEL
+
+pytestmark = pytest.mark.timeout(60)
+COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+
+
+def _kv_params(rig, backend) -> list[dict]:
+    return [r["body"]["kv_transfer_params"] for r in rig.records(backend)["requests"]]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_first_token_does_not_wait_for_the_prefills_answer(make_rig, stream):
+    """The prefill server holds its HTTP answer after the result went to the decode server:
+    the client gets its answer (streamed: the first token; else whole) while vLLM's answer
+    is still held; released, it is read and nothing leaks."""
+    rig = make_rig(prefill={"hold_answer": True})
+    with httpx.Client(timeout=20) as client, client.stream(
+            "POST", rig.url + "/v1/completions", json={**COMPLETION, "stream": stream},
+            headers={"X-Request-Id": "early"}) as resp:
+        assert resp.status_code == 200
+        chunks = resp.iter_bytes()
+        first = next(chunks)
+        assert first  # (streamed: its first event; else the whole body)
+        assert rig.records(rig.prefills[0])["active"] == ["early"]  # vLLM's answer not sent yet
+        httpx.post(rig.prefills[0].url + "/fake/release")
+        rest = first + b"".join(chunks)
+    assert (b"data: [DONE]" in rest) if stream else b'"choices"' in rest
+    assert _kv_params(rig, rig.prefills[0]) == [{"handoff_id": "early", "kv_endpoint": _kv_endpoint(rig),
+                                                 "result_with_kv": True}]
+    assert _kv_params(rig, rig.decodes[0]) == [{"protocol_version": 4, "handoff_id": "early", "result": "with_kv"}]
+    rig.wait(lambda: rig.records(rig.prefills[0])["active"] == [], what="the prefill's answer read")
+    rig.assert_no_leaks()
+
+
+def _kv_endpoint(rig) -> str:
+    return rig.state.backends.decode[0].capabilities.kv_endpoint
+
+
+@pytest.mark.parametrize("extra", [{"logprobs": 1}, {"repetition_penalty": 1.1}])
+def test_what_needs_the_prefills_answer_keeps_the_order_of_before(make_rig, extra):
+    """The first token's logprobs and the prompt's token ids are in vLLM's answer only: the
+    decode request follows it and carries the whole result."""
+    rig = make_rig()
+    resp = httpx.post(rig.url + "/v1/completions", json={**COMPLETION, **extra}, headers={"X-Request-Id": "seq"},
+                      timeout=20)
+    assert resp.status_code == 200, resp.text
+    assert "result_with_kv" not in _kv_params(rig, rig.prefills[0])[0]
+    sent = _kv_params(rig, rig.decodes[0])[0]
+    assert sent["handoff_id"] == "seq" and sent["first_token_id"] == 7 and "result" not in sent
+    rig.assert_no_leaks()
