@@ -10,7 +10,8 @@ CPU time) per endpoint, each goal as met or not, and the floors beside the goals
 the added TTFT and at C=64 the CPU per token of a minimal PD relay (``bench/pd_floor.py``:
 the router's three upstream exchanges and a byte relay of the answer, nothing else), the
 floor of a Python router with this protocol on the machine (at C=1 also without its lease
-exchange: two sequential exchanges instead of three), and at C=64 the CPU per token of a
+exchange: two sequential exchanges instead of three; and with prefill and decode at once,
+the first token with the KV: ``--overlap``), and at C=64 the CPU per token of a
 byte relay (``bench/bare_relay.py``) of the direct streams, the floor of any relay;
 writes them to docs/benchmarks.md under
 "## Router overhead", its rows to bench/results/router_overhead.json and draws
@@ -299,8 +300,8 @@ def _write_section(text: str) -> None:
 def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
     """A fake prefill and a fake decode server (1024 slots, a token every TOKEN_DELAY s); in
     front of them a router and a minimal PD relay (``bench/pd_floor.py``, with and without
-    its lease exchange), and in front of the fake decode a byte relay
-    (``bench/bare_relay.py``); each its own process. Yields their URLs and the pids of the
+    its lease exchange, and with prefill and decode at once), and in front of the fake
+    decode a byte relay (``bench/bare_relay.py``); each its own process. Yields their URLs and the pids of the
     router, the byte relay and the minimal PD relay."""
     ports = {name: free_port() for name in ("prefill", "decode", "router", "relay", "floor", "floor_no_lease",
                                             "floor_overlap")}

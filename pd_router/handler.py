@@ -200,7 +200,8 @@ class CompletionHandler:
                 state.pool.release(lease)
                 raise refused
             extra = decode_check.prefill_fields(request, lease.backend.capabilities)
-            with_kv = decode_check.result_with_kv(body, request, lease.backend.capabilities, extra)
+            with_kv = (state.settings.first_token_with_kv
+                       and decode_check.result_with_kv(body, request, lease.backend.capabilities, extra))
             try:
                 await self._attempt(ctx, lease, {**body, **extra} if extra else body, request,
                                     attempt_handoff_id(ctx.request_id, attempt), grammar, with_kv)

@@ -133,6 +133,12 @@ class RouterSettings(EntrySettings):
         description="a decode server with capabilities is ready only once a prefill connector "
         "handshook with it",
     )
+    first_token_with_kv: bool = Field(
+        True,
+        description="send the decode request with the prefill and let the first token travel with the KV "
+        "(the connector's Prefilled); off: the decode request waits for the prefill's answer (the order "
+        "of before, and always for requests whose decode needs that answer)",
+    )
     log_level: LogLevel = Field("info", description="log level")
     log_format: LogFormat = Field(
         "text", description="text, or json: one JSON object per line, request lines with request_id and trace_id"

@@ -22,7 +22,6 @@ import threading
 import time
 from typing import Any
 
-import httpx
 import uvicorn
 from pydantic import BaseModel, ConfigDict
 
@@ -57,7 +56,7 @@ class FakePrefill(FakeBase[PrefillKnobs]):
         super().__init__()
         self.knobs = PrefillKnobs(**knobs)
         self._health_released = asyncio.Event()  # set by an answered /health: the held ones answer then
-        self._kv_client: httpx.AsyncClient | None = None
+        self._kv_channels: dict[str, asyncio.StreamWriter] = {}  # KV endpoint -> standing connection
         self._answers_released = asyncio.Event()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -110,17 +109,22 @@ class FakePrefill(FakeBase[PrefillKnobs]):
             self.records.active.discard(rid)
 
     async def _send_with_kv(self, body: dict[str, Any], answer: dict[str, Any]) -> None:
-        """``result_with_kv``: the result to the fake decode server at the target's KV endpoint,
-        as the connector sends Prefilled (not when the handoff failed)."""
+        """``result_with_kv``: the result to the fake decode server's KV channel at the target's
+        endpoint, one line on a standing connection, as the connector sends Prefilled (not
+        when the handoff failed)."""
         params, result = body["kv_transfer_params"], answer.get("kv_transfer_params")
         if not params.get("result_with_kv") or not isinstance(result, dict) or result.get("status") == "failed":
             return
-        if self._kv_client is None:  # made on this server's loop, kept (one connection per decode fake)
-            self._kv_client = httpx.AsyncClient(timeout=5)
+        endpoint = params["kv_endpoint"]
         try:
-            await self._kv_client.post(f"http://{params['kv_endpoint']}/fake/prefilled", json=result)
-        except httpx.HTTPError as exc:  # as a lost Prefilled: the decode server's wait runs out
-            self.records.errors.append(f"prefill: result not delivered to {params['kv_endpoint']}: {exc}")
+            writer = self._kv_channels.get(endpoint)
+            if writer is None or writer.is_closing():
+                host, _, port = endpoint.rpartition(":")
+                _, writer = await asyncio.open_connection(host, int(port))
+                self._kv_channels[endpoint] = writer
+            writer.write(json.dumps(result).encode() + b"\n")
+        except OSError as exc:  # as a lost Prefilled: the decode server's wait runs out
+            self.records.errors.append(f"prefill: result not delivered to {endpoint}: {exc}")
 
     async def _health(self, receive: Receive, send: Send) -> None:
         """``hold_health``: this answer waits until a later /health is answered (or its client leaves)."""

@@ -1,4 +1,5 @@
-"""The fake decode server: checks ``kv_transfer_params`` and slot limits, streams
+"""The fake decode server: checks ``kv_transfer_params`` and slot limits (a ``HandoffClaim``
+waits for its result on the fake KV channel, where the fake prefill sends it), streams
 ``tokens`` OpenAI SSE chunks ``token_delay`` seconds apart, records cancels and
 disconnects; hold and fault knobs (see :class:`DecodeKnobs`). Grants slot leases as the
 real one does (the real :class:`LeaseTable` behind the contract's endpoints) unless
@@ -43,8 +44,9 @@ class DecodeKnobs(BaseModel):
     slots: int = 1
     protocol_version: int = PROTOCOL_VERSION
     peers: list[PeerStatus] = [PeerStatus(peer="prefill-0", state="ok")]
-    # the KV endpoint it advertises; None: its own address, where the fake prefill posts the
-    # results sent with the KV (POST /fake/prefilled: the KV channel's Prefilled, in fake land)
+    # the KV endpoint it advertises; None: its own fake KV channel, where the fake prefill sends
+    # the results that go with the KV (a line of HandoffResult JSON each, on a standing
+    # connection, as the connector's Prefilled)
     kv_endpoint: str | None = None
     kv_timeout: float = 10.0  # a claim's wait for its result, then 504 as the real server's KV timeout
     ready: bool = True
@@ -73,6 +75,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         self._permits_for: set[str] = set()  # releases by request id that came before it was held
         self._cancel: dict[str, asyncio.Event] = {}
         self._results: dict[str, asyncio.Event] = {}  # handoff id -> set once its result came with the KV
+        self._kv_server: asyncio.Server | None = None
         self._table: LeaseTable | None = None
         # an in-process test may set it: awaited before each streamed token (its index), to
         # pace the stream by what the test observes instead of by the clock
@@ -94,10 +97,6 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         if path == "/fake/release":
             self._release(json.loads(await read_body(scope, receive, 1 << 20) or b"{}"))
             return await respond(send, 200, b"{}")
-        if path == "/fake/prefilled":
-            result = HandoffResult.model_validate_json(await read_body(scope, receive, 1 << 20))
-            self._result_event(result.handoff_id).set()
-            return await respond(send, 200, b"{}")
         if path in ("/health", "/ready"):
             return await respond(
                 send,
@@ -115,7 +114,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 busy_slots=len(self.records.active),
                 max_seq_len=4096,
                 num_mtp=1,
-                kv_endpoint=k.kv_endpoint or "{}:{}".format(*scope["server"]),
+                kv_endpoint=k.kv_endpoint or await self._kv_channel(),
                 layout_fingerprint="fake",
                 peers=k.peers,
                 lease_ttl_s=k.lease_ttl if self.leases is not None else None,
@@ -213,6 +212,22 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 asyncio.get_running_loop().call_later(k.release_lag, self._ended, rid, lease_id)
             else:
                 self._ended(rid, lease_id)
+
+    async def _kv_channel(self) -> str:
+        """The fake KV channel's address (listening from the first call, on this server's loop)."""
+        if self._kv_server is None:
+            fake = self
+
+            class _Lines(asyncio.Protocol):
+                buf = b""
+
+                def data_received(self, data: bytes) -> None:
+                    *lines, self.buf = (self.buf + data).split(b"\n")
+                    for line in lines:
+                        fake._result_event(HandoffResult.model_validate_json(line).handoff_id).set()
+
+            self._kv_server = await asyncio.get_running_loop().create_server(_Lines, "127.0.0.1", 0)
+        return f"127.0.0.1:{self._kv_server.sockets[0].getsockname()[1]}"
 
     def _result_event(self, handoff_id: str) -> asyncio.Event:
         return self._results.setdefault(handoff_id, asyncio.Event())

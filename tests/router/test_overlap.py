@@ -58,3 +58,14 @@ def test_what_needs_the_prefills_answer_keeps_the_order_of_before(make_rig, extr
     sent = _kv_params(rig, rig.decodes[0])[0]
     assert sent["handoff_id"] == "seq" and sent["first_token_id"] == 7 and "result" not in sent
     rig.assert_no_leaks()
+
+
+def test_switched_off_the_decode_request_waits_for_the_prefills_answer(make_rig):
+    """``--no-first-token-with-kv``: the order of before for every request (the A/B of
+    bench/first_token_path.py, and a way back)."""
+    rig = make_rig(first_token_with_kv=False)
+    resp = httpx.post(rig.url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "off"}, timeout=20)
+    assert resp.status_code == 200, resp.text
+    assert "result_with_kv" not in _kv_params(rig, rig.prefills[0])[0]
+    assert _kv_params(rig, rig.decodes[0])[0]["first_token_id"] == 7
+    rig.assert_no_leaks()
