@@ -47,7 +47,7 @@ class Plan:
     tools: list[dict[str, Any]] | None  # parse tool calls when not None
     first_logprob: TokenLogprob | None
     grammar: GrammarSpec | None = None  # structured output (the engine gets its matcher)
-    max_tokens: tuple[int | None, str, int] = (None, "max_tokens", 0)  # (asked, its param, max_seq_len)
+    asked_max_tokens: tuple[int | None, str, int] = (None, "max_tokens", 0)  # (asked, its param, max_seq_len)
 
     @property
     def handoff_id(self) -> str:
@@ -105,7 +105,7 @@ def with_result(plan: Plan, result: HandoffResult) -> Plan:
     if result.handoff_id != plan.handoff_id:
         raise HandoffFailed(f"the KV channel delivered handoff {result.handoff_id!r} for {plan.handoff_id!r}",
                             "kv_transfer_params.handoff_id")
-    asked, param, max_seq_len = plan.max_tokens
+    asked, param, max_seq_len = plan.asked_max_tokens
     max_tokens = _max_tokens(asked, param, result.num_prompt_tokens, max_seq_len)
     return replace(plan, handoff=result, sampling=replace(plan.sampling, max_tokens=max_tokens),
                    stop=replace(plan.stop, max_tokens=max_tokens))
@@ -206,7 +206,7 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
         first_logprob=(prefill_logprob(handoff.prefill_logprobs, k)
                        if k is not None and isinstance(handoff, HandoffResult) else None),
         grammar=grammar,
-        max_tokens=(asked, param, limits.max_seq_len),
+        asked_max_tokens=(asked, param, limits.max_seq_len),
     )
 
 
