@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pd_grammar.spec import GrammarSpec
 from pd_router import prefill_leg, relay
 from pd_router.context import RequestContext
-from pd_router.errors import RouterError
+from pd_router.errors import RouterError, UpstreamRejected
 from pd_router.slots import Lease
 from pd_wire.handoff import HandoffClaim
 from pd_wire.requests import OpenAIRequest
@@ -52,6 +52,9 @@ async def prefill_and_decode(
     relayed = False
     try:
         await asyncio.wait({prefill, opening}, return_when=asyncio.FIRST_COMPLETED)
+        if opening.done() and isinstance(opening.exception(), UpstreamRejected):
+            ctx.stage = "decode"
+            opening.result()  # the decode server refused the request itself: the prefill's end follows from it
         if prefill.done():
             prefill.result()  # its failure first: the decode request is closed below
         resp = await _opened(ctx, prefill, opening)
@@ -75,10 +78,15 @@ def _prefilled(ctx: RequestContext, leg: asyncio.Future[Any]) -> None:
 
 
 async def _opened(ctx: RequestContext, prefill: asyncio.Future[Any], opening: asyncio.Future[Response]) -> Response:
-    """The open decode answer; when the decode request failed before its first byte, the
+    """The open decode answer. When the decode server refused the request (its 4xx, after
+    giving slot and KV back), that refusal: the prefill, refused the KV for it, would only
+    say "cancelled". When the decode request failed otherwise before its first byte, the
     prefill's own failure if it has one (it knows why the KV did not come), else the decode's."""
     try:
         return await opening
+    except UpstreamRejected:
+        ctx.stage = "decode"
+        raise
     except RouterError:
         await asyncio.wait({prefill})
         prefill.result()

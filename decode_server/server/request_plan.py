@@ -142,9 +142,14 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
     k = _logprobs_k(req)
     asked, param = _asked_max_tokens(req)
     claim = isinstance(handoff, HandoffClaim)
-    # a claim's prompt length comes with the KV (with_result); until then at least one token
-    prompt_tokens = handoff.num_prompt_tokens if isinstance(handoff, HandoffResult) else 1
-    max_tokens = _max_tokens(asked, param, prompt_tokens, limits.max_seq_len)
+    if isinstance(handoff, HandoffResult):
+        max_tokens = _max_tokens(asked, param, handoff.num_prompt_tokens, limits.max_seq_len)
+    elif asked is not None and asked >= limits.max_seq_len:  # whatever the prompt, known when the KV lands
+        raise InvalidRequest(f"This model's maximum context length is {limits.max_seq_len} tokens. However, you "
+                             f"requested {asked} tokens in the completion, which leaves no room for the prompt. "
+                             f"Please reduce {param}.", param)
+    else:  # checked against the prompt's length when it comes with the KV (with_result)
+        max_tokens = asked if asked is not None else limits.max_seq_len - 1
     dflt = defaults.sampling
     temperature = req.temperature if req.temperature is not None else dflt.temperature
     top_k = req.top_k if req.top_k is not None else dflt.top_k

@@ -114,7 +114,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 busy_slots=len(self.records.active),
                 max_seq_len=4096,
                 num_mtp=1,
-                kv_endpoint=k.kv_endpoint or await self._kv_channel(),
+                kv_endpoint=k.kv_endpoint or await self._kv_channel(scope["server"][0]),
                 layout_fingerprint="fake",
                 peers=k.peers,
                 lease_ttl_s=k.lease_ttl if self.leases is not None else None,
@@ -213,8 +213,9 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             else:
                 self._ended(rid, lease_id)
 
-    async def _kv_channel(self) -> str:
-        """The fake KV channel's address (listening from the first call, on this server's loop)."""
+    async def _kv_channel(self, host: str) -> str:
+        """The fake KV channel's address, on ``host`` (this server's; listening from the first
+        call, on this server's loop: in its network namespace when it has one)."""
         if self._kv_server is None:
             fake = self
 
@@ -226,8 +227,9 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                     for line in lines:
                         fake._result_event(HandoffResult.model_validate_json(line).handoff_id).set()
 
-            self._kv_server = await asyncio.get_running_loop().create_server(_Lines, "127.0.0.1", 0)
-        return f"127.0.0.1:{self._kv_server.sockets[0].getsockname()[1]}"
+            self._kv_server = await asyncio.get_running_loop().create_server(_Lines, host, 0)
+        address = self._kv_server.sockets[0].getsockname()
+        return f"{address[0]}:{address[1]}"
 
     def _result_event(self, handoff_id: str) -> asyncio.Event:
         return self._results.setdefault(handoff_id, asyncio.Event())

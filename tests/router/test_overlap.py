@@ -69,3 +69,15 @@ def test_switched_off_the_decode_request_waits_for_the_prefills_answer(make_rig)
     assert "result_with_kv" not in _kv_params(rig, rig.prefills[0])[0]
     assert _kv_params(rig, rig.decodes[0])[0]["first_token_id"] == 7
     rig.assert_no_leaks()
+
+
+def test_a_decode_refusal_wins_over_the_prefills_cancelled_handoff(make_rig):
+    """The decode server refuses the request itself (a 400: it gave slot and KV back, so the
+    KV's admission is refused as cancelled and vLLM answers the handoff failed): the client
+    gets the decode server's 400 at once, not a retry under a new handoff id."""
+    rig = make_rig(decode={"fail": "status", "fail_status": 400},
+                   prefill={"fail": "handoff_failed", "handoff_reason": "cancelled", "delay": 0.2})
+    resp = httpx.post(rig.url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "refused"}, timeout=20)
+    assert resp.status_code == 400, resp.text
+    assert [p["handoff_id"] for p in _kv_params(rig, rig.prefills[0])] == ["refused"]  # no second attempt
+    rig.assert_no_leaks()
