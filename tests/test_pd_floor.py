@@ -17,8 +17,8 @@ from tests.procs import free_port
 pytestmark = pytest.mark.timeout(60)
 
 
-async def _two_requests(prefill: int, decode: int, lease: bool = True) -> list[bytes]:
-    floor = await start(0, ("127.0.0.1", prefill), ("127.0.0.1", decode), lease)
+async def _two_requests(prefill: int, decode: int, lease: bool = True, overlap: bool = False) -> list[bytes]:
+    floor = await start(0, ("127.0.0.1", prefill), ("127.0.0.1", decode), lease, overlap)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", floor.sockets[0].getsockname()[1])
         answers = []
@@ -74,3 +74,20 @@ def test_without_its_lease_exchange_it_relays_the_same_answer_on_implicit_leases
     assert not prefill_app.records.errors and not decode_app.records.errors
     assert decode_app.records.leases == []  # no lease asked: the decode server leased implicitly
     assert len(decode_app.records.requests) == 2
+
+
+def test_with_prefill_and_decode_at_once_the_decode_request_names_only_its_handoff():
+    """``--overlap`` (issue 34): after the lease, the prefill asks for its result to go with
+    the KV and the decode request (a claim) goes out with it; the fake decode answers once the
+    fake prefill sent the result over its KV channel."""
+    prefill_app, decode_app = FakePrefill(model="tiny"), FakeDecode(model="tiny", slots=1)
+    prefill, decode = ServerThread(prefill_app, free_port()).start(), ServerThread(decode_app, free_port()).start()
+    try:
+        answers = asyncio.run(_two_requests(prefill.port, decode.port, overlap=True))
+    finally:
+        prefill.stop()
+        decode.stop()
+    assert all(a.count(b'"choices": [{') == 3 and b"data: [DONE]" in a for a in answers)
+    assert not prefill_app.records.errors and not decode_app.records.errors
+    assert all(r["body"]["kv_transfer_params"]["result_with_kv"] for r in prefill_app.records.requests)
+    assert len(decode_app.records.claims) == 2 and decode_app.records.closed_claims == []
