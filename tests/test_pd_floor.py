@@ -40,14 +40,19 @@ async def _two_requests(prefill: int, decode: int, lease: bool = True, overlap: 
         floor.close()
 
 
-def test_the_minimal_pd_relay_leases_prefills_and_relays_the_decode_answer():
+def _through_the_floor(lease: bool = True, overlap: bool = False) -> tuple[list[bytes], FakePrefill, FakeDecode]:
+    """Two requests through the floor in front of a fresh fake prefill and fake decode."""
     prefill_app, decode_app = FakePrefill(model="tiny"), FakeDecode(model="tiny", slots=1)
     prefill, decode = ServerThread(prefill_app, free_port()).start(), ServerThread(decode_app, free_port()).start()
     try:
-        answers = asyncio.run(_two_requests(prefill.port, decode.port))
+        return asyncio.run(_two_requests(prefill.port, decode.port, lease, overlap)), prefill_app, decode_app
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_the_minimal_pd_relay_leases_prefills_and_relays_the_decode_answer():
+    answers, prefill_app, decode_app = _through_the_floor()
     for answer in answers:
         assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
         assert answer.count(b'"choices": [{') == 3  # the decode server's token events, as it sent them
@@ -63,13 +68,7 @@ def test_the_minimal_pd_relay_leases_prefills_and_relays_the_decode_answer():
 
 
 def test_without_its_lease_exchange_it_relays_the_same_answer_on_implicit_leases():
-    prefill_app, decode_app = FakePrefill(model="tiny"), FakeDecode(model="tiny", slots=1)
-    prefill, decode = ServerThread(prefill_app, free_port()).start(), ServerThread(decode_app, free_port()).start()
-    try:
-        answers = asyncio.run(_two_requests(prefill.port, decode.port, lease=False))
-    finally:
-        prefill.stop()
-        decode.stop()
+    answers, prefill_app, decode_app = _through_the_floor(lease=False)
     assert all(a.count(b'"choices": [{') == 3 and b"data: [DONE]" in a for a in answers)
     assert not prefill_app.records.errors and not decode_app.records.errors
     assert decode_app.records.leases == []  # no lease asked: the decode server leased implicitly
@@ -80,13 +79,7 @@ def test_with_prefill_and_decode_at_once_the_decode_request_names_only_its_hando
     """``--overlap`` (issue 34): after the lease, the prefill asks for its result to go with
     the KV and the decode request (a claim) goes out with it; the fake decode answers once the
     fake prefill sent the result over its KV channel."""
-    prefill_app, decode_app = FakePrefill(model="tiny"), FakeDecode(model="tiny", slots=1)
-    prefill, decode = ServerThread(prefill_app, free_port()).start(), ServerThread(decode_app, free_port()).start()
-    try:
-        answers = asyncio.run(_two_requests(prefill.port, decode.port, overlap=True))
-    finally:
-        prefill.stop()
-        decode.stop()
+    answers, prefill_app, decode_app = _through_the_floor(overlap=True)
     assert all(a.count(b'"choices": [{') == 3 and b"data: [DONE]" in a for a in answers)
     assert not prefill_app.records.errors and not decode_app.records.errors
     assert all(r["body"]["kv_transfer_params"]["result_with_kv"] for r in prefill_app.records.requests)
