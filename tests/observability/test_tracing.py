@@ -33,8 +33,10 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(collector: Ot
                                                                     router_protocol: str):
     decode = make_decode(tracing=otlp_tracing(collector.http_endpoint, "http/protobuf", "pd-decode-server"))
     endpoint = collector.grpc_endpoint if router_protocol == "grpc" else collector.http_endpoint
+    # the order whose spans follow one another (prefill, handoff, then decode): the fake prefill
+    # here has no KV channel to this real decode server, so the first token goes through the router
     rig = make_rig(n_decode=0, decode_urls=(decode.url,), prefill={"model": MODEL},
-                   otlp_traces_endpoint=endpoint, otlp_traces_protocol=router_protocol)
+                   otlp_traces_endpoint=endpoint, otlp_traces_protocol=router_protocol, first_token_with_kv=False)
     resp = httpx.post(rig.url + "/v1/completions", timeout=30, headers={"X-Request-Id": "traced-1"},
                       json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True})
     assert resp.status_code == 200, resp.text
@@ -82,7 +84,8 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(collector: Ot
 def test_the_clients_trace_is_continued_and_failures_are_marked(collector: OtlpCollector, make_decode, make_rig):
     decode = make_decode(tracing=otlp_tracing(collector.http_endpoint, "http/protobuf", "pd-decode-server"))
     rig = make_rig(n_decode=0, decode_urls=(decode.url,), prefill={"model": MODEL},
-                   otlp_traces_endpoint=collector.http_endpoint, otlp_traces_protocol="http/protobuf")
+                   otlp_traces_endpoint=collector.http_endpoint, otlp_traces_protocol="http/protobuf",
+                   first_token_with_kv=False)  # as above
     client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     resp = httpx.post(rig.url + "/v1/chat/completions", timeout=30,
                       headers={"traceparent": f"00-{client_trace}-{client_span}-01"},
