@@ -1,9 +1,12 @@
 """Scale simulation of decode slot leases: the GLM-5.1 B200 deployment's shape (72
 single-slot decode servers, 4 prefill servers) behind one router, then behind two, in one
-run with the same mocks and the same load. The token rate is scaled down (``--token-delay``,
-50 ms: the 72 mocks together stream what one Python process on this 2-CPU machine can
-serve; at TileRT's 3.19 ms they would stream 22k tokens/s); what is measured is the
-lease traffic and the router's work per token, which do not depend on it.
+run with the same mocks and the same load; with ``--decodes 8,24,72``, the same for each
+number of decode servers (the clients scaled with it: 4 for every 3 slots, so that
+requests queue), to show what a request costs the router as the servers grow. The token
+rate is scaled down (``--token-delay``, 50 ms: the 72 mocks together stream what one
+Python process on this 2-CPU machine can serve; at TileRT's 3.19 ms they would stream 22k
+tokens/s); what is measured is the lease traffic and the router's work per token, which do
+not depend on it.
 
 The mocks are tests/fakes' FakeDecode (granting leases through the real LeaseTable, one
 slot each, ``--tokens`` tokens ``--token-delay`` apart) and FakePrefill, all on one
@@ -12,11 +15,12 @@ event loop in one process (a process each would not fit this machine). Each phas
 the routers, each sending ``--requests`` requests one after the other. Reported per phase:
 router CPU per output token (all routers' CPU time from /proc), TTFT p50/p99 at the
 clients, slot utilisation while a lease request waited (sampled in the mocks every 5 ms),
-lease RTT (``pd_router_lease_rtt_seconds``: grants without waiting and renews), requests
-sent back as busy (must be 0); and the two-router phase against the one-router phase.
+lease RTT (``pd_router_lease_rtt_seconds``: grants without waiting and renews), lease
+requests the decode servers received per request served, requests sent back as busy (must
+be 0); and each phase against the first.
 
-    .venv/bin/python bench/scale_leases.py [--clients 96] [--requests 4] [--tokens 16] [--token-delay 0.05]
-        [--no-write]
+    .venv/bin/python bench/scale_leases.py [--decodes 72] [--routers 1,2] [--clients 96] [--requests 4]
+        [--tokens 16] [--token-delay 0.05] [--no-write]
 """
 
 from __future__ import annotations
@@ -56,13 +60,16 @@ async def _serve_mocks(decode_ports: list[int], prefill_ports: list[int], stats_
     decodes = [FakeDecode(slots=1, tokens=tokens, token_delay=token_delay) for _ in decode_ports]
     apps = [*zip(decodes, decode_ports), *((FakePrefill(), p) for p in prefill_ports)]
     waiting_samples: list[float] = []  # held slots / all slots, when a lease request waited
+    calls = [0]  # lease requests before the last reset
 
     async def stats(scope, receive, send) -> None:  # GET /stats, POST /reset
         if scope["type"] != "http":
             return
+        total = sum(len(d.records.leases) for d in decodes)
         if scope["path"] == "/reset":
             waiting_samples.clear()
-        body = {"samples": len(waiting_samples),
+            calls[0] = total
+        body = {"samples": len(waiting_samples), "lease_requests": total - calls[0],
                 "utilisation": sum(waiting_samples) / len(waiting_samples) if waiting_samples else None}
         await respond(send, 200, json.dumps(body).encode())
 
@@ -84,6 +91,7 @@ async def _serve_mocks(decode_ports: list[int], prefill_ports: list[int], stats_
 @dataclass
 class Phase:
     routers: int
+    decodes: int = 0
     ttft: list[float] = field(default_factory=list)
     tokens: int = 0
     wall: float = 0.0
@@ -109,12 +117,13 @@ async def _one(session: aiohttp.ClientSession, url: str, phase: Phase, max_token
 
 
 async def _run_phase(urls: list[str], pids: list[int], clients: int, requests: int, tokens: int,
-                     token_delay: float) -> Phase:
+                     token_delay: float, stats_url: str) -> Phase:
     phase = Phase(len(urls))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
         for url in urls:  # warm: connections to every mock
             await asyncio.gather(*(_one(session, url, Phase(0), 2) for _ in range(8)))
+        await _stats(stats_url, "/reset")  # the mocks' numbers from here: the measured requests only
 
         async def client(c: int) -> None:
             await asyncio.sleep(c * tokens * token_delay / clients)  # spread the starts over one request
@@ -158,8 +167,10 @@ def _start_router(port: int, prefills: list[str], decodes: list[str], log: Path)
     return server(router_argv(spec), log, f"http://127.0.0.1:{port}/ready", 60)
 
 
-def _row(phase: Phase, numbers: dict[str, float], util: float | None) -> dict:
-    return {"routers": phase.routers, "requests": len(phase.ttft), "errors": phase.errors,
+def _row(phase: Phase, numbers: dict[str, float], stats: dict) -> dict:
+    util = stats["utilisation"]
+    return {"decodes": phase.decodes, "routers": phase.routers, "requests": len(phase.ttft), "errors": phase.errors,
+            "lease_calls_per_request": stats["lease_requests"] / max(1, len(phase.ttft)),
             "cpu_us_per_token": phase.cpu / max(1, phase.tokens) * 1e6,
             "cpu_ms_per_request": phase.cpu / max(1, len(phase.ttft)) * 1e3,
             "ttft_p50_ms": _pct(phase.ttft, 0.5) * 1e3, "ttft_p99_ms": _pct(phase.ttft, 0.99) * 1e3,
@@ -169,56 +180,85 @@ def _row(phase: Phase, numbers: dict[str, float], util: float | None) -> dict:
 
 
 def _table(rows: list[dict]) -> str:
-    one, two = rows
-    lines = ["| routers | requests | errors | router CPU us/token | router CPU ms/request | TTFT p50 ms | "
-             "TTFT p99 ms | tokens/s | slot utilisation while queued | lease RTT mean ms | busy requeues |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| decode servers | routers | clients | requests | errors | router CPU us/token | router CPU ms/request | "
+             "lease requests per request | TTFT p50 ms | TTFT p99 ms | tokens/s | slot utilisation while queued | "
+             "lease RTT mean ms | busy requeues |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         util = f"{r['utilisation'] * 100:.1f}%" if r["utilisation"] is not None else "n/a (never queued)"
         rtt = f"{r['lease_rtt_ms']:.2f}" if r["lease_rtt_ms"] is not None else "n/a"
-        lines.append(f"| {r['routers']} | {r['requests']} | {r['errors']} | {r['cpu_us_per_token']:.1f} | "
-                     f"{r['cpu_ms_per_request']:.2f} | "
+        lines.append(f"| {r['decodes']} | {r['routers']} | {r['clients']} | {r['requests']} | {r['errors']} | "
+                     f"{r['cpu_us_per_token']:.1f} | {r['cpu_ms_per_request']:.2f} | "
+                     f"{r['lease_calls_per_request']:.2f} | "
                      f"{r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['tok_s']:.0f} | {util} | {rtt} | "
                      f"{r['busy_requeues']:.0f} |")
-    lines.append(f"| 2 vs 1 | | | x{two['cpu_us_per_token'] / one['cpu_us_per_token']:.2f} | "
-                 f"x{two['cpu_ms_per_request'] / one['cpu_ms_per_request']:.2f} | "
-                 f"{two['ttft_p50_ms'] - one['ttft_p50_ms']:+.1f} | {two['ttft_p99_ms'] - one['ttft_p99_ms']:+.1f} | "
-                 f"x{two['tok_s'] / one['tok_s']:.2f} | | | |")
+    first = rows[0]
+    for r in rows[1:]:
+        lines.append(f"| {r['decodes']} vs {first['decodes']} | {r['routers']} vs {first['routers']} | | | | "
+                     f"x{r['cpu_us_per_token'] / first['cpu_us_per_token']:.2f} | "
+                     f"x{r['cpu_ms_per_request'] / first['cpu_ms_per_request']:.2f} | "
+                     f"x{r['lease_calls_per_request'] / max(1e-9, first['lease_calls_per_request']):.2f} | "
+                     f"{r['ttft_p50_ms'] - first['ttft_p50_ms']:+.1f} | "
+                     f"{r['ttft_p99_ms'] - first['ttft_p99_ms']:+.1f} | "
+                     f"x{r['tok_s'] / first['tok_s']:.2f} | | | |")
     return "\n".join(lines)
 
 
-async def _phase(stats_url: str, urls: list[str], pids: list[int], args: argparse.Namespace) -> dict:
-    await _stats(stats_url, "/reset")
-    result = await _run_phase(urls, pids, args.clients, args.requests, args.tokens, args.token_delay)
-    util = (await _stats(stats_url, "/stats"))["utilisation"]
-    return _row(result, await _router_numbers(urls), util)
+async def _phase(stats_url: str, urls: list[str], pids: list[int], args: argparse.Namespace, decodes: int,
+                 clients: int) -> dict:
+    result = await _run_phase(urls, pids, clients, args.requests, args.tokens, args.token_delay, stats_url)
+    result.decodes = decodes
+    stats = await _stats(stats_url, "/stats")
+    return {**_row(result, await _router_numbers(urls), stats), "clients": clients}
 
 
 def _bench(args: argparse.Namespace) -> list[dict]:
-    decode_ports = [free_port() for _ in range(DECODES)]
-    prefill_ports = [free_port() for _ in range(PREFILLS)]
-    stats_port = free_port()
-    stats_url = f"http://127.0.0.1:{stats_port}"
-    logs = Path(tempfile.mkdtemp(prefix="scale-leases-"))
-    spec = json.dumps([decode_ports, prefill_ports, stats_port, args.tokens, args.token_delay])
-    prefills = [f"http://127.0.0.1:{p}" for p in prefill_ports]
-    decodes = [f"http://127.0.0.1:{p}" for p in decode_ports]
     rows = []
-    with server(python_argv("bench/scale_leases.py", "--mocks", spec), logs / "mocks.log", stats_url + "/stats", 120):
-        for n in (1, 2):
-            ports = [free_port() for _ in range(n)]
-            urls = [f"http://127.0.0.1:{p}" for p in ports]
-            with contextlib.ExitStack() as routers:
-                procs = [routers.enter_context(_start_router(p, prefills, decodes, logs / f"r{n}-{i}.log"))
-                         for i, p in enumerate(ports)]
-                rows.append(asyncio.run(_phase(stats_url, urls, [p.pid for p in procs], args)))
-                print(json.dumps(rows[-1]), flush=True)
+    for n_decodes in args.decodes:
+        clients = args.clients if args.decodes == [DECODES] else n_decodes * 4 // 3
+        decode_ports, prefill_ports, (stats_port,) = _ports(n_decodes, PREFILLS, 1)
+        stats_url = f"http://127.0.0.1:{stats_port}"
+        logs = Path(tempfile.mkdtemp(prefix="scale-leases-"))
+        spec = json.dumps([decode_ports, prefill_ports, stats_port, args.tokens, args.token_delay])
+        prefills = [f"http://127.0.0.1:{p}" for p in prefill_ports]
+        decodes = [f"http://127.0.0.1:{p}" for p in decode_ports]
+        with server(python_argv("bench/scale_leases.py", "--mocks", spec), logs / "mocks.log", stats_url + "/stats",
+                    120):
+            for n in args.routers:
+                ports = [free_port() for _ in range(n)]
+                urls = [f"http://127.0.0.1:{p}" for p in ports]
+                with contextlib.ExitStack() as routers:
+                    procs = [routers.enter_context(_start_router(p, prefills, decodes, logs / f"r{n}-{i}.log"))
+                             for i, p in enumerate(ports)]
+                    rows.append(asyncio.run(_phase(stats_url, urls, [p.pid for p in procs], args, n_decodes,
+                                                   clients)))
+                    print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def _ports(*counts: int) -> list[list[int]]:
+    """Distinct free ports in groups of ``counts`` (free_port alone may give one twice: with
+    80 picks a collision is likely)."""
+    seen: set[int] = set()
+    while len(seen) < sum(counts):
+        seen.add(free_port())
+    flat = sorted(seen)
+    groups, start = [], 0
+    for n in counts:
+        groups.append(flat[start:start + n])
+        start += n
+    return groups
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", type=int, default=96)
+    parser.add_argument("--decodes", type=_ints, default=[DECODES], help="numbers of decode servers, e.g. 8,24,72")
+    parser.add_argument("--routers", type=_ints, default=[1, 2], help="numbers of routers, e.g. 1,2")
+    parser.add_argument("--clients", type=int, default=96, help="with the one default --decodes (else 4 per 3 slots)")
     parser.add_argument("--requests", type=int, default=4, help="requests per client, one after the other")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--token-delay", type=float, default=0.05, help="seconds between a mock's tokens")
@@ -235,12 +275,13 @@ def main() -> None:
     print(table)
     if args.no_write:
         return
-    cmd = (f"`.venv/bin/python bench/scale_leases.py --clients {args.clients} --requests {args.requests} "
+    cmd = (f"`.venv/bin/python bench/scale_leases.py --decodes {','.join(map(str, args.decodes))} "
+           f"--routers {','.join(map(str, args.routers))} --clients {args.clients} --requests {args.requests} "
            f"--tokens {args.tokens} --token-delay {args.token_delay:g}`")
-    text = (f"{SECTION}\n\n{cmd} ({DECODES} single-slot fake decode servers granting leases through the real "
+    text = (f"{SECTION}\n\n{cmd} (single-slot fake decode servers granting leases through the real "
             f"LeaseTable, {PREFILLS} fake prefill servers, all on one event loop in one process; {args.tokens} "
-            f"tokens {args.token_delay * 1e3:g} ms apart; {args.clients} streaming clients, {args.requests} "
-            f"requests each, spread over the routers; the same mocks and load for one router, then two). "
+            f"tokens {args.token_delay * 1e3:g} ms apart; the clients stream {args.requests} requests each, "
+            f"one after the other, spread over the routers; the same mocks and load for each number of routers). "
             f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(t0))} UTC, {time.time() - t0:.0f} s; machine: "
             f"{os.cpu_count()} CPUs, load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.\n\n"
             f"{table}\n")

@@ -53,13 +53,16 @@ class LeaseClient:
             finally:
                 resp.release()
 
-    async def acquire(self, target: Target, lease_id: str, wait_s: float, arrived: float) -> Answer:
+    async def acquire(self, target: Target, lease_id: str, wait_s: float, arrived: float,
+                      replaces: str | None = None) -> Answer:
         """A lease, or the status that refused it (429 busy or queue timeout, 409 the id is in
         use there, 503 draining; 0 no answer). ``arrived``: when the request came to this
-        router (``perf_counter``). Cancelling it closes the connection, which takes
-        the request out of the server's queue."""
+        router (``perf_counter``); ``replaces``: a lease of ours there, given back as this
+        request queues (a swap). Cancelling it closes the connection, which takes the request
+        out of the server's queue."""
         t0 = perf_counter()
-        body = LeaseRequest(lease_id=lease_id, wait_s=wait_s, holder=self.holder, arrived_at=arrived, sent_at=t0)
+        body = LeaseRequest(lease_id=lease_id, wait_s=wait_s, holder=self.holder, arrived_at=arrived, sent_at=t0,
+                            replaces=replaces)
         limit = IMMEDIATE_ANSWER_S if wait_s == 0 else wait_s + CALL_TIMEOUT_S
         try:
             status, data = await self._post(target, LEASE_PATH, body, limit)

@@ -7,9 +7,9 @@ at their router, so several routers in front of the same servers act as one queu
 pool asks for a lease (:meth:`SlotPool.lease`):
 
 1. at the server its cache says has a free slot, without waiting (one round trip);
-2. else at every usable server at once, each a long poll in that server's queue; the first
-   grant wins, the other polls are dropped and their ids released there (a grant in flight
-   is ended too). ``--max-queue`` bounds this router's waiters, ``--queue-timeout`` the wait.
+2. else it waits in this router's queue, behind at most one standing lease request per
+   server (:mod:`pd_router.lease_queue`: waiting in that server's queue for the oldest
+   request here); ``--max-queue`` bounds this router's waiters, ``--queue-timeout`` the wait.
 
 While it lives, every lease is renewed at a third of its ttl (one call per server for all
 of this router's leases there); it ends when its generation ends (the server ends it), on
@@ -35,7 +35,8 @@ from time import perf_counter
 from pd_router.backends import Backends, DecodeBackend
 from pd_router.errors import NoHealthyBackend, Overloaded
 from pd_router.lease_client import LeaseClient
-from pd_router.remote_leases import Lease, LeaseHooks, RemoteLeases
+from pd_router.lease_types import Lease, LeaseHooks, wait_for_grant
+from pd_router.remote_leases import RemoteLeases
 
 __all__ = ["Lease", "LeaseHooks", "Requeue", "SlotPool"]
 BUSY_HOLD_MIN_S = 0.05  # first back-off after a server refused for lack of a slot
@@ -118,16 +119,7 @@ class SlotPool:
         else:
             self._queue.append(waiter)
         timer = loop.call_later(wait, self._expire, waiter)
-        try:
-            return await waiter.future
-        except BaseException:
-            fut = waiter.future
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self.release(fut.result())  # granted just as the caller went away
-            self._forget(waiter)
-            raise
-        finally:
-            timer.cancel()
+        return await wait_for_grant(waiter.future, timer, self.release, lambda: self._forget(waiter))
 
     def _check_queue(self, requeue: bool, queued: int) -> None:
         if not requeue and self.queue_depth >= self.max_queue:

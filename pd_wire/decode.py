@@ -114,7 +114,11 @@ class CancelResponse(BaseModel):
 #   finds no free slot waits in the server's queue for at most ``wait_s``, ordered by its
 #   arrival at its router (``arrived_at`` on the router's clock, put on the server's clock with
 #   the smallest ``receipt - sent_at`` seen from that holder); closing the connection leaves
-#   the queue.
+#   the queue. ``replaces``: a lease the caller holds here and gives back as this request joins
+#   the queue, in one step (a router's standing request granted for a request it already
+#   served elsewhere passes to the request now at the head of its queue: the slot goes to
+#   whoever waits longest here, this request included); with ``wait_s`` 0 the request is
+#   granted that slot at once or refused at once (429), never left in the queue.
 # * ``POST {LEASE_RENEW_PATH}`` with :class:`LeaseIds` -> :class:`LeaseRenewed`.
 # * ``POST {LEASE_RELEASE_PATH}`` with :class:`LeaseIds` -> :class:`LeaseReleased`: ends the
 #   leases (and takes queued requests of those ids out of the queue); idempotent. A lease
@@ -137,6 +141,8 @@ class LeaseRequest(BaseModel):
     arrived_at: float = Field(default=0.0, description="when the request came to its router (the holder's "
                               "monotonic clock, seconds): its place in the queue")
     sent_at: float = Field(default=0.0, description="when this lease request left the router (same clock)")
+    replaces: str | None = Field(default=None, min_length=1, max_length=256, description="a lease id held here, "
+                                 "released once this request is queued (a swap, see the protocol above)")
 
 
 class LeaseGrant(BaseModel):

@@ -72,7 +72,7 @@ async def acquire(request: Request) -> Response:
     t0 = loop.time()
     try:
         # the common case (a free slot, nobody waiting) is answered here, without a task
-        slot = leases.grant_now(body.lease_id)
+        slot = leases.grant_now(body.lease_id, body.replaces)
         if slot is None:
             slot = await _wait_for_slot(request, leases, body)
     except LeaseRefused as exc:
@@ -88,7 +88,7 @@ async def _wait_for_slot(request: Request, leases: LeaseTable, body: LeaseReques
     """A slot after a wait in the queue (refusals raised as by :meth:`LeaseTable.acquire`);
     None when the caller went away first."""
     grant = asyncio.ensure_future(leases.acquire(body.lease_id, body.wait_s, body.holder, body.arrived_at,
-                                                body.sent_at))
+                                                body.sent_at, body.replaces))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({grant, gone}, return_when=asyncio.FIRST_COMPLETED)

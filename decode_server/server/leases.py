@@ -141,36 +141,54 @@ class LeaseTable:
                 self._queue.sort()
         return arrived_at + best
 
-    def grant_now(self, lease_id: str) -> int | None:
+    def grant_now(self, lease_id: str, replaces: str | None = None) -> int | None:
         """A slot for ``lease_id`` (its index) if one is free and nobody waits; None when the
         caller would have to queue (:meth:`acquire` does that); raises :class:`LeaseRefused`
         (draining, or the id is held or queued). Synchronous: an immediate grant is answered
-        without a task."""
-        if self._closed:
-            raise self._refuse("closed", "the decode server is draining: it grants no lease")
-        if lease_id in self._held or any(w.lease_id == lease_id for w in self._queue):
-            raise self._refuse("duplicate", f"lease {lease_id!r} is already held or queued on this decode server")
-        if self._free and not self._queue:
-            return self._grant(lease_id).index
-        return None
+        without a task. ``replaces``: a lease given back with this request (released here
+        unless the request must queue: then :meth:`acquire` releases it once it is queued)."""
+        try:
+            if self._closed:
+                raise self._refuse("closed", "the decode server is draining: it grants no lease")
+            if lease_id in self._held or any(w.lease_id == lease_id for w in self._queue):
+                raise self._refuse("duplicate", f"lease {lease_id!r} is already held or queued on this decode server")
+            if not (self._free and not self._queue):
+                return None
+            index = self._grant(lease_id).index
+        except LeaseRefused:
+            self._give_back(replaces)
+            raise
+        self._give_back(replaces)
+        return index
 
     async def acquire(self, lease_id: str, wait_s: float = 0.0, holder: str = "", arrived_at: float = 0.0,
-                      sent_at: float = 0.0) -> int:
+                      sent_at: float = 0.0, replaces: str | None = None) -> int:
         """A slot for ``lease_id`` (its index), now or within ``wait_s`` in arrival order;
         raises :class:`LeaseRefused`. Cancelling the caller leaves the queue (a slot granted
-        at that moment goes back)."""
-        now = self.grant_now(lease_id)
+        at that moment goes back). ``replaces``: a lease of the caller's, released once this
+        request is queued, so that its slot goes to whoever waits longest (this request
+        included) in one step; with no wait, the request leaves the queue at once unless that
+        slot came to it."""
+        now = self.grant_now(lease_id, replaces)
         if now is not None:
             return now
-        if wait_s <= 0:
-            raise self._refuse("timeout", f"all {self.capacity} decode slots are leased")
-        if len(self._queue) >= self.max_queue:
+        if (wait_s <= 0 and replaces is None) or len(self._queue) >= self.max_queue:
+            self._give_back(replaces)
+            if wait_s <= 0:
+                raise self._refuse("timeout", f"all {self.capacity} decode slots are leased")
             raise self._refuse("queue_full", f"all {self.capacity} decode slots are leased and "
                                f"{len(self._queue)} requests wait for one")
         waiter = _Waiter(self.arrival(holder, arrived_at, sent_at), next(self._seq), lease_id,
                          asyncio.get_running_loop().create_future(), holder, arrived_at)
         bisect.insort(self._queue, waiter)
         log.info("lease queued: %s arrived=%.6f", lease_id, waiter.arrived)
+        self._give_back(replaces)  # may grant this very request at once (its future is then done)
+        if wait_s <= 0:  # a swap without wait: the slot was this request's, or it went to an older one
+            if waiter.future.done():
+                return waiter.future.result().index
+            self._forget(waiter)
+            raise self._refuse("timeout", f"the slot went to a request that waited longer; all {self.capacity} "
+                               "decode slots are leased")
         try:
             async with asyncio.timeout(wait_s):
                 slot = await waiter.future
@@ -248,6 +266,10 @@ class LeaseTable:
         self._drop(slot, holder)
 
     # ---- inside -------------------------------------------------------------------------
+    def _give_back(self, lease_id: str | None) -> None:
+        if lease_id is not None:
+            self.release([lease_id])
+
     def _refuse(self, reason: str, message: str) -> LeaseRefused:
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
         return LeaseRefused(reason, message)

@@ -251,3 +251,65 @@ def test_grant_now_answers_without_waiting_and_never_jumps_the_queue() -> None:
         assert closed.value.reason == "closed"
 
     run(main())
+
+
+@pytest.mark.parametrize("own_age, winner", [(5.0, "mine"), (0.0, "other")])
+def test_a_swap_gives_the_stale_grants_slot_to_whoever_waits_longest(own_age: float, winner: str) -> None:
+    """A router's grant for a request it served elsewhere, swapped for the request now at the
+    head of its queue (``replaces``): the new request is queued before the stale slot is
+    released, so the slot goes to the oldest waiter: the router's own when it is older than
+    the other router's, else the other router's."""
+    async def main() -> str:
+        table = LeaseTable(1, ttl_s=60, max_queue=8)
+        assert await table.acquire("stale") == 0
+        other = asyncio.create_task(table.acquire("other", wait_s=10, arrived_at=-1.0))
+        await _queued(table, 1)
+        mine = asyncio.create_task(table.acquire("mine", wait_s=10, arrived_at=-own_age, replaces="stale"))
+        done, _pending = await asyncio.wait({other, mine}, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1 and not table.leased("stale") and table.queued == 1
+        first = "mine" if mine in done else "other"
+        table.release([first])
+        await asyncio.gather(other, mine)
+        table.release(["mine", "other"])
+        assert table.free == 1
+        return first
+
+    assert run(main()) == winner
+
+
+def test_a_refused_swap_still_gives_the_stale_grant_back() -> None:
+    async def main() -> None:
+        table = LeaseTable(2, ttl_s=60, max_queue=8)
+        await table.acquire("stale")
+        await table.acquire("held")
+        with pytest.raises(LeaseRefused) as refused:  # the new id is held here already
+            await table.acquire("held", wait_s=10, replaces="stale")
+        assert refused.value.reason == "duplicate"
+        assert not table.leased("stale") and table.free == 1
+        await table.acquire("next", replaces="held")  # a free slot: granted at once, "held" given back
+        assert not table.leased("held") and table.leased("next") and table.free == 1
+
+    run(main())
+
+
+@pytest.mark.parametrize("own_age, granted", [(5.0, True), (0.0, False)])
+def test_a_swap_without_wait_is_granted_or_refused_at_once(own_age: float, granted: bool) -> None:
+    async def main() -> None:
+        table = LeaseTable(1, ttl_s=60, max_queue=8)
+        await table.acquire("stale")
+        other = asyncio.create_task(table.acquire("other", wait_s=10, arrived_at=-1.0))
+        await _queued(table, 1)
+        if granted:
+            assert await table.acquire("mine", arrived_at=-own_age, replaces="stale") == 0
+            assert table.leased("mine") and table.queued == 1
+            table.release(["mine"])
+        else:
+            with pytest.raises(LeaseRefused) as refused:
+                await table.acquire("mine", arrived_at=-own_age, replaces="stale")
+            assert refused.value.reason == "timeout" and table.queued == 0 and table.leased("other")
+        await other
+        assert not table.leased("stale")
+        table.release(["other"])
+        assert table.free == 1
+
+    run(main())

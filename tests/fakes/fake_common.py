@@ -58,6 +58,7 @@ class Records:
     max_active: int = 0
     busy: list[str] = field(default_factory=list)  # requests answered 429: every slot taken
     leases: list[str] = field(default_factory=list)  # lease requests (their ids), decode fakes granting leases
+    swaps: list[str] = field(default_factory=list)  # the grants those requests gave back (``replaces``)
     health: list[str] = field(default_factory=list)  # GET /health of a prefill fake: answered | held
     claims: list[str] = field(default_factory=list)  # decode requests naming only their handoff (HandoffClaim)
     closed_claims: list[str] = field(default_factory=list)  # their handoff ids, closed before the result came
@@ -73,6 +74,7 @@ class Records:
             "max_active": self.max_active,
             "busy": self.busy,
             "leases": self.leases,
+            "swaps": self.swaps,
             "health": self.health,
             "claims": self.claims,
             "closed_claims": self.closed_claims,

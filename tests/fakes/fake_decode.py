@@ -148,8 +148,10 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             return await respond(send, 200, LeaseReleased(released=n, free=table.free).model_dump_json().encode())
         req = LeaseRequest.model_validate_json(raw)
         self.records.leases.append(req.lease_id)
+        if req.replaces is not None:
+            self.records.swaps.append(req.replaces)
         try:
-            slot = table.grant_now(req.lease_id)  # as the real decode server: an immediate grant without a task
+            slot = table.grant_now(req.lease_id, req.replaces)  # at once, as the real decode server
             if slot is None:
                 slot = await self._wait_for_slot(table, req, receive)
         except LeaseRefused as exc:
@@ -161,7 +163,8 @@ class FakeDecode(FakeBase[DecodeKnobs]):
 
     @staticmethod
     async def _wait_for_slot(table: LeaseTable, req: LeaseRequest, receive: Receive) -> int | None:
-        grant = asyncio.ensure_future(table.acquire(req.lease_id, req.wait_s, req.holder, req.arrived_at, req.sent_at))
+        grant = asyncio.ensure_future(table.acquire(req.lease_id, req.wait_s, req.holder, req.arrived_at, req.sent_at,
+                                                    req.replaces))
         gone = asyncio.ensure_future(receive())
         await asyncio.wait({grant, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
