@@ -67,7 +67,6 @@ class _Waiter:
 class _Standing:
     backend: DecodeBackend
     lease_id: str
-    swap: bool = False  # answered at once: left to finish
     dropped: bool = False
 
 
@@ -126,7 +125,7 @@ class LeaseQueue:
         now = loop.time()
         usable = {d.url: d for d in self.backends.decode if d.accepting and d.leases}
         for url, ask in list(self._standing.items()):
-            if url not in usable or self._head(ask.backend) is None and not ask.swap:
+            if url not in usable or self._oldest(ask.backend) is None:
                 self._drop(ask)
         for url, d in usable.items():
             if url in self._standing:
@@ -148,6 +147,9 @@ class LeaseQueue:
         self._retry_timer = None
         self.refresh()
 
+    def _oldest(self, backend: DecodeBackend) -> _Waiter | None:
+        return next((w for w in self._waiters if backend.serves(w.model) and not w.future.done()), None)
+
     def _head(self, backend: DecodeBackend) -> _Waiter | None:
         return next((w for w in self._waiters
                      if backend.serves(w.model) and not w.future.done() and not w.reserved), None)
@@ -157,7 +159,7 @@ class LeaseQueue:
         ``head`` is reserved for it (no other server's grant takes it meanwhile), and it waits
         for nothing (the server answers at once: the slot is the head's if the head waits
         longest there, else it went to whoever does)."""
-        ask = _Standing(backend, head.lease_id, swap=replaces is not None)
+        ask = _Standing(backend, head.lease_id)
         self._standing[backend.url] = ask
         self.sent += 1
         if replaces is not None:
@@ -177,7 +179,8 @@ class LeaseQueue:
                                            head.arrived, replaces)
         if self._standing.get(d.url) is ask:
             del self._standing[d.url]
-        head.reserved = False
+        if swap:
+            head.reserved = False
         if answer.grant is None:
             self._take(answer, d, "", ask.lease_id)  # reports the refusal
             # a swap refused at once (429) gave the slot to a request that waited longer
@@ -191,7 +194,10 @@ class LeaseQueue:
         self._refusals.pop(d.url, None)
         self._retry_at.pop(d.url, None)
         first = None if ask.dropped else self._head(d)
-        if not ask.dropped and not head.future.done() and (swap or head is first):
+        # the grant is the head's: the request it was asked for, if none here that this
+        # server serves waits longer (one reserved by a swap elsewhere included: that swap's
+        # grant, if it comes, is then the stale one)
+        if not ask.dropped and not head.future.done() and (swap or head is self._oldest(d)):
             lease = self._take(answer, d, head.model, ask.lease_id)
             assert lease is not None  # a grant
             self._waiters.remove(head)

@@ -1,0 +1,154 @@
+"""The router's lease queue (pd_router/lease_queue.py) against decode servers the test
+answers by hand (tests/fakes/scripted_leases.py): one standing lease request per server
+whatever the queue's length, the head's grant, the swap of a stale grant (no wait, the head
+reserved meanwhile), a grant for a reserved head, the release when nobody waits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from pd_router.backends import Backends
+from pd_router.lease_types import Lease, LeaseHooks
+from pd_router.remote_leases import RemoteLeases
+from pd_wire.decode import DecodeCapabilities
+from pd_wire.handoff import PROTOCOL_VERSION, PeerStatus
+from tests.fakes.scripted_leases import ScriptedLeases
+from tests.waits import eventually
+
+pytestmark = pytest.mark.timeout(30)
+WAIT = 30.0
+
+
+def _backends(n: int) -> Backends:
+    b = Backends.from_urls(("http://p",), tuple(f"http://d{i}" for i in range(n)), None, True)
+    b.prefill[0].healthy, b.prefill[0].models = True, frozenset({"m"})
+    for d in b.decode:
+        d.healthy, d.models = True, frozenset({"m"})
+        d.capabilities = DecodeCapabilities(
+            protocol_version=PROTOCOL_VERSION, model="m", engine="reference", slots=1, busy_slots=0,
+            max_seq_len=8, num_mtp=0, kv_endpoint="h:1", layout_fingerprint="f",
+            peers=[PeerStatus(peer="p", state="ok")], lease_ttl_s=3600.0)
+    b.refresh()
+    for d in b.decode:
+        d.lease_free = 0  # every slot taken: requests queue (no call without wait)
+    return b
+
+
+class Rig:
+    def __init__(self, n: int) -> None:
+        self.backends = _backends(n)
+        self.client = ScriptedLeases()
+        self.tasks: list[asyncio.Future] = []
+        self.remote = RemoteLeases(self.backends, self.client, LeaseHooks(spawn=self._spawn), WAIT)  # type: ignore[arg-type]
+        self.waits: dict[str, asyncio.Task[Lease]] = {}
+
+    def _spawn(self, coro) -> asyncio.Future:
+        task = asyncio.ensure_future(coro)
+        self.tasks.append(task)
+        return task
+
+    def ask(self, lease_id: str, arrived: float) -> None:
+        servers = list(self.backends.decode)
+        self.waits[lease_id] = asyncio.ensure_future(
+            self.remote.lease("m", lease_id, servers, WAIT, arrived, lambda waiting: None))
+
+    def open(self) -> list[tuple[str, str, float, str | None]]:
+        return [c.key for c in self.client.open()]
+
+    def call(self, url: str, lease_id: str):
+        return next(c for c in self.client.open() if (c.url, c.lease_id) == (url, lease_id))
+
+    def served(self) -> dict[str, str]:
+        return {rid: t.result().backend.url for rid, t in self.waits.items() if t.done()}
+
+
+async def _turns() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    made: list[Rig] = []
+
+    def make(n: int) -> Rig:
+        made.append(Rig(n))
+        return made[-1]
+
+    yield make  # type: ignore[misc]
+    for r in made:
+        for task in [*r.tasks, *r.waits.values()]:
+            task.cancel()
+
+
+async def test_one_standing_request_per_server_the_head_and_the_swaps(rig) -> None:
+    r: Rig = rig(3)
+    for i, rid in enumerate(("r0", "r1", "r2")):
+        r.ask(rid, float(i))
+    await _turns()
+    # three queued requests, three servers: three standing requests, all for the head
+    assert sorted(r.open()) == [(f"d{i}", "r0", WAIT, None) for i in range(3)]
+    r.call("d1", "r0").grant()
+    await _turns()
+    assert r.served() == {"r0": "http://d1"}
+    assert ("d1", "r1", WAIT, None) in r.open()  # d1 stands for the next one
+    r.call("d0", "r0").grant()  # stale: r0 was served at d1
+    await _turns()
+    assert ("d0", "r1", 0.0, "r0") in r.open()  # swapped for the head, at once, without wait
+    r.call("d2", "r0").grant()  # stale too, while r1's swap is in flight: r1 is reserved
+    await _turns()
+    assert ("d2", "r2", 0.0, "r0") in r.open()
+    r.call("d2", "r2").refuse()  # that slot went to a request that waited longer there
+    await _turns()
+    assert ("d2", "r2", WAIT, None) in r.open()  # standing again at once (no back-off)
+    r.call("d0", "r1").grant()
+    await _turns()
+    assert r.served() == {"r0": "http://d1", "r1": "http://d0"}
+    r.call("d1", "r1").grant()  # stale: swapped for r2
+    await _turns()
+    r.call("d1", "r2").grant()
+    await _turns()
+    assert r.served() == {"r0": "http://d1", "r1": "http://d0", "r2": "http://d1"}
+    # nobody waits any more: the standing request left at d2 is released there
+    assert r.open() == [] and ("d2", ["r2"]) in r.client.releases
+    assert r.remote.waiting == 0 and r.remote.queue.standing == 0
+    assert len(r.client.calls) == 9  # each of the 3 queued requests asked each server: 9 long polls before
+
+
+async def test_a_grant_for_a_head_reserved_by_a_swap_elsewhere_is_the_heads(rig) -> None:
+    """A standing request's grant for the head whose swap is in flight elsewhere goes to that
+    head (it waited longest): the swap's grant, when it comes, is then the stale one."""
+    r: Rig = rig(3)
+    for i, rid in enumerate(("r0", "r1", "r2")):
+        r.ask(rid, float(i))
+    await _turns()
+    r.call("d0", "r0").grant()
+    await _turns()
+    r.call("d1", "r0").grant()  # stale: a swap for r1 at d1, r1 reserved
+    await _turns()
+    assert ("d1", "r1", 0.0, "r0") in r.open() and ("d0", "r1", WAIT, None) in r.open()
+    r.call("d0", "r1").grant()  # d0 granted r1's standing request: r1's, although reserved
+    await _turns()
+    assert r.served() == {"r0": "http://d0", "r1": "http://d0"}
+    r.call("d1", "r1").grant()  # the swap's grant: stale now, swapped for r2
+    await _turns()
+    assert ("d1", "r2", 0.0, "r1") in r.open()
+    r.call("d1", "r2").grant()
+    await _turns()
+    assert r.served()["r2"] == "http://d1" and r.remote.waiting == 0
+
+
+async def test_a_refused_standing_request_is_sent_again_after_a_back_off(rig) -> None:
+    r: Rig = rig(1)
+    r.ask("r0", 0.0)
+    await _turns()
+    r.call("d0", "r0").refuse(409)  # e.g. the id still being taken out of that queue
+    await _turns()
+    assert r.open() == []  # not at once: a back-off
+    await eventually(lambda: r.open() == [("d0", "r0", WAIT, None)], 5.0, "the standing request sent again")
+    r.call("d0", "r0").grant()
+    await _turns()
+    assert r.served() == {"r0": "http://d0"}
