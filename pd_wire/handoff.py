@@ -27,8 +27,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 # 3: the KV control channel authenticates (AuthStart ... AuthOk) before Hello;
-# 4: the handoff's result can travel with the KV (Prefilled, HandoffClaim)
-PROTOCOL_VERSION = 4
+# 4: the handoff's result can travel with the KV (Prefilled, HandoffClaim);
+# 5: a lease request may swap a lease held for one queued (LeaseRequest.replaces: a server
+#    that ignored it would keep the stale slot until its lease ran out)
+PROTOCOL_VERSION = 5
 
 # "pending": admitted, the KV is on its way (the decode server waits for its last layer);
 # "sent": every layer had landed when vLLM answered; "failed": see ``reason`` and ``error``.

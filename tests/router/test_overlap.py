@@ -8,6 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from pd_wire.handoff import PROTOCOL_VERSION
 from tests.router.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,7 +38,8 @@ def test_the_first_token_does_not_wait_for_the_prefills_answer(make_rig, stream)
     assert (b"data: [DONE]" in rest) if stream else b'"choices"' in rest
     assert _kv_params(rig, rig.prefills[0]) == [{"handoff_id": "early", "kv_endpoint": _kv_endpoint(rig),
                                                  "result_with_kv": True}]
-    assert _kv_params(rig, rig.decodes[0]) == [{"protocol_version": 4, "handoff_id": "early", "result": "with_kv"}]
+    assert _kv_params(rig, rig.decodes[0]) == [{"protocol_version": PROTOCOL_VERSION, "handoff_id": "early",
+                                                 "result": "with_kv"}]
     rig.wait(lambda: rig.records(rig.prefills[0])["active"] == [], what="the prefill's answer read")
     rig.assert_no_leaks()
 
