@@ -92,6 +92,7 @@ async def _serve_mocks(decode_ports: list[int], prefill_ports: list[int], stats_
 class Phase:
     routers: int
     decodes: int = 0
+    clients: int = 0
     ttft: list[float] = field(default_factory=list)
     tokens: int = 0
     wall: float = 0.0
@@ -169,7 +170,8 @@ def _start_router(port: int, prefills: list[str], decodes: list[str], log: Path)
 
 def _row(phase: Phase, numbers: dict[str, float], stats: dict) -> dict:
     util = stats["utilisation"]
-    return {"decodes": phase.decodes, "routers": phase.routers, "requests": len(phase.ttft), "errors": phase.errors,
+    return {"decodes": phase.decodes, "routers": phase.routers, "clients": phase.clients, "requests": len(phase.ttft),
+            "errors": phase.errors,
             "lease_calls_per_request": stats["lease_requests"] / max(1, len(phase.ttft)),
             "cpu_us_per_token": phase.cpu / max(1, phase.tokens) * 1e6,
             "cpu_ms_per_request": phase.cpu / max(1, len(phase.ttft)) * 1e3,
@@ -207,9 +209,8 @@ def _table(rows: list[dict]) -> str:
 async def _phase(stats_url: str, urls: list[str], pids: list[int], args: argparse.Namespace, decodes: int,
                  clients: int) -> dict:
     result = await _run_phase(urls, pids, clients, args.requests, args.tokens, args.token_delay, stats_url)
-    result.decodes = decodes
-    stats = await _stats(stats_url, "/stats")
-    return {**_row(result, await _router_numbers(urls), stats), "clients": clients}
+    result.decodes, result.clients = decodes, clients
+    return _row(result, await _router_numbers(urls), await _stats(stats_url, "/stats"))
 
 
 def _bench(args: argparse.Namespace) -> list[dict]:
@@ -225,7 +226,7 @@ def _bench(args: argparse.Namespace) -> list[dict]:
         with server(python_argv("bench/scale_leases.py", "--mocks", spec), logs / "mocks.log", stats_url + "/stats",
                     120):
             for n in args.routers:
-                ports = [free_port() for _ in range(n)]
+                (ports,) = _ports(n)
                 urls = [f"http://127.0.0.1:{p}" for p in ports]
                 with contextlib.ExitStack() as routers:
                     procs = [routers.enter_context(_start_router(p, prefills, decodes, logs / f"r{n}-{i}.log"))

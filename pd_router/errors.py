@@ -121,6 +121,11 @@ class NoHealthyBackend(RetryLater):
     status = 503
     type = "no_healthy_backend"
 
+    @classmethod
+    def for_decode(cls, model: str) -> NoHealthyBackend:
+        """No usable decode server serves ``model``."""
+        return cls(f"no healthy, compatible decode server for model {model!r}")
+
 
 class ShuttingDown(RetryLater):
     """The router is draining (SIGTERM): no new requests; in-flight ones past

@@ -89,7 +89,6 @@ class LeaseQueue:
         self._refusals: dict[str, int] = {}  # backend url -> refused standing requests in a row
         self._retry_at: dict[str, float] = {}  # backend url -> no standing request there before (loop time)
         self._retry_timer: asyncio.TimerHandle | None = None
-        self.sent = 0  # standing lease requests sent (swaps included)
 
     @property
     def waiting(self) -> int:
@@ -115,8 +114,7 @@ class LeaseQueue:
             if not self.backends.decode_available(waiter.model):
                 self._forget(waiter, refresh=False)
                 if not waiter.future.done():
-                    waiter.future.set_exception(
-                        NoHealthyBackend(f"no healthy, compatible decode server for model {waiter.model!r}"))
+                    waiter.future.set_exception(NoHealthyBackend.for_decode(waiter.model))
         self.refresh()
 
     def refresh(self) -> None:
@@ -125,7 +123,7 @@ class LeaseQueue:
         now = loop.time()
         usable = {d.url: d for d in self.backends.decode if d.accepting and d.leases}
         for url, ask in list(self._standing.items()):
-            if url not in usable or self._oldest(ask.backend) is None:
+            if url not in usable or self._head(ask.backend, reserved_too=True) is None:
                 self._drop(ask)
         for url, d in usable.items():
             if url in self._standing:
@@ -147,12 +145,11 @@ class LeaseQueue:
         self._retry_timer = None
         self.refresh()
 
-    def _oldest(self, backend: DecodeBackend) -> _Waiter | None:
-        return next((w for w in self._waiters if backend.serves(w.model) and not w.future.done()), None)
-
-    def _head(self, backend: DecodeBackend) -> _Waiter | None:
-        return next((w for w in self._waiters
-                     if backend.serves(w.model) and not w.future.done() and not w.reserved), None)
+    def _head(self, backend: DecodeBackend, reserved_too: bool = False) -> _Waiter | None:
+        """The oldest request here that ``backend`` serves (not one a swap has reserved, unless
+        ``reserved_too``)."""
+        return next((w for w in self._waiters if backend.serves(w.model) and not w.future.done()
+                     and (reserved_too or not w.reserved)), None)
 
     def _open(self, backend: DecodeBackend, head: _Waiter, replaces: str | None = None) -> None:
         """A standing request at ``backend`` for ``head``; with ``replaces`` a swap instead:
@@ -161,7 +158,6 @@ class LeaseQueue:
         longest there, else it went to whoever does)."""
         ask = _Standing(backend, head.lease_id)
         self._standing[backend.url] = ask
-        self.sent += 1
         if replaces is not None:
             head.reserved = True
         self.hooks.spawn(self._run(ask, head, replaces))
@@ -193,17 +189,17 @@ class LeaseQueue:
             return
         self._refusals.pop(d.url, None)
         self._retry_at.pop(d.url, None)
-        first = None if ask.dropped else self._head(d)
         # the grant is the head's: the request it was asked for, if none here that this
         # server serves waits longer (one reserved by a swap elsewhere included: that swap's
         # grant, if it comes, is then the stale one)
-        if not ask.dropped and not head.future.done() and (swap or head is self._oldest(d)):
+        if not ask.dropped and not head.future.done() and (swap or head is self._head(d, reserved_too=True)):
             lease = self._take(answer, d, head.model, ask.lease_id)
             assert lease is not None  # a grant
             self._waiters.remove(head)
             head.future.set_result(lease)
             self.refresh()
             return
+        first = None if ask.dropped else self._head(d)
         if first is None:  # stale, and nobody here waits for this server
             d.lease_free = answer.grant.free
             self._give_back(d, ask.lease_id)

@@ -32,8 +32,7 @@ class RemoteLeases:
         self.queue_timeout = queue_timeout
         self._live: dict[str, Lease] = {}  # granted leases by id
         self._renewer: asyncio.Future[None] | None = None
-        self.queue = LeaseQueue(backends, client, hooks, queue_timeout, self._take, self._give_back,
-                                     self.release)
+        self.queue = LeaseQueue(backends, client, hooks, queue_timeout, self._take, self._give_back, self.release)
 
     @property
     def waiting(self) -> int:

@@ -99,7 +99,7 @@ class SlotPool:
         Raises :class:`NoHealthyBackend` (503) when no usable server serves the model,
         :class:`Overloaded` (429) when the queue is full or the wait times out."""
         if not self.backends.decode_available(model):
-            raise NoHealthyBackend(f"no healthy, compatible decode server for model {model!r}")
+            raise NoHealthyBackend.for_decode(model)
         wait = self.queue_timeout if timeout is None else max(0.0, timeout)
         if lease_id is not None and self.remote is not None:
             servers = [d for d in self.backends.decode if d.accepting and d.serves(model) and d.leases]
@@ -166,9 +166,7 @@ class SlotPool:
                 continue
             if not self.backends.decode_available(waiter.model):
                 self._forget(waiter)
-                waiter.future.set_exception(
-                    NoHealthyBackend(f"no healthy, compatible decode server for model {waiter.model!r}")
-                )
+                waiter.future.set_exception(NoHealthyBackend.for_decode(waiter.model))
                 continue
             backend = self.backends.pick_decode(waiter.model)
             if backend is None:
