@@ -17,9 +17,13 @@ then decode), two sequential exchanges instead of three. With ``--overlap`` (iss
 sends the prefill and the decode request at once after the lease: the prefill asks for its
 result to go with the KV (``result_with_kv``), the decode request names only the handoff,
 and the prefill's answer is read beside the relay: two sequential exchanges, the second
-one the decode's.
+one the decode's. With ``--grant-first`` (issue 34, the router's path for a free slot) there
+is no lease: the decode request goes first and takes the slot (``HandoffClaim.grant_first``),
+and the prefill goes out on the decode server's 200 (the grant); the answer's bytes are
+relayed as they come, its head with them.
 
-    .venv/bin/python -m bench.pd_floor --port P --prefill 127.0.0.1:Q --decode 127.0.0.1:R [--no-lease|--overlap]
+    .venv/bin/python -m bench.pd_floor --port P --prefill 127.0.0.1:Q --decode 127.0.0.1:R
+        [--no-lease|--overlap|--grant-first]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import uuid
 from typing import Any, cast
 
 import uvloop
@@ -58,6 +63,7 @@ class _Upstream(asyncio.Protocol):
         self.sink: Any = None  # a client transport: the answer's bytes go there as they come
         self.tail = b""
         self.done: asyncio.Future[None] | None = None
+        self.first: asyncio.Future[None] | None = None  # set by the answer's first bytes (a relay's)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -65,6 +71,9 @@ class _Upstream(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.sink is not None:
             self.sink.write(data)
+            if self.first is not None:
+                self.first.set_result(None)
+                self.first = None
             tail = self.tail + data[-len(_END):]
             if tail.endswith(_END) and self.done is not None:
                 self.sink = None
@@ -126,16 +135,18 @@ class _Pool:
 
 class _Relay:
     def __init__(self, prefill: tuple[str, int], decode: tuple[str, int], kv_endpoint: str, lease: bool,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, grant_first: bool = False) -> None:
         self.prefill, self.decode = _Pool(prefill), _Pool(decode)
         self.kv_endpoint = kv_endpoint
-        self.lease = lease
-        self.overlap = overlap
+        self.lease = lease and not grant_first
+        self.overlap = overlap or grant_first
+        self.grant_first = grant_first
         self.ids = itertools.count()
+        self.prefix = uuid.uuid4().hex[:8]  # several relays may share the fakes: their ids must differ
 
     async def serve(self, head: bytes, raw: bytes, client: asyncio.Transport) -> None:
         path = head.split(b" ", 2)[1].decode()
-        rid = f"floor-{next(self.ids)}".encode()
+        rid = f"floor-{self.prefix}-{next(self.ids)}".encode()
         body = json.loads(raw)
         if self.lease:
             lease = await self.decode.take()
@@ -158,11 +169,19 @@ class _Relay:
         self.decode.give(conn)
 
     async def _overlapped(self, path: str, rid: bytes, prefill: bytes, raw: bytes, client: asyncio.Transport) -> None:
-        claim = b'{"handoff_id": "%s", "result": "with_kv"}' % rid
+        grant = b', "grant_first": true' if self.grant_first else b""
+        claim = b'{"handoff_id": "%s", "result": "with_kv"%s}' % (rid, grant)
         decode = raw.rstrip()[:-1] + b', "kv_transfer_params": ' + claim + b"}"
         pconn, dconn = await self.prefill.take(), await self.decode.take()
-        answer = asyncio.ensure_future(pconn.call(self.prefill.host, path, prefill, rid))
-        await dconn.relay(self.decode.host, path, decode, rid, client)
+        if self.grant_first:  # the prefill on the decode server's 200
+            dconn.first = granted = asyncio.get_running_loop().create_future()
+            relayed = asyncio.ensure_future(dconn.relay(self.decode.host, path, decode, rid, client))
+            await granted
+            answer = asyncio.ensure_future(pconn.call(self.prefill.host, path, prefill, rid))
+            await relayed
+        else:
+            answer = asyncio.ensure_future(pconn.call(self.prefill.host, path, prefill, rid))
+            await dconn.relay(self.decode.host, path, decode, rid, client)
         self.decode.give(dconn)
         await answer  # read beside the relay (long there by now), for its connection
         self.prefill.give(pconn)
@@ -218,17 +237,18 @@ class _Client(asyncio.Protocol):
 
 
 async def start(port: int, prefill: tuple[str, int], decode: tuple[str, int], lease: bool = True,
-                overlap: bool = False) -> asyncio.Server:
+                overlap: bool = False, grant_first: bool = False) -> asyncio.Server:
     """The relay on 127.0.0.1:``port`` (0: any free port), its handoff target read from the
     decode server's capabilities; ``lease``: False skips the lease exchange; ``overlap``:
-    prefill and decode at once, the first token with the KV."""
+    prefill and decode at once, the first token with the KV; ``grant_first``: no lease, the
+    decode request first and the prefill on its 200."""
     reader, writer = await asyncio.open_connection(*decode)
     writer.write(b"GET /v1/pd/capabilities HTTP/1.1\r\nHost: %s:%d\r\nConnection: close\r\n\r\n"
                  % (decode[0].encode(), decode[1]))
     data = await reader.read()
     writer.close()
     kv_endpoint = json.loads(data[_head_end(data) + 4:])["kv_endpoint"]
-    relay = _Relay(prefill, decode, kv_endpoint, lease, overlap)
+    relay = _Relay(prefill, decode, kv_endpoint, lease, overlap, grant_first)
     return await asyncio.get_running_loop().create_server(lambda: _Client(relay), "127.0.0.1", port)
 
 
@@ -245,11 +265,13 @@ def main() -> None:
     parser.add_argument("--no-lease", action="store_true", help="skip the lease exchange")
     parser.add_argument("--overlap", action="store_true", help="prefill and decode at once (the first token "
                         "with the KV)")
+    parser.add_argument("--grant-first", action="store_true", help="no lease: the decode request first, the "
+                        "prefill on its 200 (the first token with the KV)")
     args = parser.parse_args()
 
     async def run() -> None:
         async with await start(args.port, _addr(args.prefill), _addr(args.decode), not args.no_lease,
-                               args.overlap) as server:
+                               args.overlap, args.grant_first) as server:
             await server.serve_forever()
 
     uvloop.run(run())

@@ -11,7 +11,9 @@ the added TTFT and at C=64 the CPU per token of a minimal PD relay (``bench/pd_f
 the router's three upstream exchanges and a byte relay of the answer, nothing else), the
 floor of a Python router with this protocol on the machine (at C=1 also without its lease
 exchange: two sequential exchanges instead of three; and with prefill and decode at once,
-the first token with the KV: ``--overlap``), and at C=64 the CPU per token of a
+the first token with the KV: ``--overlap``; at C=1 and C=64 the router's protocol for a
+free slot, no lease and the prefill on the decode request's 200: ``--grant-first``, the
+floor issue 34's TTFT goal is judged against), and at C=64 the CPU per token of a
 byte relay (``bench/bare_relay.py``) of the direct streams, the floor of any relay;
 writes them to docs/benchmarks.md under
 "## Router overhead", its rows to bench/results/router_overhead.json and draws
@@ -170,13 +172,15 @@ async def _measure(
     rows = []
     for c in CONCURRENCY:
         for endpoint in endpoints:
-            directs, routeds, relayed, minimal, leaseless, overlapped = [], [], [], [], [], []
+            directs, routeds, relayed, minimal, leaseless, overlapped, granted = [], [], [], [], [], [], []
             for r in range(rounds):  # alternate, so that drifting machine load hits all alike
                 n, tag = per_client[c], f"{endpoint[:4]}{c}.{r}"
                 directs.append(await _phase(urls["decode"], endpoint, True, c, n, None, f"d-{tag}"))
                 routeds.append(await _phase(urls["router"], endpoint, False, c, n, pids["router"], f"r-{tag}"))
                 if c in PD_FLOOR_CONCURRENCY:  # the protocol's floor: the same requests, minimal relay
                     minimal.append(await _phase(urls["floor"], endpoint, False, c, n, pids["floor"], f"f-{tag}"))
+                    granted.append(await _phase(urls["floor_granted"], endpoint, False, c, n, pids["floor_granted"],
+                                                f"g-{tag}"))
                 if c == NO_LEASE_CONCURRENCY:  # one sequential exchange fewer
                     leaseless.append(await _phase(urls["floor_no_lease"], endpoint, False, c, n, None, f"n-{tag}"))
                     overlapped.append(await _phase(urls["floor_overlap"], endpoint, False, c, n, None, f"o-{tag}"))
@@ -188,6 +192,10 @@ async def _measure(
                 floor = _merge(minimal)
                 row["pd_floor_ttft_p50_ms"] = _added_ms(floor.ttft, direct.ttft, 0.5)
                 row["pd_floor_cpu_us_per_token"] = floor.cpu / floor.tokens * 1e6
+            if granted:
+                floor = _merge(granted)
+                row["pd_floor_granted_ttft_p50_ms"] = _added_ms(floor.ttft, direct.ttft, 0.5)
+                row["pd_floor_granted_cpu_us_per_token"] = floor.cpu / floor.tokens * 1e6
             if leaseless:
                 row["pd_floor_no_lease_ttft_p50_ms"] = _added_ms(_merge(leaseless).ttft, direct.ttft, 0.5)
             if overlapped:
@@ -260,10 +268,22 @@ def floors(rows: list[dict]) -> list[str]:
             floor = r["pd_floor_cpu_us_per_token"]
             out.append(f"{where}: a minimal PD relay (bench/pd_floor.py) used {floor:.1f} us of CPU per token; "
                        f"the router {routed_cpu:.1f} (x{routed_cpu / floor:.2f})")
+        granted = r.get("pd_floor_granted_ttft_p50_ms")
+        if r["concurrency"] == GOALS["ttft_p50_ms"][0] and granted is not None:
+            ratio = r["ttft_p50_ms"] / granted if granted > 0 else float("inf")
+            out.append(f"{where}: the minimal PD relay of the router's protocol for a free slot (--grant-first: the "
+                       f"decode request first, the prefill on its 200) added {granted:.2f} ms TTFT p50; the router "
+                       f"{r['ttft_p50_ms']:.2f} (x{ratio:.2f}; issue 34's goal x1.2: "
+                       f"{'met' if ratio <= 1.2 else 'NOT met'})")
+        if r["concurrency"] == GOALS["router_cpu_us_per_token"][0] and "pd_floor_granted_cpu_us_per_token" in r:
+            floor = r["pd_floor_granted_cpu_us_per_token"]
+            out.append(f"{where}: the --grant-first relay used {floor:.1f} us of CPU per token; the router "
+                       f"{routed_cpu:.1f} (x{routed_cpu / floor:.2f})")
         floor = r.get("byte_relay_cpu_us_per_token")
         if floor:
             out.append(f"{where}: a byte relay (bench/bare_relay.py) of the direct requests used {floor:.1f} us "
-                       f"of CPU per token; the router {routed_cpu:.1f} (x{routed_cpu / floor:.2f})")
+                       f"of CPU per token; the router {routed_cpu:.1f} (x{routed_cpu / floor:.2f}; issue 34's goal "
+                       f"x1.25: {'met' if routed_cpu / floor <= 1.25 else 'NOT met'})")
     return out
 
 
@@ -300,11 +320,12 @@ def _write_section(text: str) -> None:
 def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
     """A fake prefill and a fake decode server (1024 slots, a token every TOKEN_DELAY s); in
     front of them a router and a minimal PD relay (``bench/pd_floor.py``, with and without
-    its lease exchange, and with prefill and decode at once), and in front of the fake
+    its lease exchange, with prefill and decode at once, and decode first without a lease),
+    and in front of the fake
     decode a byte relay (``bench/bare_relay.py``); each its own process. Yields their URLs and the pids of the
     router, the byte relay and the minimal PD relay."""
     ports = {name: free_port() for name in ("prefill", "decode", "router", "relay", "floor", "floor_no_lease",
-                                            "floor_overlap")}
+                                            "floor_overlap", "floor_granted")}
     fake = ["-m", "tests.fakes.fake_backends"]
     decode_knobs = json.dumps({"model": "tiny", "slots": 1024, "token_delay": TOKEN_DELAY})
     urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
@@ -328,8 +349,11 @@ def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
                urls["floor_no_lease"] + "/ready", 30),
         server(floor_argv("floor_overlap", "--overlap"), logs / "floor-overlap.log",
                urls["floor_overlap"] + "/ready", 30),
+        server(floor_argv("floor_granted", "--grant-first"), logs / "floor-granted.log",
+               urls["floor_granted"] + "/ready", 30) as granted,
     ):
-        yield urls, {"router": router.proc.pid, "relay": relay.proc.pid, "floor": floor.proc.pid}
+        yield urls, {"router": router.proc.pid, "relay": relay.proc.pid, "floor": floor.proc.pid,
+                     "floor_granted": granted.proc.pid}
 
 
 def main() -> None:
@@ -384,7 +408,9 @@ def main() -> None:
             "relay of the answer, nothing checked, no metrics), the floor of a Python router with this "
             "protocol on the machine, and at C=1 through the same relay without its lease exchange "
             "(`--no-lease`), the floor of a protocol with one sequential exchange fewer, and with prefill and "
-            "decode at once (`--overlap`: the first token with the KV, issue 34). "
+            "decode at once (`--overlap`: the first token with the KV, issue 34); at C=1 and C=64 also "
+            "through the minimal relay of the router's protocol for a free slot (`--grant-first`: no lease, "
+            "the decode request first and the prefill on its 200, issue 34). "
             f"{started}, {took:.0f} s; machine: {os.cpu_count()} CPUs, load average {load_start:.1f} at the "
             f"start, {load:.1f} at the end.\n\n"
             f"{table}\n\n```\n{goals}\n```\n{figure}{_caveat(load)}"

@@ -64,13 +64,14 @@ def prefill_fields(req: OpenAIRequest, capabilities: DecodeCapabilities | None) 
 
 
 def result_with_kv(body: Mapping[str, Any], req: OpenAIRequest, capabilities: DecodeCapabilities | None,
-                   extra: Mapping[str, Any]) -> bool:
+                   extra: Mapping[str, Any], any_server: bool = False) -> bool:
     """Whether the first token can travel with the KV (``HandoffTarget.result_with_kv``): the
     decode request then goes out with the prefill, naming only its handoff. Not when the
     decode needs something of vLLM's answer (the first token's logprobs, the prompt's token
     ids: ``extra``) or the router merges something of it (``prompt_logprobs``, ``echo``),
-    nor for a decode server that is not ours."""
-    return (capabilities is not None and not extra and not req.wants_logprobs()
+    nor for a decode server that is not ours. ``any_server``: what the request alone decides,
+    before a server is chosen."""
+    return ((any_server or capabilities is not None) and not extra and not req.wants_logprobs()
             and body.get("prompt_logprobs") is None and not body.get("echo"))
 
 

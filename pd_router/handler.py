@@ -49,7 +49,7 @@ from pd_router.errors import (
     UpstreamTimeout,
 )
 from pd_router.prefill_leg import HandoffFailed
-from pd_router.slots import Lease, Requeue
+from pd_router.slots import Lease, Requeue, SlotNotTaken
 from pd_wire.requests import Endpoint, OpenAIRequest
 
 if TYPE_CHECKING:
@@ -169,6 +169,11 @@ class CompletionHandler:
             await prefill_leg.prefill_alone(state, ctx, body, model)
             return
         decode_check.check_decode_view(ctx.endpoint, body, request)
+        # a request whose first token can travel with the KV takes a free slot with its decode
+        # request, the prefill on its 200: no lease exchange (docs/router.md); a try after a
+        # busy or failed one asks for a lease, as in the servers' queues
+        implicit = (state.settings.first_token_with_kv and state.settings.decode_request_holds_slot
+                    and decode_check.result_with_kv(body, request, None, {}, any_server=True))
         t_start = perf_counter()
         attempt = busy = 0
         failed_over = False
@@ -180,7 +185,7 @@ class CompletionHandler:
                 try:
                     lease = await state.pool.lease(model, timeout=remaining, requeue=attempt > 0,
                                                    lease_id=attempt_handoff_id(ctx.request_id, attempt),
-                                                   arrived=ctx.start)
+                                                   arrived=ctx.start, implicit=implicit and attempt == 0)
                 except Overloaded as err:
                     if not busy:
                         raise
@@ -216,6 +221,9 @@ class CompletionHandler:
                             "running the request again on another decode server", ctx.request_id, attempt,
                             lease.backend.url, failed.error.message)
                 attempt += 1
+            except SlotNotTaken as missed:  # before any prefill: as a lease call answered so
+                implicit = False
+                log.info("request_id=%s attempt %d: %s; asking for a lease", ctx.request_id, attempt, missed.message)
             except Requeue as again:
                 if again.busy:
                     busy += 1
@@ -256,6 +264,10 @@ class CompletionHandler:
                     clean = await relay.decode(state, ctx, lease, body, request, kv_params, trace)
             if clean:
                 outcome = "clean"
+        except SlotNotTaken as missed:  # nothing held there, no prefill run
+            outcome = "not_taken"
+            state.pool.not_taken(lease, missed)
+            raise
         except Requeue as again:
             outcome = "busy" if again.busy else "aborted"
             raise
@@ -273,6 +285,6 @@ class CompletionHandler:
         finally:
             if outcome in ("clean", "answered"):  # a clean end also ended the lease on the server
                 state.pool.release(lease, tell_server=outcome != "clean")
-            else:
+            elif outcome != "not_taken":
                 state.abort(lease, ctx.request_id, handoff_id, busy=outcome == "busy")
 

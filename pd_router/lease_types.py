@@ -16,6 +16,9 @@ class Lease:
     backend: DecodeBackend
     model: str
     lease_id: str | None = None  # granted by the decode server under this id; None: counted here
+    # no lease was asked: the decode request takes the slot (a server granting leases, its count here
+    # said free); it is held there by the request's KV and generation, which end it
+    implicit: bool = False
     released: bool = False
 
 

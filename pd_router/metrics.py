@@ -159,8 +159,9 @@ class RouterMetrics:
             "(a grant of a free slot, a renew)", buckets=TOKEN_BUCKETS,
         )
         self.lease_requests = self._counter(
-            "lease_requests", "Lease requests to decode servers by answer (granted; refused: no slot within "
-            "the wait; conflict; unavailable; error: no answer)", ("backend", "result"),
+            "lease_requests", "Slot requests to decode servers (lease calls, decode requests taking their slot "
+            "themselves) by answer (granted; refused: no slot within the wait; conflict; unavailable; error: no "
+            "answer)", ("backend", "result"),
         )
         self.draining = self._gauge("draining", "1 while the router drains (SIGTERM): new requests get 503")
 

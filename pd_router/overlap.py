@@ -41,14 +41,22 @@ async def prefill_and_decode(
     handoff_id: str, grammar: GrammarSpec | None, trace: Mapping[str, str] | None = None,
 ) -> bool:
     """Run both legs on one lease; True when the answer ended cleanly. Raises as the
-    sequential legs do (``ctx.stage`` says which leg failed)."""
+    sequential legs do (``ctx.stage`` says which leg failed). An implicit lease (no lease was
+    asked: :attr:`Lease.implicit`): the decode request goes first and takes the slot, and the
+    prefill goes out on its 200 (the grant); not taken, :class:`SlotNotTaken`, no prefill run."""
+    claim = HandoffClaim(handoff_id=handoff_id, result="with_kv", grant_first=lease.implicit).model_dump()
+    granted: Response | None = None
+    if lease.implicit:
+        ctx.stage = "decode"  # a failure to take the slot is the decode leg's
+        granted = await relay.open_answer(state, ctx, lease, body, claim, trace)
+        ctx.stage = "prefill"
     prefill = asyncio.ensure_future(
         prefill_leg.prefill(state, ctx, lease, body, request, handoff_id, grammar, result_with_kv=True))
-    claim = HandoffClaim(handoff_id=handoff_id, result="with_kv").model_dump()
     # the decode leg is what remains once the prefill answered well (an unstreamed answer
     # opens only when whole): the stage a failure or a client leaving is counted under
     prefill.add_done_callback(lambda leg: _prefilled(ctx, leg))
-    opening = asyncio.ensure_future(relay.open_answer(state, ctx, lease, body, claim, trace))
+    opening = asyncio.ensure_future(relay.open_answer(state, ctx, lease, body, claim, trace) if granted is None
+                                    else relay.first_event(state, lease, granted))
     relayed = False
     try:
         await asyncio.wait({prefill, opening}, return_when=asyncio.FIRST_COMPLETED)
@@ -70,6 +78,8 @@ async def prefill_and_decode(
                 leg.cancel()  # a decode request closed: the decode server frees what it held for it
             elif not leg.cancelled() and leg.exception() is None and leg is opening and not relayed:
                 opening.result().close()  # opened as the prefill failed: closed the same way
+        if granted is not None and not relayed:
+            granted.close()  # (a no-op when its connection went back or was closed already)
 
 
 def _prefilled(ctx: RequestContext, leg: asyncio.Future[Any]) -> None:

@@ -168,6 +168,12 @@ class Response:
                 raise self._error
             await self._wait()
 
+    def unread(self, chunk: bytes) -> None:
+        """Put a chunk the reader took back in front of the body (read first again)."""
+        if chunk:
+            self._chunks.insert(0, chunk)
+            self._buffered += len(chunk)
+
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self])
 

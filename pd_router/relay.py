@@ -5,7 +5,8 @@ per token), with its TTFT, TPOT and ITL."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -16,8 +17,10 @@ from pd_router.asgi import SSE, respond
 from pd_router.backends import DecodeBackend
 from pd_router.context import RequestContext
 from pd_router.errors import BadUpstream, RouterError, UpstreamRejected
+from pd_router.lease_client import IMMEDIATE_ANSWER_S
 from pd_router.rawhttp import Response, UpstreamError
-from pd_router.slots import Lease, Requeue
+from pd_router.slots import Lease, Requeue, SlotNotTaken
+from pd_router.upstream import Unreachable
 from pd_wire.requests import OpenAIRequest
 
 if TYPE_CHECKING:
@@ -40,19 +43,47 @@ async def open_answer(
     state: RouterState, ctx: RequestContext, lease: Lease, body: dict[str, Any], kv_params: dict[str, Any],
     trace: Mapping[str, str] | None = None,
 ) -> Response:
-    """The decode request, open once the decode server answered 200 (its first event)."""
+    """The decode request, open once the decode server answered 200 (its first event; for a
+    request holding its slot itself, ``grant_first``, the slot's take, which a live server
+    answers at once: one that does not is hung; :func:`first_event` then waits for the rest)."""
     backend = lease.backend
     data = decode_body(ctx.raw, body, kv_params)
-    try:
-        return await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.path, data,
-                                          ctx.request_id, state.settings.decode_timeout, trace)
+    if not kv_params.get("grant_first"):
+        with _busy_is_requeue(backend):
+            return await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.path, data,
+                                              ctx.request_id, state.settings.decode_timeout, trace)
+        # any other failure to open: the caller marks the server down and may fail over
+    try:  # the slot's take, which answers what a lease call without wait would have
+        resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.path, data,
+                                          ctx.request_id, state.settings.decode_timeout, trace, IMMEDIATE_ANSWER_S)
     except UpstreamRejected as err:
-        # 429: no slot for this request there (its lease ran out, or a server without
-        # leases whose slot this router counted free): wait for a slot again
+        if err.status not in (429, 503):
+            raise
+        raise SlotNotTaken("refused" if err.status == 429 else "unavailable",
+                           f"decode server {backend.url} answered {err.status}: {err.message}") from None
+    except Unreachable as err:
+        raise SlotNotTaken("error", err.message, err.message) from None
+    state.pool.hooks.answered(backend.url, "granted")
+    return resp
+
+
+async def first_event(state: RouterState, lease: Lease, resp: Response) -> Response:
+    """A granted decode answer (:func:`open_answer` with ``grant_first``) once its first event
+    came; a refusal in its body raised as the status it stands for."""
+    with _busy_is_requeue(lease.backend):
+        return await upstream.first_event(resp, lease.backend.target, state.settings.decode_timeout)
+
+
+@contextmanager
+def _busy_is_requeue(backend: DecodeBackend) -> Iterator[None]:
+    """429: no slot for this request there (its lease ran out, or a server whose slot this
+    router counted free): the request waits for a slot again."""
+    try:
+        yield
+    except UpstreamRejected as err:
         if err.status != 429:
             raise
         raise Requeue("engine_slot", f"decode server {backend.url} busy (429): {err.message}") from None
-        # any other failure to open: the caller marks the server down and may fail over
 
 
 async def relay(state: RouterState, ctx: RequestContext, lease: Lease, resp: Response, body: dict[str, Any],

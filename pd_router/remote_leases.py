@@ -40,14 +40,19 @@ class RemoteLeases:
         return self.queue.waiting
 
     async def lease(self, model: str, lease_id: str, servers: list[DecodeBackend], wait: float, arrived: float,
-                    check_queue: Callable[[int], None]) -> Lease:
+                    check_queue: Callable[[int], None], implicit: bool = False) -> Lease:
         """A lease from one of ``servers``; ``check_queue(waiting)`` raises when this router
-        may not queue one more request."""
+        may not queue one more request. ``implicit``: where this router counts a slot free
+        (and nobody here waits longer), no lease is asked: the request's decode request takes
+        the slot (:attr:`Lease.implicit`)."""
         first = max(servers, key=lambda d: d.lease_free)
         if first.lease_free > 0 and not self.queue.waiting:  # nobody here waits longer
             # counted taken until the server answers (its answer sets the count): requests
             # arriving meanwhile ask another server, not all the one that may not answer
             first.lease_free -= 1
+            if implicit:
+                first.in_use += 1
+                return Lease(first, model, implicit=True)
             got = self._take(await self.client.acquire(first.target, lease_id, 0.0, arrived), first, model, lease_id)
             if got is not None:
                 return got
@@ -59,13 +64,16 @@ class RemoteLeases:
         self.queue.fail_unservable()
 
     def release(self, lease: Lease, tell_server: bool = True) -> None:
-        """Give a granted lease back (idempotent); ``tell_server``: False when the server ended it."""
-        if lease.released or lease.lease_id is None:
+        """Give a granted lease back (idempotent); ``tell_server``: False when the server ended it.
+        An implicit one is never told: its request's KV and generation end it there."""
+        if lease.released or (lease.lease_id is None and not lease.implicit):
             return
         lease.released = True
         lease.backend.in_use -= 1
-        self._live.pop(lease.lease_id, None)
         lease.backend.lease_free += 1
+        if lease.lease_id is None:
+            return
+        self._live.pop(lease.lease_id, None)
         if tell_server:
             self._give_back(lease.backend, lease.lease_id)
 

@@ -139,6 +139,13 @@ class RouterSettings(EntrySettings):
         "(the connector's Prefilled); off: the decode request waits for the prefill's answer (the order "
         "of before, and always for requests whose decode needs that answer)",
     )
+    decode_request_holds_slot: bool = Field(
+        True,
+        description="with the first token with the KV, a request that finds a free slot in this router's count of a "
+        "decode server that grants leases takes it with its decode request, sent first (no lease exchange: the "
+        "decode server answers 200 once the slot is taken, and the prefill goes out on that 200); off: a lease "
+        "first, as for queued requests",
+    )
     log_level: LogLevel = Field("info", description="log level")
     log_format: LogFormat = Field(
         "text", description="text, or json: one JSON object per line, request lines with request_id and trace_id"

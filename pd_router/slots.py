@@ -6,7 +6,9 @@ expiry unless renewed) and queues the requests that find no free slot, in order 
 at their router, so several routers in front of the same servers act as one queue. This
 pool asks for a lease (:meth:`SlotPool.lease`):
 
-1. at the server its cache says has a free slot, without waiting (one round trip);
+1. at the server its cache says has a free slot, without waiting (one round trip); or, for
+   a request whose decode request can take the slot itself (``implicit``), not at all: that
+   decode request is the slot request (:attr:`Lease.implicit`, ``docs/router.md``);
 2. else it waits in this router's queue, behind at most one standing lease request per
    server (:mod:`pd_router.lease_queue`: waiting in that server's queue for the oldest
    request here); ``--max-queue`` bounds this router's waiters, ``--queue-timeout`` the wait.
@@ -38,7 +40,7 @@ from pd_router.lease_client import LeaseClient
 from pd_router.lease_types import Lease, LeaseHooks, wait_for_grant
 from pd_router.remote_leases import RemoteLeases
 
-__all__ = ["Lease", "LeaseHooks", "Requeue", "SlotPool"]
+__all__ = ["Lease", "LeaseHooks", "Requeue", "SlotNotTaken", "SlotPool"]
 BUSY_HOLD_MIN_S = 0.05  # first back-off after a server refused for lack of a slot
 BUSY_HOLD_MAX_S = 1.0  # it doubles with each refusal in a row, up to this
 
@@ -56,6 +58,19 @@ class Requeue(Exception):
         self.reason = reason
         self.message = message
         self.busy = busy
+
+
+class SlotNotTaken(Exception):
+    """A decode request holding its slot itself (:attr:`Lease.implicit`) did not get it, before
+    its 200 and so before any prefill: ``result`` ``refused`` (429: taken meanwhile, or requests
+    wait there), ``unavailable`` (503) or ``error`` (no answer: ``unreachable`` says why). As
+    after a lease call answered so (:meth:`SlotPool.not_taken`), the request asks for a lease."""
+
+    def __init__(self, result: str, message: str, unreachable: str | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+        self.message = message
+        self.unreachable = unreachable
 
 
 @dataclass(eq=False)
@@ -89,12 +104,14 @@ class SlotPool:
         return sum(d.in_use for d in self.backends.decode)
 
     async def lease(self, model: str, timeout: float | None = None, requeue: bool = False,
-                    lease_id: str | None = None, arrived: float | None = None) -> Lease:
+                    lease_id: str | None = None, arrived: float | None = None, implicit: bool = False) -> Lease:
         """A slot on a usable decode server for ``model``; waits in FIFO order, at most
         ``timeout`` seconds (default ``--queue-timeout``). ``lease_id`` (the attempt's handoff
         id): the id of a lease from a server that grants them; ``arrived``: when the request
         came (``perf_counter``; its place in the servers' queues). ``requeue``: a request that held a
         lease before; it waits at the head of the queue and is not counted against ``--max-queue``.
+        ``implicit``: a server granting leases whose slot is free in this router's count is not
+        asked for a lease; the request's decode request takes the slot (:attr:`Lease.implicit`).
 
         Raises :class:`NoHealthyBackend` (503) when no usable server serves the model,
         :class:`Overloaded` (429) when the queue is full or the wait times out."""
@@ -106,7 +123,7 @@ class SlotPool:
             if servers:
                 return await self.remote.lease(model, lease_id, servers, wait,
                                                perf_counter() if arrived is None else arrived,
-                                               lambda waiting: self._check_queue(requeue, waiting))
+                                               lambda waiting: self._check_queue(requeue, waiting), implicit)
         if requeue or not self._queue:
             backend = self.backends.pick_decode(model)
             if backend is not None:
@@ -129,7 +146,7 @@ class SlotPool:
     def release(self, lease: Lease, tell_server: bool = True) -> None:
         """Give the lease back (idempotent). ``tell_server``: False when the decode server
         already ended it (its generation ended, or the cancel endpoint answered)."""
-        if lease.lease_id is not None and self.remote is not None:
+        if (lease.lease_id is not None or lease.implicit) and self.remote is not None:
             self.remote.release(lease, tell_server)
             return
         if lease.released:
@@ -142,15 +159,31 @@ class SlotPool:
         """The lease's server was busy although this pool counted its slot free: keep the
         slot counted as taken for a back-off that doubles with each such refusal in a
         row (:meth:`served` resets it), then release it. Returns the back-off. A lease
-        granted by the server is given back at once (its server counts, not this pool)."""
-        if lease.lease_id is not None:
+        granted by the server is given back at once (its server counts, not this pool); an
+        implicit one too, and that server counts as full here (the next try asks for a lease,
+        in the servers' queues)."""
+        if lease.lease_id is not None or lease.implicit:
             self.release(lease)
+            if lease.implicit:
+                lease.backend.lease_free = 0
             return 0.0
         backend = lease.backend
         backend.busy_refusals += 1
         delay = min(BUSY_HOLD_MAX_S, BUSY_HOLD_MIN_S * 2 ** min(backend.busy_refusals - 1, 16))
         asyncio.get_running_loop().call_later(delay, self.release, lease)
         return delay
+
+    def not_taken(self, lease: Lease, missed: SlotNotTaken) -> None:
+        """An implicit lease whose decode request did not get the slot: reported as a lease call
+        answered so would be (a server that did not answer is marked down), given back here;
+        a server that refused counts as full."""
+        backend = lease.backend
+        self.hooks.answered(backend.url, missed.result)
+        if missed.unreachable is not None:
+            self.hooks.unreachable(backend, missed.unreachable)
+        self.release(lease)
+        if missed.result == "refused":
+            backend.lease_free = 0
 
     @staticmethod
     def served(backend: DecodeBackend) -> None:

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 from pd_router.errors import BadUpstream, RouterError, UpstreamRejected, UpstreamTimeout
 from pd_router.http_pool import ConnectionPool
 from pd_router.rawhttp import ConnectFailed, Origin, ReadTimeout, Response, UpstreamError
-from pd_wire.decode import REQUEST_ID_HEADER
+from pd_wire.decode import REFUSAL_EVENT, REQUEST_ID_HEADER, DecodeRefusal
 
 
 class Unreachable(BadUpstream):
@@ -27,6 +27,11 @@ class Unreachable(BadUpstream):
 
 class ConnectionLost(BadUpstream):
     """The connection broke after the request was sent (the upstream process died or reset it)."""
+
+
+class Hung(Unreachable):
+    """Connected, and no answer where a live server answers at once (a SIGSTOPped process,
+    a stuck loop): the decode request of a request holding its slot itself."""
 
 
 class Target(NamedTuple):
@@ -108,20 +113,62 @@ async def prefill(
 
 async def open_decode(
     pool: ConnectionPool, target: Target, path: str, body: bytes, request_id: str, timeout_s: float,
-    trace: Mapping[str, str] | None = None,
+    trace: Mapping[str, str] | None = None, granted_within: float | None = None,
 ) -> Response:
     """POST to the leased decode server; the open response (status 200 checked).
     ``timeout_s`` bounds the wait for the answer and for each later chunk. ``trace``: the
-    ``traceparent`` header when tracing is on."""
+    ``traceparent`` header when tracing is on. ``granted_within``: the request holds its
+    slot itself (``HandoffClaim.grant_first``): its 200 must come within this many seconds
+    (else :class:`Hung`); it says the slot is taken, and :func:`first_event` waits for the rest."""
+    headers = {REQUEST_ID_HEADER: request_id, **dict(target.auth), **(trace or {})}
     try:
-        resp = await pool.post(
-            target.origin,
-            target.prefix + path,
-            body,
-            {REQUEST_ID_HEADER: request_id, **dict(target.auth), **(trace or {})},
-            read_timeout=timeout_s,
-        )
+        if granted_within is None:
+            resp = await pool.post(target.origin, target.prefix + path, body, headers, read_timeout=timeout_s)
+        else:
+            try:
+                async with asyncio.timeout(granted_within):
+                    resp = await pool.post(target.origin, target.prefix + path, body, headers,
+                                           read_timeout=timeout_s)
+            except TimeoutError:
+                raise Hung(f"decode server {target.origin} did not answer a request holding its slot within "
+                           f"{granted_within:g}s (a live server answers at once)") from None
         await _check_status(resp, "decode", target)
     except UpstreamError as exc:
         raise map_error("decode", target, exc, f"--decode-timeout {timeout_s:g}s") from None
     return resp
+
+
+async def first_event(resp: Response, target: Target, timeout_s: float) -> Response:
+    """A granted decode answer (see :func:`open_decode`) once its first event came: raises for
+    a body that is a refusal (:class:`pd_wire.decode.DecodeRefusal`) as :func:`_check_status`
+    does for that status, and for a failure to read it as :func:`open_decode`; else the
+    response, its first chunk left to the reader. The response is closed or given back
+    whenever this raises."""
+    try:
+        await _check_refusal(resp, target)
+    except UpstreamError as exc:
+        raise map_error("decode", target, exc, f"--decode-timeout {timeout_s:g}s") from None
+    return resp
+
+
+async def _check_refusal(resp: Response, target: Target) -> None:
+    try:
+        first = await anext(resp, b"")
+        if REFUSAL_EVENT.startswith(first[:len(REFUSAL_EVENT)]):  # a refusal, or an empty body
+            data = first + await resp.read()
+        else:
+            resp.unread(first)
+            return
+    except BaseException:
+        resp.close()
+        raise
+    resp.release()
+    try:
+        refusal = DecodeRefusal.of_event(data)
+    except ValueError:
+        refusal = None
+    if refusal is None:
+        raise BadUpstream(f"decode server {target.origin} answered 200 and then {_short(data) or 'nothing'}")
+    if 400 <= refusal.status < 500:
+        raise UpstreamRejected(refusal.status, refusal.error_body(), b"application/json")
+    raise BadUpstream(f"decode server {target.origin} answered {refusal.status}: {refusal.error.message[:300]}")

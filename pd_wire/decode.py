@@ -1,6 +1,6 @@
 """The decode-server HTTP contract: what a decode server serves and its clients (the
-router, the local launcher) read. Wire types only: this module imports pydantic and
-:mod:`pd_wire.handoff`, nothing else.
+router, the local launcher) read. Wire types only: this module imports pydantic,
+:mod:`pd_wire.errors` and :mod:`pd_wire.handoff`, nothing else.
 
 A decode server speaks the OpenAI API itself:
 
@@ -17,12 +17,17 @@ A decode server speaks the OpenAI API itself:
   request id) in the KV receiver (idempotent; ``cancelled`` says whether a generation
   was stopped).
 * ``GET /health`` (liveness) and ``GET /ready`` (engine loaded, KV receiver listening).
+
+A decode request whose ``kv_transfer_params`` is a :class:`pd_wire.handoff.HandoffClaim`
+with ``grant_first`` holds its slot itself (no lease was asked for it, see "Slots held by
+the decode request" below).
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pd_wire.errors import ErrorBody, ErrorDetail
 from pd_wire.handoff import PeerStatus
 
 CAPABILITIES_PATH = "/v1/pd/capabilities"
@@ -85,6 +90,43 @@ class DecodeCapabilities(BaseModel):
                                       "lasting this long unless renewed; None: it does not (count slots locally)")
     features: EngineFeatures = Field(default_factory=EngineFeatures)
     sampling_defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
+
+
+# ---- slots held by the decode request ------------------------------------------------------
+# A claim with ``grant_first`` takes a free slot when the request arrives (or finds the slot its
+# KV took, when the prefill's admission came first), as a request without a lease does: 429 at
+# once when no slot is free or requests wait in the lease queue (they came first). Taken, the
+# server answers at once: status 200 and its headers, before the KV lands; the router learns
+# that the server is alive and the slot is held. The
+# slot is held while the request is open: the client closing it frees the slot (no lease, no
+# renewal). A refusal that comes after the 200 (no KV within the server's KV timeout, a prompt
+# too long for the decode server, the engine failing before the first token) is the whole
+# body, one SSE event ``event: pd-error`` whose data is a :class:`DecodeRefusal`: the status
+# and OpenAI error body the server would have answered. After the first token, failures are
+# the OpenAI error events of any stream.
+REFUSAL_EVENT = b"event: pd-error\ndata: "
+
+
+class DecodeRefusal(BaseModel):
+    """A refusal after the 200 of a slot held by its request (see above)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    status: int = Field(ge=400, le=599)
+    error: ErrorDetail = Field(description="the OpenAI error object the status would have carried")
+
+    def error_body(self) -> bytes:
+        return ErrorBody(error=self.error).model_dump_json().encode()
+
+    def event(self) -> bytes:
+        return REFUSAL_EVENT + self.model_dump_json().encode() + b"\n\n"
+
+    @classmethod
+    def of_event(cls, data: bytes) -> DecodeRefusal | None:
+        """The refusal a body holds, None when the body is not one."""
+        if not data.startswith(REFUSAL_EVENT):
+            return None
+        return cls.model_validate_json(data[len(REFUSAL_EVENT):].strip())
 
 
 class CancelRequest(BaseModel):

@@ -29,8 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field
 # 3: the KV control channel authenticates (AuthStart ... AuthOk) before Hello;
 # 4: the handoff's result can travel with the KV (Prefilled, HandoffClaim);
 # 5: a lease request may swap a lease held for one queued (LeaseRequest.replaces: a server
-#    that ignored it would keep the stale slot until its lease ran out)
-PROTOCOL_VERSION = 5
+#    that ignored it would keep the stale slot until its lease ran out);
+# 6: a claim may hold its slot itself (HandoffClaim.grant_first: the decode server answers
+#    200 at the slot's take and puts a later refusal in the body, pd_wire.decode.DecodeRefusal)
+PROTOCOL_VERSION = 6
 
 # "pending": admitted, the KV is on its way (the decode server waits for its last layer);
 # "sent": every layer had landed when vLLM answered; "failed": see ``reason`` and ``error``.
@@ -69,6 +71,10 @@ class HandoffClaim(BaseModel):
     protocol_version: int = PROTOCOL_VERSION
     handoff_id: str = Field(min_length=1, max_length=256)
     result: Literal["with_kv"] = Field(description="where the result comes from: the KV control channel")
+    grant_first: bool = Field(default=False, description="the decode request holds its slot itself (no lease "
+                              "was asked for it): the decode server answers 200 as soon as it took the slot "
+                              "(before the KV lands) and puts a refusal that comes later in the body "
+                              "(pd_wire.decode.DecodeRefusal)")
 
 
 class HandoffResult(BaseModel):

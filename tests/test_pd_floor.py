@@ -17,8 +17,9 @@ from tests.procs import free_port
 pytestmark = pytest.mark.timeout(60)
 
 
-async def _two_requests(prefill: int, decode: int, lease: bool = True, overlap: bool = False) -> list[bytes]:
-    floor = await start(0, ("127.0.0.1", prefill), ("127.0.0.1", decode), lease, overlap)
+async def _two_requests(prefill: int, decode: int, lease: bool = True, overlap: bool = False,
+                        grant_first: bool = False) -> list[bytes]:
+    floor = await start(0, ("127.0.0.1", prefill), ("127.0.0.1", decode), lease, overlap, grant_first)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", floor.sockets[0].getsockname()[1])
         answers = []
@@ -40,12 +41,14 @@ async def _two_requests(prefill: int, decode: int, lease: bool = True, overlap: 
         floor.close()
 
 
-def _through_the_floor(lease: bool = True, overlap: bool = False) -> tuple[list[bytes], FakePrefill, FakeDecode]:
+def _through_the_floor(lease: bool = True, overlap: bool = False,
+                       grant_first: bool = False) -> tuple[list[bytes], FakePrefill, FakeDecode]:
     """Two requests through the floor in front of a fresh fake prefill and fake decode."""
     prefill_app, decode_app = FakePrefill(model="tiny"), FakeDecode(model="tiny", slots=1)
     prefill, decode = ServerThread(prefill_app, free_port()).start(), ServerThread(decode_app, free_port()).start()
     try:
-        return asyncio.run(_two_requests(prefill.port, decode.port, lease, overlap)), prefill_app, decode_app
+        return (asyncio.run(_two_requests(prefill.port, decode.port, lease, overlap, grant_first)), prefill_app,
+                decode_app)
     finally:
         prefill.stop()
         decode.stop()
@@ -84,3 +87,14 @@ def test_with_prefill_and_decode_at_once_the_decode_request_names_only_its_hando
     assert not prefill_app.records.errors and not decode_app.records.errors
     assert all(r["body"]["kv_transfer_params"]["result_with_kv"] for r in prefill_app.records.requests)
     assert len(decode_app.records.claims) == 2 and decode_app.records.closed_claims == []
+
+
+def test_grant_first_the_prefill_goes_out_on_the_decode_servers_200():
+    """``--grant-first`` (issue 34, the router's path for a free slot): no lease, the decode
+    request takes the slot and is answered 200 at once; the prefill follows that 200."""
+    answers, prefill_app, decode_app = _through_the_floor(grant_first=True)
+    assert all(a.count(b'"choices": [{') == 3 and b"data: [DONE]" in a for a in answers)
+    assert not prefill_app.records.errors and not decode_app.records.errors
+    assert decode_app.records.leases == [] and len(decode_app.records.granted_first) == 2
+    for sent, prefilled in zip(decode_app.records.requests, prefill_app.records.requests, strict=True):
+        assert sent["t"] < prefilled["t"]

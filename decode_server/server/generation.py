@@ -32,6 +32,7 @@ from connector.receiver import ReceivedKV
 from decode_server.engine.base import Cancelled as EngineCancelled
 from decode_server.engine.base import DecodeSession, Engine, EngineError, SamplingParams, TokenOut
 from decode_server.server.api_errors import ApiError, Cancelled, EngineFailure, HandoffFailed, KVTimeout
+from decode_server.server.granted import GrantedSend
 from decode_server.server.metrics import DecodeMetrics
 from decode_server.server.observe import RequestObservation
 from decode_server.server.request_plan import Plan, with_result
@@ -41,7 +42,7 @@ from decode_server.server.slot_table import Slot, SlotManager
 from decode_server.server.text import TextTokenizer
 from decode_server.structured import GrammarCompiler
 from pd_http.tracing import Span, Tracing, fail
-from pd_wire.handoff import HandoffResult
+from pd_wire.handoff import HandoffClaim, HandoffResult
 
 log = logging.getLogger(__name__)
 SLOT_RETURN_WAIT_S = 5.0
@@ -95,6 +96,8 @@ class Job:
         self.request_id = plan.request_id
         self.obs = observation or RequestObservation(None, endpoint_label, plan.request_id, ())
         self.slot: Slot | None = None
+        # the request holds its slot itself: its 200 goes out once the slot is taken (:mod:`granted`)
+        self.grant_first = isinstance(plan.handoff, HandoffClaim) and plan.handoff.grant_first
         self.arrived = time.monotonic()
         self.abort_reason: str | None = None
         self._aborted = asyncio.Event()
@@ -372,8 +375,12 @@ class Job:
 
     async def run(self, send: Any, headers: list[tuple[bytes, bytes]]) -> None:
         """Answer the request; every failure becomes an OpenAI-shaped error (a status before
-        the stream started, an error event after)."""
+        the stream started, an error event after; the ``pd-error`` event of a request that
+        holds its slot itself, whose 200 went out first)."""
         status_sent = False
+        if self.grant_first:
+            send = GrantedSend(send, (SSE_HEADERS if self.plan.stream else JSON_HEADERS) + headers)
+            await send.start()
         try:
             await self._first_event()
             renderer = renderer_for(self.plan)  # after the first event: a claim's plan is complete then

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pd_wire.decode import DecodeRefusal
 from pd_wire.handoff import HandoffResult
 from tests.decode_server.helpers import handoff, script_for, sse_events
 from tests.fakes.fake_engine import FakeEngineConfig
@@ -101,4 +102,63 @@ def test_a_malformed_claim_is_a_400(make_server):
     resp = httpx.post(srv.url + "/v1/completions", timeout=30,
                       json={"prompt": "x", "kv_transfer_params": {**_claim(), "result": "later"}})
     assert resp.status_code == 400 and "kv_transfer_params" in resp.json()["error"]["param"], resp.text
+    _free(srv)
+
+
+# ---- a claim holding its slot itself (grant_first): 200 at the take, refusals in the body ----
+def _granted() -> dict[str, Any]:
+    return {**_claim(), "grant_first": True}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_claim_holding_its_slot_is_answered_200_before_its_kv_lands(make_server, tokenizer, stream):
+    """The 200 (the grant) comes while the claim still waits for its result; the body follows
+    once it came, as for any claim."""
+    first, rest = script_for(tokenizer, " and then some")
+    srv = make_server(FakeEngineConfig(script=rest), slots=1)
+    claim = _granted()
+    with httpx.Client(timeout=30) as client, client.stream("POST", srv.url + "/v1/completions", json={
+            "prompt": "x", "max_tokens": 20, "stream": stream, "kv_transfer_params": claim}) as resp:
+        assert resp.status_code == 200  # the headers came: the result has not been sent yet
+        assert srv.state.slots.busy == 1
+        assert claim["handoff_id"] in srv.receiver.waits
+        srv.receiver.prefilled(_result(claim, first))
+        body = resp.read()
+    if stream:
+        events = sse_events(httpx.Response(200, content=body))
+        assert events[-1] == "[DONE]"
+        text = "".join(e["choices"][0]["text"] for e in events[:-1] if e.get("choices"))
+    else:
+        text = httpx.Response(200, content=body).json()["choices"][0]["text"]
+    assert text == " and then some"
+    srv.wait_idle()
+    _free(srv)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refusal_after_the_grant_is_the_bodys_one_pd_error_event(make_server, stream):
+    """No KV within the KV timeout: the 504 the server would have answered, as the body's
+    ``pd-error`` event (status and OpenAI error), slot and KV given back first."""
+    srv = make_server(slots=1, kv_timeout=0.5)
+    resp = httpx.post(srv.url + "/v1/completions", timeout=30,
+                      json={"prompt": "x", "stream": stream, "kv_transfer_params": _granted()})
+    assert resp.status_code == 200, resp.text
+    refusal = DecodeRefusal.of_event(resp.content)
+    assert refusal is not None, resp.content
+    assert refusal.status == 504 and refusal.error.type == "kv_timeout", refusal
+    _free(srv)
+
+
+def test_a_claim_holding_its_slot_finds_none_free_is_a_429_at_once(make_server):
+    """(The decode request takes a slot as a request without a lease: none free, the status
+    itself, no 200 first.)"""
+    srv = make_server(slots=1)
+    held = _granted()
+    with httpx.Client(timeout=30) as client, client.stream("POST", srv.url + "/v1/completions", json={
+            "prompt": "x", "kv_transfer_params": held}) as first:
+        assert first.status_code == 200
+        second = httpx.post(srv.url + "/v1/completions", timeout=30,
+                            json={"prompt": "x", "kv_transfer_params": _granted()})
+        assert second.status_code == 429, second.text
+    wait_until(lambda: srv.state.slots.busy == 0, 15, "the first claim's slot freed as its client left")
     _free(srv)

@@ -78,7 +78,8 @@ class FakePrefill(FakeBase[PrefillKnobs]):
         rid = self._rid(scope)
         body = json.loads(await read_body(scope, receive, 1 << 26))
         traceparent = next((v.decode() for k, v in scope["headers"] if k == b"traceparent"), None)
-        self.records.requests.append({"request_id": rid, "path": path, "body": body, "traceparent": traceparent})
+        self.records.requests.append({"request_id": rid, "path": path, "body": body, "traceparent": traceparent,
+                                      "t": time.monotonic()})
         problem = self._check(path, body)
         if problem:
             self.records.errors.append(problem)

@@ -62,6 +62,7 @@ class Records:
     health: list[str] = field(default_factory=list)  # GET /health of a prefill fake: answered | held
     claims: list[str] = field(default_factory=list)  # decode requests naming only their handoff (HandoffClaim)
     closed_claims: list[str] = field(default_factory=list)  # their handoff ids, closed before the result came
+    granted_first: list[str] = field(default_factory=list)  # claims holding their slot: answered 200 at the take
 
     def dump(self) -> dict[str, Any]:
         return {
@@ -78,6 +79,7 @@ class Records:
             "health": self.health,
             "claims": self.claims,
             "closed_claims": self.closed_claims,
+            "granted_first": self.granted_first,
         }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from decode_server.server.granted import GrantedSend
 from decode_server.server.leases import LeaseRefused, LeaseTable
 from pd_router.asgi import Receive, Scope, Send, read_body, respond
 from pd_wire.decode import (
@@ -194,7 +195,13 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             taken = not k.busy and len(rec.active) < (k.slots if not k.plain else 1 << 30)
         if not taken:
             rec.busy.append(rid)  # as the real decode server: 429 until a slot is back
+            rec.requests[-1]["busy"] = True
             return await respond(send, 429, error_body("all decode slots are busy; retry later", 429))
+        if body["kv_transfer_params"].get("grant_first"):  # as the real decode server: 200 once the slot is taken
+            send = GrantedSend(send, [(b"content-type", b"text/event-stream" if body.get("stream")
+                                       else b"application/json")])
+            await send.start()
+            rec.granted_first.append(rid)
         if k.fail == "status":
             self._ended(rid, lease_id)
             return await respond(send, k.fail_status, error_body("fake decode failure", k.fail_status))

@@ -39,7 +39,7 @@ def test_the_first_token_does_not_wait_for_the_prefills_answer(make_rig, stream)
     assert _kv_params(rig, rig.prefills[0]) == [{"handoff_id": "early", "kv_endpoint": _kv_endpoint(rig),
                                                  "result_with_kv": True}]
     assert _kv_params(rig, rig.decodes[0]) == [{"protocol_version": PROTOCOL_VERSION, "handoff_id": "early",
-                                                 "result": "with_kv"}]
+                                                 "result": "with_kv", "grant_first": True}]
     rig.wait(lambda: rig.records(rig.prefills[0])["active"] == [], what="the prefill's answer read")
     rig.assert_no_leaks()
 
@@ -81,5 +81,7 @@ def test_a_decode_refusal_wins_over_the_prefills_cancelled_handoff(make_rig):
                    prefill={"fail": "handoff_failed", "handoff_reason": "cancelled", "delay": 0.2})
     resp = httpx.post(rig.url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "refused"}, timeout=20)
     assert resp.status_code == 400, resp.text
-    assert [p["handoff_id"] for p in _kv_params(rig, rig.prefills[0])] == ["refused"]  # no second attempt
+    # no second attempt (the prefill goes out on the decode server's 200, and the refusal may
+    # close it before the prefill server read it)
+    assert [p["handoff_id"] for p in _kv_params(rig, rig.prefills[0])] in ([], ["refused"])
     rig.assert_no_leaks()
