@@ -89,11 +89,13 @@ def _listening(node: Node, port: int) -> bool:
 
 
 def _served(head: Node, node: Node, key: str) -> float:
-    """decode_server_requests_total of the decode server on ``node``, asked from ``head``."""
+    """Requests the decode server on ``node`` answered 200 (decode_server_requests_total), asked
+    from ``head`` (not one refused 429 at once: a router whose count said the slot was free asks
+    there with its decode request, as it asked for a lease before)."""
     text = head.call(lambda: httpx.get(f"http://{node.address}:{PORTS['decode']}/metrics", timeout=5,
                                        headers={"Authorization": f"Bearer {key}"}).text)
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("decode_server_requests_total"))
+               if line.startswith("decode_server_requests_total{") and 'status="200"' in line)
 
 
 def test_the_cpu_stack_as_a_slurm_job_across_three_nodes(cluster3: tuple[Nodes, SlurmCluster], tmp_path: Path,
