@@ -97,13 +97,12 @@ class DecodeCapabilities(BaseModel):
 # KV took, when the prefill's admission came first), as a request without a lease does: 429 at
 # once when no slot is free or requests wait in the lease queue (they came first). Taken, the
 # server answers at once: status 200 and its headers, before the KV lands; the router learns
-# that the server is alive and the slot is held. The
-# slot is held while the request is open: the client closing it frees the slot (no lease, no
-# renewal). A refusal that comes after the 200 (no KV within the server's KV timeout, a prompt
-# too long for the decode server, the engine failing before the first token) is the whole
-# body, one SSE event ``event: pd-error`` whose data is a :class:`DecodeRefusal`: the status
-# and OpenAI error body the server would have answered. After the first token, failures are
-# the OpenAI error events of any stream.
+# that the server is alive and the slot is held. The slot is held while the request is open:
+# the client closing it frees the slot (no lease, no renewal). A refusal that comes after the
+# 200 (no KV within the server's KV timeout, a prompt too long for the decode server, the
+# engine failing before the first token) is the whole body, one SSE event ``event: pd-error``
+# whose data is a :class:`DecodeRefusal`: the status and OpenAI error body the server would
+# have answered. After the first token, failures are the OpenAI error events of any stream.
 REFUSAL_EVENT = b"event: pd-error\ndata: "
 
 
