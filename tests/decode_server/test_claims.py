@@ -120,8 +120,8 @@ def test_a_claim_holding_its_slot_is_answered_200_before_its_kv_lands(make_serve
     with httpx.Client(timeout=30) as client, client.stream("POST", srv.url + "/v1/completions", json={
             "prompt": "x", "max_tokens": 20, "stream": stream, "kv_transfer_params": claim}) as resp:
         assert resp.status_code == 200  # the headers came: the result has not been sent yet
-        assert srv.state.slots.busy == 1
-        assert claim["handoff_id"] in srv.receiver.waits
+        assert srv.state.slots.busy == 1  # (taken before the 200; the wait for the KV begins after it)
+        wait_until(lambda: claim["handoff_id"] in srv.receiver.waits, 15, "the claim waits for its KV")
         srv.receiver.prefilled(_result(claim, first))
         body = resp.read()
     if stream:
