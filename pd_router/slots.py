@@ -177,13 +177,13 @@ class SlotPool:
         """An implicit lease whose decode request did not get the slot: reported as a lease call
         answered so would be (a server that did not answer is marked down), given back here;
         a server that refused counts as full."""
-        backend = lease.backend
-        self.hooks.answered(backend.url, missed.result)
+        self.hooks.answered(lease.backend.url, missed.result)
         if missed.unreachable is not None:
-            self.hooks.unreachable(backend, missed.unreachable)
-        self.release(lease)
+            self.hooks.unreachable(lease.backend, missed.unreachable)
         if missed.result == "refused":
-            backend.lease_free = 0
+            self.hold(lease)
+        else:
+            self.release(lease)
 
     @staticmethod
     def served(backend: DecodeBackend) -> None:

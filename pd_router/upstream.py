@@ -29,11 +29,6 @@ class ConnectionLost(BadUpstream):
     """The connection broke after the request was sent (the upstream process died or reset it)."""
 
 
-class Hung(Unreachable):
-    """Connected, and no answer where a live server answers at once (a SIGSTOPped process,
-    a stuck loop): the decode request of a request holding its slot itself."""
-
-
 class Target(NamedTuple):
     """A backend base URL, parsed once."""
 
@@ -76,9 +71,14 @@ async def _check_status(resp: Response, role: str, target: Target) -> None:
         data = await resp.read()
     finally:
         resp.release()
-    if 400 <= resp.status < 500:
-        raise UpstreamRejected(resp.status, data, resp.headers.get(b"content-type", b"application/json"))
-    raise BadUpstream(f"{role} server {target.origin} answered {resp.status}: {_short(data)}")
+    raise _status_error(role, target, resp.status, data, resp.headers.get(b"content-type", b"application/json"))
+
+
+def _status_error(role: str, target: Target, status: int, data: bytes, content_type: bytes) -> RouterError:
+    """The error of an answer with a status other than 200: 4xx relayed as is, anything else a 502."""
+    if 400 <= status < 500:
+        return UpstreamRejected(status, data, content_type)
+    return BadUpstream(f"{role} server {target.origin} answered {status}: {_short(data)}")
 
 
 async def prefill(
@@ -119,7 +119,8 @@ async def open_decode(
     ``timeout_s`` bounds the wait for the answer and for each later chunk. ``trace``: the
     ``traceparent`` header when tracing is on. ``granted_within``: the request holds its
     slot itself (``HandoffClaim.grant_first``): its 200 must come within this many seconds
-    (else :class:`Hung`); it says the slot is taken, and :func:`first_event` waits for the rest."""
+    (else :class:`Unreachable`: connected and silent, hung); it says the slot is taken, and
+    :func:`first_event` waits for the rest."""
     headers = {REQUEST_ID_HEADER: request_id, **dict(target.auth), **(trace or {})}
     try:
         if granted_within is None:
@@ -130,7 +131,7 @@ async def open_decode(
                     resp = await pool.post(target.origin, target.prefix + path, body, headers,
                                            read_timeout=timeout_s)
             except TimeoutError:
-                raise Hung(f"decode server {target.origin} did not answer a request holding its slot within "
+                raise Unreachable(f"decode server {target.origin} did not answer a request holding its slot within "
                            f"{granted_within:g}s (a live server answers at once)") from None
         await _check_status(resp, "decode", target)
     except UpstreamError as exc:
@@ -169,6 +170,4 @@ async def _check_refusal(resp: Response, target: Target) -> None:
         refusal = None
     if refusal is None:
         raise BadUpstream(f"decode server {target.origin} answered 200 and then {_short(data) or 'nothing'}")
-    if 400 <= refusal.status < 500:
-        raise UpstreamRejected(refusal.status, refusal.error_body(), b"application/json")
-    raise BadUpstream(f"decode server {target.origin} answered {refusal.status}: {refusal.error.message[:300]}")
+    raise _status_error("decode", target, refusal.status, refusal.error_body(), b"application/json")
