@@ -65,7 +65,8 @@ async def _serve_mocks(decode_ports: list[int], prefill_ports: list[int], stats_
     async def stats(scope, receive, send) -> None:  # GET /stats, POST /reset
         if scope["type"] != "http":
             return
-        total = sum(len(d.records.leases) for d in decodes)
+        # slot requests: lease calls, and decode requests standing in a queue for their request
+        total = sum(len(d.records.leases) + len(d.records.queued_claims) for d in decodes)
         if scope["path"] == "/reset":
             waiting_samples.clear()
             calls[0] = total
@@ -183,7 +184,7 @@ def _row(phase: Phase, numbers: dict[str, float], stats: dict) -> dict:
 
 def _table(rows: list[dict]) -> str:
     lines = ["| decode servers | routers | clients | requests | errors | router CPU us/token | router CPU ms/request | "
-             "lease requests per request | TTFT p50 ms | TTFT p99 ms | tokens/s | slot utilisation while queued | "
+             "slot requests per request | TTFT p50 ms | TTFT p99 ms | tokens/s | slot utilisation while queued | "
              "lease RTT mean ms | busy requeues |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

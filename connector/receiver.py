@@ -243,13 +243,15 @@ class KVReceiver:
         raise HandoffTimeout(f"handoff {handoff_id}: {got}/{self._layout.num_layers} layers{missing} arrived "
                              f"within {timeout:.1f}s; slot freed")
 
-    def release(self, handoff_id: str) -> None:
+    def release(self, handoff_id: str, tombstone: bool = True) -> None:
         """Free the handoff's slot (idempotent). Releasing a handoff whose KV has not fully
         arrived revokes it at the sender; releasing one not yet admitted makes the
-        receiver refuse it ("cancelled") when its Admit comes."""
+        receiver refuse it ("cancelled") when its Admit comes, unless ``tombstone`` is False
+        (the caller knows no prefill was sent for it, and the same id may come again)."""
         h = self._handoffs.pop(handoff_id, None)
         if h is None:
-            _remember(self._cancelled, handoff_id, MAX_TOMBSTONES)
+            if tombstone:
+                _remember(self._cancelled, handoff_id, MAX_TOMBSTONES)
             return
         if h.state == "admitted":
             h.state, h.error = "failed", "released by the decode server before all layers arrived"

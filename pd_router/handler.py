@@ -48,6 +48,7 @@ from pd_router.errors import (
     UpstreamRejected,
     UpstreamTimeout,
 )
+from pd_router.overlap import StandingDecode
 from pd_router.prefill_leg import HandoffFailed
 from pd_router.slots import Lease, Requeue, SlotNotTaken
 from pd_wire.requests import Endpoint, OpenAIRequest
@@ -170,10 +171,12 @@ class CompletionHandler:
             return
         decode_check.check_decode_view(ctx.endpoint, body, request)
         # a request whose first token can travel with the KV takes a free slot with its decode
-        # request, the prefill on its 200: no lease exchange (docs/router.md); a try after a
-        # busy or failed one asks for a lease, as in the servers' queues
-        implicit = (state.settings.first_token_with_kv and state.settings.decode_request_holds_slot
-                    and decode_check.result_with_kv(body, request, None, {}, any_server=True))
+        # request, the prefill on its 200: no lease exchange (docs/router.md); queued, its decode
+        # request stands in the servers' queues for it. A try after a busy or failed one, or
+        # after its decode request found the slot taken, waits in the queues
+        holds_slot = (state.settings.first_token_with_kv and state.settings.decode_request_holds_slot
+                      and decode_check.result_with_kv(body, request, None, {}, any_server=True))
+        implicit = holds_slot
         t_start = perf_counter()
         attempt = busy = 0
         failed_over = False
@@ -182,10 +185,12 @@ class CompletionHandler:
             t_queue = perf_counter()
             remaining = state.settings.queue_timeout - (t_queue - t_start)
             with observe.span(state, ctx, "queue") as span:
+                handoff_id = attempt_handoff_id(ctx.request_id, attempt)
                 try:
-                    lease = await state.pool.lease(model, timeout=remaining, requeue=attempt > 0,
-                                                   lease_id=attempt_handoff_id(ctx.request_id, attempt),
-                                                   arrived=ctx.start, implicit=implicit and attempt == 0)
+                    lease = await state.pool.lease(
+                        model, timeout=remaining, requeue=attempt > 0, lease_id=handoff_id, arrived=ctx.start,
+                        implicit=implicit and attempt == 0,
+                        decode_first=StandingDecode(state, ctx, body, request, handoff_id) if holds_slot else None)
                 except Overloaded as err:
                     if not busy:
                         raise
@@ -209,7 +214,7 @@ class CompletionHandler:
                        and decode_check.result_with_kv(body, request, lease.backend.capabilities, extra))
             try:
                 await self._attempt(ctx, lease, {**body, **extra} if extra else body, request,
-                                    attempt_handoff_id(ctx.request_id, attempt), grammar, with_kv)
+                                    handoff_id, grammar, with_kv)
                 return
             except DecodeLegFailed as failed:
                 state.upstream_failed("decode", lease.backend, failed.error, mark_down=True)

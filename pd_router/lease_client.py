@@ -10,8 +10,9 @@ from time import perf_counter
 
 from pydantic import BaseModel, ValidationError
 
+from pd_router.errors import UpstreamRejected
 from pd_router.http_pool import ConnectionPool
-from pd_router.rawhttp import ConnectFailed, UpstreamError
+from pd_router.rawhttp import ConnectFailed, Response, UpstreamError
 from pd_router.upstream import Target
 from pd_wire.decode import (
     LEASE_PATH,
@@ -36,6 +37,14 @@ class Answer:
     rtt: float = 0.0
     immediate: bool = False  # asked without waiting (wait_s 0)
     unreachable: str | None = None  # the connection failed before any answer: why
+    opened: Response | None = None  # a decode request holding its slot, granted: its answer, open
+    # a decode request refused for what it asks (a 4xx other than 409 and 429): the request's answer
+    rejected: UpstreamRejected | None = None
+    free: int = 0  # with ``opened``: the server's free slots after that grant (as ``LeaseGrant.free``)
+
+    @property
+    def granted(self) -> bool:
+        return self.grant is not None or self.opened is not None
 
 
 class LeaseClient:

@@ -1,11 +1,17 @@
-"""This router's queue for decode servers that own their slots, and its standing lease requests.
+"""This router's queue for decode servers that own their slots, and its standing requests.
 
 A request that finds no free slot waits here, in order of arrival at this router (a request
 sent back keeps its first arrival, so it waits ahead of later ones). The router keeps at
-most one **standing lease request** per decode server: a lease request waiting in that
+most one **standing request** per decode server: a request waiting in that
 server's queue under the id (the handoff id) and arrival of the oldest request here that
 the server can serve. So a queued request costs O(1) calls, not one long poll at every
 server (docs/router.md, "Decode slot leases").
+
+A standing request is the head's **decode request** where the head can send it before its
+prefill (:class:`~pd_router.lease_types.DecodeFirst`: ``HandoffClaim.wait``, protocol 7):
+its 200 is the grant, and the open request holds the slot (no lease id, no renewal, no
+release call: closing it gives the slot back). Elsewhere it is a lease request. Both wait in
+the same queue on the server, and a swap may replace either with either.
 
 When a server grants a standing request:
 
@@ -48,7 +54,9 @@ from time import perf_counter
 from pd_router.backends import Backends, DecodeBackend
 from pd_router.errors import NoHealthyBackend, Overloaded
 from pd_router.lease_client import Answer, LeaseClient
-from pd_router.lease_types import Lease, LeaseHooks, wait_for_grant
+from pd_router.lease_types import DecodeFirst, Lease, LeaseHooks, wait_for_grant
+from pd_router.rawhttp import Response
+from pd_wire.handoff import SlotWait
 
 RETRY_MIN_S = 0.05  # the first back-off after a server refused a standing request
 RETRY_MAX_S = 1.0
@@ -61,6 +69,7 @@ class _Waiter:
     arrived: float
     future: asyncio.Future[Lease] = field(repr=False)
     reserved: bool = False  # a swap for it is in flight
+    decode_first: DecodeFirst | None = None  # its decode request may stand for it
 
 
 @dataclass(eq=False)
@@ -68,6 +77,8 @@ class _Standing:
     backend: DecodeBackend
     lease_id: str
     dropped: bool = False
+    task: asyncio.Future[None] | None = None  # its call: a decode request is dropped by cancelling it
+    decode: bool = False  # the head's decode request (else a lease request)
 
 
 Take = Callable[[Answer, DecodeBackend, str, str], "Lease | None"]
@@ -98,10 +109,12 @@ class LeaseQueue:
     def standing(self) -> int:
         return len(self._standing)
 
-    async def wait(self, model: str, lease_id: str, wait: float, arrived: float) -> Lease:
-        """A lease for the request ``lease_id`` when its turn comes, within ``wait`` seconds."""
+    async def wait(self, model: str, lease_id: str, wait: float, arrived: float,
+                   decode_first: DecodeFirst | None = None) -> Lease:
+        """A lease for the request ``lease_id`` when its turn comes, within ``wait`` seconds;
+        ``decode_first``: its decode request may stand for it (the lease is then that open request)."""
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(model, lease_id, arrived, loop.create_future())
+        waiter = _Waiter(model, lease_id, arrived, loop.create_future(), decode_first=decode_first)
         bisect.insort(self._waiters, waiter, key=lambda w: w.arrived)
         t0 = perf_counter()
         timer = loop.call_later(wait, self._expire, waiter, t0)
@@ -151,33 +164,68 @@ class LeaseQueue:
         return next((w for w in self._waiters if backend.serves(w.model) and not w.future.done()
                      and (reserved_too or not w.reserved)), None)
 
-    def _open(self, backend: DecodeBackend, head: _Waiter, replaces: str | None = None) -> None:
-        """A standing request at ``backend`` for ``head``; with ``replaces`` a swap instead:
-        ``head`` is reserved for it (no other server's grant takes it meanwhile), and it waits
-        for nothing (the server answers at once: the slot is the head's if the head waits
-        longest there, else it went to whoever does)."""
-        ask = _Standing(backend, head.lease_id)
+    def _open(self, backend: DecodeBackend, head: _Waiter, replaces: str | None = None,
+              stale: Response | None = None) -> None:
+        """A standing request at ``backend`` for ``head`` (its decode request where it may
+        stand for it); with ``replaces`` a swap instead: ``head`` is reserved for it (no other
+        server's grant takes it meanwhile), and it waits for nothing (the server answers at
+        once: the slot is the head's if the head waits longest there, else it went to whoever
+        does). ``stale``: the replaced grant's open decode request, closed once the swap answered."""
+        decode = head.decode_first is not None and head.decode_first.fits(backend)
+        ask = _Standing(backend, head.lease_id, decode=decode)
         self._standing[backend.url] = ask
         if replaces is not None:
             head.reserved = True
-        self.hooks.spawn(self._run(ask, head, replaces))
+        ask.task = self.hooks.spawn(self._run(ask, head, replaces, stale))
 
     def _drop(self, ask: _Standing) -> None:
         ask.dropped = True
         if self._standing.get(ask.backend.url) is ask:
             del self._standing[ask.backend.url]
+        if ask.decode:  # closing the decode request takes it out of the server's queue, or frees its grant
+            if ask.task is not None:
+                ask.task.cancel()
+            return
         self.hooks.spawn(self.client.release(ask.backend.target, [ask.lease_id]))
 
-    async def _run(self, ask: _Standing, head: _Waiter, replaces: str | None) -> None:
+    async def _ask(self, ask: _Standing, head: _Waiter, replaces: str | None) -> Answer:
+        wait = 0.0 if replaces is not None else self.queue_timeout
+        if ask.decode and head.decode_first is not None:
+            return await head.decode_first.open(ask.backend, SlotWait(
+                wait_s=wait, holder=self.client.holder, arrived_at=head.arrived, sent_at=perf_counter(),
+                replaces=replaces))
+        return await self.client.acquire(ask.backend.target, ask.lease_id, wait, head.arrived, replaces)
+
+    async def _run(self, ask: _Standing, head: _Waiter, replaces: str | None, stale: Response | None) -> None:
+        try:
+            answer = await self._ask(ask, head, replaces)
+        except asyncio.CancelledError:  # a decode request dropped (:meth:`_drop`)
+            if replaces is not None:
+                head.reserved = False
+                self.refresh()
+            raise
+        finally:
+            if stale is not None:  # its slot was handed on (or went to an older request there)
+                stale.close()
+        self._answered(ask, head, replaces, answer)
+
+    def _answered(self, ask: _Standing, head: _Waiter, replaces: str | None, answer: Answer) -> None:
         d = ask.backend
         swap = replaces is not None
-        answer = await self.client.acquire(d.target, ask.lease_id, 0.0 if swap else self.queue_timeout,
-                                           head.arrived, replaces)
         if self._standing.get(d.url) is ask:
             del self._standing[d.url]
         if swap:
             head.reserved = False
-        if answer.grant is None:
+        if answer.rejected is not None and not ask.dropped and not head.future.done():
+            # the decode server refuses the request itself (a prompt or max_tokens it cannot
+            # take, ...): its answer, as when its decode request found a free slot; the server
+            # stands for the next one here
+            self.hooks.answered(d.url, "rejected")
+            self._waiters.remove(head)
+            head.future.set_exception(answer.rejected)
+            self.refresh()
+            return
+        if not answer.granted:
             self._take(answer, d, "", ask.lease_id)  # reports the refusal
             # a swap refused at once (429) gave the slot to a request that waited longer
             # there: not a refusal to back off from
@@ -201,11 +249,18 @@ class LeaseQueue:
             return
         first = None if ask.dropped else self._head(d)
         if first is None:  # stale, and nobody here waits for this server
-            d.lease_free = answer.grant.free
-            self._give_back(d, ask.lease_id)
+            if answer.opened is not None:
+                # closed, the decode request frees its slot there once the server saw it go: not
+                # counted free here before a probe or a grant says so (a decode request sent
+                # meanwhile would find it still taken)
+                d.lease_free = answer.free
+                answer.opened.close()
+            elif answer.grant is not None:
+                d.lease_free = answer.grant.free
+                self._give_back(d, ask.lease_id)
             self.refresh()
             return
-        self._open(d, first, ask.lease_id)  # stale: the swap
+        self._open(d, first, ask.lease_id, answer.opened)  # stale: the swap
 
     def _expire(self, waiter: _Waiter, t0: float) -> None:
         if waiter.future.done():

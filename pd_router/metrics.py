@@ -160,8 +160,8 @@ class RouterMetrics:
         )
         self.lease_requests = self._counter(
             "lease_requests", "Slot requests to decode servers (lease calls, decode requests taking their slot "
-            "themselves) by answer (granted; refused: no slot within the wait; conflict; unavailable; error: no "
-            "answer)", ("backend", "result"),
+            "themselves or waiting in the queue) by answer (granted; refused: no slot within the wait; conflict; "
+            "unavailable; rejected: the request itself refused; error: no answer)", ("backend", "result"),
         )
         self.draining = self._gauge("draining", "1 while the router drains (SIGTERM): new requests get 503")
 

@@ -19,14 +19,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pd_grammar.spec import GrammarSpec
-from pd_router import prefill_leg, relay
+from pd_router import decode_check, prefill_leg, relay
+from pd_router.backends import DecodeBackend
 from pd_router.context import RequestContext
 from pd_router.errors import RouterError, UpstreamRejected
+from pd_router.lease_client import Answer
 from pd_router.slots import Lease
-from pd_wire.handoff import HandoffClaim
+from pd_wire.handoff import HandoffClaim, SlotWait
 from pd_wire.requests import OpenAIRequest
 
 if TYPE_CHECKING:
@@ -44,11 +47,14 @@ async def prefill_and_decode(
     sequential legs do (``ctx.stage`` says which leg failed). An implicit lease (no lease was
     asked: :attr:`Lease.implicit`): the decode request goes first and takes the slot, and the
     prefill goes out on its 200 (the grant); not taken, :class:`SlotNotTaken`, no prefill run."""
-    claim = HandoffClaim(handoff_id=handoff_id, result="with_kv", grant_first=lease.implicit).model_dump()
+    claim = HandoffClaim(handoff_id=handoff_id, result="with_kv", grant_first=lease.implicit).model_dump(
+        exclude_none=True)
     granted: Response | None = None
     if lease.implicit:
         ctx.stage = "decode"  # a failure to take the slot is the decode leg's
-        granted = await relay.open_answer(state, ctx, lease, body, claim, trace)
+        granted = lease.take_opened()  # granted in the server's queue (:class:`StandingDecode`)
+        if granted is None:
+            granted = await relay.open_answer(state, ctx, lease, body, claim, trace)
         ctx.stage = "prefill"
     prefill = asyncio.ensure_future(
         prefill_leg.prefill(state, ctx, lease, body, request, handoff_id, grammar, result_with_kv=True))
@@ -80,6 +86,30 @@ async def prefill_and_decode(
                 opening.result().close()  # opened as the prefill failed: closed the same way
         if granted is not None and not relayed:
             granted.close()  # (a no-op when its connection went back or was closed already)
+
+
+@dataclass(eq=False)
+class StandingDecode:
+    """One attempt's decode request as its standing request in a decode server's queue
+    (:class:`pd_router.lease_types.DecodeFirst`): a request whose first token travels with
+    the KV, to a server that would take it as it is (no 400 of its own, no field of vLLM's
+    answer needed there)."""
+
+    state: RouterState
+    ctx: RequestContext
+    body: dict[str, Any]
+    request: OpenAIRequest
+    handoff_id: str
+
+    def fits(self, backend: DecodeBackend) -> bool:
+        caps = backend.capabilities
+        return (caps is not None and decode_check.refusal(self.request, caps) is None
+                and decode_check.result_with_kv(self.body, self.request, caps,
+                                                decode_check.prefill_fields(self.request, caps)))
+
+    async def open(self, backend: DecodeBackend, wait: SlotWait) -> Answer:
+        claim = HandoffClaim(handoff_id=self.handoff_id, result="with_kv", grant_first=True, wait=wait)
+        return await relay.open_standing(self.state, self.ctx, backend, self.body, claim.model_dump(exclude_none=True))
 
 
 def _prefilled(ctx: RequestContext, leg: asyncio.Future[Any]) -> None:

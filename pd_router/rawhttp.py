@@ -168,6 +168,15 @@ class Response:
                 raise self._error
             await self._wait()
 
+    @property
+    def read_timeout(self) -> float | None:
+        return self._timeout
+
+    @read_timeout.setter
+    def read_timeout(self, seconds: float | None) -> None:
+        """(The watchdog running takes the new value at its next look.)"""
+        self._timeout = seconds
+
     def unread(self, chunk: bytes) -> None:
         """Put a chunk the reader took back in front of the body (read first again)."""
         if chunk:

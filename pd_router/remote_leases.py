@@ -18,7 +18,7 @@ from time import perf_counter
 from pd_router.backends import Backends, DecodeBackend
 from pd_router.lease_client import Answer, LeaseClient
 from pd_router.lease_queue import LeaseQueue
-from pd_router.lease_types import Lease, LeaseHooks
+from pd_router.lease_types import DecodeFirst, Lease, LeaseHooks
 
 __all__ = ["Lease", "LeaseHooks", "RemoteLeases"]
 log = logging.getLogger("pd_router.slots")
@@ -40,13 +40,17 @@ class RemoteLeases:
         return self.queue.waiting
 
     async def lease(self, model: str, lease_id: str, servers: list[DecodeBackend], wait: float, arrived: float,
-                    check_queue: Callable[[int], None], implicit: bool = False) -> Lease:
+                    check_queue: Callable[[int], None], implicit: bool = False,
+                    decode_first: DecodeFirst | None = None) -> Lease:
         """A lease from one of ``servers``; ``check_queue(waiting)`` raises when this router
         may not queue one more request. ``implicit``: where this router counts a slot free
         (and nobody here waits longer), no lease is asked: the request's decode request takes
-        the slot (:attr:`Lease.implicit`)."""
+        the slot (:attr:`Lease.implicit`). ``decode_first``: queued, its decode request may be
+        its standing request (:mod:`pd_router.lease_queue`)."""
         first = max(servers, key=lambda d: d.lease_free)
-        if first.lease_free > 0 and not self.queue.waiting:  # nobody here waits longer
+        # nobody here waits longer; a try after one that found its slot taken, failed or was
+        # busy, whose decode request may stand in the queues, asks there (answered at once)
+        if first.lease_free > 0 and not self.queue.waiting and (implicit or decode_first is None):
             # counted taken until the server answers (its answer sets the count): requests
             # arriving meanwhile ask another server, not all the one that may not answer
             first.lease_free -= 1
@@ -57,7 +61,7 @@ class RemoteLeases:
             if got is not None:
                 return got
         check_queue(self.waiting)
-        return await self.queue.wait(model, lease_id, wait, arrived)
+        return await self.queue.wait(model, lease_id, wait, arrived, decode_first)
 
     def fail_unservable(self) -> None:
         """Fail the waits of models no usable server serves any more."""
@@ -69,6 +73,9 @@ class RemoteLeases:
         if lease.released or (lease.lease_id is None and not lease.implicit):
             return
         lease.released = True
+        opened = lease.take_opened()
+        if opened is not None:  # granted and never used: closing it frees the slot there
+            opened.close()
         lease.backend.in_use -= 1
         lease.backend.lease_free += 1
         if lease.lease_id is None:
@@ -82,7 +89,7 @@ class RemoteLeases:
 
     def _take(self, answer: Answer, backend: DecodeBackend, model: str, lease_id: str) -> Lease | None:
         grant = answer.grant
-        if grant is None:
+        if not answer.granted:
             if answer.status == 429:
                 backend.lease_free = 0
             if answer.unreachable is not None:
@@ -93,6 +100,10 @@ class RemoteLeases:
         self.hooks.answered(backend.url, "granted")
         if answer.immediate:  # a round trip, not a wait in the queue
             self.hooks.rtt(answer.rtt)
+        if grant is None:  # the request's decode request holds the slot: no lease, no renewal
+            backend.in_use += 1
+            backend.lease_free = answer.free
+            return Lease(backend, model, implicit=True, opened=answer.opened)
         backend.lease_free = grant.free
         backend.in_use += 1
         lease = Lease(backend, model, lease_id)

@@ -9,9 +9,10 @@ pool asks for a lease (:meth:`SlotPool.lease`):
 1. at the server its cache says has a free slot, without waiting (one round trip); or, for
    a request whose decode request can take the slot itself (``implicit``), not at all: that
    decode request is the slot request (:attr:`Lease.implicit`, ``docs/router.md``);
-2. else it waits in this router's queue, behind at most one standing lease request per
-   server (:mod:`pd_router.lease_queue`: waiting in that server's queue for the oldest
-   request here); ``--max-queue`` bounds this router's waiters, ``--queue-timeout`` the wait.
+2. else it waits in this router's queue, behind at most one standing request per server
+   (:mod:`pd_router.lease_queue`: waiting in that server's queue for the oldest request
+   here; that request's own decode request where it can go before its prefill, ``decode_first``,
+   else a lease request); ``--max-queue`` bounds this router's waiters, ``--queue-timeout`` the wait.
 
 While it lives, every lease is renewed at a third of its ttl (one call per server for all
 of this router's leases there); it ends when its generation ends (the server ends it), on
@@ -37,7 +38,7 @@ from time import perf_counter
 from pd_router.backends import Backends, DecodeBackend
 from pd_router.errors import NoHealthyBackend, Overloaded
 from pd_router.lease_client import LeaseClient
-from pd_router.lease_types import Lease, LeaseHooks, wait_for_grant
+from pd_router.lease_types import DecodeFirst, Lease, LeaseHooks, wait_for_grant
 from pd_router.remote_leases import RemoteLeases
 
 __all__ = ["Lease", "LeaseHooks", "Requeue", "SlotNotTaken", "SlotPool"]
@@ -104,7 +105,8 @@ class SlotPool:
         return sum(d.in_use for d in self.backends.decode)
 
     async def lease(self, model: str, timeout: float | None = None, requeue: bool = False,
-                    lease_id: str | None = None, arrived: float | None = None, implicit: bool = False) -> Lease:
+                    lease_id: str | None = None, arrived: float | None = None, implicit: bool = False,
+                    decode_first: DecodeFirst | None = None) -> Lease:
         """A slot on a usable decode server for ``model``; waits in FIFO order, at most
         ``timeout`` seconds (default ``--queue-timeout``). ``lease_id`` (the attempt's handoff
         id): the id of a lease from a server that grants them; ``arrived``: when the request
@@ -112,6 +114,8 @@ class SlotPool:
         lease before; it waits at the head of the queue and is not counted against ``--max-queue``.
         ``implicit``: a server granting leases whose slot is free in this router's count is not
         asked for a lease; the request's decode request takes the slot (:attr:`Lease.implicit`).
+        ``decode_first``: queued for a server granting leases, the request's decode request
+        stands in that server's queue for it (:attr:`Lease.opened` once granted).
 
         Raises :class:`NoHealthyBackend` (503) when no usable server serves the model,
         :class:`Overloaded` (429) when the queue is full or the wait times out."""
@@ -123,7 +127,8 @@ class SlotPool:
             if servers:
                 return await self.remote.lease(model, lease_id, servers, wait,
                                                perf_counter() if arrived is None else arrived,
-                                               lambda waiting: self._check_queue(requeue, waiting), implicit)
+                                               lambda waiting: self._check_queue(requeue, waiting), implicit,
+                                               decode_first)
         if requeue or not self._queue:
             backend = self.backends.pick_decode(model)
             if backend is not None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from pd_wire.errors import ErrorBody, ErrorDetail
-from pd_wire.handoff import PeerStatus
+from pd_wire.handoff import PeerStatus, SlotWait
 
 CAPABILITIES_PATH = "/v1/pd/capabilities"
 CANCEL_PATH = "/v1/pd/cancel"
@@ -103,7 +103,16 @@ class DecodeCapabilities(BaseModel):
 # engine failing before the first token) is the whole body, one SSE event ``event: pd-error``
 # whose data is a :class:`DecodeRefusal`: the status and OpenAI error body the server would
 # have answered. After the first token, failures are the OpenAI error events of any stream.
+# With ``HandoffClaim.wait`` (:class:`pd_wire.handoff.SlotWait`) a claim that finds no free
+# slot waits in the server's queue as a lease request does (arrival order across routers,
+# closing it leaves the queue): 429 when its wait runs out or the queue is full, 409 when its
+# handoff id is held or queued, 503 draining; its 200 comes at the grant. Its ``replaces`` may
+# name a lease or a granted decode request of the caller's: that request's answer ends (a
+# ``pd-error`` 499) and its slot is handed on as a lease's is.
 REFUSAL_EVENT = b"event: pd-error\ndata: "
+# on that 200: the server's free slots after this grant (as LeaseGrant.free), a hint for the router's
+# choice of where to send its next request; an integer
+FREE_SLOTS_HEADER = "X-PD-Free-Slots"
 
 
 class DecodeRefusal(BaseModel):
@@ -171,19 +180,10 @@ LEASE_RELEASE_PATH = "/v1/pd/lease/release"
 LEASE_ID = Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
 
 
-class LeaseRequest(BaseModel):
+class LeaseRequest(SlotWait):
     model_config = ConfigDict(frozen=True)
 
     lease_id: str = LEASE_ID
-    wait_s: float = Field(default=0.0, ge=0, le=3600, description="how long to wait in the queue (0: a free "
-                          "slot now or a refusal)")
-    holder: str = Field(default="", max_length=256, description="who asks (a router's name, unique per "
-                        "process): its clock is one (arrived_at, sent_at)")
-    arrived_at: float = Field(default=0.0, description="when the request came to its router (the holder's "
-                              "monotonic clock, seconds): its place in the queue")
-    sent_at: float = Field(default=0.0, description="when this lease request left the router (same clock)")
-    replaces: str | None = Field(default=None, min_length=1, max_length=256, description="a lease id held here, "
-                                 "released once this request is queued (a swap, see the protocol above)")
 
 
 class LeaseGrant(BaseModel):

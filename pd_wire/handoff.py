@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # 3: the KV control channel authenticates (AuthStart ... AuthOk) before Hello;
 # 4: the handoff's result can travel with the KV (Prefilled, HandoffClaim);
@@ -32,7 +32,10 @@ from pydantic import BaseModel, ConfigDict, Field
 #    that ignored it would keep the stale slot until its lease ran out);
 # 6: a claim may hold its slot itself (HandoffClaim.grant_first: the decode server answers
 #    200 at the slot's take and puts a later refusal in the body, pd_wire.decode.DecodeRefusal)
-PROTOCOL_VERSION = 6
+# 7: a claim holding its slot itself may wait for it in the server's queue (HandoffClaim.wait,
+#    SlotWait): a router's standing request for the head of its queue is that request's decode
+#    request; ``replaces`` hands on a slot held by a decode request the router no longer needs
+PROTOCOL_VERSION = 7
 
 # "pending": admitted, the KV is on its way (the decode server waits for its last layer);
 # "sent": every layer had landed when vLLM answered; "failed": see ``reason`` and ``error``.
@@ -61,6 +64,29 @@ class HandoffTarget(BaseModel):
                                  "decode request is then a HandoffClaim")
 
 
+class SlotWait(BaseModel):
+    """How a request for a decode slot waits in the decode server's queue when no slot is free
+    (a lease request, or a decode request that holds its slot itself): ordered by its arrival at
+    its router, ``arrived_at`` on the router's monotonic clock put on the server's clock with
+    the smallest ``receipt - sent_at`` seen from that ``holder``; closing the connection
+    leaves the queue."""
+
+    model_config = ConfigDict(frozen=True)
+
+    wait_s: float = Field(default=0.0, ge=0, le=3600, description="how long to wait in the queue (0: a free "
+                          "slot now or a refusal)")
+    holder: str = Field(default="", max_length=256, description="who asks (a router's name, unique per "
+                        "process): its clock is one (arrived_at, sent_at)")
+    arrived_at: float = Field(default=0.0, description="when the request came to its router (the holder's "
+                              "monotonic clock, seconds): its place in the queue")
+    sent_at: float = Field(default=0.0, description="when this request left the router (same clock)")
+    replaces: str | None = Field(default=None, min_length=1, max_length=256, description="a slot the caller "
+                                 "holds on this server (a lease id, or the handoff id of a decode request "
+                                 "holding its slot) and gives back once this request is queued: a swap (the "
+                                 "slot goes to whoever waits longest, this request included; with wait_s 0 "
+                                 "this request is granted that slot at once or refused at once, never queued)")
+
+
 class HandoffClaim(BaseModel):
     """A decode request's ``kv_transfer_params`` when the handoff's result travels with the
     KV (``HandoffTarget.result_with_kv``): the decode server waits for both, up to its KV
@@ -75,6 +101,15 @@ class HandoffClaim(BaseModel):
                               "was asked for it): the decode server answers 200 as soon as it took the slot "
                               "(before the KV lands) and puts a refusal that comes later in the body "
                               "(pd_wire.decode.DecodeRefusal)")
+    wait: SlotWait | None = Field(default=None, description="with grant_first: no free slot, the request "
+                                  "waits in the server's queue (429 when the wait runs out or the queue is "
+                                  "full); its 200 comes at the grant. None: a free slot now or 429")
+
+    @model_validator(mode="after")
+    def _wait_needs_grant_first(self) -> HandoffClaim:
+        if self.wait is not None and not self.grant_first:
+            raise ValueError("wait is for a claim that holds its slot itself (grant_first)")
+        return self
 
 
 class HandoffResult(BaseModel):

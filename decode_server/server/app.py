@@ -47,7 +47,13 @@ def create_app(config: AppConfig, engine_factory: EngineFactory, receiver_factor
         if state.receiver is not None and "job" not in slots.leases.holders(lease_id):
             state.receiver.release(lease_id)
 
-    slots = SlotManager(LeaseTable(config.slots, config.lease_ttl_s, config.lease_max_queue, on_expire=expired))
+    def replaced(handoff_id: str) -> None:  # a swap took its slot: the router gave that request up here
+        for job in slots.jobs():
+            if job.plan.handoff_id == handoff_id:
+                job.replaced()
+
+    slots = SlotManager(LeaseTable(config.slots, config.lease_ttl_s, config.lease_max_queue, on_expire=expired,
+                                   on_replaced=replaced))
     state = DecodeState(config=config, tokenizer=tokenizer,
                         defaults=GenerationDefaults.from_model_dir(config.model_dir, tokenizer),
                         slots=slots, metrics=DecodeMetrics(lambda: slots.busy, config.slots, build_info(config),

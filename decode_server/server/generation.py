@@ -57,7 +57,7 @@ class Receiver(Protocol):
 
     async def wait_for(self, handoff_id: str, timeout: float, with_result: bool = False) -> ReceivedKV: ...
 
-    def release(self, handoff_id: str) -> None: ...
+    def release(self, handoff_id: str, tombstone: bool = True) -> None: ...
 
 
 @dataclass
@@ -98,6 +98,8 @@ class Job:
         self.slot: Slot | None = None
         # the request holds its slot itself: its 200 goes out once the slot is taken (:mod:`granted`)
         self.grant_first = isinstance(plan.handoff, HandoffClaim) and plan.handoff.grant_first
+        # ... after a wait in the server's queue (HandoffClaim.wait): no slot, and so no KV, before its grant
+        self.queued = plan.handoff.wait if isinstance(plan.handoff, HandoffClaim) else None
         self.arrived = time.monotonic()
         self.abort_reason: str | None = None
         self._aborted = asyncio.Event()
@@ -109,7 +111,8 @@ class Job:
         self._worker_started = False
         self._worker_done = asyncio.Event()  # set on the loop once the worker gave the slot back
         self._given_back = asyncio.Event()  # slot and KV handoff are free again
-        self._kv_released = False
+        self._kv_released = self.queued is not None  # nothing of a queued request's KV to give back yet
+        self._tombstone = True  # a KV released before it came is refused when it comes
         self._closed = False
 
     # ---- abort path -------------------------------------------------------------
@@ -127,6 +130,13 @@ class Job:
         self._aborted.set()
         self._queue.put_nowait(_ABORTED)
         return True
+
+    def replaced(self) -> None:
+        """A swap took this request's slot (its router gave it up here before any prefill for
+        it: no KV comes, and its release leaves no tombstone that would refuse that handoff's
+        KV when the same request is granted here later)."""
+        self._tombstone = False
+        self.abort("replaced")
 
     def close(self) -> None:
         """Always called last (on the loop): gives back whatever the worker does not own."""
@@ -171,7 +181,7 @@ class Job:
     def _release_kv(self) -> None:
         if not self._kv_released:
             self._kv_released = True
-            self.ctx.receiver.release(self.plan.handoff_id)
+            self.ctx.receiver.release(self.plan.handoff_id, self._tombstone)
 
     def _from_worker(self, fn: Any, *args: Any) -> None:
         try:
@@ -378,9 +388,11 @@ class Job:
         the stream started, an error event after; the ``pd-error`` event of a request that
         holds its slot itself, whose 200 went out first)."""
         status_sent = False
+        if self.queued is not None and not await self._granted(send, headers):
+            return
         if self.grant_first:
             send = GrantedSend(send, (SSE_HEADERS if self.plan.stream else JSON_HEADERS) + headers)
-            await send.start()
+            await send.start(self.ctx.slots.leases.free)
         try:
             await self._first_event()
             renderer = renderer_for(self.plan)  # after the first event: a claim's plan is complete then
@@ -405,6 +417,36 @@ class Job:
                 self.obs.answered(200, err.error_type)
                 self.ctx.metrics.errors.labels(err.error_type).inc()
                 await send({"type": "http.response.body", "body": sse(err.body().model_dump()) + DONE})
+
+    async def _granted(self, send: Any, headers: list[tuple[bytes, bytes]]) -> bool:
+        """A queued request's slot, after its wait (:meth:`SlotManager.wait`); False when it was
+        refused (answered here: 429, 409 or 503) or its client went away first."""
+        assert self.queued is not None
+        waiting = asyncio.ensure_future(self.ctx.slots.wait(self.request_id, self, self.plan.handoff_id,
+                                                            self.queued))
+        aborted = asyncio.ensure_future(self._aborted.wait())
+        try:
+            await asyncio.wait({waiting, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            aborted.cancel()
+            if not waiting.done():
+                waiting.cancel()  # leaves the queue (a slot granted at that moment goes back)
+                await asyncio.gather(waiting, return_exceptions=True)
+        if waiting.cancelled():
+            return False
+        try:
+            self.slot = waiting.result()
+        except ApiError as err:
+            self._count(err.status, err)
+            if self.abort_reason != "client_disconnected":
+                start, body = error_response_parts(err, headers)
+                await send(start)
+                await send(body)
+            return False
+        self._kv_released = False  # the KV may come now: the router prefills on the 200
+        if self.abort_reason is not None:  # aborted as the slot came: given back by close()
+            return False
+        return True
 
     async def _next_delta(self) -> Delta:
         item = await self._queue.get()

@@ -9,9 +9,10 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ValidationError
 
-from decode_server.server.api_errors import ApiError, Busy, Conflict, InvalidRequest, NotReady, validation_message
+from decode_server.server.api_errors import ApiError, InvalidRequest, NotReady, validation_message
 from decode_server.server.leases import LeaseRefused, LeaseTable
 from decode_server.server.routes import error_response
+from decode_server.server.slot_table import refusal_error
 from decode_server.server.state import DecodeState
 from pd_wire.decode import (
     LEASE_PATH,
@@ -48,14 +49,6 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _refusal(exc: LeaseRefused) -> ApiError:
-    if exc.reason == "duplicate":
-        return Conflict(exc.message, "lease_id")
-    if exc.reason == "closed":
-        return NotReady(exc.message)
-    return Busy(exc.message)
-
-
 @router.post(LEASE_PATH)
 async def acquire(request: Request) -> Response:
     """A slot now, or after a wait in the queue; the caller leaving takes it out of the queue."""
@@ -76,7 +69,7 @@ async def acquire(request: Request) -> Response:
         if slot is None:
             slot = await _wait_for_slot(request, leases, body)
     except LeaseRefused as exc:
-        return error_response(_refusal(exc))
+        return error_response(refusal_error(exc))
     if slot is None:  # the caller went away while it waited
         return Response(status_code=499)
     state.metrics.lease_wait.observe(loop.time() - t0)

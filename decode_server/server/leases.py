@@ -9,7 +9,12 @@ then goes to the oldest waiter at once. A lease id is its handoff id: the KV rec
 
 Someone who takes a slot without a lease (a client talking to the decode server directly,
 the connector's tests) gets one if a slot is free and nobody waits (an implicit lease:
-no expiry, it ends with its KV and job); else the take is refused as busy.
+no expiry, it ends with its KV and job); else the take is refused as busy. A decode request
+that holds its slot itself (``HandoffClaim.grant_first``) may instead wait in the queue
+(:meth:`LeaseTable.acquire` with ``kind="job"``): its grant is the job's hold, no lease.
+A swap's ``replaces`` may name such a request's slot (a router's standing decode request
+granted for a request it served elsewhere): the slot is handed on at once when only that
+job holds it (no KV came for it), and the job is told (``on_replaced``: its answer ends).
 
 Waiters are granted in order of arrival at their router, so several routers sharing this
 server are served as one queue: a router says when the request came (``arrived_at``) and
@@ -70,16 +75,19 @@ class _Waiter:
     future: asyncio.Future[_Slot] = field(compare=False, repr=False)
     holder: str = field(default="", compare=False)
     arrived_at: float = field(default=0.0, compare=False)
+    kind: Holder = field(default="lease", compare=False)  # who holds the slot once granted
 
 
 class LeaseTable:
     def __init__(self, slots: int, ttl_s: float, max_queue: int,
                  on_expire: Callable[[str], None] = lambda lease_id: None,
+                 on_replaced: Callable[[str], None] = lambda lease_id: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = slots
         self.ttl_s = ttl_s
         self.max_queue = max_queue
         self.on_expire = on_expire  # a lease ran out: the app frees the KV unless a generation runs on it
+        self.on_replaced = on_replaced  # a swap took a job's slot: the app ends that request's answer
         self._clock = clock
         self._free = list(range(slots - 1, -1, -1))
         self._held: dict[str, _Slot] = {}
@@ -141,12 +149,13 @@ class LeaseTable:
                 self._queue.sort()
         return arrived_at + best
 
-    def grant_now(self, lease_id: str, replaces: str | None = None) -> int | None:
+    def grant_now(self, lease_id: str, replaces: str | None = None, kind: Holder = "lease") -> int | None:
         """A slot for ``lease_id`` (its index) if one is free and nobody waits; None when the
         caller would have to queue (:meth:`acquire` does that); raises :class:`LeaseRefused`
         (draining, or the id is held or queued). Synchronous: an immediate grant is answered
         without a task. ``replaces``: a lease given back with this request (released here
-        unless the request must queue: then :meth:`acquire` releases it once it is queued)."""
+        unless the request must queue: then :meth:`acquire` releases it once it is queued).
+        ``kind``: who holds the slot granted (``"job"``: a decode request holding it itself)."""
         try:
             if self._closed:
                 raise self._refuse("closed", "the decode server is draining: it grants no lease")
@@ -154,7 +163,8 @@ class LeaseTable:
                 raise self._refuse("duplicate", f"lease {lease_id!r} is already held or queued on this decode server")
             if not (self._free and not self._queue):
                 return None
-            index = self._grant(lease_id).index
+            index = self._grant(lease_id, kind).index
+            self.grants += 1
         except LeaseRefused:
             self._give_back(replaces)
             raise
@@ -162,14 +172,14 @@ class LeaseTable:
         return index
 
     async def acquire(self, lease_id: str, wait_s: float = 0.0, holder: str = "", arrived_at: float = 0.0,
-                      sent_at: float = 0.0, replaces: str | None = None) -> int:
+                      sent_at: float = 0.0, replaces: str | None = None, kind: Holder = "lease") -> int:
         """A slot for ``lease_id`` (its index), now or within ``wait_s`` in arrival order;
         raises :class:`LeaseRefused`. Cancelling the caller leaves the queue (a slot granted
         at that moment goes back). ``replaces``: a lease of the caller's, released once this
         request is queued, so that its slot goes to whoever waits longest (this request
         included) in one step; with no wait, the request leaves the queue at once unless that
         slot came to it."""
-        now = self.grant_now(lease_id, replaces)
+        now = self.grant_now(lease_id, replaces, kind)
         if now is not None:
             return now
         if (wait_s <= 0 and replaces is None) or len(self._queue) >= self.max_queue:
@@ -179,7 +189,7 @@ class LeaseTable:
             raise self._refuse("queue_full", f"all {self.capacity} decode slots are leased and "
                                f"{len(self._queue)} requests wait for one")
         waiter = _Waiter(self.arrival(holder, arrived_at, sent_at), next(self._seq), lease_id,
-                         asyncio.get_running_loop().create_future(), holder, arrived_at)
+                         asyncio.get_running_loop().create_future(), holder, arrived_at, kind)
         bisect.insort(self._queue, waiter)
         log.info("lease queued: %s arrived=%.6f", lease_id, waiter.arrived)
         self._give_back(replaces)  # may grant this very request at once (its future is then done)
@@ -201,7 +211,7 @@ class LeaseTable:
                     return fut.result().index  # granted as the wait ran out
                 raise self._refuse("timeout", f"no decode slot became free within {wait_s:g}s") from None
             if granted:
-                self._drop(fut.result(), "lease")  # granted as the caller went away
+                self._drop(fut.result(), kind)  # granted as the caller went away
             raise
         return slot.index
 
@@ -267,8 +277,17 @@ class LeaseTable:
 
     # ---- inside -------------------------------------------------------------------------
     def _give_back(self, lease_id: str | None) -> None:
-        if lease_id is not None:
-            self.release([lease_id])
+        """A swap's ``replaces``: a lease is released; a decode request's slot is taken from its
+        job (told through ``on_replaced``) and handed on at once when nothing else holds it."""
+        if lease_id is None:
+            return
+        slot = self._held.get(lease_id)
+        if slot is not None and "job" in slot.holders:
+            self.on_replaced(lease_id)
+            if slot.holders == {"job"} and self._held.get(lease_id) is slot:
+                self._drop(slot, "job")  # the job's own give-back later finds the id gone
+            return
+        self.release([lease_id])
 
     def _refuse(self, reason: str, message: str) -> LeaseRefused:
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
@@ -279,7 +298,6 @@ class LeaseTable:
         self._held[lease_id] = slot
         self._idle.clear()
         if holder == "lease":
-            self.grants += 1
             self._arm(slot)
         return slot
 
@@ -315,7 +333,8 @@ class LeaseTable:
             if waiter.future.done():  # its caller is leaving (cancelled): it never had a grant
                 log.info("lease left the queue: %s", waiter.lease_id)
                 continue
-            waiter.future.set_result(self._grant(waiter.lease_id))
+            waiter.future.set_result(self._grant(waiter.lease_id, waiter.kind))
+            self.grants += 1
             log.info("lease granted: %s arrived=%.6f", waiter.lease_id, waiter.arrived)
 
     def _forget(self, waiter: _Waiter) -> None:

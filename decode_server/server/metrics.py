@@ -99,7 +99,8 @@ class _LeaseCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         t = self._table
-        yield CounterMetricFamily("decode_server_lease_grants", "Slot leases granted", value=t.grants)
+        yield CounterMetricFamily("decode_server_lease_grants", "Slot requests granted (leases, and decode "
+                                  "requests that could wait in the queue)", value=t.grants)
         refusals = CounterMetricFamily("decode_server_lease_refusals", "Lease requests refused, by reason "
                                        "(timeout, queue_full, duplicate, closed, released)", labels=["reason"])
         for reason, n in sorted(t.refusals.items()):

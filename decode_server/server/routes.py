@@ -68,15 +68,19 @@ def handoff_id_of(body: Any) -> str | None:
     return handoff_id if isinstance(handoff_id, str) and 0 < len(handoff_id) <= MAX_HANDOFF_ID else None
 
 
-def _release_refused(state: DecodeState, handoff_id: str | None) -> None:
+def _release_refused(state: DecodeState, body: Any) -> None:
     """Give back the KV receive slot of a request refused before it became a :class:`Job`
     (the KV was pushed by prefill before this server saw the request). Not when a running
-    request owns that handoff (a duplicate request id)."""
+    request owns that handoff (a duplicate request id). The release of a claim holding its slot
+    itself (``grant_first``) leaves no tombstone: its prefill goes out only on its 200, so no KV
+    is on its way, and a tombstone would refuse the KV of its next try under that id."""
+    handoff_id = handoff_id_of(body)
     if handoff_id is None or state.receiver is None:
         return
     if any(job.plan.handoff_id == handoff_id for job in state.slots.jobs()):
         return
-    state.receiver.release(handoff_id)
+    params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+    state.receiver.release(handoff_id, tombstone=not (isinstance(params, dict) and params.get("grant_first")))
 
 
 async def _generate(request: Request, endpoint: Endpoint) -> Response:
@@ -94,9 +98,10 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
         plan = build_plan(endpoint, req, request_id, state.limits, state.defaults)
         obs.stage = "slot"
         job = Job(state.context, plan, label, obs)
-        job.slot = state.slots.acquire(request_id, job, plan.handoff_id)
+        if job.queued is None:  # else it waits for its slot in the queue as it runs
+            job.slot = state.slots.acquire(request_id, job, plan.handoff_id)
     except ApiError as err:
-        _release_refused(state, handoff_id_of(body))  # every refusal gives the KV back before answering
+        _release_refused(state, body)  # every refusal gives the KV back before answering
         state.metrics.requests.labels(label, str(err.status)).inc()
         state.metrics.errors.labels(err.error_type).inc()
         obs.answered(err.status, err.error_type)

@@ -7,8 +7,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from decode_server.server.api_errors import Busy, Conflict
-from decode_server.server.leases import LeaseTable
+from decode_server.server.api_errors import ApiError, Busy, Conflict, NotReady
+from decode_server.server.leases import LeaseRefused, LeaseTable
+from pd_wire.handoff import SlotWait
+
+
+def refusal_error(exc: LeaseRefused, param: str = "lease_id") -> ApiError:
+    """The answer to a refused slot request: 409 (the id is held or queued here, ``param``
+    names it), 503 (draining), else 429."""
+    if exc.reason == "duplicate":
+        return Conflict(exc.message, param)
+    if exc.reason == "closed":
+        return NotReady(exc.message)
+    return Busy(exc.message)
 
 
 @dataclass(eq=False)
@@ -34,14 +45,33 @@ class SlotManager:
     def acquire(self, request_id: str, job: Any, lease_id: str) -> Slot:
         """The slot of the lease ``lease_id`` (the request's handoff id): leased by the router,
         or taken now if one is free and nobody waits for one."""
-        if request_id in self._jobs:
-            raise Conflict(f"request id {request_id!r} is already in flight on this decode server", "X-Request-Id")
+        self._check_new(request_id)
         index = self.leases.take(lease_id, "job")
         if index is None:
             raise Busy(f"all {self.capacity} decode slots are busy or leased; retry later (or lease one: "
                        "POST /v1/pd/lease)")
         self._jobs[request_id] = job
         return Slot(index, request_id, lease_id)
+
+    async def wait(self, request_id: str, job: Any, lease_id: str, queue: SlotWait) -> Slot:
+        """The slot of a decode request that holds it itself, after a wait in the queue as
+        ``queue`` says (:meth:`LeaseTable.acquire`, the job as its holder); refusals raised as
+        their answers (:func:`refusal_error`). Cancelling it leaves the queue."""
+        self._check_new(request_id)
+        try:
+            index = await self.leases.acquire(lease_id, queue.wait_s, queue.holder, queue.arrived_at, queue.sent_at,
+                                              queue.replaces, kind="job")
+        except LeaseRefused as exc:
+            raise refusal_error(exc, "kv_transfer_params.handoff_id") from None
+        if request_id in self._jobs:  # the same request id came again while this one waited
+            self.leases.put(lease_id, "job")
+            self._check_new(request_id)
+        self._jobs[request_id] = job
+        return Slot(index, request_id, lease_id)
+
+    def _check_new(self, request_id: str) -> None:
+        if request_id in self._jobs:
+            raise Conflict(f"request id {request_id!r} is already in flight on this decode server", "X-Request-Id")
 
     def release(self, slot: Slot) -> None:
         """Idempotent. The generation's end also ends its lease."""

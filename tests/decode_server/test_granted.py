@@ -20,7 +20,7 @@ def _run(*messages: dict[str, Any]) -> list[dict[str, Any]]:
 
     async def go() -> None:
         granted = GrantedSend(send, HEAD)
-        await granted.start()
+        await granted.start(3)
         for message in messages:
             await granted(message)
 
@@ -32,7 +32,8 @@ def test_the_200_goes_first_and_the_answers_own_start_is_dropped():
     sent = _run({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]},
                 {"type": "http.response.body", "body": b"data: x", "more_body": True},
                 {"type": "http.response.body", "body": b""})
-    assert sent == [{"type": "http.response.start", "status": 200, "headers": HEAD},
+    # (the server's free slots after the grant in the 200's headers)
+    assert sent == [{"type": "http.response.start", "status": 200, "headers": [*HEAD, (b"x-pd-free-slots", b"3")]},
                     {"type": "http.response.body", "body": b"data: x", "more_body": True},
                     {"type": "http.response.body", "body": b""}]
 

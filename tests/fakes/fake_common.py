@@ -63,6 +63,7 @@ class Records:
     claims: list[str] = field(default_factory=list)  # decode requests naming only their handoff (HandoffClaim)
     closed_claims: list[str] = field(default_factory=list)  # their handoff ids, closed before the result came
     granted_first: list[str] = field(default_factory=list)  # claims holding their slot: answered 200 at the take
+    queued_claims: list[str] = field(default_factory=list)  # handoff ids of those that asked to wait (claim.wait)
 
     def dump(self) -> dict[str, Any]:
         return {
@@ -80,6 +81,7 @@ class Records:
             "claims": self.claims,
             "closed_claims": self.closed_claims,
             "granted_first": self.granted_first,
+            "queued_claims": self.queued_claims,
         }
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from decode_server.server.granted import GrantedSend
-from decode_server.server.leases import LeaseRefused, LeaseTable
+from decode_server.server.leases import Holder, LeaseRefused, LeaseTable
 from pd_router.asgi import Receive, Scope, Send, read_body, respond
 from pd_wire.decode import (
     CANCEL_PATH,
@@ -34,7 +34,7 @@ from pd_wire.decode import (
     LeaseRenewed,
     LeaseRequest,
 )
-from pd_wire.handoff import PROTOCOL_VERSION, HandoffClaim, HandoffResult, PeerStatus
+from pd_wire.handoff import PROTOCOL_VERSION, HandoffClaim, HandoffResult, PeerStatus, SlotWait
 from tests.fakes.fake_common import FakeBase, error_body
 
 
@@ -57,6 +57,7 @@ class DecodeKnobs(BaseModel):
     fail: str | None = None  # "status" | "mid_stream" | "no_done"
     fail_status: int = 500
     fail_after: int = 2
+    max_tokens: int | None = None  # larger max tokens are a 400 before any slot, as the real server's context
     release_lag: float = 0.0  # seconds between the end of a sequence and its slot being free again
     busy: bool = False  # answer 429 to every request (slots taken outside the router's count)
     leases: bool = True  # grant slot leases (capabilities.lease_ttl_s); False: the router counts the slots
@@ -75,6 +76,8 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         self._permits = 0  # releases that came before the request they were meant for
         self._permits_for: set[str] = set()  # releases by request id that came before it was held
         self._cancel: dict[str, asyncio.Event] = {}
+        self._by_handoff: dict[str, str] = {}  # handoff id -> request id, of the requests running here
+        self._swapped: set[str] = set()  # handoff ids whose slot a swap took (their answer is a 499)
         self._results: dict[str, asyncio.Event] = {}  # handoff id -> set once its result came with the KV
         self._kv_server: asyncio.Server | None = None
         self._table: LeaseTable | None = None
@@ -88,7 +91,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         if not self.knobs.leases or self.knobs.plain:
             return None
         if self._table is None:
-            self._table = LeaseTable(self.knobs.slots, self.knobs.lease_ttl, 1024)
+            self._table = LeaseTable(self.knobs.slots, self.knobs.lease_ttl, 1024, on_replaced=self._replaced)
         return self._table
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -112,7 +115,8 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 model=k.model,
                 engine=k.engine,
                 slots=k.slots,
-                busy_slots=len(self.records.active),
+                # (as the real server: its slot table's count, the slots taken and not given back)
+                busy_slots=self.leases.busy if self.leases is not None else len(self.records.active),
                 max_seq_len=4096,
                 num_mtp=1,
                 kv_endpoint=k.kv_endpoint or await self._kv_channel(scope["server"][0]),
@@ -154,7 +158,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         try:
             slot = table.grant_now(req.lease_id, req.replaces)  # at once, as the real decode server
             if slot is None:
-                slot = await self._wait_for_slot(table, req, receive)
+                slot = await self._wait_for_slot(table, req.lease_id, req, receive)
         except LeaseRefused as exc:
             return await respond(send, 409 if exc.reason == "duplicate" else 429, error_body(exc.message, 429))
         if slot is None:  # the caller went away while it waited
@@ -162,10 +166,28 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         await respond(send, 200, LeaseGrant(lease_id=req.lease_id, slot=slot, ttl_s=table.ttl_s, free=table.free,
                                             queued=table.queued).model_dump_json().encode())
 
+    async def _wait_as_job(self, table: LeaseTable, lease_id: str, wait: SlotWait, receive: Receive) -> bool:
+        """A decode request's wait for its slot (``HandoffClaim.wait``); False: the caller left first."""
+        self.records.queued_claims.append(lease_id)
+        if wait.replaces is not None:
+            self.records.swaps.append(wait.replaces)
+        return await self._wait_for_slot(table, lease_id, wait, receive, "job") is not None
+
+    def _replaced(self, handoff_id: str) -> None:
+        """A swap took this decode request's slot: it no longer holds it, and its answer ends
+        (a 499, as the real server's aborted job answers)."""
+        rid = self._by_handoff.get(handoff_id, "")
+        event = self._cancel.get(rid)
+        if event is not None:
+            self.records.active.discard(rid)
+            self._swapped.add(handoff_id)
+            event.set()
+
     @staticmethod
-    async def _wait_for_slot(table: LeaseTable, req: LeaseRequest, receive: Receive) -> int | None:
-        grant = asyncio.ensure_future(table.acquire(req.lease_id, req.wait_s, req.holder, req.arrived_at, req.sent_at,
-                                                    req.replaces))
+    async def _wait_for_slot(table: LeaseTable, lease_id: str, wait: SlotWait, receive: Receive,
+                             kind: Holder = "lease") -> int | None:
+        grant = asyncio.ensure_future(table.acquire(lease_id, wait.wait_s, wait.holder, wait.arrived_at, wait.sent_at,
+                                                    wait.replaces, kind))
         gone = asyncio.ensure_future(receive())
         await asyncio.wait({grant, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
@@ -179,7 +201,14 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         k, rec = self.knobs, self.records
         rid = self._rid(scope)
         body = json.loads(await read_body(scope, receive, 1 << 26))
-        rec.requests.append({"request_id": rid, "path": path, "body": body, "t": time.monotonic()})
+        entry = {"request_id": rid, "path": path, "body": body, "t": time.monotonic()}
+        params = body.get("kv_transfer_params")
+        # a decode request standing in the queue for its request (claim.wait) is recorded when it
+        # is answered 429 or its result came: a grant its router no longer needed (stale, swapped)
+        # never served that request here
+        queued = isinstance(params, dict) and params.get("wait") is not None
+        if not queued:
+            rec.requests.append(entry)
         problem = self._check(body, rid)
         if problem:
             rec.errors.append(problem)
@@ -188,8 +217,20 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             # as the real decode server: an invalid client field is the client's 400 (not a fake error)
             return await respond(send, 400, error_body(f"invalid max tokens {limit!r}"))
+        if limit is not None and k.max_tokens is not None and limit > k.max_tokens:
+            return await respond(send, 400, error_body(f"max tokens {limit} over this decode server's {k.max_tokens}"))
         table, lease_id = self.leases, body["kv_transfer_params"].get("handoff_id", rid)
-        if table is not None:
+        wait = body["kv_transfer_params"].get("wait")
+        if table is not None and wait is not None and not k.busy:  # as the real server: a wait in the queue
+            try:
+                taken = await self._wait_as_job(table, lease_id, SlotWait.model_validate(wait), receive)
+            except LeaseRefused as exc:
+                rec.requests.append({**entry, "busy": exc.reason != "duplicate", "queued": True})
+                status = 409 if exc.reason == "duplicate" else 503 if exc.reason == "closed" else 429
+                return await respond(send, status, error_body(exc.message, status))
+            if not taken:  # the caller went away while it waited
+                return
+        elif table is not None:
             taken = not k.busy and table.take(lease_id, "job") is not None
         else:
             taken = not k.busy and len(rec.active) < (k.slots if not k.plain else 1 << 30)
@@ -200,24 +241,28 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         if body["kv_transfer_params"].get("grant_first"):  # as the real decode server: 200 once the slot is taken
             send = GrantedSend(send, [(b"content-type", b"text/event-stream" if body.get("stream")
                                        else b"application/json")])
-            await send.start()
+            await send.start(table.free if table is not None else 0)
             rec.granted_first.append(rid)
         if k.fail == "status":
             self._ended(rid, lease_id)
             return await respond(send, k.fail_status, error_body("fake decode failure", k.fail_status))
         cancel = self._cancel[rid] = asyncio.Event()
+        self._by_handoff[lease_id] = rid
         rec.active.add(rid)
         rec.max_active = max(rec.max_active, len(rec.active))
         watch = asyncio.ensure_future(receive())  # completes when the client goes away
         try:
             if rid in rec.claims and not await self._result_came(body, rid, cancel, watch, send):
                 return
+            if queued:
+                rec.requests.append({**entry, "t": time.monotonic(), "queued": True})
             if k.hold and not await self._hold(rid, cancel, watch):
                 return
             await self._emit(send, path, body, rid, cancel, watch)
         finally:
             watch.cancel()
             self._cancel.pop(rid, None)
+            self._by_handoff.pop(lease_id, None)
             if k.release_lag:  # like an engine thread that hands the slot back a little later
                 asyncio.get_running_loop().call_later(k.release_lag, self._ended, rid, lease_id)
             else:
@@ -262,6 +307,9 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         if watch.done():
             self.records.disconnects.append(rid)
             self.records.closed_claims.append(handoff_id)
+        elif handoff_id in self._swapped:
+            self._swapped.discard(handoff_id)
+            await respond(send, 499, error_body("fake decode: the slot went to the swap replacing it", 499))
         elif not cancel.is_set():
             await respond(send, 504, error_body("fake decode: no KV and result within kv_timeout", 504))
         return False

@@ -32,6 +32,7 @@ class FakeReceiver:
         self._results: dict[str, HandoffResult] = {}  # from prefilled(): what a claim waits for too
         self.released: list[str] = []
         self.release_calls: list[str] = []  # every release(), also of handoffs it does not hold
+        self.tombstoned: list[str] = []  # those releases that asked for a tombstone (the default)
         self.waits: list[str] = []
         self._listening = False
         self.stats = ReceiverStats()  # what the decode server's /metrics reads: stays at zero here
@@ -124,9 +125,11 @@ class FakeReceiver:
                 raise HandoffTimeout(f"handoff {handoff_id!r}: no KV after {timeout:g} s")
             await asyncio.sleep(0.005)
 
-    def release(self, handoff_id: str) -> None:
+    def release(self, handoff_id: str, tombstone: bool = True) -> None:
         with self._lock:
             self.release_calls.append(handoff_id)
+            if tombstone:  # (the real receiver then refuses that id's KV for a while, if it holds none)
+                self.tombstoned.append(handoff_id)
             if handoff_id in self._held:
                 self._held.discard(handoff_id)
                 self.released.append(handoff_id)

@@ -32,8 +32,8 @@ async def test_queued_requests_cost_one_standing_lease_request_per_server(make_r
     def arrived() -> list[dict]:  # (not those answered busy: a cache that said a slot was free)
         return sorted((r for f in fakes for r in f.records.requests if not r.get("busy")), key=lambda r: r["t"])
 
-    def lease_calls() -> int:
-        return sum(len(f.records.leases) for f in fakes)
+    def lease_calls() -> int:  # slot requests: lease calls, and decode requests standing in a queue
+        return sum(len(f.records.leases) + len(f.records.queued_claims) for f in fakes)
 
     async def one(i: int, router: int) -> str:
         stream = await clients[router].completions.create(
@@ -86,10 +86,17 @@ async def test_queued_requests_cost_one_standing_lease_request_per_server(make_r
     calls = lease_calls() - before - queued_calls
     assert calls <= (2 * len(routers) + 1) * (FILL + QUEUED), (queued_calls, calls)
     assert sum(len(f.records.swaps) for f in fakes) >= 1, "no stale grant was swapped: the test missed that path"
+    # every standing request was a queued request's own decode request: no lease was asked (protocol 7)
+    assert sum(len(f.records.leases) for f in fakes) == 0, [f.records.leases for f in fakes]
+    assert sum(len(f.records.queued_claims) for f in fakes) >= QUEUED
     assert all(f.records.max_active == 1 and not f.records.errors for f in fakes)
-    # answered busy: at most the second router's first try (above), a decode request refused at
-    # once as its lease request was before; its prefill never ran (it goes out on the 200)
-    assert len([rid for f in fakes for rid in f.records.busy]) <= 1, [f.records.busy for f in fakes]
+    # answered busy: a decode request taking a slot its router's count said was free, refused at
+    # once (its prefill never ran: it goes out on the 200), then waiting in the queues, where
+    # nothing is answered busy: once at most per request, and only for the second router's first
+    # try (above) or one of the first requests (a probe's count that came after the router's own
+    # take said a slot was free); never a request that queued at its router
+    busy = [rid for f in fakes for rid in f.records.busy]
+    assert len(busy) == len(set(busy)) and set(busy) <= {f"c{i:03d}" for i in (*range(FILL), FILL + 1)}, busy
     prefilled = [req["request_id"] for rig in routers for p in rig.prefills for req in rig.records(p)["requests"]]
     assert sorted(prefilled) == [f"c{i:03d}" for i in range(FILL + QUEUED)]  # one prefill per request
     for r in routers:

@@ -5,10 +5,13 @@ stands for; switched off (``--no-decode-request-holds-slot``) a lease comes firs
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import pytest
 
 from tests.router.conftest import MODEL
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
@@ -69,4 +72,63 @@ def test_a_server_failing_after_its_200_is_failed_over_before_the_first_byte(mak
                           timeout=20)
         assert resp.status_code == 200, resp.text
     assert len(rig.records(broken)["granted_first"]) == 1  # tried once, then marked down
+    rig.assert_no_leaks()
+
+
+def test_a_queued_request_waits_with_its_decode_request_and_is_prefilled_on_its_grant(make_rig):
+    """No slot free: the request's decode request waits in the decode server's queue
+    (``HandoffClaim.wait``), no lease asked; its prefill goes out only once the slot came to it."""
+    rig = make_rig(decode={"hold": True, "slots": 1})
+    decode, answers = rig.decodes[0], {}
+
+    def ask(rid: str) -> None:
+        answers[rid] = httpx.post(rig.url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": rid},
+                                  timeout=30)
+
+    first = threading.Thread(target=ask, args=("first",))
+    first.start()
+    wait_until(lambda: rig.records(decode)["granted_first"] == ["first"], 15, "the first request holds the slot")
+    second = threading.Thread(target=ask, args=("second",))
+    second.start()
+    wait_until(lambda: rig.records(decode)["queued_claims"] == ["second"], 15, "the second one waits there")
+    assert [p["request_id"] for p in rig.records(rig.prefills[0])["requests"]] == ["first"]  # not prefilled yet
+    for rid in ("first", "second"):
+        httpx.post(decode.url + "/fake/release", json={"request_id": rid}, timeout=10)
+    first.join(30)
+    second.join(30)
+    assert [answers[rid].status_code for rid in ("first", "second")] == [200, 200], answers
+    records = rig.records(decode)
+    assert records["leases"] == [] and records["granted_first"] == ["first", "second"]
+    assert [p["request_id"] for p in rig.records(rig.prefills[0])["requests"]] == ["first", "second"]
+    rig.assert_no_leaks()
+
+
+def test_a_queued_decode_request_the_server_refuses_is_the_clients_answer_and_blocks_nobody(make_rig):
+    """Queued, the request's decode request is refused by the decode server for what it asks
+    (a 400 before any slot): the client gets that 400 at once, and the request queued behind it
+    is served when the slot frees (before: the router took the 400 for a slot refusal and sent
+    it again after a back-off, for ever, holding the head of its queue)."""
+    rig = make_rig(decode={"hold": True, "slots": 1, "max_tokens": 8})
+    decode, answers = rig.decodes[0], {}
+
+    def ask(rid: str, max_tokens: int) -> None:
+        answers[rid] = httpx.post(rig.url + "/v1/completions", json={**COMPLETION, "max_tokens": max_tokens},
+                                  headers={"X-Request-Id": rid}, timeout=30)
+
+    threads = [threading.Thread(target=ask, args=("holder", 4))]
+    threads[0].start()
+    wait_until(lambda: rig.records(decode)["granted_first"] == ["holder"], 15, "the first request holds the slot")
+    for rid, max_tokens in (("too-long", 64), ("behind", 4)):
+        threads.append(threading.Thread(target=ask, args=(rid, max_tokens)))
+        threads[-1].start()
+        wait_until(lambda rid=rid: rid in answers or rig.state.pool.queue_depth >= 1, 15, f"{rid} queued")
+    threads[1].join(15)
+    assert answers["too-long"].status_code == 400, answers["too-long"].text
+    assert "over this decode server's 8" in answers["too-long"].json()["error"]["message"]
+    for rid in ("holder", "behind"):
+        httpx.post(decode.url + "/fake/release", json={"request_id": rid}, timeout=10)
+    for t in threads:
+        t.join(30)
+    assert answers["holder"].status_code == 200 and answers["behind"].status_code == 200, answers
+    assert [p["request_id"] for p in rig.records(rig.prefills[0])["requests"]] == ["holder", "behind"]
     rig.assert_no_leaks()

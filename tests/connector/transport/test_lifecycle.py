@@ -258,6 +258,12 @@ async def test_release_before_completion_revokes_and_release_before_admission_ca
             with pytest.raises(AdmissionRefused) as info:
                 await asyncio.to_thread(sender.begin, receiver.endpoint, "not-yet", 8, 5)
             assert info.value.reason == "cancelled"
+            # without a tombstone (a decode request the router gave up before any prefill for
+            # it): the same id, granted later, has its KV taken
+            receiver.release("later", tombstone=False)
+            later = await asyncio.to_thread(sender.begin, receiver.endpoint, "later", 8, 5)  # admitted
+            receiver.release("later")
+            await eventually(lambda: later.status() == "failed")
             assert_no_leaks(receiver, sender)
         finally:
             sender.close()
