@@ -15,7 +15,7 @@ from pd_router.lease_types import Lease, LeaseHooks
 from pd_router.remote_leases import RemoteLeases
 from pd_wire.decode import DecodeCapabilities
 from pd_wire.handoff import PROTOCOL_VERSION, PeerStatus
-from tests.fakes.scripted_leases import ScriptedLeases
+from tests.fakes.scripted_leases import Call, ScriptedDecodeFirst, ScriptedLeases
 from tests.waits import eventually
 
 pytestmark = pytest.mark.timeout(30)
@@ -50,10 +50,11 @@ class Rig:
         self.tasks.append(task)
         return task
 
-    def ask(self, lease_id: str, arrived: float) -> None:
+    def ask(self, lease_id: str, arrived: float, decode_first: bool = False) -> None:
         servers = list(self.backends.decode)
+        first = ScriptedDecodeFirst(self.client, lease_id) if decode_first else None
         self.waits[lease_id] = asyncio.ensure_future(
-            self.remote.lease("m", lease_id, servers, WAIT, arrived, lambda waiting: None))
+            self.remote.lease("m", lease_id, servers, WAIT, arrived, lambda waiting: None, decode_first=first))
 
     def open(self) -> list[tuple[str, str, float, str | None]]:
         return [c.key for c in self.client.open()]
@@ -152,3 +153,64 @@ async def test_a_refused_standing_request_is_sent_again_after_a_back_off(rig) ->
     r.call("d0", "r0").grant()
     await _turns()
     assert r.served() == {"r0": "http://d0"}
+
+
+async def test_a_queued_requests_decode_request_stands_for_it_and_is_closed_when_no_longer_needed(rig) -> None:
+    """The standing requests are the request's own decode requests (no lease asked): the grant
+    is its lease with the open answer; the others are closed (their calls cancelled), no
+    release call; the router counts the server's free slots as its 200 said."""
+    r: Rig = rig(3)
+    r.ask("r0", 0.0, decode_first=True)
+    await _turns()
+    assert sorted(r.open()) == [(f"d{i}", "r0", WAIT, None) for i in range(3)]
+    assert all(c.decode for c in r.client.calls)
+    r.call("d1", "r0").grant(free=0)
+    await _turns()
+    lease = r.waits["r0"].result()
+    assert lease.implicit and lease.lease_id is None and lease.opened is r.client.calls[1].opened
+    assert r.open() == [] and r.client.releases == [] and r.remote.queue.standing == 0
+    r.remote.release(lease)
+    assert r.client.calls[1].opened.closed  # given back unused: closing it frees the slot there
+
+
+async def _stale_at_d1(r: Rig) -> Call:
+    """r0 and r1 queued with their decode requests; r0 served at d0, then d1 grants r0: stale,
+    a swap for r1 at d1 goes out (r1 reserved). The stale grant's call."""
+    r.ask("r0", 0.0, decode_first=True)
+    r.ask("r1", 1.0, decode_first=True)
+    await _turns()
+    r.call("d0", "r0").grant()
+    await _turns()
+    stale = r.call("d1", "r0")
+    stale.grant(free=0)
+    await _turns()
+    return stale
+
+
+async def test_a_stale_decode_grant_is_swapped_and_closed_once_the_swap_answered(rig) -> None:
+    r: Rig = rig(2)
+    stale = await _stale_at_d1(r)
+    swap = r.call("d1", "r1")
+    assert swap.key == ("d1", "r1", 0.0, "r0") and swap.decode
+    assert not stale.opened.closed  # (closed before the swap came, its slot could go to anyone)
+    swap.grant()
+    await _turns()
+    assert stale.opened.closed and r.served() == {"r0": "http://d0", "r1": "http://d1"}
+    # d0's standing request for r1 was closed as r1 was served (nobody waits): no release call
+    assert r.open() == [] and r.client.releases == [] and r.remote.queue.standing == 0
+
+
+async def test_a_decode_swap_dropped_in_flight_gives_its_head_back_to_the_other_servers(rig) -> None:
+    """The server of a swap in flight goes away: the swap (a decode request) is closed, and the
+    head it reserved is the head again, for the next grant elsewhere."""
+    r: Rig = rig(3)
+    await _stale_at_d1(r)
+    assert ("d1", "r1", 0.0, "r0") in r.open()
+    r.backends.decode[1].healthy = False
+    r.backends.refresh()
+    r.remote.queue.refresh()  # d1 unusable: its swap is closed
+    await _turns()
+    assert ("d1", "r1", 0.0, "r0") not in r.open()
+    r.call("d2", "r0").grant()  # stale (r0 served at d0): r1, no longer reserved, is swapped in here
+    await _turns()
+    assert ("d2", "r1", 0.0, "r0") in r.open()
