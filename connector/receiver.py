@@ -65,7 +65,7 @@ from connector.transport import (
     nixl_transport,
 )
 from pd_net.tcp import DeadPeer
-from pd_wire.handoff import PROTOCOL_VERSION, PeerStatus
+from pd_wire.handoff import PROTOCOL_VERSION, HandoffResult, PeerStatus
 
 if TYPE_CHECKING:
     import torch
@@ -366,6 +366,17 @@ class KVReceiver:
         self.stats.prefilled += 1
         await self._notify_all()
         return Noted(handoff_id=result.handoff_id, known=True)
+
+    async def post_result(self, result: HandoffResult) -> bool:
+        """The result of a handoff sent by the decode server's client rather than with the KV
+        (a claim whose result is posted: vLLM's answer as the router read it); False when no
+        such handoff is here (never admitted, failed, released) or its prompt's length differs."""
+        h = self._handoffs.get(result.handoff_id)
+        if h is None or h.state == "failed" or h.num_tokens != result.num_prompt_tokens:
+            return False
+        h.result = result
+        await self._notify_all()
+        return True
 
     async def _on_hello(self, conn: ControlConnection, hello: Hello) -> BaseModel:
         name = hello.agent_name

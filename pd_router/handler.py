@@ -170,12 +170,12 @@ class CompletionHandler:
             await prefill_leg.prefill_alone(state, ctx, body, model)
             return
         decode_check.check_decode_view(ctx.endpoint, body, request)
-        # a request whose first token can travel with the KV takes a free slot with its decode
-        # request, the prefill on its 200: no lease exchange (docs/router.md); queued, its decode
-        # request stands in the servers' queues for it. A try after a busy or failed one, or
-        # after its decode request found the slot taken, waits in the queues
-        holds_slot = (state.settings.first_token_with_kv and state.settings.decode_request_holds_slot
-                      and decode_check.result_with_kv(body, request, None, {}, any_server=True))
+        # a request takes a free slot with its decode request, the prefill on its 200: no lease
+        # exchange (docs/router.md); queued, its decode request stands in the servers' queues for
+        # it. A try after a busy or failed one, or after its decode request found the slot taken,
+        # waits in the queues. Its first token travels with the KV, or (when its decode needs vLLM's
+        # answer) the router posts the result it read from that answer
+        holds_slot = state.settings.first_token_with_kv and state.settings.decode_request_holds_slot
         implicit = holds_slot
         t_start = perf_counter()
         attempt = busy = 0
@@ -242,7 +242,8 @@ class CompletionHandler:
         grammar: GrammarSpec | None = None, with_kv: bool = False,
     ) -> None:
         """Prefill and decode on one lease (``with_kv``: at once, the first token with the KV,
-        :mod:`pd_router.overlap`; else one after the other); always gives the lease back: at
+        :mod:`pd_router.overlap`; else one after the other, on a slot held by the decode request
+        with the result posted to it); always gives the lease back: at
         once after a clean end or a 4xx answer (prefill refused before computing anything;
         decode refused after giving its slot and the KV back), held back when the decode
         server was busy, else after a cancel on the decode server (it may still hold the KV
@@ -251,7 +252,7 @@ class CompletionHandler:
         outcome = "aborted"
         try:
             ctx.stage = "prefill"
-            if with_kv:
+            if with_kv or lease.implicit:
                 kv_params: dict[str, Any] = {}
             else:
                 kv_params = await prefill_leg.prefill(state, ctx, lease, body, request, handoff_id, grammar)
@@ -265,6 +266,9 @@ class CompletionHandler:
                 if with_kv:
                     clean = await overlap.prefill_and_decode(state, ctx, lease, body, request, handoff_id, grammar,
                                                              trace)
+                elif lease.implicit:
+                    clean = await overlap.prefill_then_post(state, ctx, lease, body, request, handoff_id, grammar,
+                                                            trace)
                 else:
                     clean = await relay.decode(state, ctx, lease, body, request, kv_params, trace)
             if clean:

@@ -91,9 +91,9 @@ async def prefill_and_decode(
 @dataclass(eq=False)
 class StandingDecode:
     """One attempt's decode request as its standing request in a decode server's queue
-    (:class:`pd_router.lease_types.DecodeFirst`): a request whose first token travels with
-    the KV, to a server that would take it as it is (no 400 of its own, no field of vLLM's
-    answer needed there)."""
+    (:class:`pd_router.lease_types.DecodeFirst`), to one of our servers that would take it as it
+    is (no 400 of its own): its result comes with the KV, or is posted when its decode needs
+    vLLM's answer (:func:`prefill_then_post`)."""
 
     state: RouterState
     ctx: RequestContext
@@ -103,13 +103,44 @@ class StandingDecode:
 
     def fits(self, backend: DecodeBackend) -> bool:
         caps = backend.capabilities
-        return (caps is not None and decode_check.refusal(self.request, caps) is None
-                and decode_check.result_with_kv(self.body, self.request, caps,
-                                                decode_check.prefill_fields(self.request, caps)))
+        return caps is not None and decode_check.refusal(self.request, caps) is None
 
     async def open(self, backend: DecodeBackend, wait: SlotWait) -> Answer:
-        claim = HandoffClaim(handoff_id=self.handoff_id, result="with_kv", grant_first=True, wait=wait)
+        caps = backend.capabilities
+        with_kv = decode_check.result_with_kv(self.body, self.request, caps,
+                                              decode_check.prefill_fields(self.request, caps))
+        claim = HandoffClaim(handoff_id=self.handoff_id, result="with_kv" if with_kv else "posted", grant_first=True,
+                             wait=wait)
         return await relay.open_standing(self.state, self.ctx, backend, self.body, claim.model_dump(exclude_none=True))
+
+
+async def prefill_then_post(
+    state: RouterState, ctx: RequestContext, lease: Lease, body: dict[str, Any], request: OpenAIRequest,
+    handoff_id: str, grammar: GrammarSpec | None, trace: Mapping[str, str] | None = None,
+) -> bool:
+    """A request whose decode needs vLLM's answer (the first token's logprobs, the prompt's ids)
+    on a slot its decode request holds (:attr:`Lease.implicit`): that request first (granted in
+    the server's queue, or taking a free slot now: :class:`SlotNotTaken` when it does not), the
+    prefill on its 200, then the result read from vLLM's answer posted to the decode server
+    (``HandoffClaim.result == "posted"``), whose first event then comes. True when the answer
+    ended cleanly; raises as the sequential legs do."""
+    granted = lease.take_opened()
+    if granted is None:
+        ctx.stage = "decode"  # a failure to take the slot is the decode leg's
+        claim = HandoffClaim(handoff_id=handoff_id, result="posted", grant_first=True)
+        granted = await relay.open_answer(state, ctx, lease, body, claim.model_dump(exclude_none=True), trace)
+    relayed = False
+    try:
+        ctx.stage = "prefill"
+        params = await prefill_leg.prefill(state, ctx, lease, body, request, handoff_id, grammar)
+        ctx.stage = "decode"
+        await relay.post_result(state, ctx, lease, params)
+        resp = await relay.first_event(state, lease, granted)
+        relayed = True  # the relay gives the connection back
+        return await relay.relay(state, ctx, lease, resp, body, request)
+    finally:
+        if not relayed:
+            granted.close()  # the decode request closed: the decode server frees what it held for it
 
 
 def _prefilled(ctx: RequestContext, leg: asyncio.Future[Any]) -> None:

@@ -5,6 +5,8 @@ per token), with its TTFT, TPOT and ITL."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from time import perf_counter
@@ -21,7 +23,7 @@ from pd_router.lease_client import CALL_TIMEOUT_S, IMMEDIATE_ANSWER_S, Answer
 from pd_router.rawhttp import Response, UpstreamError
 from pd_router.slots import Lease, Requeue, SlotNotTaken
 from pd_router.upstream import Unreachable
-from pd_wire.decode import FREE_SLOTS_HEADER
+from pd_wire.decode import FREE_SLOTS_HEADER, REQUEST_ID_HEADER, RESULT_PATH
 from pd_wire.requests import OpenAIRequest
 
 if TYPE_CHECKING:
@@ -93,6 +95,23 @@ async def open_standing(state: RouterState, ctx: RequestContext, backend: Decode
     except ValueError:
         free = 0
     return Answer(200, rtt=perf_counter() - t0, immediate=wait_s == 0, opened=resp, free=max(0, free))
+
+
+async def post_result(state: RouterState, ctx: RequestContext, lease: Lease, params: dict[str, Any]) -> None:
+    """The handoff's result, read from vLLM's answer, to the decode request waiting for it
+    (``HandoffClaim.result == "posted"``). Not there (404: the request or its KV ended) is for the
+    open answer to say; no answer at all is the decode leg's failure."""
+    target = lease.backend.target
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            resp = await state.upstream.post(target.origin, target.prefix + RESULT_PATH, json.dumps(params).encode(),
+                                             {REQUEST_ID_HEADER: ctx.request_id, **dict(target.auth)})
+            try:
+                await resp.read()
+            finally:
+                resp.release()
+    except (UpstreamError, TimeoutError) as exc:
+        raise upstream.map_error("decode", target, exc, f"{CALL_TIMEOUT_S:g}s (posting the result)") from None
 
 
 async def first_event(state: RouterState, lease: Lease, resp: Response) -> Response:

@@ -31,6 +31,10 @@ from pd_wire.errors import ErrorBody, ErrorDetail
 from pd_wire.handoff import PeerStatus, SlotWait
 
 CAPABILITIES_PATH = "/v1/pd/capabilities"
+# the result of a claim whose result is "posted" (HandoffClaim.result): a HandoffResult as the
+# router completed it from vLLM's answer (prefill_logprobs, prompt_token_ids); 204 once the request
+# waiting under that handoff has it, 404 when none waits here (or its KV never came), 400 invalid
+RESULT_PATH = "/v1/pd/result"
 CANCEL_PATH = "/v1/pd/cancel"
 REQUEST_ID_HEADER = "X-Request-Id"
 

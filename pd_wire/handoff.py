@@ -34,7 +34,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 #    200 at the slot's take and puts a later refusal in the body, pd_wire.decode.DecodeRefusal)
 # 7: a claim holding its slot itself may wait for it in the server's queue (HandoffClaim.wait,
 #    SlotWait): a router's standing request for the head of its queue is that request's decode
-#    request; ``replaces`` hands on a slot held by a decode request the router no longer needs
+#    request; ``replaces`` hands on a slot held by a decode request the router no longer needs;
+#    a claim's result may be posted by the router (HandoffClaim.result "posted",
+#    pd_wire.decode.RESULT_PATH): requests whose decode needs vLLM's answer hold their slot too
 PROTOCOL_VERSION = 7
 
 # "pending": admitted, the KV is on its way (the decode server waits for its last layer);
@@ -96,7 +98,10 @@ class HandoffClaim(BaseModel):
 
     protocol_version: int = PROTOCOL_VERSION
     handoff_id: str = Field(min_length=1, max_length=256)
-    result: Literal["with_kv"] = Field(description="where the result comes from: the KV control channel")
+    result: Literal["with_kv", "posted"] = Field(description="where the result comes from: the KV control "
+                                                 "channel (with_kv), or the router once vLLM answered (posted: "
+                                                 "POST pd_wire.decode.RESULT_PATH, with the first token's "
+                                                 "logprobs and the prompt's ids when the decode needs them)")
     grant_first: bool = Field(default=False, description="the decode request holds its slot itself (no lease "
                               "was asked for it): the decode server answers 200 as soon as it took the slot "
                               "(before the KV lands) and puts a refusal that comes later in the body "

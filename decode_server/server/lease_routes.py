@@ -4,14 +4,13 @@ acquire (a long poll in the server's queue), renew, release."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from decode_server.server.api_errors import ApiError, InvalidRequest, NotReady, validation_message
+from decode_server.server.api_errors import ApiError, NotReady
 from decode_server.server.leases import LeaseRefused, LeaseTable
-from decode_server.server.routes import error_response
+from decode_server.server.routes import error_response, parse_body
 from decode_server.server.slot_table import refusal_error
 from decode_server.server.state import DecodeState
 from pd_wire.decode import (
@@ -32,14 +31,6 @@ def _state(request: Request) -> DecodeState:
     return request.app.state.decode
 
 
-async def _body(request: Request, model: type[Any]) -> Any:
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as exc:
-        message, param = validation_message(exc.errors(include_url=False))
-        raise InvalidRequest(message, param) from exc
-
-
 def _json(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
@@ -54,7 +45,7 @@ async def acquire(request: Request) -> Response:
     """A slot now, or after a wait in the queue; the caller leaving takes it out of the queue."""
     state = _state(request)
     try:
-        body: LeaseRequest = await _body(request, LeaseRequest)
+        body: LeaseRequest = await parse_body(request, LeaseRequest)
         if not state.ready:
             raise NotReady(f"decode server not ready: {state.not_ready_reason()}")
     except ApiError as err:
@@ -100,7 +91,7 @@ async def _wait_for_slot(request: Request, leases: LeaseTable, body: LeaseReques
 @router.post(LEASE_RENEW_PATH)
 async def renew(request: Request) -> Response:
     try:
-        body: LeaseIds = await _body(request, LeaseIds)
+        body: LeaseIds = await parse_body(request, LeaseIds)
     except ApiError as err:
         return error_response(err)
     leases = _state(request).slots.leases
@@ -110,7 +101,7 @@ async def renew(request: Request) -> Response:
 @router.post(LEASE_RELEASE_PATH)
 async def release(request: Request) -> Response:
     try:
-        body: LeaseIds = await _body(request, LeaseIds)
+        body: LeaseIds = await parse_body(request, LeaseIds)
     except ApiError as err:
         return error_response(err)
     leases = _state(request).slots.leases

@@ -99,15 +99,25 @@ def _max_tokens(asked: int | None, param: str, prompt_tokens: int, max_seq_len: 
 
 
 def with_result(plan: Plan, result: HandoffResult) -> Plan:
-    """The plan of a claim, completed by the result that came with the KV: the output's
-    bound now that the prompt's length is known (a 400 when it leaves no room)."""
+    """The plan of a claim, completed by the result that came with the KV or was posted: the
+    output's bound now that the prompt's length is known (a 400 when it leaves no room), and
+    from a posted result the first token's logprobs and the prompt's ids."""
     _check_handoff(result)
     if result.handoff_id != plan.handoff_id:
         raise HandoffFailed(f"the KV channel delivered handoff {result.handoff_id!r} for {plan.handoff_id!r}",
                             "kv_transfer_params.handoff_id")
+    if plan.sampling.repetition_penalty != 1.0 and result.prompt_token_ids is None:
+        raise InvalidRequest("repetition_penalty needs the prompt's token ids: the posted result's "
+                             "prompt_token_ids (the router asks prefill for them)",
+                             "kv_transfer_params.prompt_token_ids")
     asked, param, max_seq_len = plan.asked_max_tokens
     max_tokens = _max_tokens(asked, param, result.num_prompt_tokens, max_seq_len)
-    return replace(plan, handoff=result, sampling=replace(plan.sampling, max_tokens=max_tokens),
+    # a posted result (the router's, from vLLM's answer) carries what such a request needs
+    prompt_ids = tuple(result.prompt_token_ids or ()) if plan.sampling.repetition_penalty != 1.0 else ()
+    first_logprob = (prefill_logprob(result.prefill_logprobs, plan.logprobs) if plan.logprobs is not None
+                     else None)
+    return replace(plan, handoff=result, first_logprob=first_logprob,
+                   sampling=replace(plan.sampling, max_tokens=max_tokens, prompt_token_ids=prompt_ids),
                    stop=replace(plan.stop, max_tokens=max_tokens))
 
 
@@ -141,7 +151,6 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
     _check_handoff(handoff)
     k = _logprobs_k(req)
     asked, param = _asked_max_tokens(req)
-    claim = isinstance(handoff, HandoffClaim)
     if isinstance(handoff, HandoffResult):
         max_tokens = _max_tokens(asked, param, handoff.num_prompt_tokens, limits.max_seq_len)
     elif asked is not None and asked >= limits.max_seq_len:  # whatever the prompt, known when the KV lands
@@ -154,10 +163,11 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
     temperature = req.temperature if req.temperature is not None else dflt.temperature
     top_k = req.top_k if req.top_k is not None else dflt.top_k
     repetition = _or(req.repetition_penalty, dflt.repetition_penalty, 1.0)
-    if claim and (k is not None or repetition != 1.0):
+    if isinstance(handoff, HandoffClaim) and handoff.result == "with_kv" and (k is not None or repetition != 1.0):
         needs = "logprobs" if k is not None else "repetition_penalty"
         raise InvalidRequest(f"{needs} needs the prefill's answer (the first token's logprobs, the prompt's token "
-                             "ids): send kv_transfer_params as the HandoffResult, not a claim", needs)
+                             "ids): send kv_transfer_params as the HandoffResult, or a claim whose result is "
+                             "posted", needs)
     if isinstance(handoff, HandoffResult) and repetition != 1.0 and handoff.prompt_token_ids is None:
         raise InvalidRequest("repetition_penalty needs the prompt's token ids: kv_transfer_params.prompt_token_ids "
                              "(the router asks prefill for them)", "kv_transfer_params.prompt_token_ids")

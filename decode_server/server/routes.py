@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import ValidationError
 
-from decode_server.server.api_errors import ApiError, InvalidRequest, NotReady, validation_message
+from decode_server.server.api_errors import ApiError, InvalidRequest, NotFound, NotReady, validation_message
 from decode_server.server.generation import GenerationResponse, Job
 from decode_server.server.observe import RequestObservation
 from decode_server.server.request_plan import build_plan
@@ -18,11 +18,12 @@ from pd_wire.decode import (
     CANCEL_PATH,
     CAPABILITIES_PATH,
     REQUEST_ID_HEADER,
+    RESULT_PATH,
     CancelRequest,
     CancelResponse,
     DecodeCapabilities,
 )
-from pd_wire.handoff import PROTOCOL_VERSION
+from pd_wire.handoff import PROTOCOL_VERSION, HandoffClaim, HandoffResult
 from pd_wire.requests import MODELS, Endpoint
 
 router = APIRouter()
@@ -55,6 +56,15 @@ def _validate(body: Any, model: type[Any]) -> Any:
                              "requests (send requests through the PD router)", "kv_transfer_params")
     try:
         return model.model_validate(body)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors(include_url=False))
+        raise InvalidRequest(message, param) from exc
+
+
+async def parse_body(request: Request, model: type[Any]) -> Any:
+    """The request's JSON body as ``model``; an invalid one raises its 400."""
+    try:
+        return model.model_validate_json(await request.body())
     except ValidationError as exc:
         message, param = validation_message(exc.errors(include_url=False))
         raise InvalidRequest(message, param) from exc
@@ -142,10 +152,9 @@ async def cancel(request: Request) -> Response:
     generation under that id, free the handoff in the receiver (an unclaimed KV, or a
     tombstone that refuses the KV if it comes later)."""
     try:
-        body = CancelRequest.model_validate_json(await request.body())
-    except ValidationError as exc:
-        message, param = validation_message(exc.errors(include_url=False))
-        return error_response(InvalidRequest(message, param))
+        body: CancelRequest = await parse_body(request, CancelRequest)
+    except ApiError as err:
+        return error_response(err)
     state = _state(request)
     job = state.slots.job(body.request_id)
     if job is not None and body.handoff_id not in (None, job.plan.handoff_id):
@@ -159,6 +168,23 @@ async def cancel(request: Request) -> Response:
     state.slots.leases.release([body.handoff_id or body.request_id])  # the request's lease ends with it
     return Response(CancelResponse(request_id=body.request_id, cancelled=cancelled).model_dump_json(),
                     media_type="application/json")
+
+
+@router.post(RESULT_PATH)
+async def post_result(request: Request) -> Response:
+    """The result of a claim whose result is posted (``HandoffClaim.result == "posted"``): vLLM's
+    answer as the router read it, for the request waiting under that handoff with its KV."""
+    try:
+        result: HandoffResult = await parse_body(request, HandoffResult)
+    except ApiError as err:
+        return error_response(err)
+    state = _state(request)
+    waiting = any(isinstance(job.plan.handoff, HandoffClaim) and job.plan.handoff.result == "posted"
+                  and job.plan.handoff_id == result.handoff_id for job in state.slots.jobs())
+    if not waiting or state.receiver is None or not await state.receiver.post_result(result):
+        return error_response(NotFound(f"no request waits here for the result of handoff {result.handoff_id!r} "
+                                       "(its KV did not come, or it ended)", "handoff_id"))
+    return Response(status_code=204)
 
 
 @router.get("/health")

@@ -29,6 +29,7 @@ from pd_grammar.spec import JsonWhitespace, SchemaLimits, warm_up
 from pd_http.drain import wait_then_cut
 from pd_http.heap import freeze_startup_heap
 from pd_http.tracing import Tracing
+from pd_wire.handoff import HandoffResult
 
 log = logging.getLogger(__name__)
 DRAIN_ABORT_WAIT_S = 5.0  # after the drain timeout: how long aborted generations may take to end
@@ -58,6 +59,8 @@ class ManagedReceiver(Receiver, Protocol):
     def stats(self) -> ReceiverStats: ...
 
     def use_slots(self, slots: SlotSource) -> None: ...
+
+    async def post_result(self, result: HandoffResult) -> bool: ...
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pd_wire.decode import DecodeRefusal
+from pd_wire.decode import RESULT_PATH, DecodeRefusal
 from pd_wire.handoff import HandoffResult
 from tests.decode_server.helpers import handoff, script_for
 from tests.fakes.fake_engine import FakeEngineConfig
@@ -27,8 +27,8 @@ from tests.waits import wait_until
 pytestmark = pytest.mark.timeout(60)
 
 
-def _claim(wait: dict[str, Any] | None = None) -> dict[str, Any]:
-    claim: dict[str, Any] = {"handoff_id": f"h-{uuid.uuid4().hex[:12]}", "result": "with_kv", "grant_first": True}
+def _claim(wait: dict[str, Any] | None = None, result: str = "with_kv") -> dict[str, Any]:
+    claim: dict[str, Any] = {"handoff_id": f"h-{uuid.uuid4().hex[:12]}", "result": result, "grant_first": True}
     if wait is not None:
         claim["wait"] = {"holder": "router-a", "sent_at": time.monotonic(), "arrived_at": time.monotonic(), **wait}
     return claim
@@ -42,7 +42,7 @@ class _Asker:
     """One decode request in a thread (http.client, so that :meth:`close` can cut its
     connection while it waits): ``granted`` once its status came, ``done`` at its end."""
 
-    def __init__(self, srv, claim: dict[str, Any], max_tokens: int = 20) -> None:
+    def __init__(self, srv, claim: dict[str, Any], max_tokens: int = 20, **fields: Any) -> None:
         self.claim = claim
         self.status: int | None = None
         self.body = b""
@@ -51,13 +51,14 @@ class _Asker:
         host, port = srv.url.removeprefix("http://").split(":")
         self._conn = http.client.HTTPConnection(host, int(port), timeout=30)
         self._conn.connect()
+        self._fields = fields
         self._thread = threading.Thread(target=self._run, args=(max_tokens,), daemon=True)
         self._thread.start()
 
     def _run(self, max_tokens: int) -> None:
         try:
             self._conn.request("POST", "/v1/completions", json.dumps({
-                "prompt": "x", "max_tokens": max_tokens, "kv_transfer_params": self.claim}),
+                "prompt": "x", "max_tokens": max_tokens, "kv_transfer_params": self.claim, **self._fields}),
                 {"Content-Type": "application/json"})
             resp = self._conn.getresponse()
             self.status = resp.status
@@ -210,4 +211,43 @@ def test_a_claim_holding_its_slot_refused_at_once_leaves_no_kv_tombstone(make_se
     assert claim["handoff_id"] not in srv.receiver.tombstoned
     holder.close()
     wait_until(lambda: srv.state.slots.busy == 0, 15, "the held slot freed")
+    _free(srv)
+
+
+# ---- a claim whose result the router posts (HandoffClaim.result "posted") -----------------------
+def test_a_claim_whose_result_is_posted_decodes_with_the_prefills_logprobs(make_server, tokenizer):
+    """A request whose decode needs vLLM's answer (here the first token's logprobs) holds its slot
+    with its decode request too: 200 at the grant, then the router posts the result it read from
+    vLLM's answer (RESULT_PATH), and the decode starts once KV and result are there."""
+    first, rest = script_for(tokenizer, "hello world")
+    srv = make_server(FakeEngineConfig(script=rest), slots=1)
+    asker = _Asker(srv, _claim({"wait_s": 20}, result="posted"), logprobs=1)
+    assert asker.granted.wait(15) and asker.status == 200
+    handoff_id = asker.claim["handoff_id"]
+    wait_until(lambda: handoff_id in srv.receiver.waits, 15, "the claim waits for KV and result")
+    prefill_lp = {"tokens": ["hello"], "token_logprobs": [-0.125], "top_logprobs": [{"hello": -0.125}],
+                  "text_offset": [0]}
+    posted = httpx.post(srv.url + RESULT_PATH, timeout=10, content=HandoffResult.model_validate(
+        handoff(first, handoff_id=handoff_id, prefill_logprobs=prefill_lp)).model_dump_json())
+    assert posted.status_code == 204, posted.text
+    assert asker.done.wait(15)
+    lp = httpx.Response(200, content=asker.body).json()["choices"][0]["logprobs"]
+    assert lp["tokens"][0] == "hello" and lp["token_logprobs"][0] == -0.125 and len(lp["tokens"]) == len(rest) + 1
+    srv.wait_idle()
+    _free(srv)
+
+
+def test_a_result_posted_for_no_waiting_request_is_a_404(make_server):
+    srv = make_server(slots=1)
+    posted = httpx.post(srv.url + RESULT_PATH, timeout=10, content=HandoffResult.model_validate(
+        handoff(5, handoff_id="nobody")).model_dump_json())
+    assert posted.status_code == 404 and posted.json()["error"]["param"] == "handoff_id", posted.text
+    with_kv = _Asker(srv, _claim({"wait_s": 20}))  # a claim whose result comes with the KV: not posted
+    assert with_kv.granted.wait(15) and with_kv.status == 200
+    wait_until(lambda: with_kv.claim["handoff_id"] in srv.receiver.waits, 15, "the claim waits for its KV")
+    posted = httpx.post(srv.url + RESULT_PATH, timeout=10, content=HandoffResult.model_validate(
+        handoff(5, handoff_id=with_kv.claim["handoff_id"])).model_dump_json())
+    assert posted.status_code == 404, posted.text
+    with_kv.close()
+    wait_until(lambda: srv.state.slots.busy == 0, 15, "its slot freed")
     _free(srv)

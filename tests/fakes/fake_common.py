@@ -64,6 +64,7 @@ class Records:
     closed_claims: list[str] = field(default_factory=list)  # their handoff ids, closed before the result came
     granted_first: list[str] = field(default_factory=list)  # claims holding their slot: answered 200 at the take
     queued_claims: list[str] = field(default_factory=list)  # handoff ids of those that asked to wait (claim.wait)
+    posted: list[dict[str, Any]] = field(default_factory=list)  # results the router posted (RESULT_PATH)
 
     def dump(self) -> dict[str, Any]:
         return {
@@ -82,6 +83,7 @@ class Records:
             "closed_claims": self.closed_claims,
             "granted_first": self.granted_first,
             "queued_claims": self.queued_claims,
+            "posted": self.posted,
         }
 
 

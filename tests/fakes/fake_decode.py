@@ -24,6 +24,7 @@ from pd_wire.decode import (
     LEASE_PATH,
     LEASE_RELEASE_PATH,
     LEASE_RENEW_PATH,
+    RESULT_PATH,
     CancelRequest,
     CancelResponse,
     DecodeCapabilities,
@@ -131,12 +132,22 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             self.records.cancels.append(req.request_id)
             self.records.cancel_handoffs.append(req.handoff_id or req.request_id)
             event = self._cancel.get(req.request_id)
+            if self._by_handoff.get(req.handoff_id or req.request_id) != req.request_id:
+                event = None  # as the real server: another attempt's handoff under that request id is left alone
             if event is not None:
                 event.set()
             if self.leases is not None:
                 self.leases.release([req.handoff_id or req.request_id])
             body = CancelResponse(request_id=req.request_id, cancelled=event is not None)
             return await respond(send, 200, body.model_dump_json().encode())
+        if path == RESULT_PATH and not k.plain:  # a claim's result, posted by the router (as the real server)
+            raw = await read_body(scope, receive, 1 << 24)
+            result = HandoffResult.model_validate_json(raw)
+            self.records.posted.append(json.loads(raw))
+            if result.handoff_id not in self._by_handoff:
+                return await respond(send, 404, error_body(f"no request waits for {result.handoff_id}", 404))
+            self._result_event(result.handoff_id).set()
+            return await respond(send, 204, b"")
         if path in (LEASE_PATH, LEASE_RENEW_PATH, LEASE_RELEASE_PATH) and self.leases is not None:
             return await self._lease(path, self.leases, receive, send, await read_body(scope, receive, 1 << 20))
         if path not in ("/v1/completions", "/v1/chat/completions"):
@@ -369,7 +380,8 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             self.records.claims.append(rid)
         if result.handoff_id != rid and not result.handoff_id.startswith(rid + "#"):
             return f"decode body: handoff_id {result.handoff_id} is not X-Request-Id {rid} or a retry's ({rid}#N)"
-        if body.get("logprobs") and (isinstance(result, HandoffClaim) or result.prefill_logprobs is None):
+        if body.get("logprobs") and (result.result == "with_kv" if isinstance(result, HandoffClaim)
+                                     else result.prefill_logprobs is None):
             return "decode body: logprobs asked, no prefill_logprobs"
         return None
 

@@ -84,6 +84,14 @@ class FakeReceiver:
         with self._lock:
             self._results[result.handoff_id] = result
 
+    async def post_result(self, result: HandoffResult) -> bool:
+        """The router's posted result (as the real receiver: only for a handoff whose KV is here)."""
+        with self._lock:
+            if result.handoff_id not in self._held:
+                return False
+            self._results[result.handoff_id] = result
+        return True
+
     def arrive(self, handoff_id: str) -> None:
         """The handoff's KV landed (prefill pushed it): it holds a receive slot until the
         decode server claims and releases it, as in the real receiver."""

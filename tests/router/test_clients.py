@@ -72,7 +72,9 @@ async def test_sdk_async_completions(make_rig, stream):
     else:
         out = await client.completions.create(model=MODEL, prompt=["hi"], max_tokens=3, logprobs=2)
         text = out.choices[0].text
-        handoff = rig.records(rig.decodes[0])["requests"][0]["body"]["kv_transfer_params"]
+        # (the decode request holds its slot; the result read from vLLM's answer is posted to it)
+        assert rig.records(rig.decodes[0])["requests"][0]["body"]["kv_transfer_params"]["result"] == "posted"
+        handoff = rig.records(rig.decodes[0])["posted"][0]
         assert handoff["prefill_logprobs"] == {
             "content": [{"token": "t7", "logprob": -0.5, "top_logprobs": []}]
         }

@@ -49,16 +49,25 @@ def _kv_endpoint(rig) -> str:
 
 
 @pytest.mark.parametrize("extra", [{"logprobs": 1}, {"repetition_penalty": 1.1}])
-def test_what_needs_the_prefills_answer_keeps_the_order_of_before(make_rig, extra):
+def test_what_needs_the_prefills_answer_is_posted_to_the_decode_request_holding_its_slot(make_rig, extra):
     """The first token's logprobs and the prompt's token ids are in vLLM's answer only: the
-    decode request follows it and carries the whole result."""
+    decode request still goes first and holds the slot (a claim whose result is posted), the
+    prefill on its 200, and the whole result read from vLLM's answer is posted to it."""
     rig = make_rig()
     resp = httpx.post(rig.url + "/v1/completions", json={**COMPLETION, **extra}, headers={"X-Request-Id": "seq"},
                       timeout=20)
     assert resp.status_code == 200, resp.text
     assert "result_with_kv" not in _kv_params(rig, rig.prefills[0])[0]
-    sent = _kv_params(rig, rig.decodes[0])[0]
-    assert sent["handoff_id"] == "seq" and sent["first_token_id"] == 7 and "result" not in sent
+    assert _kv_params(rig, rig.decodes[0]) == [{"protocol_version": PROTOCOL_VERSION, "handoff_id": "seq",
+                                                 "result": "posted", "grant_first": True}]
+    decode = rig.records(rig.decodes[0])
+    assert decode["leases"] == [] and decode["requests"][0]["t"] < rig.records(rig.prefills[0])["requests"][0]["t"]
+    [posted] = decode["posted"]
+    assert posted["handoff_id"] == "seq" and posted["first_token_id"] == 7
+    if "logprobs" in extra:
+        assert posted["prefill_logprobs"], posted
+    else:  # (the prompt's ids asked of vLLM for the penalty: they travel in the posted result)
+        assert rig.records(rig.prefills[0])["requests"][0]["body"]["return_token_ids"] is True
     rig.assert_no_leaks()
 
 

@@ -10,6 +10,7 @@ import torch
 
 from connector.kv_errors import AdmissionRefused, HandoffFailed, HandoffTimeout
 from connector.layout import SenderPlan, glm5_fp8_ds_mla_layout
+from pd_wire.handoff import HandoffResult
 from tests.connector.transport.helpers import SMALL, assert_no_leaks
 from tests.connector.transport.synthetic import fill, layer_bytes, mismatches
 from tests.waits import eventually
@@ -46,6 +47,28 @@ async def test_complete_handoff_waited_before_admission(kv, transport):
             assert receiver.busy_slots() == 1
             receiver.release("h")
             receiver.release("h")  # idempotent
+            assert_no_leaks(receiver, sender)
+        finally:
+            sender.close()
+
+
+async def test_a_result_posted_by_the_router_completes_a_wait_for_kv_and_result(kv):
+    """(A claim whose result is posted: vLLM's answer, read by the router, reaches the receiver
+    through the decode server, not over the KV channel.)"""
+    async with kv.running_receiver() as receiver:
+        sender = kv.make_sender()
+        try:
+            result = HandoffResult(handoff_id="posted", kv_endpoint=receiver.endpoint, num_prompt_tokens=50,
+                                   first_token_id=7, last_prompt_token_id=3, status="sent", prompt_token_ids=[1, 2])
+            assert not await receiver.post_result(result)  # no such handoff here yet
+            waiter = asyncio.create_task(receiver.wait_for("posted", 10, with_result=True))
+            handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "posted", 50, range(3))
+            assert await asyncio.to_thread(handoff.wait, 10) == "sent"
+            assert not await receiver.post_result(result.model_copy(update={"num_prompt_tokens": 49}))
+            assert await receiver.post_result(result)
+            got = await asyncio.wait_for(waiter, 10)
+            assert got.result is not None and got.result.prompt_token_ids == [1, 2]
+            receiver.release("posted")
             assert_no_leaks(receiver, sender)
         finally:
             sender.close()
