@@ -177,6 +177,7 @@ class CompletionHandler:
         # answer) the router posts the result it read from that answer
         holds_slot = state.settings.first_token_with_kv and state.settings.decode_request_holds_slot
         implicit = holds_slot
+        not_taken = 0
         t_start = perf_counter()
         attempt = busy = 0
         failed_over = False
@@ -227,8 +228,12 @@ class CompletionHandler:
                             lease.backend.url, failed.error.message)
                 attempt += 1
             except SlotNotTaken as missed:  # before any prefill: as a lease call answered so
-                implicit = False
-                log.info("request_id=%s attempt %d: %s; asking for a lease", ctx.request_id, attempt, missed.message)
+                # one more server this router counts free is asked (that one now counts full or
+                # down here), as a lease call without wait was; then the queues
+                not_taken += 1
+                implicit = not_taken < 2
+                log.info("request_id=%s attempt %d: %s; asking %s", ctx.request_id, attempt, missed.message,
+                         "another decode server" if implicit else "in the decode servers' queues")
             except Requeue as again:
                 if again.busy:
                     busy += 1

@@ -181,11 +181,11 @@ class SlotPool:
     def not_taken(self, lease: Lease, missed: SlotNotTaken) -> None:
         """An implicit lease whose decode request did not get the slot: reported as a lease call
         answered so would be (a server that did not answer is marked down), given back here;
-        a server that refused counts as full."""
+        a server that refused (or is unavailable: draining, not ready) counts as full."""
         self.hooks.answered(lease.backend.url, missed.result)
         if missed.unreachable is not None:
             self.hooks.unreachable(lease.backend, missed.unreachable)
-        if missed.result == "refused":
+        if missed.result in ("refused", "unavailable"):
             self.hold(lease)
         else:
             self.release(lease)

@@ -59,8 +59,8 @@ async def test_queued_requests_cost_one_standing_lease_request_per_server(make_r
                      "a standing lease request from each router at each server", interval=0.001)
     queued_calls = lease_calls() - before
     # (+ the second router's first request: its cache, from a probe, said a slot was free;
-    # its decode request was answered busy, and its next try asked a server its cache
-    # still said had a free slot, without waiting, before it queued)
+    # its decode request was answered busy, and so was its next try at a server its cache
+    # still said had a free slot, before it queued)
     assert queued_calls <= 2 * N_DECODE + 1, [f.records.leases for f in fakes]
     async with httpx.AsyncClient(timeout=10) as http:
         for served in range(FILL + QUEUED):  # free one slot at a time
@@ -91,12 +91,14 @@ async def test_queued_requests_cost_one_standing_lease_request_per_server(make_r
     assert sum(len(f.records.queued_claims) for f in fakes) >= QUEUED
     assert all(f.records.max_active == 1 and not f.records.errors for f in fakes)
     # answered busy: a decode request taking a slot its router's count said was free, refused at
-    # once (its prefill never ran: it goes out on the 200), then waiting in the queues, where
-    # nothing is answered busy: once at most per request, and only for the second router's first
-    # try (above) or one of the first requests (a probe's count that came after the router's own
-    # take said a slot was free); never a request that queued at its router
+    # once (its prefill never ran: it goes out on the 200); then one more at another server that
+    # count says is free (as a lease call without wait was before), then the queues, where nothing
+    # is answered busy: twice at most per request, and only for the second router's first try
+    # (above) or one of the first requests (a probe's count that came after the router's own take
+    # said a slot was free); never a request that queued at its router
     busy = [rid for f in fakes for rid in f.records.busy]
-    assert len(busy) == len(set(busy)) and set(busy) <= {f"c{i:03d}" for i in (*range(FILL), FILL + 1)}, busy
+    assert all(busy.count(rid) <= 2 for rid in busy), busy
+    assert set(busy) <= {f"c{i:03d}" for i in (*range(FILL), FILL + 1)}, busy
     prefilled = [req["request_id"] for rig in routers for p in rig.prefills for req in rig.records(p)["requests"]]
     assert sorted(prefilled) == [f"c{i:03d}" for i in range(FILL + QUEUED)]  # one prefill per request
     for r in routers:
