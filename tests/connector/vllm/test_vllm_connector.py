@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -82,6 +83,10 @@ def test_received_kv_matches_an_independent_recomputation(
     assert sum(posted.values()) > 0 and sum(posts.values()) >= 2
     # and what carried them, as UCX chose it (two processes of one host: its shared memory or TCP over lo);
     # a handoff that lands after vLLM's last step is counted at its next one, so at least the first
+    # (vLLM records a connector's stats as it processes a step: one plain request more is a step
+    # after both handoffs' writes, whenever they completed on a loaded machine)
+    httpx.post(f"{checked_prefill.url}/v1/completions", timeout=60,
+               json={"model": checked_prefill.name, "prompt": "flush", "max_tokens": 1})
     carried = checked_prefill.wait_metric("vllm:tilert_kv_transport_bytes_total{", lambda v: sum(v.values()) > 0)
     writes = checked_prefill.wait_metric("vllm:tilert_kv_write_seconds_count{", lambda v: sum(v.values()) >= 1)
     assert carried and {transport_class(t) for t in carried} <= {"shm", "tcp"}, carried
