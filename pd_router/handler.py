@@ -191,7 +191,9 @@ class CompletionHandler:
                     lease = await state.pool.lease(
                         model, timeout=remaining, requeue=attempt > 0, lease_id=handoff_id, arrived=ctx.start,
                         implicit=implicit and attempt == 0,
-                        decode_first=StandingDecode(state, ctx, body, request, handoff_id) if holds_slot else None)
+                        decode_first=StandingDecode(state, ctx, body, request, handoff_id,
+                                                    Tracing.headers(span) if span is not None else None)
+                        if holds_slot else None)
                 except Overloaded as err:
                     if not busy:
                         raise

@@ -100,6 +100,7 @@ class StandingDecode:
     body: dict[str, Any]
     request: OpenAIRequest
     handoff_id: str
+    trace: Mapping[str, str] | None = None  # the ``traceparent`` of the router's queue span, where it waits
 
     def fits(self, backend: DecodeBackend) -> bool:
         caps = backend.capabilities
@@ -111,7 +112,8 @@ class StandingDecode:
                                               decode_check.prefill_fields(self.request, caps))
         claim = HandoffClaim(handoff_id=self.handoff_id, result="with_kv" if with_kv else "posted", grant_first=True,
                              wait=wait)
-        return await relay.open_standing(self.state, self.ctx, backend, self.body, claim.model_dump(exclude_none=True))
+        return await relay.open_standing(self.state, self.ctx, backend, self.body, claim.model_dump(exclude_none=True),
+                                         self.trace)
 
 
 async def prefill_then_post(

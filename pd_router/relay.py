@@ -23,7 +23,7 @@ from pd_router.lease_client import CALL_TIMEOUT_S, IMMEDIATE_ANSWER_S, Answer
 from pd_router.rawhttp import Response, UpstreamError
 from pd_router.slots import Lease, Requeue, SlotNotTaken
 from pd_router.upstream import Unreachable
-from pd_wire.decode import FREE_SLOTS_HEADER, REQUEST_ID_HEADER, RESULT_PATH
+from pd_wire.decode import FREE_SLOTS_FIELD, REQUEST_ID_HEADER, RESULT_PATH
 from pd_wire.requests import OpenAIRequest
 
 if TYPE_CHECKING:
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from pd_router.state import RouterState
 
 _DONE = b"data: [DONE]"
-FREE_SLOTS_BYTES = FREE_SLOTS_HEADER.lower().encode()
 
 
 async def decode(
@@ -72,17 +71,18 @@ async def open_answer(
 
 
 async def open_standing(state: RouterState, ctx: RequestContext, backend: DecodeBackend, body: dict[str, Any],
-                        claim: dict[str, Any]) -> Answer:
+                        claim: dict[str, Any], trace: Mapping[str, str] | None = None) -> Answer:
     """A queued request's decode request waiting in ``backend``'s queue (``claim``: a
     ``HandoffClaim`` with ``wait``): open once granted (``Answer.opened``), else the status
-    that refused it, or no answer (0: unreachable, or silent past its wait: hung)."""
+    that refused it, or no answer (0: unreachable, or silent past its wait: hung). ``trace``:
+    the ``traceparent`` header (of the router's queue span, where the request waits)."""
     wait_s = claim["wait"]["wait_s"]
     limit = wait_s + CALL_TIMEOUT_S if wait_s > 0 else IMMEDIATE_ANSWER_S
     data = decode_body(ctx.raw, body, claim)
     t0 = perf_counter()
     try:
         resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.path, data, ctx.request_id,
-                                          max(limit, state.settings.decode_timeout), None, limit)
+                                          max(limit, state.settings.decode_timeout), trace, limit)
     except UpstreamRejected as err:  # a 429 or 409 refuses the slot request; another 4xx, the request itself
         return Answer(err.status, rtt=perf_counter() - t0, rejected=None if err.status in (409, 429) else err)
     except Unreachable as err:
@@ -91,7 +91,7 @@ async def open_standing(state: RouterState, ctx: RequestContext, backend: Decode
         return Answer(0, rtt=perf_counter() - t0)
     resp.read_timeout = state.settings.decode_timeout  # granted: from here, a decode answer's timeout
     try:
-        free = int(resp.headers.get(FREE_SLOTS_BYTES, b"0"))
+        free = int(resp.headers.get(FREE_SLOTS_FIELD, b"0"))
     except ValueError:
         free = 0
     return Answer(200, rtt=perf_counter() - t0, immediate=wait_s == 0, opened=resp, free=max(0, free))

@@ -117,6 +117,7 @@ REFUSAL_EVENT = b"event: pd-error\ndata: "
 # on that 200: the server's free slots after this grant (as LeaseGrant.free), a hint for the router's
 # choice of where to send its next request; an integer
 FREE_SLOTS_HEADER = "X-PD-Free-Slots"
+FREE_SLOTS_FIELD = FREE_SLOTS_HEADER.lower().encode()  # as raw HTTP headers (ASGI, httptools) carry its name
 
 
 class DecodeRefusal(BaseModel):

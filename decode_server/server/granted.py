@@ -14,11 +14,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pd_wire.decode import FREE_SLOTS_HEADER, DecodeRefusal
+from pd_wire.decode import FREE_SLOTS_FIELD, DecodeRefusal
 from pd_wire.errors import ErrorBody, ErrorDetail
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
-FREE_SLOTS_BYTES = FREE_SLOTS_HEADER.lower().encode()
 
 
 class GrantedSend:
@@ -34,7 +33,7 @@ class GrantedSend:
     async def start(self, free_slots: int) -> None:
         """The 200; ``free_slots``: the server's free slots after this grant (``FREE_SLOTS_HEADER``)."""
         await self._send({"type": "http.response.start", "status": 200,
-                          "headers": [*self._headers, (FREE_SLOTS_BYTES, str(free_slots).encode())]})
+                          "headers": [*self._headers, (FREE_SLOTS_FIELD, str(free_slots).encode())]})
 
     async def __call__(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":

@@ -38,8 +38,9 @@ def make_decode(model_dir: Path) -> Iterator[Callable[..., RunningServer]]:
     """``make(tracing=...)``: a real decode server (fake engine, KV arriving at once)."""
     running: list[tuple[uvicorn.Server, threading.Thread]] = []
 
-    def make(tracing: Tracing | None = None, script: tuple[int, ...] = (8, 9, 10)) -> RunningServer:
-        srv, server, thread = start_server(model_dir, FakeEngineConfig(script=list(script)), tracing=tracing)
+    def make(tracing: Tracing | None = None, script: tuple[int, ...] = (8, 9, 10), slots: int = 2) -> RunningServer:
+        srv, server, thread = start_server(model_dir, FakeEngineConfig(script=list(script)), tracing=tracing,
+                                           slots=slots)
         running.append((server, thread))
         return srv
 

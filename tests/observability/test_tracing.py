@@ -5,6 +5,8 @@ exported over real OTLP (HTTP/protobuf and gRPC) to an in-process collector."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
@@ -120,3 +122,46 @@ def test_tracing_off_creates_nothing_and_sends_no_traceparent(make_rig):
     assert resp.status_code == 200
     assert rig.records(rig.prefills[0])["requests"][0]["traceparent"] is None
     assert "traceparent" not in {k.lower() for k in resp.headers}
+
+
+def test_a_queued_requests_decode_request_is_in_its_trace_under_the_queue_span(collector: OtlpCollector,
+                                                                                 make_decode, make_rig):
+    """A request that waits for a slot waits with its own decode request in the decode server's
+    queue (issue 34): that request carries the ``traceparent`` of the router's queue span, so the
+    decode server's request span is in the client request's trace, under the span it waited in."""
+    decode = make_decode(tracing=otlp_tracing(collector.http_endpoint, "http/protobuf", "pd-decode-server"), slots=1)
+    # vLLM's answers held: the first request holds the one slot (its decode request waits for the
+    # result the router posts from that answer: the first token's logprobs), the second one queues
+    rig = make_rig(n_decode=0, decode_urls=(decode.url,), prefill={"model": MODEL, "hold_answer": True},
+                   otlp_traces_endpoint=collector.http_endpoint, otlp_traces_protocol="http/protobuf")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": True}
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(httpx.post, rig.url + "/v1/chat/completions", json=body, timeout=30,
+                            headers={"X-Request-Id": "holder"})
+        rig.wait(lambda: rig.records(rig.prefills[0])["active"] == ["holder"], what="the first prefill held")
+        second = pool.submit(httpx.post, rig.url + "/v1/chat/completions", json=body, timeout=30,
+                             headers={"X-Request-Id": "queued"})
+        rig.wait(lambda: decode.state.slots.leases.queued == 1, what="the second request in the decode server's queue")
+        while not (first.done() and second.done()):  # each held answer, as it comes
+            httpx.post(rig.prefills[0].url + "/fake/release")
+            rig.wait(lambda: first.done() and second.done() or bool(rig.records(rig.prefills[0])["active"]),
+                     what="an answer released, the next one held")
+    assert first.result().status_code == second.result().status_code == 200, second.result().text
+
+    router_tracing, decode_tracing = rig.state.tracing, decode.state.tracing
+    assert router_tracing is not None and decode_tracing is not None
+
+    def queued_trace(spans: list[CollectedSpan]) -> list[CollectedSpan]:
+        root = next((s for s in spans if s.attributes.get("pd.request_id") == "queued"
+                     and s.service == "pd-router" and s.parent_span_id is None), None)
+        return [] if root is None else [s for s in spans if s.trace_id == root.trace_id]
+
+    spans = collector.wait_for(lambda s: {"queue", "decode", "generation"} <= {x.name for x in queued_trace(s)},
+                               lambda: (router_tracing.force_flush(), decode_tracing.force_flush()))
+    trace = queued_trace(spans)
+    queue_spans = {s.span_id for s in trace if s.service == "pd-router" and s.name == "queue"}
+    served = [s for s in trace if s.service == "pd-decode-server" and s.kind == SERVER
+              and s.attributes.get("http.response.status_code") == 200]
+    assert len(served) == 1 and served[0].parent_span_id in queue_spans, (served, queue_spans)
+    rig.assert_no_leaks()
+    decode.wait_idle()
