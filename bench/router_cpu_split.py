@@ -10,14 +10,17 @@ slots and a token every 3.19 ms, the router), chat completions, streaming. Measu
   HTTP parsing, one read and one write per chunk), its CPU per request (one exchange
   relayed, where the router makes four: the client's, the lease, the prefill, the decode)
   and per token; and the routed requests through a minimal PD relay (``bench/pd_floor.py``:
-  the router's four exchanges, nothing checked), per request and per token;
+  the router's four exchanges, nothing checked), per request and per token, and through
+  the minimal relay of the router's protocol for a free slot (``--grant-first``: the decode
+  request first, the prefill on its 200; issue 34), the same two;
 * the loopback round trip of one small POST to a Python server (the fake decode's lease
   release of an unknown id) paced like the C=1 run (one every 3.19 ms, so both ends sleep
   in between), which bounds how low the router's added TTFT can go: a routed request waits
   on more sequential exchanges than a direct one (the lease, the prefill, and the router's
   own hop between client and decode server).
 
-Prints the split and what it predicts for the 64-token requests of router_overhead.py.
+Prints the split and what it predicts for the 64-token requests of router_overhead.py, for
+the router and for each floor (issue 34's CPU goal: the router at 1.25x the byte relay).
 
     .venv/bin/python bench/router_cpu_split.py [--rounds N]
 """
@@ -73,11 +76,14 @@ async def _split(url: str, pid: int, direct: bool, tag: str) -> tuple[float, flo
 
 
 async def _measure(urls: dict[str, str], pids: dict[str, int], rounds: int) -> dict[str, float]:
-    """``relay``: the byte relay, fed the direct requests; ``floor``: the minimal PD relay."""
-    cpu: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in ("router", "relay", "floor")}
+    """``relay``: the byte relay, fed the direct requests; ``floor``: the minimal PD relay;
+    ``floor_granted``: its ``--grant-first`` protocol."""
+    names = ("router", "relay", "floor", "floor_granted")
+    cpu: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in names}
     rtts, direct_ttft = [], []
     for r in range(rounds):
-        for name, direct in (("router", False), ("relay", True), ("floor", False)):
+        for name in names:
+            direct = name == "relay"
             request_cpu, token_cpu = await _split(urls[name], pids[name], direct, f"{name}{r}")
             cpu[name][0].append(request_cpu)
             cpu[name][1].append(token_cpu)
@@ -93,6 +99,7 @@ async def _measure(urls: dict[str, str], pids: dict[str, int], rounds: int) -> d
     return {"per_request_ms": ms("router"), "per_token_us": us("router"),
             "floor_request_ms": ms("relay"), "floor_us": us("relay"),
             "pd_floor_request_ms": ms("floor"), "pd_floor_us": us("floor"),
+            "granted_request_ms": ms("floor_granted"), "granted_us": us("floor_granted"),
             "rtt_p50_ms": statistics.median(rtts) * 1e3,
             "direct_ttft_p50_ms": statistics.median(direct_ttft) * 1e3}
 
@@ -114,8 +121,21 @@ def main() -> None:
     print(f"a minimal PD relay (bench/pd_floor.py) of the routed requests: {m['pd_floor_request_ms']:.3f} ms per "
           f"request (the same 4 exchanges: the router x{m['per_request_ms'] / m['pd_floor_request_ms']:.2f}), "
           f"{m['pd_floor_us']:.1f} us per token (the router's relay: x{m['per_token_us'] / m['pd_floor_us']:.2f})")
+    granted_request, granted_token = m["granted_request_ms"], m["granted_us"]
+    print(f"the minimal relay of the protocol for a free slot (bench/pd_floor.py --grant-first): "
+          f"{granted_request:.3f} ms per request (the router x{m['per_request_ms'] / granted_request:.2f}), "
+          f"{granted_token:.1f} us per token (the router's relay: x{m['per_token_us'] / granted_token:.2f})")
     print(f"at {TOKENS} tokens per request: {share:.1f} us/token from the request + {m['per_token_us']:.1f} "
           f"per token = {share + m['per_token_us']:.1f} us/token")
+
+    def at(request_ms: float, token_us: float) -> float:
+        return request_ms * 1e3 / TOKENS + token_us
+
+    relay = at(m["floor_request_ms"], m["floor_us"])
+    print(f"at {TOKENS} tokens, against the byte relay's {relay:.1f} us/token (issue 34's goal: x1.25 for the "
+          f"router): the router x{at(m['per_request_ms'], m['per_token_us']) / relay:.2f}, the minimal PD relay "
+          f"x{at(m['pd_floor_request_ms'], m['pd_floor_us']) / relay:.2f}, its --grant-first protocol "
+          f"x{at(m['granted_request_ms'], m['granted_us']) / relay:.2f}")
     print(f"loopback round trip of one small POST to a Python server, one every {TOKEN_DELAY * 1e3:.2f} ms: "
           f"p50 {m['rtt_p50_ms']:.3f} ms; direct TTFT p50 {m['direct_ttft_p50_ms']:.3f} ms")
     print(f"a routed request waits on 3 more sequential exchanges than a direct one (lease, prefill, the "
