@@ -176,8 +176,7 @@ class CompletionHandler:
         # waits in the queues. Its first token travels with the KV, or (when its decode needs vLLM's
         # answer) the router posts the result it read from that answer
         holds_slot = state.settings.first_token_with_kv and state.settings.decode_request_holds_slot
-        implicit = holds_slot
-        not_taken = 0
+        not_taken = 0  # tries whose decode request found its slot taken: after two, the queues
         t_start = perf_counter()
         attempt = busy = 0
         failed_over = False
@@ -190,7 +189,7 @@ class CompletionHandler:
                 try:
                     lease = await state.pool.lease(
                         model, timeout=remaining, requeue=attempt > 0, lease_id=handoff_id, arrived=ctx.start,
-                        implicit=implicit and attempt == 0,
+                        implicit=holds_slot and not_taken < 2 and attempt == 0,
                         decode_first=StandingDecode(state, ctx, body, request, handoff_id,
                                                     Tracing.headers(span) if span is not None else None)
                         if holds_slot else None)
@@ -233,9 +232,8 @@ class CompletionHandler:
                 # one more server this router counts free is asked (that one now counts full or
                 # down here), as a lease call without wait was; then the queues
                 not_taken += 1
-                implicit = not_taken < 2
                 log.info("request_id=%s attempt %d: %s; asking %s", ctx.request_id, attempt, missed.message,
-                         "another decode server" if implicit else "in the decode servers' queues")
+                         "another decode server" if not_taken < 2 else "in the decode servers' queues")
             except Requeue as again:
                 if again.busy:
                     busy += 1

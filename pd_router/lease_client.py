@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
@@ -13,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from pd_router.errors import UpstreamRejected
 from pd_router.http_pool import ConnectionPool
 from pd_router.rawhttp import ConnectFailed, Response, UpstreamError
-from pd_router.upstream import Target
+from pd_router.upstream import Target, call
 from pd_wire.decode import (
     LEASE_PATH,
     LEASE_RELEASE_PATH,
@@ -53,14 +52,7 @@ class LeaseClient:
         self.holder = holder
 
     async def _post(self, target: Target, path: str, body: BaseModel, timeout: float) -> tuple[int, bytes]:
-        pool = self._connections()
-        async with asyncio.timeout(timeout):
-            resp = await pool.post(target.origin, target.prefix + path, body.model_dump_json().encode(),
-                                   dict(target.auth))
-            try:
-                return resp.status, await resp.read()
-            finally:
-                resp.release()
+        return await call(self._connections(), target, path, body.model_dump_json().encode(), timeout)
 
     async def acquire(self, target: Target, lease_id: str, wait_s: float, arrived: float,
                       replaces: str | None = None) -> Answer:

@@ -5,7 +5,6 @@ per token), with its TTFT, TPOT and ITL."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -103,13 +102,8 @@ async def post_result(state: RouterState, ctx: RequestContext, lease: Lease, par
     open answer to say; no answer at all is the decode leg's failure."""
     target = lease.backend.target
     try:
-        async with asyncio.timeout(CALL_TIMEOUT_S):
-            resp = await state.upstream.post(target.origin, target.prefix + RESULT_PATH, json.dumps(params).encode(),
-                                             {REQUEST_ID_HEADER: ctx.request_id, **dict(target.auth)})
-            try:
-                await resp.read()
-            finally:
-                resp.release()
+        await upstream.call(state.upstream, target, RESULT_PATH, json.dumps(params).encode(), CALL_TIMEOUT_S,
+                            {REQUEST_ID_HEADER: ctx.request_id})
     except (UpstreamError, TimeoutError) as exc:
         raise upstream.map_error("decode", target, exc, f"{CALL_TIMEOUT_S:g}s (posting the result)") from None
 

@@ -100,12 +100,11 @@ class RemoteLeases:
         self.hooks.answered(backend.url, "granted")
         if answer.immediate:  # a round trip, not a wait in the queue
             self.hooks.rtt(answer.rtt)
+        backend.in_use += 1
         if grant is None:  # the request's decode request holds the slot: no lease, no renewal
-            backend.in_use += 1
             backend.lease_free = answer.free
             return Lease(backend, model, implicit=True, opened=answer.opened)
         backend.lease_free = grant.free
-        backend.in_use += 1
         lease = Lease(backend, model, lease_id)
         self._live[lease_id] = lease
         if self._renewer is None or self._renewer.done():

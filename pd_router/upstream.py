@@ -81,6 +81,19 @@ def _status_error(role: str, target: Target, status: int, data: bytes, content_t
     return BadUpstream(f"{role} server {target.origin} answered {status}: {_short(data)}")
 
 
+async def call(pool: ConnectionPool, target: Target, path: str, body: bytes, timeout_s: float,
+               headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
+    """One small exchange with a decode server's control endpoint (a lease call, a posted
+    result): ``body`` POSTed to ``path`` with the target's auth, the whole answer read within
+    ``timeout_s`` (else :class:`TimeoutError`); its status and body, the connection given back."""
+    async with asyncio.timeout(timeout_s):
+        resp = await pool.post(target.origin, target.prefix + path, body, {**dict(target.auth), **(headers or {})})
+        try:
+            return resp.status, await resp.read()
+        finally:
+            resp.release()
+
+
 async def prefill(
     pool: ConnectionPool, target: Target, path: str, body: bytes, request_id: str, timeout_s: float,
     trace: Mapping[str, str] | None = None,
