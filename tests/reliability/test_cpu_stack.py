@@ -228,8 +228,13 @@ def test_sigterm_to_the_router_during_8_live_streams_loses_none(stack2):
         return sum(httpx.get(u + CAPABILITIES_PATH, timeout=5).json()["busy_slots"] for u in cfg.decode_urls)
 
     decoders = [_proc(stack2, f"decode-{i}") for i in range(len(cfg.decode_urls))]
+    # long enough to be all live at once: their prefills start one after the other (up to ~0.8 s
+    # apart here), and 400 tokens took 1.5-5 s, so that the first ended before the last began
+    # once (a fresh-clone run: the wait below timed out)
+    tokens = 2000
     with ThreadPoolExecutor(8) as pool:
-        streams = [pool.submit(_completion, url, model, f"live-{i}", True, 400, ignore_eos=True) for i in range(8)]
+        streams = [pool.submit(_completion, url, model, f"live-{i}", True, tokens, ignore_eos=True)
+                   for i in range(8)]
         _wait_until(lambda: busy() == 8, 120, "8 live streams")
         # the streams stay live through every check below, however fast this machine decodes:
         # their decode servers are stopped until the router has been told to go
