@@ -30,8 +30,12 @@ ENV_PREFIX = "PD_DECODE_"
 # Where each engine receives KV by default: TileRT (GPU hosts) into VRAM, where its conversion
 # (dequantization + Hadamard) then runs; the reference engine computes on the CPU.
 DEFAULT_KV_DEVICE = {"tilert": "cuda:0", "reference": "cpu"}
+# GLM's output parsers, named as vLLM names them (vLLM maps glm45 and glm47 to one parser each)
+ToolCallParser = Literal["none", "glm45", "glm47"]
+ReasoningParser = Literal["none", "glm45", "glm47"]
 
-__all__ = ["DEFAULT_KV_DEVICE", "ENV_PREFIX", "DecodeServerSettings", "SettingsError", "load_settings"]
+__all__ = ["DEFAULT_KV_DEVICE", "ENV_PREFIX", "DecodeServerSettings", "ReasoningParser", "SettingsError",
+           "ToolCallParser", "load_settings"]
 
 
 class DecodeServerSettings(EntrySettings):
@@ -62,10 +66,13 @@ class DecodeServerSettings(EntrySettings):
         "from the network (link down, host gone) is given up: its generation ends and its slot and KV are freed "
         "(TCP keepalive and user timeout, on HTTP and KV control connections; a slow peer is never cut)")
     served_model_name: str | None = Field(None, min_length=1, description="model name (default: model dir name)")
-    reasoning_parser: Literal["none", "glm45"] = Field(
-        "none", description="glm45: split <think>..</think> into reasoning_content (chat)")
-    tool_call_parser: Literal["none", "glm45"] = Field(
-        "none", description="glm45: parse <tool_call>..</tool_call> into tool_calls (chat, when tools are given)")
+    reasoning_parser: ReasoningParser = Field(
+        "none", description="glm45 (or glm47, the same parser): split <think>..</think> into reasoning_content "
+        "(chat), as vLLM's --reasoning-parser glm45; for a model that reasons (GLM-5.1)")
+    tool_call_parser: ToolCallParser = Field(
+        "glm47", description="glm47 (or glm45, the same parser): parse <tool_call>..</tool_call> into tool_calls "
+        "(chat with tools, tool_choice auto or none given), as vLLM's --tool-call-parser glm47; none: the "
+        "calls stay in the content")
     max_schema_bytes: int = Field(DEFAULT_MAX_SCHEMA_BYTES, ge=2, le=MAX_SCHEMA_BYTES,
                                   description="structured output: largest JSON schema a request may bring (bytes)")
     max_schema_depth: int = Field(DEFAULT_MAX_SCHEMA_DEPTH, ge=1, le=MAX_SCHEMA_DEPTH,

@@ -6,8 +6,9 @@ Compiled as vLLM's xgrammar backend compiles the same request: the Hugging Face
 tokenizer's vocabulary padded to ``config.json``'s ``vocab_size``; JSON with any
 whitespace, or none with ``--json-whitespace compact``, which must match prefill's
 ``--structured-outputs-config`` (:func:`pd_grammar.spec.vllm_structured_outputs_args`);
-the grammar ends with the EOS ids or the request's ``stop_token_ids``. So the decode
-server's masks equal prefill's. The compiler is built on first use (loading the
+the grammar ends with the EOS ids or the request's ``stop_token_ids``; regexes, EBNF and
+Lark grammars and structural tags (both of xgrammar's JSON forms) as the backend compiles
+them. So the decode server's masks equal prefill's. The compiler is built on first use (loading the
 tokenizer takes a moment) and caches compiled grammars."""
 
 from __future__ import annotations
@@ -60,10 +61,30 @@ class GrammarCompiler:
 
         compiler = self._get()
         if spec.kind == "structural_tag":
-            compiled = compiler.compile_structural_tag(spec.source)
+            compiled = _compile_structural_tag(compiler, spec.source)
+        elif spec.kind == "regex":
+            compiled = compiler.compile_regex(spec.source)
+        elif spec.kind == "ebnf":
+            compiled = compiler.compile_grammar(spec.source)
+        elif spec.kind == "lark":
+            compiled = compiler.compile_lark(spec.source)
         else:
             compiled = compiler.compile_json_schema(spec.source, any_whitespace=not self._compact,
                                                     separators=COMPACT_SEPARATORS if self._compact else None)
         stops = sorted(set(stop_token_ids))
         matcher: GrammarMatcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=stops or None)
         return matcher
+
+
+def _compile_structural_tag(compiler: Any, source: str) -> Any:
+    """A structural tag in xgrammar's current JSON (``{"type": "structural_tag", "format": ...}``),
+    or in the older one vLLM still reads (``structures`` with ``begin``/``schema``/``end``, and
+    ``triggers``), compiled as vLLM's xgrammar backend compiles each."""
+    import xgrammar
+
+    tag = json.loads(source)
+    if "structures" not in tag:
+        return compiler.compile_structural_tag(source)
+    items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+             for s in tag["structures"]]
+    return compiler.compile_structural_tag(items, tag["triggers"])

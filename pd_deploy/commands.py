@@ -148,6 +148,10 @@ class DecodeSpec:
     kv_device: str | None = None  # where KV is received (default: the engine's, see decode_server.settings)
     api_key_file: str | None = None  # required on the HTTP API (but /health, /ready, /metrics)
     kv_secret_file: str | None = None  # required on the KV control endpoint
+    # GLM's output parsers (vLLM's names, decode_server.settings checks them): GLM-5.1 runs tool calls
+    # glm47 and reasoning glm45; a model that does not reason (the tiny one) no reasoning parser
+    tool_call_parser: str = "glm47"
+    reasoning_parser: str = "none"
     extra_args: tuple[str, ...] = field(default=())
     python: str = sys.executable
 
@@ -160,6 +164,7 @@ def decode_server_argv(spec: DecodeSpec) -> list[str]:
             "--host", spec.host, "--port", str(spec.port), "--kv-port", str(spec.kv_port),
             "--slots", str(spec.slots), "--max-seq-len", str(spec.max_seq_len),
             "--num-mtp", str(spec.num_mtp), *device, *secrets,
+            "--tool-call-parser", spec.tool_call_parser, "--reasoning-parser", spec.reasoning_parser,
             "--served-model-name", served_name(spec.model, spec.served_model_name), *spec.extra_args]
 
 

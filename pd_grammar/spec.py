@@ -12,6 +12,14 @@
   token: one or more calls for ``required``, exactly one of the named tool otherwise.
   vLLM gets the same grammar as ``structured_outputs.structural_tag``
   (:func:`prefill_overrides`).
+* ``structured_outputs`` (vLLM's own field, chat and completions): exactly one of ``json``
+  (a schema, or its JSON text), ``json_object``, ``regex``, ``choice`` (a list of strings:
+  an EBNF alternation of them, as vLLM's xgrammar backend turns it into a grammar),
+  ``grammar`` (EBNF, or Lark where no rule is written with ``::=``) and ``structural_tag``
+  (xgrammar's JSON). vLLM gets the field as the client sent it; the decode server compiles
+  the same grammar with xgrammar. Per-request options that change how vLLM compiles it
+  (``disable_any_whitespace``, ``disable_additional_properties``, ``whitespace_pattern``)
+  are refused: both servers compile with the deployment's settings.
 
 Every refusal is a :class:`StructuredOutputError` naming the parameter; schemas are
 bounded in size and nesting depth (:class:`SchemaLimits`).
@@ -25,12 +33,13 @@ so that building it needs no xgrammar either."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-GrammarKind = Literal["json_schema", "json_object", "structural_tag"]
+GrammarKind = Literal["json_schema", "json_object", "structural_tag", "regex", "ebnf", "lark"]
 JsonWhitespace = Literal["any", "compact"]
 COMPACT_SEPARATORS = (",", ":")
 # whitespace between a tool call's parts (GLM-4.5 puts a newline there, GLM-4.7 nothing): bounded, so
@@ -75,7 +84,7 @@ class SchemaLimits(BaseModel):
 
 class GrammarSpec(BaseModel):
     """The grammar one request's output follows; ``source`` is JSON text (a schema or an
-    xgrammar structural tag)."""
+    xgrammar structural tag), a regex, or an EBNF / Lark grammar."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -212,6 +221,117 @@ def _from_tool_choice(choice: Any, tools: Any, limits: SchemaLimits, compile: bo
     return GrammarSpec(kind="structural_tag", source=source)
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# vLLM's StructuredOutputsParams fields that change the compiled grammar per request: refused unless neutral
+_COMPILE_OPTIONS = {"disable_any_whitespace": False, "disable_additional_properties": False,
+                    "whitespace_pattern": None}
+_IGNORED_OPTIONS = ("disable_fallback",)  # backend choice only: ours is always xgrammar
+
+
+def _bounded_text(value: Any, param: str, limits: SchemaLimits) -> str:
+    if not isinstance(value, str) or not value:
+        raise StructuredOutputError(f"{param} must be a non-empty string", param)
+    if "\x00" in value:
+        raise StructuredOutputError(f"{param} must not contain a NUL character", param)
+    size = len(value.encode())
+    if size > limits.max_bytes:
+        raise StructuredOutputError(f"{param} is {size} bytes; at most {limits.max_bytes} are allowed", param)
+    return value
+
+
+def _ebnf_literal(text: str) -> str:
+    """``text`` as a double-quoted EBNF string (xgrammar's escapes)."""
+    escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+    out = []
+    for ch in text:
+        if ch in escapes:
+            out.append(escapes[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def is_lark(grammar: str) -> bool:
+    """Whether a grammar is Lark rather than EBNF: no rule defined with ``::=`` outside comments."""
+    return not any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.splitlines())
+
+
+def _compile_check(spec: GrammarSpec, param: str) -> None:
+    """xgrammar's own parse of a regex, EBNF, Lark or structural-tag grammar (the decode server's depth)."""
+    import xgrammar
+
+    builders: dict[str, Callable[[str], Any]] = {
+        "regex": xgrammar.Grammar.from_regex, "ebnf": xgrammar.Grammar.from_ebnf, "lark": xgrammar.Grammar.from_lark,
+        "structural_tag": xgrammar.Grammar.from_structural_tag}
+    build = builders[spec.kind]
+    try:
+        build(spec.source)
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses of its own
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        reason = re.sub(r"^\[[\d:]+\] \S+: ", "", first)  # xgrammar's time and source line
+        raise StructuredOutputError(f"{param} cannot be compiled: {reason}", param) from None
+
+
+def _from_structured_outputs(so: Any, limits: SchemaLimits, compile: bool) -> GrammarSpec | None:
+    if so is None:
+        return None
+    if not isinstance(so, dict):
+        raise StructuredOutputError("structured_outputs must be an object", "structured_outputs")
+    for key, value in so.items():
+        param = f"structured_outputs.{key}"
+        if key in _COMPILE_OPTIONS:
+            if value not in (None, _COMPILE_OPTIONS[key]):
+                raise StructuredOutputError(f"{param} is not supported per request (the servers compile grammars "
+                                            "with the deployment's settings)", param)
+        elif key not in STRUCTURED_OUTPUT_KINDS and key not in _IGNORED_OPTIONS:
+            raise StructuredOutputError(f"{param} is not a structured-outputs field (one of "
+                                        f"{', '.join(STRUCTURED_OUTPUT_KINDS)})", param)
+    given = [k for k in STRUCTURED_OUTPUT_KINDS if so.get(k) is not None and so.get(k) is not False]
+    if len(given) != 1:
+        raise StructuredOutputError("structured_outputs must give exactly one of "
+                                    f"{', '.join(STRUCTURED_OUTPUT_KINDS)}" + (f" (got {', '.join(given)})"
+                                                                               if given else ""),
+                                    "structured_outputs")
+    kind = given[0]
+    param, value = f"structured_outputs.{kind}", so[kind]
+    spec: GrammarSpec
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise StructuredOutputError(f"{param} is not JSON: {exc}", param) from None
+        return GrammarSpec(kind="json_schema", source=check_schema(value, param, limits, compile))
+    if kind == "json_object":
+        if value is not True:
+            raise StructuredOutputError(f"{param} must be true", param)
+        return GrammarSpec(kind="json_object", source=JSON_OBJECT_SCHEMA)
+    if kind == "regex":
+        spec = GrammarSpec(kind="regex", source=_bounded_text(value, param, limits))
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise StructuredOutputError(f"{param} must be a non-empty list of strings", param)
+        source = "root ::= " + " | ".join(_ebnf_literal(c) for c in value)
+        spec = GrammarSpec(kind="ebnf", source=_bounded_text(source, param, limits))
+    elif kind == "grammar":
+        text = _bounded_text(value, param, limits)
+        spec = GrammarSpec(kind="lark" if is_lark(text) else "ebnf", source=text)
+    else:  # structural_tag: xgrammar's JSON, as text (vLLM's field is a string)
+        text = _bounded_text(value if isinstance(value, str) else json.dumps(value), param, limits)
+        try:
+            tag = json.loads(text)
+        except ValueError as exc:
+            raise StructuredOutputError(f"{param} is not JSON: {exc}", param) from None
+        if not isinstance(tag, dict):
+            raise StructuredOutputError(f"{param} must be a JSON object", param)
+        spec = GrammarSpec(kind="structural_tag", source=text)
+    if compile:
+        _compile_check(spec, param)
+    return spec
+
+
 GRAMMAR_FIELDS = ("response_format", "tool_choice", "structured_outputs", "guided_json", "guided_regex",
                   "guided_choice", "guided_grammar")
 
@@ -249,15 +369,19 @@ def grammar_spec(body: Mapping[str, Any], limits: SchemaLimits, chat: bool, comp
     """The grammar ``body`` asks for, or None; :class:`StructuredOutputError` when it
     cannot be served. ``compile=False`` (the router): every check but xgrammar's compilation,
     and no import of xgrammar; the same ``source``."""
-    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         if body.get(name) is not None:
-            raise StructuredOutputError(f"{name} is not supported; use response_format", name)
-    from_format = _from_response_format(body.get("response_format"), limits, compile)
-    from_tools = _from_tool_choice(body.get("tool_choice"), body.get("tools"), limits, compile) if chat else None
-    if from_format is not None and from_tools is not None:
-        raise StructuredOutputError("response_format and tool_choice 'required'/named cannot be combined",
-                                    "response_format")
-    return from_format or from_tools
+            raise StructuredOutputError(f"{name} is not supported; use response_format or structured_outputs", name)
+    found = [(param, spec) for param, spec in (
+        ("structured_outputs", _from_structured_outputs(body.get("structured_outputs"), limits, compile)),
+        ("response_format", _from_response_format(body.get("response_format"), limits, compile)),
+        ("tool_choice", _from_tool_choice(body.get("tool_choice"), body.get("tools"), limits, compile)
+         if chat else None),
+    ) if spec is not None]
+    if len(found) > 1:
+        names = " and ".join("tool_choice 'required'/named" if p == "tool_choice" else p for p, _ in found)
+        raise StructuredOutputError(f"{names} cannot be combined: a request follows one grammar", found[0][0])
+    return found[0][1] if found else None
 
 
 def prefill_overrides(spec: GrammarSpec | None) -> dict[str, Any]:

@@ -86,9 +86,15 @@ def structured_output(endpoint: Endpoint, body: Mapping[str, Any], limits: Schem
 def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: Mapping[str, Any],
                  grammar: GrammarSpec | None = None) -> bytes:
     """The prefill leg's body (docs/facts.md §1): one token, not streamed, with the handoff target;
-    the first token sampled under the request's grammar too (:func:`pd_grammar.spec.prefill_overrides`)."""
+    the first token sampled under the request's grammar too (:func:`pd_grammar.spec.prefill_overrides`);
+    ``tool_choice`` ``auto`` (or none given, with ``tools``) sent as ``none``, which renders the same prompt."""
     out = dict(body)
     out.update(prefill_overrides(grammar))
+    if endpoint is Endpoint.CHAT and body.get("tools") and body.get("tool_choice") in (None, "auto"):
+        # the model may call a tool: the decode server parses its calls. vLLM refuses "auto" unless
+        # started with a tool-call parser, and renders the same prompt (the tools in the chat
+        # template) with "none" (docs/router.md, "Tools")
+        out["tool_choice"] = "none"
     out["stream"] = False
     out.pop("stream_options", None)
     out.pop("min_tokens", None)

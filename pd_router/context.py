@@ -56,6 +56,7 @@ class RequestContext:
     raw: bytes = b""  # the client's body as received
     writer: ChunkWriter | None = None  # writes the streamed answer's chunks to the client (None: ``send`` does)
     prompt_logprobs: Any = None  # prefill's, for a client that asked (merged into the decode answer)
+    echo_logprobs: Any = None  # a completion's echoed prompt's logprobs (before the generated tokens')
     span: Span | None = None  # the request's root span (tracing on)
     trace: Context | None = None  # its context: the parent of the stage spans
 

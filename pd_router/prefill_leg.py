@@ -46,19 +46,27 @@ async def prefill(
     else:
         target = HandoffTarget(handoff_id=handoff_id, kv_endpoint=decode.capabilities.kv_endpoint,
                                result_with_kv=result_with_kv).model_dump(exclude_defaults=True)
-    side: asyncio.Future[dict[str, Any]] | None = None
-    if body.get("prompt_logprobs") is not None:  # asked of a prefill server apart, at the same time
-        side = asyncio.ensure_future(prompt_logprobs(state, ctx, body, ctx.model))
+    # asked of a prefill server apart, at the same time: the prompt's logprobs, and those of a
+    # completion's echoed prompt
+    sides: dict[str, asyncio.Future[dict[str, Any]]] = {}
+    if body.get("prompt_logprobs") is not None:
+        sides["prompt"] = asyncio.ensure_future(prompt_logprobs(state, ctx, body, ctx.model))
         body = {k: v for k, v in body.items() if k != "prompt_logprobs"}
+    if decode_check.echoes_logprobs(ctx.endpoint, body):
+        sides["echo"] = asyncio.ensure_future(plain_prefill(
+            state, ctx, ctx.model, decode_check.echo_logprobs_body(body), f"{ctx.request_id[:240]}~echo"))
     try:
         answer = await prefill_leg(state, ctx, body, request, handoff_id, target, grammar)
-        if side is not None:
-            ctx.prompt_logprobs = decode_check.prompt_logprobs_of(await side)
+        if "prompt" in sides:
+            ctx.prompt_logprobs = decode_check.prompt_logprobs_of(await sides["prompt"])
+        if "echo" in sides:
+            ctx.echo_logprobs = decode_check.choice_logprobs(await sides["echo"])
     finally:
-        if side is not None and not side.done():
-            side.cancel()
-        elif side is not None and not side.cancelled():
-            side.exception()  # retrieved: the PD prefill's own failure is the one raised
+        for side in sides.values():
+            if not side.done():
+                side.cancel()
+            elif not side.cancelled():
+                side.exception()  # retrieved: the PD prefill's own failure is the one raised
     with observe.span(state, ctx, "handoff") as span:
         params = read_handoff(state, lease, answer, request, handoff_id, span)
     tokens = params.get("num_prompt_tokens")

@@ -139,7 +139,7 @@ async def relay(state: RouterState, ctx: RequestContext, lease: Lease, resp: Res
         except UpstreamError as exc:  # nothing reached the client: the caller may fail over
             raise mid_answer_error(state, backend, exc) from None
         if ctx.prompt_logprobs is not None or body.get("echo"):
-            data = decode_check.merged(ctx.endpoint, data, body, ctx.prompt_logprobs)
+            data = decode_check.merged(ctx.endpoint, data, body, ctx.prompt_logprobs, ctx.echo_logprobs)
         ctx.status, ctx.finished = 200, True
         ctx.ttft = perf_counter() - ctx.start
         state.metrics.child(state.metrics.ttft, ctx.endpoint.label, ctx.model).observe(ctx.ttft)

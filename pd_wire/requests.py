@@ -108,6 +108,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True  # false: only the first call is returned (as vLLM filters them)
     chat_template_kwargs: dict[str, Any] | None = None
 
     def wants_logprobs(self) -> bool:

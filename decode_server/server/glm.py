@@ -5,7 +5,12 @@ GLM-4.5..5 tool-call body: ``name<arg_key>k</arg_key><arg_value>v</arg_value>...
 (newlines between the parts allowed). Argument values are strings unless the tool's
 JSON schema gives the parameter a non-string type, in which case they are read as JSON
 when they parse. With reasoning on, generation starts inside the reasoning block (GLM
-templates open ``<think>`` in the prompt), as vLLM's GLM parser does.
+templates open ``<think>`` in the prompt), as vLLM's GLM parser does; with tool calls
+parsed and no reasoning parser, a ``<think>..</think>`` block is dropped from the content
+(tool calls in it still count), as vLLM's GLM-4.7 tool parser drops it. Special tokens
+other than GLM's markers (:data:`MARKERS`) never reach the parser: the detokenizer leaves
+them out (:class:`decode_server.server.text.IncrementalDetokenizer`), as vLLM's parser
+leaves them out of reasoning and content.
 
 As vLLM's GLM-4.7 parser (checked on generated token streams by
 tests/decode_server/test_glm_vs_vllm.py): a call whose name is not one of the request's
@@ -28,6 +33,8 @@ from decode_server.server.stops import partial_suffix_len
 
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
+# GLM's markers: kept in the text the parser reads (special tokens in GLM-5.1's tokenizer)
+MARKERS = (THINK_START, THINK_END, TOOL_START, TOOL_END, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 _ARG_RE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 _REASONING, _CONTENT, _TOOL = "reasoning", "content", "tool"
@@ -126,7 +133,7 @@ class GlmChatParser:
         if self._state == _TOOL:
             return (TOOL_END,)
         markers: tuple[str, ...] = (TOOL_START,) if self._tools_on else ()
-        return markers + ((THINK_START, THINK_END) if self._reasoning else ())
+        return markers + ((THINK_START, THINK_END) if self._reasoning or self._tools_on else ())
 
     def feed(self, text: str) -> ChatPiece:
         piece = ChatPiece()
@@ -182,6 +189,8 @@ class GlmChatParser:
         if not text:
             return
         if self._state == _REASONING:  # trailing whitespace goes out only if more reasoning follows
+            if not self._reasoning:
+                return  # a thinking block without a reasoning parser: dropped
             text = self._reasoning_ws + text
             kept = text.rstrip()
             self._reasoning_ws = text[len(kept):]

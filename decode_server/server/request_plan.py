@@ -11,6 +11,7 @@ from typing import Any
 
 from decode_server.engine.base import SamplingParams
 from decode_server.server.api_errors import HandoffFailed, InvalidRequest
+from decode_server.server.glm import MARKERS
 from decode_server.server.sequence import MIN_LOGPROB, StopSpec, TokenLogprob
 from decode_server.server.text import GenerationDefaults
 from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, grammar_param, grammar_spec
@@ -45,6 +46,7 @@ class Plan:
     tokens_as_ids: bool
     reasoning: bool
     tools: list[dict[str, Any]] | None  # parse tool calls when not None
+    first_tool_call_only: bool  # parallel_tool_calls false: later calls are dropped from the answer
     first_logprob: TokenLogprob | None
     grammar: GrammarSpec | None = None  # structured output (the engine gets its matcher)
     asked_max_tokens: tuple[int | None, str, int] = (None, "max_tokens", 0)  # (asked, its param, max_seq_len)
@@ -209,8 +211,9 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
                 thinking = False
     # the grammar holds from the first token: no reasoning block to parse
     reasoning = chat and limits.reasoning_parser and thinking and grammar is None
-    if tools is not None or reasoning:  # GLM's markers are special tokens: the parser must see them (as vLLM's)
-        stop = replace(stop, skip_special_tokens=False)
+    if tools is not None or reasoning:  # GLM's markers are special tokens: the parser sees them and no
+        # other special token, whatever skip_special_tokens says (as vLLM's GLM parser)
+        stop = replace(stop, skip_special_tokens=True, keep_special=frozenset(MARKERS))
     return Plan(
         endpoint=Endpoint(endpoint), request_id=request_id, handoff=handoff, sampling=sampling, stop=stop,
         stream=bool(req.stream), include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -218,6 +221,7 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
                               and req.stream_options.continuous_usage_stats),
         model=req.model or limits.model_name, logprobs=k, tokens_as_ids=bool(req.return_tokens_as_token_ids),
         reasoning=reasoning, tools=tools,
+        first_tool_call_only=isinstance(req, ChatCompletionRequest) and req.parallel_tool_calls is False,
         first_logprob=(prefill_logprob(handoff.prefill_logprobs, k)
                        if k is not None and isinstance(handoff, HandoffResult) else None),
         grammar=grammar,

@@ -177,8 +177,11 @@ class ChatRenderer(_Renderer):
             body["reasoning_content"] = piece.reasoning
         if piece.content or not (piece.reasoning or piece.tool_calls):
             body["content"] = piece.content
-        if piece.tool_calls:
-            body["tool_calls"] = [c.to_openai(first_call + i) for i, c in enumerate(piece.tool_calls)]
+        calls = [c.to_openai(first_call + i) for i, c in enumerate(piece.tool_calls)]
+        if self.plan.first_tool_call_only:  # as vLLM streams with parallel_tool_calls false
+            calls = [c for c in calls if c["index"] == 0]
+        if calls:
+            body["tool_calls"] = calls
         return [self._chunk({"index": 0, "delta": body, "logprobs": {"content": lp} if lp is not None else None,
                              "finish_reason": self._finish_reason(delta.finish_reason),
                              "stop_reason": delta.stop_reason})]
@@ -191,7 +194,8 @@ class ChatRenderer(_Renderer):
         if self._parser is not None and self.plan.reasoning:
             message["reasoning_content"] = "".join(self._reasoning) or None
         if self._calls:
-            message["tool_calls"] = [c.to_openai() for c in self._calls]
+            calls = self._calls[:1] if self.plan.first_tool_call_only else self._calls
+            message["tool_calls"] = [c.to_openai() for c in calls]
         choice = {"index": 0, "message": message,
                   "logprobs": {"content": self._lp} if self.plan.logprobs is not None else None,
                   "finish_reason": self._finish_reason(self.finish_reason), "stop_reason": self.stop_reason}

@@ -24,6 +24,7 @@ class StopSpec:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    keep_special: frozenset[str] = frozenset()  # with skip_special_tokens: special tokens written all the same
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class SequenceProcessor:
                  logprobs: int | None = None, tokens_as_ids: bool = False) -> None:
         self._tok = tokenizer
         self._spec = spec
-        self._detok = IncrementalDetokenizer(tokenizer, context_ids, spec.skip_special_tokens)
+        self._detok = IncrementalDetokenizer(tokenizer, context_ids, spec.skip_special_tokens, spec.keep_special)
         self._stops = StopStringMatcher(spec.stop_strings, spec.include_stop_str_in_output)
         self._logprobs = logprobs
         self._tokens_as_ids = tokens_as_ids

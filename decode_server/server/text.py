@@ -131,17 +131,25 @@ class IncrementalDetokenizer:
     Decoding restarts from a short window (``prefix``..end) each time, so the cost
     per token stays constant; ``context`` (e.g. the last prompt token) gives the
     first generated token the left context some decoders need for spacing.
+
+    ``keep_special``: with ``skip_special_tokens``, the special tokens (by text) that are
+    written all the same (an output parser's markers); the others add no text.
     """
 
     def __init__(self, tokenizer: TextTokenizer, context: list[int] | None = None,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, keep_special: frozenset[str] = frozenset()) -> None:
         self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = list(context or [])
+        kept = {tokenizer.special_id(t) for t in keep_special} if skip_special_tokens else set()
+        # the special tokens left out; with none kept, the tokenizer's own skipping does it
+        self._left_out = tokenizer.special_ids - kept if kept - {None} else frozenset()
+        self._skip = skip_special_tokens and not self._left_out
+        self._ids: list[int] = [t for t in context or [] if t not in self._left_out]
         self._prefix = 0
         self._read = len(self._ids)
 
     def feed(self, token_id: int) -> str:
+        if token_id in self._left_out:
+            return ""
         self._ids.append(token_id)
         before = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
         after = self._tok.decode(self._ids[self._prefix:], self._skip)

@@ -171,6 +171,8 @@ def _workers(r: Recipe) -> list[Step]:
             slots=r.decode.slots,
             max_seq_len=r.decode.max_seq_len,
             num_mtp=r.decode.num_mtp,
+            tool_call_parser=r.decode.tool_call_parser,
+            reasoning_parser=r.decode.reasoning_parser,
             served_model_name=r.model.name,
             kv_device=r.decode.kv_device or DEFAULT_KV_DEVICE[r.decode.engine],
             api_key_file=DECODE_API_KEY_FILE,

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from decode_server.model_dir import MODEL_FILES
+from decode_server.settings import ReasoningParser, ToolCallParser
 
 BIND_NODE = "node"  # slurm.bind_host: every server listens on its own node's name
 
@@ -84,6 +85,11 @@ class DecodeRole(RoleSpec):
     slots: int = Field(default=1, ge=1)
     max_seq_len: int = Field(default=16384, ge=1)
     num_mtp: int = Field(default=3, ge=0, description="decode-side MTP drafts per step")
+    tool_call_parser: ToolCallParser = Field(
+        default="glm47", description="GLM tool calls into tool_calls (chat with tools), as vLLM's --tool-call-parser")
+    reasoning_parser: ReasoningParser = Field(
+        default="glm45", description="<think>..</think> into reasoning_content (chat), as vLLM's --reasoning-parser; "
+        "none for a model that does not reason")
     kv_device: str | None = Field(
         default=None,
         pattern=r"^(cpu|cuda:\d+)$",

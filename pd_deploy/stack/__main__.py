@@ -19,6 +19,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from decode_server.settings import ReasoningParser, ToolCallParser
 from pd_deploy.stack.launcher import Stack, StackConfig, usage_text
 from pd_deploy.stack.ports import PortInUse, check_free
 from pd_http.tracing import check_endpoint
@@ -55,6 +56,12 @@ class StackSettings(EntrySettings):
     max_seq_len: int = Field(4096, ge=1, description="longest prompt + output, in tokens")
     prefill_mtp: bool = Field(True, description="start vLLM with MTP (--no-prefill-mtp: see the handshake reject it)")
     start_timeout: float = Field(300.0, gt=0, description="seconds per readiness gate")
+    tool_call_parser: ToolCallParser = Field("glm47", description="the decode servers' GLM tool-call parser "
+                                             "(vLLM's names; none: tool calls stay in the content)")
+    reasoning_parser: ReasoningParser = Field(
+        "none", description="the decode servers' reasoning parser: glm45 splits <think>..</think> into "
+        "reasoning_content, as vLLM's --reasoning-parser glm45 (none: the thinking stays in the content, as vLLM "
+        "answers without the flag)")
     otlp_traces_endpoint: str | None = Field(
         None, description="OTLP/gRPC collector (e.g. http://127.0.0.1:4317) the router, vLLM and the decode servers "
         "send their spans to: one trace per request (docs/observability.md)")
@@ -89,7 +96,8 @@ def _config(args: StackSettings, model_dir: Path, served: str | None) -> StackCo
                        kv_port=args.kv_port, num_decode=args.num_decode, engine=args.engine,
                        decode_slots=args.decode_slots, max_seq_len=args.max_seq_len, prefill_mtp=args.prefill_mtp,
                        start_timeout_s=args.start_timeout, served_model_name=served,
-                       otlp_traces_endpoint=args.otlp_traces_endpoint)
+                       otlp_traces_endpoint=args.otlp_traces_endpoint, tool_call_parser=args.tool_call_parser,
+                       reasoning_parser=args.reasoning_parser)
 
 
 def main(argv: list[str] | None = None) -> int:

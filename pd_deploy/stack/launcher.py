@@ -71,6 +71,11 @@ class StackConfig:
     router_args: tuple[str, ...] = ()
     prefill_connector: tuple[str, str] = ("connector", "TileRTConnector")  # module path, class (tests)
     decode_args: tuple[str, ...] = ()  # appended to every decode server's command line (the last wins)
+    # GLM's output parsers on the decode servers (vLLM's names): tool calls parsed; no reasoning
+    # parser by default, so that a chat's text is what vLLM started without one answers (the tiny
+    # model's short thinking block stays in the content; docs/router.md, "Tools and reasoning")
+    tool_call_parser: str = "glm47"
+    reasoning_parser: str = "none"
     # structured output: JSON without free whitespace (prefill's vLLM and the decode servers alike);
     # a small model fills "any" whitespace with newlines and never closes the object
     json_whitespace: JsonWhitespace = "compact"
@@ -102,6 +107,7 @@ class StackConfig:
         return [DecodeSpec(model=self.model_dir, host=self.host, port=self.decode_port + i,
                            kv_port=self.kv_port + i, engine=self.engine, slots=self.decode_slots,
                            max_seq_len=self.max_seq_len, served_model_name=self.served_model_name,
+                           tool_call_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser,
                            extra_args=self.decode_extra_args() + self.decode_args) for i in range(self.num_decode)]
 
     def prefill_spec(self) -> PrefillSpec:

@@ -27,6 +27,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
                                      "opts": {"type": "object"}}}}},
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
 TEXT = st.sampled_from(["Hello", " world", "\n", " ", "ok.", "a<b", "x > y", "\n\n"])
+# a thinking block in a tool-calling answer: GLM models open one (the tiny one too)
+THINK = st.sampled_from(["", "<think></think>\n", "<think>Let me see.</think>\n", "</think>"])
 VALUES = st.sampled_from(["Paris", "3", " 3 ", "New York", '{"a": 1}', "x3", ""])
 EXAMPLES = 60
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
@@ -49,9 +51,9 @@ def request_(hf_tokenizer: Any) -> Any:
 
 @st.composite
 def tool_outputs(draw: Any) -> str:
-    """Text, GLM tool calls (known or unknown names, newlines between the parts allowed),
-    text between and after them; sometimes the last call is cut off."""
-    out = "".join(draw(st.lists(TEXT, max_size=3)))
+    """A thinking block (or none), text, GLM tool calls (known or unknown names, newlines
+    between the parts allowed), text between and after them; sometimes the last call is cut off."""
+    out = draw(THINK) + "".join(draw(st.lists(TEXT, max_size=3)))
     for _ in range(draw(st.integers(0, 3))):
         name = draw(st.sampled_from(["get_weather", "get_time", "unknown_fn"]))
         sep = draw(st.sampled_from(["", "\n"]))

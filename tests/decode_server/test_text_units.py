@@ -16,6 +16,7 @@ from decode_server.server import (
     parse_tool_call,
 )
 from decode_server.server.api_errors import HandoffFailed, InvalidRequest
+from decode_server.server.glm import MARKERS
 from decode_server.server.request_plan import ServerLimits, build_plan, prefill_logprob
 from decode_server.server.text import GenerationDefaults
 from decode_server.settings import SettingsError, load_settings
@@ -47,6 +48,27 @@ def test_detokenizer_skips_special_tokens(text_tok):
     assert "".join(detok.feed(i) for i in [*ids, eos, *ids]) == "hellohello"
     keep = IncrementalDetokenizer(text_tok, [], skip_special_tokens=False)
     assert "".join(keep.feed(i) for i in [*ids, eos]) == "hello<|endoftext|>"
+
+
+@pytest.mark.parametrize("markers_special", [True, False], ids=["glm5.1-markers-special", "markers-plain"])
+def test_detokenizer_keeps_only_the_parsers_special_tokens(model_dir, markers_special):
+    """GLM's parser reads its markers and no other special token (vLLM's GLM parser drops them
+    from reasoning and content): a role token inside a thinking block adds no text, whether the
+    markers are special tokens (GLM-5.1's tokenizer, the tiny model's) or plain added ones."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<|system|>", special=True)])
+    if markers_special:
+        tok.add_special_tokens([AddedToken(m, special=True) for m in ("<think>", "</think>")])
+    text_tok = TextTokenizer(tok, frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special))
+    assert (text_tok.special_id("<think>") is not None) == markers_special
+    special = {name: text_tok.token_id(name) for name in ("<think>", "</think>", "<|assistant|>", "<|system|>")}
+    ids = text_tok.tokenizer.encode("hi").ids
+    stream = [special["<|assistant|>"], special["<think>"], *ids, special["<|assistant|>"], special["</think>"],
+              *ids, special["<|system|>"]]
+    detok = IncrementalDetokenizer(text_tok, [special["<|assistant|>"]], keep_special=frozenset(MARKERS))
+    assert "".join(detok.feed(i) for i in stream) + detok.flush() == "<think>hi</think>hi"
 
 
 @pytest.mark.parametrize("deltas,stops,expect,matched", [

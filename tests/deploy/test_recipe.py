@@ -157,12 +157,14 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
     servers = yaml.safe_load(text[text.index("== servers file /shared/run1/servers.yaml"):].split("==\n", 1)[1])
     assert servers == {"prefill": ["http://pf0:8100"],
                        "decode": [{"url": "http://dc0:8200", "kv_endpoint": "dc0:8300"}]}
-    # written out from the recipe by hand: TileRT, one slot, 3 MTP drafts, KV lands in VRAM
+    # written out from the recipe by hand: TileRT, one slot, 3 MTP drafts, KV lands in VRAM, GLM-5.1's
+    # output parsers as vLLM's GLM-5.1 recipe runs them (tool calls glm47, reasoning glm45)
     assert decode == ["python3", "-m", "decode_server", "--engine", "tilert", "--model",
                       "/shared/models/GLM-5.1-FP8-tilert", "--host", "0.0.0.0", "--port", "8200", "--kv-port", "8300",
                       "--slots", "1", "--max-seq-len", "16384", "--num-mtp", "3", "--kv-device", "cuda:0",
                       "--api-key-file", "/shared/run1/secrets/decode-api-key",
                       "--kv-secret-file", "/shared/run1/secrets/kv-secret",
+                      "--tool-call-parser", "glm47", "--reasoning-parser", "glm45",
                       "--served-model-name", "GLM-5.1-FP8", "--kv-host", "dc0"]
     assert convert[-4:] == ["--model_dir", "/shared/models/GLM-5.1-FP8", "--save_dir", "{dst}"]
     assert "into: /shared/models/GLM-5.1-FP8-tilert (once, under /shared/models/GLM-5.1-FP8-tilert.lock" in node1

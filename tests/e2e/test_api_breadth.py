@@ -23,9 +23,9 @@ COMPLETION = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens"
 # accepted by vLLM alone (prefill would run), refused by the reference decode server
 DECODE_REFUSES = {
     "best_of": ("/v1/completions", {**COMPLETION, "best_of": 2}),
-    # vLLM's own structured-outputs field (a regex): the decode servers take grammars only as
-    # response_format / tool_choice (pd_grammar), which the router checks before any lease
-    "structured_outputs": ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "[a-z]+"}}),
+    # vLLM's guided decoding fields before structured_outputs: the decode servers take grammars as
+    # response_format, tool_choice and structured_outputs (pd_grammar), which the router checks first
+    "guided_regex": ("/v1/chat/completions", {**CHAT, "guided_regex": "[a-z]+"}),
 }
 _COUNTERS = ("vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:num_requests_running")
 
@@ -268,7 +268,7 @@ def test_echo_equals_vllm_alones(pd_stack, vllm_alone):
     alone = _sdk(vllm_alone).completions.create(**body)
     assert pd.choices[0].text == alone.choices[0].text
     assert pd.choices[0].text.startswith(COMPLETION["prompt"]) and len(pd.choices[0].text) > len(COMPLETION["prompt"])
-    refused = httpx.post(pd_stack.config.router_url + "/v1/completions", json={**body, "logprobs": 1}, timeout=30)
+    refused = httpx.post(pd_stack.config.router_url + "/v1/completions", json={**body, "stream": True}, timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
     # what evaluation clients send for a loglikelihood (lm-eval 0.4.13's local-completions: echo,
     # logprobs 1, max_tokens 1; it sums token_logprobs and compares top_logprobs): the prompt's
@@ -288,3 +288,25 @@ def test_echo_equals_vllm_alones(pd_stack, vllm_alone):
         assert [sorted(top or {}) for top in got["logprobs"]["top_logprobs"]] == [
             sorted(top or {}) for top in want["logprobs"]["top_logprobs"]]
     assert sum(metric_sum(u, "decode_server_lease_grants_total") for u in pd_stack.config.decode_urls) == grants
+
+
+@pytest.mark.parametrize("logprobs", [0, 2])
+def test_echo_with_logprobs_and_new_tokens_equals_vllm_alones(pd_stack, vllm_alone, logprobs):
+    """The prompt's logprobs, then the generated tokens' (issue 52; a 400 before): tokens, token
+    logprobs, top logprobs and text offsets as vLLM alone answers them, greedy."""
+    body = {"model": MODEL_NAME, "prompt": COMPLETION["prompt"], "echo": True, "logprobs": logprobs, "max_tokens": 4,
+            "temperature": 0.0}
+    answers = [httpx.post(url + "/v1/completions", json=body, timeout=60) for url in
+               (pd_stack.config.router_url, vllm_alone)]
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    got, want = (a.json()["choices"][0] for a in answers)
+    assert got["text"] == want["text"] and got["text"].startswith(COMPLETION["prompt"])
+    assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    assert got["logprobs"]["text_offset"] == want["logprobs"]["text_offset"]
+    assert got["logprobs"]["token_logprobs"][0] is None and got["logprobs"]["top_logprobs"][0] is None
+    assert got["logprobs"]["token_logprobs"][1:] == pytest.approx(want["logprobs"]["token_logprobs"][1:], abs=1e-3)
+    for ours, theirs in zip(got["logprobs"]["top_logprobs"][1:], want["logprobs"]["top_logprobs"][1:], strict=True):
+        assert sorted(ours) == sorted(theirs)
+        assert [ours[t] for t in sorted(ours)] == pytest.approx([theirs[t] for t in sorted(theirs)], abs=1e-3)
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [answers[0].json()["usage"][k] for k in counts] == [answers[1].json()["usage"][k] for k in counts]

@@ -68,6 +68,29 @@ def test_greedy_structured_output_equals_vllm_alone(pd_stack, vllm_alone, model_
     assert outputs["pd"][0] and outputs["pd"][2]
 
 
+@pytest.mark.parametrize("structured_outputs", [
+    {"choice": ["red", "green", "blue sky"]}, {"json": PERSON}, {"regex": "[a-z]{2,6}( [a-z]{2,6}){1,3}"}],
+    ids=["choice", "json", "regex"])
+def test_vllms_structured_outputs_field_equals_vllm_alone(pd_stack, vllm_alone, model_name, structured_outputs):
+    """vLLM's own field, which its users send (issue 52; a 400 "use response_format" before): the same
+    grammar path as response_format, greedy output equal to vLLM alone's, chat and completions."""
+    outputs = {}
+    for name, url in (("pd", pd_stack.config.router_url), ("vllm", vllm_alone)):
+        extra = {"structured_outputs": structured_outputs}
+        chat = _client(url).chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=40,
+                                                    temperature=0, extra_body=extra)
+        completion = _client(url).completions.create(model=model_name, prompt="A record:", max_tokens=40,
+                                                     temperature=0, extra_body=extra)
+        outputs[name] = (chat.choices[0].message.content, chat.choices[0].finish_reason,
+                         completion.choices[0].text, completion.choices[0].finish_reason)
+    print(f"\n{structured_outputs}: {outputs['pd']!r}")
+    assert outputs["pd"] == outputs["vllm"]
+    if "choice" in structured_outputs:
+        assert outputs["pd"][0] in structured_outputs["choice"] and outputs["pd"][2] in structured_outputs["choice"]
+    if "json" in structured_outputs:
+        jsonschema.validate(json.loads(outputs["pd"][0]), PERSON)
+
+
 def test_sampled_json_always_validates(pd_stack, model_name):
     client = _client(pd_stack.config.router_url)
     finished = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from decode_server.server.api_errors import InvalidRequest
+from decode_server.server.glm import MARKERS
 from decode_server.server.request_plan import ServerLimits, build_plan
 from decode_server.server.text import GenerationDefaults
 from pd_grammar.spec import SchemaLimits
@@ -28,12 +29,14 @@ def _plan(limits: ServerLimits = LIMITS, **body):
 
 def test_structured_plans():
     plain = _plan()
-    assert plain.grammar is None and plain.reasoning and not plain.stop.skip_special_tokens  # reasoning: markers kept
+    # reasoning: GLM's markers kept, no other special token (as vLLM's parser reads them)
+    assert plain.grammar is None and plain.reasoning and plain.stop.keep_special == frozenset(MARKERS)
     fmt = _plan(response_format={"type": "json_object"})
     assert fmt.grammar is not None and fmt.grammar.kind == "json_object" and not fmt.reasoning and fmt.tools is None
     forced = _plan(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get"}})
     assert forced.grammar is not None and forced.grammar.kind == "structural_tag"
-    assert forced.tools == TOOLS and not forced.reasoning and not forced.stop.skip_special_tokens
+    assert forced.tools == TOOLS and not forced.reasoning and forced.stop.keep_special == frozenset(MARKERS)
+    assert _plan(response_format={"type": "json_object"}).stop.keep_special == frozenset()
 
 
 @pytest.mark.parametrize(("body", "param"), [

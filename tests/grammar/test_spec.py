@@ -57,6 +57,25 @@ def test_response_formats():
     (_fmt({"properties": {"a": {"pattern": "(["}}}), "response_format.json_schema.schema", "regex"),
     (_fmt({"$schema": "https://example.com/unknown", "type": 3}), "response_format.json_schema.schema", "valid"),
     ({"guided_json": {}}, "guided_json", "not supported"),
+    ({"structured_outputs": "a+"}, "structured_outputs", "object"),
+    ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "(got regex, choice)"),
+    ({"structured_outputs": {"regex": "(["}}, "structured_outputs.regex", "cannot be compiled: Regex parsing error"),
+    ({"structured_outputs": {"regex": "a\x00"}}, "structured_outputs.regex", "NUL"),
+    ({"structured_outputs": {"regex": "a" * 70000}}, "structured_outputs.regex", "at most 65536"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty list of strings"),
+    ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice", "non-empty list of strings"),
+    ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar", "cannot be compiled"),
+    ({"structured_outputs": {"json": "{"}}, "structured_outputs.json", "not JSON"),
+    ({"structured_outputs": {"json": {"type": "strin"}}}, "structured_outputs.json", "not a valid JSON schema"),
+    ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object", "must be true"),
+    ({"structured_outputs": {"structural_tag": "[1]"}}, "structured_outputs.structural_tag", "JSON object"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+     "structured_outputs.disable_any_whitespace", "not supported per request"),
+    ({"structured_outputs": {"regex": "a", "backend": "outlines"}}, "structured_outputs.backend",
+     "not a structured-outputs field"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs",
+     "structured_outputs and response_format cannot be combined"),
     ({"tool_choice": "required"}, "tools", "non-empty"),
     ({"tool_choice": "sometimes", "tools": TOOLS}, "tool_choice", "must be"),
     ({"tool_choice": {"type": "function", "function": {"name": "x"}}, "tools": TOOLS}, "tool_choice.function.name",
@@ -81,6 +100,37 @@ def test_schema_size_and_depth_are_bounded():
     assert "bytes; the largest schema allowed is 100" in _refused(_fmt(big), limits=SchemaLimits(max_bytes=100)).message
     with pytest.raises(ValueError):
         SchemaLimits(max_depth=0)
+
+
+@pytest.mark.parametrize(("so", "kind", "accepts", "refuses"), [
+    ({"regex": "(red|blue)[0-9]"}, "regex", "blue7", "green7"),
+    ({"choice": ["red", 'say "hi"\n', "a\\b"]}, "ebnf", 'say "hi"\n', "say hi"),
+    ({"grammar": 'root ::= "x" rest\nrest ::= "y"+'}, "ebnf", "xyyy", "xz"),
+    ({"grammar": 'start: "x" "y"+'}, "lark", "xyy", "x"),
+    ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}, "json_schema",
+     '{"a": 1}', '{"b": 1}'),
+    ({"json": '{"type": "integer"}'}, "json_schema", "42", '"42"'),
+    ({"json_object": True, "disable_fallback": True}, "json_object", '{"x": []}', "[1]"),
+    ({"structural_tag": json.dumps({"type": "structural_tag", "format": {"type": "const_string", "value": "ok"}})},
+     "structural_tag", "ok", "ko"),
+], ids=["regex", "choice", "ebnf", "lark", "json", "json-text", "json_object", "structural_tag"])
+def test_structured_outputs_is_the_same_grammar_path(so, kind, accepts, refuses):
+    """vLLM's structured_outputs: one grammar of each kind, the language vLLM's xgrammar backend
+    compiles (a choice is the alternation of its strings, verbatim); prefill gets the field as sent."""
+    spec = grammar_spec({"structured_outputs": so}, LIMITS, False)
+    assert spec is not None and spec.kind == kind
+    assert grammar_spec({"structured_outputs": so}, LIMITS, True, compile=False) == spec
+    assert prefill_overrides(spec) == ({"structured_outputs": {"structural_tag": spec.source}, "tool_choice": "none"}
+                                       if kind == "structural_tag" else {})
+    if kind in ("json_schema", "json_object"):
+        grammar = xgrammar.Grammar.from_json_schema(spec.source)
+    elif kind == "structural_tag":
+        grammar = xgrammar.Grammar.from_structural_tag(spec.source)
+    else:
+        grammar = {"regex": xgrammar.Grammar.from_regex, "ebnf": xgrammar.Grammar.from_ebnf,
+                   "lark": xgrammar.Grammar.from_lark}[kind](spec.source)
+    assert xgrammar.testing._is_grammar_accept_string(grammar, accepts)
+    assert not xgrammar.testing._is_grammar_accept_string(grammar, refuses)
 
 
 def test_tool_choice_makes_glm_tool_call_tags():
@@ -117,7 +167,11 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
-@given(st.fixed_dictionaries({}, optional={"response_format": values, "tool_choice": values, "tools": values}))
+@given(st.fixed_dictionaries({}, optional={"response_format": values, "tool_choice": values, "tools": values,
+                                           "structured_outputs": values | st.dictionaries(
+                                               st.sampled_from(["json", "regex", "choice", "grammar", "json_object",
+                                                                "structural_tag", "disable_fallback"]), values,
+                                               max_size=2)}))
 def test_any_json_is_a_spec_or_a_named_refusal(body):
     """And the router's check (no compilation) gives the same spec, or the same refusal unless
     only xgrammar's compilation refuses it."""
