@@ -1,15 +1,19 @@
-"""``n > 1``: n PD requests, one answer.
+"""``n > 1`` and a completion's list of prompts: one PD request per choice, one answer.
 
-A KV handoff carries one sequence, so a request for n choices runs as n requests through
-the usual path (the handler's ``serve_one``: each leases its own decode slot, runs its
-own prefill and decode, and gives its slot back whatever happens), with ``n`` removed and,
-when the client set a ``seed``, ``seed + i`` for choice i (as vLLM seeds the n children
-of a request). Their answers are merged: one JSON body whose choices carry ``index`` i and
-whose usage counts the prompt once and the completion tokens of all choices; or one SSE
-stream whose chunks carry their choice's ``index`` and the first choice's ``id``, with one
-usage chunk (when asked) and one ``[DONE]`` at the end. A failure of any choice before the
-answer began fails the request (the others are cancelled and give their slots back);
-after it began, the stream ends with the error event.
+A KV handoff carries one sequence, so a request for several choices runs as one request per
+choice through the usual path (the handler's ``serve_one``: each leases its own decode slot,
+runs its own prefill and decode, and gives its slot back whatever happens). The choices of
+a completion whose ``prompt`` is a list of prompts (strings or token-id lists) times ``n``
+are indexed as vLLM indexes them: prompt p's sample s is choice ``p * n + s``. Each choice's
+request has its one prompt, no ``n`` and, when the client set a ``seed``, ``seed + s`` (as
+vLLM seeds the n children of a request; every prompt is a request of its own there). Their
+answers are merged: one JSON body whose choices carry their ``index`` and whose usage counts
+each prompt once and the completion tokens of all choices; or one SSE stream whose chunks
+carry their choice's ``index`` and the first choice's ``id``, with one usage chunk (when
+asked) and one ``[DONE]`` at the end. A failure of any choice before the answer began fails
+the request (the others are cancelled and give their slots back); after it began, the
+stream ends with the error event. A request's choices are bounded by ``--max-choices``
+and by what the router can run at once (the model's decode slots plus ``--max-queue``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pd_router.api import parse_request
 from pd_router.asgi import SSE, Message, respond
 from pd_router.context import RequestContext
 from pd_router.errors import InvalidRequest, RouterError
-from pd_wire.requests import OpenAIRequest
+from pd_wire.requests import GREEDY_BELOW_TEMPERATURE, Endpoint, OpenAIRequest
 
 if TYPE_CHECKING:
     from pd_router.state import RouterState
@@ -41,8 +45,41 @@ def choices_wanted(body: dict[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
+def prompts(endpoint: Endpoint, body: dict[str, Any]) -> list[Any] | None:
+    """A completion's prompts when ``prompt`` is a list of more than one (strings or token-id
+    lists; a list of token ids is one prompt); None for one prompt (a list of one is served as
+    vLLM serves it, one request). A 400 for a list that mixes kinds."""
+    prompt = body.get("prompt")
+    if endpoint is not Endpoint.COMPLETIONS or not isinstance(prompt, list) or len(prompt) < 2:
+        return None
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None  # one prompt, as token ids
+    if all(isinstance(p, str) for p in prompt) or all(
+            isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+        return list(prompt)
+    raise InvalidRequest("prompt: a string, a list of strings, a list of token ids or a list of token-id lists",
+                         param="prompt")
+
+
+def legs(endpoint: Endpoint, body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Each choice's request (choice ``p * n + s``: prompt p, sample s), or None for a request
+    of one choice."""
+    n = choices_wanted(body)
+    many = prompts(endpoint, body)
+    if many is None and n == 1:
+        return None
+    out = []
+    for prompt in many if many is not None else [body.get("prompt")]:
+        for s in range(n):
+            sub = sub_body(body, s)
+            if many is not None:
+                sub["prompt"] = prompt
+            out.append(sub)
+    return out
+
+
 def sub_body(body: dict[str, Any], i: int) -> dict[str, Any]:
-    """Choice i's request: no ``n``; the client's seed + i."""
+    """Sample i's request: no ``n``; the client's seed + i."""
     out = {k: v for k, v in body.items() if k != "n"}
     seed = body.get("seed")
     if isinstance(seed, int) and not isinstance(seed, bool):
@@ -122,14 +159,14 @@ class _Merge:
             await ctx.send({"type": "http.response.body", "body": data, "more_body": more})
 
 
-def merged_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
-    """The prompt counted once, the completion tokens of every choice summed."""
-    prompt = int(usages[0].get("prompt_tokens") or 0)
+def merged_usage(usages: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """Each prompt counted once (the first of its ``n`` samples), the completion tokens of every choice summed."""
+    prompt = sum(int(u.get("prompt_tokens") or 0) for u in usages[::n])
     completion = sum(int(u.get("completion_tokens") or 0) for u in usages)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def merged_answer(answers: list[dict[str, Any]]) -> dict[str, Any]:
+def merged_answer(answers: list[dict[str, Any]], n: int) -> dict[str, Any]:
     out = dict(answers[0])
     choices = []
     for i, answer in enumerate(answers):
@@ -138,23 +175,33 @@ def merged_answer(answers: list[dict[str, Any]]) -> dict[str, Any]:
     out["choices"] = choices
     usages = [a["usage"] for a in answers if isinstance(a.get("usage"), dict)]
     if len(usages) == len(answers):
-        out["usage"] = merged_usage(usages)
+        out["usage"] = merged_usage(usages, n)
     return out
 
 
 async def serve(state: RouterState, ctx: RequestContext, body: dict[str, Any], request: OpenAIRequest,
-                n: int, serve_one: ServeOne) -> None:
-    """Run the n choices of ``body`` (each by ``serve_one``) and answer the client with their merge."""
+                bodies: list[dict[str, Any]], serve_one: ServeOne) -> None:
+    """Run the choices of ``body`` (``bodies``, from :func:`legs`; each by ``serve_one``) and
+    answer the client with their merge."""
     model = request.model or ""  # parse_request requires it
+    count, n = len(bodies), choices_wanted(body)
+    if n > 1 and request.temperature is not None and request.temperature < GREEDY_BELOW_TEMPERATURE:
+        raise InvalidRequest(f"n must be 1 when using greedy sampling, got {n}.", param="n")  # vLLM's words
+    asked = f"{count // n} prompts x n={n}" if count != n else f"n={n}"
+    param = "n" if count == n else "prompt"
+    limit = state.settings.max_choices
+    if count > limit:
+        raise InvalidRequest(f"{asked} is {count} choices; this router serves at most {limit} per request "
+                             "(--max-choices): each choice is a prefill and a decode of its own", param=param)
     room = state.settings.max_queue + sum(b.slots for b in state.backends.decode if b.serves(model))
-    if n > room:
-        raise InvalidRequest(f"n={n} is more than this router can run at once ({room:g}: the decode slots of "
+    if count > room:
+        raise InvalidRequest(f"{asked} is more than this router can run at once ({room:g}: the decode slots of "
                              f"model {model!r} plus --max-queue); each choice takes a decode slot",
-                             param="n")
+                             param=param)
     merge = _Merge(ctx, bool(request.stream))
     subs = []
-    for i in range(n):
-        raw = json.dumps(sub_body(body, i)).encode()
+    for i, sub_dict in enumerate(bodies):
+        raw = json.dumps(sub_dict).encode()
         sub_dict, sub_request = parse_request(ctx.endpoint, raw)
         sub = RequestContext(ctx.endpoint, f"{ctx.request_id[:240]}~n{i}", ctx.start, merge.send_for(i), raw=raw,
                    trace=ctx.trace)
@@ -174,17 +221,17 @@ async def serve(state: RouterState, ctx: RequestContext, body: dict[str, Any], r
             await merge.write(merge.error + b"data: [DONE]\n\n", more=False)
             ctx.status, ctx.error_type = 502, "upstream_error"
             return
-        if len(merge.usage) == n and merge.template is not None:
-            usage = merged_usage([merge.usage[i] for i in range(n)])
+        if len(merge.usage) == count and merge.template is not None:
+            usage = merged_usage([merge.usage[i] for i in range(count)], n)
             await merge.write(b"data: " + json.dumps({**merge.template, "choices": [], "usage": usage}).encode()
                               + b"\n\n")
         await merge.write(b"data: [DONE]\n\n", more=False)
         return
     try:
-        answers = [json.loads(bytes(merge.bodies[i])) for i in range(n)]
+        answers = [json.loads(bytes(merge.bodies[i])) for i in range(count)]
     except ValueError as exc:
         raise RouterError(f"a choice's answer is not JSON: {exc}") from None
     ctx.status, ctx.finished = 200, True
-    await respond(ctx.send, 200, json.dumps(merged_answer(answers)).encode(), b"application/json",
+    await respond(ctx.send, 200, json.dumps(merged_answer(answers, n)).encode(), b"application/json",
                   [(b"x-request-id", ctx.request_id.encode())])
 

@@ -38,6 +38,7 @@ from pd_router.api import parse_request, structured_output
 from pd_router.asgi import Receive, Scope, Send, header, read_body
 from pd_router.context import DecodeLegFailed, RequestContext, attempt_handoff_id
 from pd_router.errors import (
+    Conflict,
     InvalidRequest,
     ModelNotFound,
     NoHealthyBackend,
@@ -57,6 +58,12 @@ if TYPE_CHECKING:
     from pd_router.state import RouterState
 
 log = logging.getLogger("pd_router.requests")
+# retries of one request (each counted in pd_router_retries_total by reason; docs/router.md, "Retries"):
+# a KV handoff id the decode server still knows is retried once under a new id; a busy decode
+# server (its KV receive slot or its engine slot taken) sends the request back to the queues,
+# where it waits for the next grant, this many times at most
+MAX_STALE_RETRIES = 1
+MAX_BUSY_RETRIES = 16
 _REQUEST_ID = re.compile(rb"[\x21-\x7e]+")  # visible ASCII: it goes into headers and the KV handoff id
 
 
@@ -107,9 +114,9 @@ class CompletionHandler:
             body, request = parse_request(endpoint, raw)
             ctx.raw = raw
             watcher = asyncio.get_running_loop().create_task(self._watch(receive, ctx, me))
-            n = fanout.choices_wanted(body)
-            if n > 1:
-                await fanout.serve(state, ctx, body, request, n, self._serve)
+            legs = fanout.legs(endpoint, body)
+            if legs is not None:
+                await fanout.serve(state, ctx, body, request, legs, self._serve)
             else:
                 await self._serve(ctx, body, request)
         except RouterError as err:
@@ -178,7 +185,7 @@ class CompletionHandler:
         holds_slot = state.settings.first_token_with_kv and state.settings.decode_request_holds_slot
         not_taken = 0  # tries whose decode request found its slot taken: after two, the queues
         t_start = perf_counter()
-        attempt = busy = 0
+        attempt = busy = stale = 0
         failed_over = False
         while True:
             ctx.stage = "queued"
@@ -224,6 +231,7 @@ class CompletionHandler:
                     raise failed.error from None
                 failed_over = True
                 state.metrics.child(state.metrics.failovers, lease.backend.url, failed.error.type).inc()
+                state.metrics.child(state.metrics.retries, "failover").inc()
                 log.warning("request_id=%s attempt %d: decode server %s failed before the first byte (%s); "
                             "running the request again on another decode server", ctx.request_id, attempt,
                             lease.backend.url, failed.error.message)
@@ -232,12 +240,23 @@ class CompletionHandler:
                 # one more server this router counts free is asked (that one now counts full or
                 # down here), as a lease call without wait was; then the queues
                 not_taken += 1
+                state.metrics.child(state.metrics.retries, "slot_not_taken").inc()
                 log.info("request_id=%s attempt %d: %s; asking %s", ctx.request_id, attempt, missed.message,
                          "another decode server" if not_taken < 2 else "in the decode servers' queues")
             except Requeue as again:
                 if again.busy:
                     busy += 1
                     state.metrics.child(state.metrics.busy_requeues, lease.backend.url, again.reason).inc()
+                    if busy > MAX_BUSY_RETRIES:
+                        raise Overloaded(f"{again.message}; the decode servers were busy for {busy} attempts in a row "
+                                         f"(at most {MAX_BUSY_RETRIES} retries)", retry_after=1) from None
+                else:
+                    stale += 1
+                    if stale > MAX_STALE_RETRIES:  # refused again under a new id: the request itself repeats it
+                        raise Conflict(f"{again.message}; refused again under a new handoff id, so not retried "
+                                       "(the same X-Request-Id in flight through another router?)",
+                                       param="X-Request-Id") from None
+                state.metrics.child(state.metrics.retries, again.reason).inc()
                 log.info("request_id=%s attempt %d: %s; waiting for a slot again", ctx.request_id, attempt,
                          again.message)
                 attempt += 1

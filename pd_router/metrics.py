@@ -149,6 +149,13 @@ class RouterMetrics:
             "0 with decode servers granting leases, unless a lease ran out",
             ("backend", "reason"),
         )
+        self.retries = self._counter(
+            "retries", "Retries of a request before its first byte, by reason (each bounded, docs/router.md): "
+            "failover (decode failed: once, on another server), slot_not_taken (its decode request found the "
+            "slot taken: twice, then the queues), kv_receive_slot / engine_slot (busy: back to the queues, at "
+            "most 16 times), stale_handoff_id (the id still known there: once, under a new id), "
+            "prefill_unreachable (once, on another prefill server)", ("reason",),
+        )
         self.failovers = self._counter(
             "decode_failovers",
             "Requests run again on another decode server because theirs failed before the first byte",

@@ -131,6 +131,8 @@ async def prefill_leg(
                 if failed is not None:
                     raise failed
                 raise NoHealthyBackend(f"no healthy prefill server for model {ctx.model!r}")
+            if attempt:
+                state.metrics.child(state.metrics.retries, "prefill_unreachable").inc()
             if span is not None:
                 span.set_attributes({"pd.prefill.backend": backend.url, "pd.prefill.tries": attempt + 1})
             backend.sent()

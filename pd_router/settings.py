@@ -67,6 +67,9 @@ class RouterSettings(EntrySettings):
         None, min_length=1, description="require 'Authorization: Bearer KEY' on /v1/*"
     )
     max_queue: int = Field(1024, ge=0, description="requests that may wait for a decode slot; more get 429")
+    max_choices: int = Field(
+        64, ge=1, le=4096, description="choices one request may ask for (a completion's prompts x n), each its own "
+        "prefill and decode; more get a 400 that says so")
     queue_timeout: float = Field(
         30.0, gt=0, description="seconds a request may wait for a decode slot (then 429)"
     )

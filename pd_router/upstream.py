@@ -75,9 +75,13 @@ async def _check_status(resp: Response, role: str, target: Target) -> None:
 
 
 def _status_error(role: str, target: Target, status: int, data: bytes, content_type: bytes) -> RouterError:
-    """The error of an answer with a status other than 200: 4xx relayed as is, anything else a 502."""
+    """The error of an answer with a status other than 200: 4xx relayed as is; a decode server's
+    504 (the request's KV did not come in time: a failure of that request's handoff, not of the
+    server) an :class:`UpstreamTimeout`; anything else a 502."""
     if 400 <= status < 500:
         return UpstreamRejected(status, data, content_type)
+    if role == "decode" and status == 504:
+        return UpstreamTimeout(f"{role} server {target.origin} answered 504: {_short(data)}")
     return BadUpstream(f"{role} server {target.origin} answered {status}: {_short(data)}")
 
 
