@@ -1,7 +1,7 @@
 """``n > 1`` and a completion's list of prompts: one PD request per choice, one answer.
 
 A KV handoff carries one sequence, so a request for several choices runs as one request per
-choice through the usual path (the handler's ``serve_one``: each leases its own decode slot,
+choice through the usual path (the handler's ``serve_one``: each takes its own decode slot,
 runs its own prefill and decode, and gives its slot back whatever happens). The choices of
 a completion whose ``prompt`` is a list of prompts (strings or token-id lists) times ``n``
 are indexed as vLLM indexes them: prompt p's sample s is choice ``p * n + s``. Each choice's
@@ -28,12 +28,12 @@ from pd_router.api import parse_request
 from pd_router.asgi import SSE, Message, respond
 from pd_router.context import RequestContext
 from pd_router.errors import InvalidRequest, RouterError
-from pd_wire.requests import GREEDY_BELOW_TEMPERATURE, Endpoint, OpenAIRequest
+from pd_wire.requests import Endpoint, OpenAIRequest
 
 if TYPE_CHECKING:
     from pd_router.state import RouterState
 
-# serves one request (one choice) whole: its own lease, prefill and decode; its slot back
+# serves one request (one choice) whole: its own slot, prefill and decode; its slot back
 ServeOne = Callable[[RequestContext, dict[str, Any], OpenAIRequest], Awaitable[None]]
 
 _DONE = "[DONE]"
@@ -185,8 +185,6 @@ async def serve(state: RouterState, ctx: RequestContext, body: dict[str, Any], r
     answer the client with their merge."""
     model = request.model or ""  # parse_request requires it
     count, n = len(bodies), choices_wanted(body)
-    if n > 1 and request.temperature is not None and request.temperature < GREEDY_BELOW_TEMPERATURE:
-        raise InvalidRequest(f"n must be 1 when using greedy sampling, got {n}.", param="n")  # vLLM's words
     asked = f"{count // n} prompts x n={n}" if count != n else f"n={n}"
     param = "n" if count == n else "prompt"
     limit = state.settings.max_choices

@@ -73,8 +73,9 @@ def test_a_list_of_prompts_equals_vllm_alones_choices(pd_stack, vllm_alone, toke
 
 
 def test_a_list_of_prompts_with_n_is_indexed_and_counted_as_vllm_does(pd_stack, vllm_alone):
-    """Sampled (vLLM refuses n > 1 with greedy sampling, and so does the router): prompt p's
-    sample s is choice p * n + s, usage counts each prompt once and every sample's tokens."""
+    """Sampled (vLLM refuses n > 1 with greedy sampling; the router serves it, n equal choices):
+    prompt p's sample s is choice p * n + s, usage counts each prompt once and every sample's
+    tokens."""
     body = {"model": MODEL_NAME, "prompt": PROMPTS, "n": 2, "max_tokens": 5, "temperature": 1.0, "seed": 3,
             "ignore_eos": True, "echo": True}
     answers = [httpx.post(f"{url}/v1/completions", json=body, timeout=120)
@@ -84,10 +85,6 @@ def test_a_list_of_prompts_with_n_is_indexed_and_counted_as_vllm_does(pd_stack, 
     assert [c["index"] for c in ours["choices"]] == [c["index"] for c in theirs["choices"]] == list(range(6))
     assert [c["text"].startswith(PROMPTS[c["index"] // 2]) for c in ours["choices"]] == [True] * 6  # echo: its prompt
     assert _counts(ours["usage"]) == _counts(theirs["usage"])
-    greedy = httpx.post(f"{pd_stack.config.router_url}/v1/completions", json={**body, "temperature": 0}, timeout=60)
-    refused = httpx.post(f"{vllm_alone}/v1/completions", json={**body, "temperature": 0}, timeout=60)
-    assert greedy.status_code == refused.status_code == 400
-    assert greedy.json()["error"]["message"] == refused.json()["error"]["message"]
 
 
 def test_ordinary_requests_beside_a_list_of_prompts_are_served(pd_stack):
