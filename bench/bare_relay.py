@@ -1,7 +1,7 @@
 """A byte relay: the least any proxy between a client and a decode server can cost.
 
 Each client connection gets its own connection to the upstream server; bytes go both ways
-unchanged, with no HTTP parsing, no rewriting, no lease or prefill: one read and one write
+unchanged, with no HTTP parsing, no rewriting, no slot request or prefill: one read and one write
 per upstream chunk, on uvloop, as the router's relay does after its first chunk. Its CPU
 per relayed token, measured in the same run as the router's (``bench/router_cpu_split.py``),
 is the floor of the router's on this machine: on loopback each write also runs the

@@ -13,7 +13,7 @@ phases of ``--phase-s`` seconds each, in one run:
 Reported per phase: TTFT p50/p99 of the successful requests, failures (status, type,
 seconds to fail); requests in flight when decode-1 stops or resumes are reported apart
 ("transition": those bound to decode-1 wait for it or fail); at the end, the leak checks (router in-flight and
-leased slots, decode servers' busy slots, vLLM's KV usage). Goal (issue 18): stopped-phase TTFT p99 of
+held slots, decode servers' busy slots, vLLM's KV usage). Goal (issue 18): stopped-phase TTFT p99 of
 the healthy server's requests within +100 ms of the baseline p99 of the same run.
 
 Usage: ``.venv/bin/python bench/decode_stall.py [--phase-s 20] [--decode-slots 2]``

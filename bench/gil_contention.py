@@ -1,7 +1,7 @@
 """The decode server's engine thread against a busy event loop in the same process.
 
 The decode server runs each generation's steps on a worker thread while its asyncio loop
-serves HTTP (token streams, lease polls, probes) on the main thread; both need the GIL. This
+serves HTTP (token streams, slot requests, probes) on the main thread; both need the GIL. This
 runs the reference engine's greedy decode (tiny model, MTP on, its defaults) on a worker
 thread, as the server does, while the main thread's loop is idle, then while ``--spinners``
 coroutines keep it busy with short Python bursts, for each ``--switch-interval``

@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cc", nargs="+", default=["bbr", "reno"], help="TCP congestion control on the nodes")
     ap.add_argument("--results", type=Path, default=None, help="a directory for kv_link.json (the numbers are "
-                    "in docs/benchmarks.md; bench/results holds only what bench.plots draws)")
+                    "in docs/benchmarks.md; the data files in bench/results are those bench.plots draws)")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as d, Nodes(2, name="kvlink", emulated=frozenset({1})) as nodes:

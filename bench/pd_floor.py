@@ -1,29 +1,18 @@
 """A minimal PD relay: the least any router speaking this product's protocol can cost.
 
-Per client request it makes the router's three upstream exchanges in the router's order
-(issue 13: a slot lease from the decode server before prefill; the prefill with the
-handoff target; the decode request with the handoff result) and relays the decode
-server's answer to the client byte for byte, head and chunked framing included. Nothing
-else: no validation beyond what the rewrite needs, no error handling (a failed exchange
-drops the client's connection), no metrics, logs, tracing, timeouts or failover, one
-model, one prefill and one decode server, keep-alive connections reused. Its added TTFT
-and CPU per token, measured in the same run as the router's (``bench/router_overhead.py``),
-are the floor of a Python router with this protocol on the machine, as
-``bench/bare_relay.py`` is the floor of any relay.
-
-With ``--no-lease`` it skips the lease exchange (the decode server then takes an implicit
-lease when the KV or the decode request comes): the protocol before issue 13 (prefill,
-then decode), two sequential exchanges instead of three. With ``--overlap`` (issue 34) it
-sends the prefill and the decode request at once after the lease: the prefill asks for its
-result to go with the KV (``result_with_kv``), the decode request names only the handoff,
-and the prefill's answer is read beside the relay: two sequential exchanges, the second
-one the decode's. With ``--grant-first`` (issue 34, the router's path for a free slot) there
-is no lease: the decode request goes first and takes the slot (``HandoffClaim.grant_first``),
-and the prefill goes out on the decode server's 200 (the grant); the answer's bytes are
-relayed as they come, its head with them.
+Per client request it makes the router's upstream exchanges in the router's order: the decode
+request first (a ``HandoffClaim``: the decode server answers 200 once the slot is the
+request's), the prefill on that 200 (asking for its result to go with the KV,
+``result_with_kv``), vLLM's answer read beside the relay; and it relays the decode server's
+answer to the client byte for byte, head and chunked framing included. Nothing else: no
+validation beyond what the rewrite needs, no error handling (a failed exchange drops the
+client's connection), no metrics, logs, tracing, timeouts or failover, one model, one prefill
+and one decode server, keep-alive connections reused. Its added TTFT and CPU per token,
+measured in the same run as the router's (``bench/router_overhead.py``), are the floor of a
+Python router with this protocol on the machine, as ``bench/bare_relay.py`` is the floor of any
+relay.
 
     .venv/bin/python -m bench.pd_floor --port P --prefill 127.0.0.1:Q --decode 127.0.0.1:R
-        [--no-lease|--overlap|--grant-first]
 """
 
 from __future__ import annotations
@@ -134,13 +123,9 @@ class _Pool:
 
 
 class _Relay:
-    def __init__(self, prefill: tuple[str, int], decode: tuple[str, int], kv_endpoint: str, lease: bool,
-                 overlap: bool = False, grant_first: bool = False) -> None:
+    def __init__(self, prefill: tuple[str, int], decode: tuple[str, int], kv_endpoint: str) -> None:
         self.prefill, self.decode = _Pool(prefill), _Pool(decode)
         self.kv_endpoint = kv_endpoint
-        self.lease = lease and not grant_first
-        self.overlap = overlap or grant_first
-        self.grant_first = grant_first
         self.ids = itertools.count()
         self.prefix = uuid.uuid4().hex[:8]  # several relays may share the fakes: their ids must differ
 
@@ -148,40 +133,17 @@ class _Relay:
         path = head.split(b" ", 2)[1].decode()
         rid = f"floor-{self.prefix}-{next(self.ids)}".encode()
         body = json.loads(raw)
-        if self.lease:
-            lease = await self.decode.take()
-            await lease.call(self.decode.host, "/v1/pd/lease", b'{"lease_id": "%s"}' % rid, rid)
-            self.decode.give(lease)
-        target = {"handoff_id": rid.decode(), "kv_endpoint": self.kv_endpoint}
-        prefill = dict(body, stream=False, max_tokens=1,
-                       kv_transfer_params=dict(target, result_with_kv=True) if self.overlap else target)
+        target = {"handoff_id": rid.decode(), "kv_endpoint": self.kv_endpoint, "result_with_kv": True}
+        prefill = dict(body, stream=False, max_tokens=1, kv_transfer_params=target)
         prefill.pop("stream_options", None)
-        if self.overlap:
-            await self._overlapped(path, rid, json.dumps(prefill).encode(), raw, client)
-            return
-        conn = await self.prefill.take()
-        answer = json.loads(await conn.call(self.prefill.host, path, json.dumps(prefill).encode(), rid))
-        self.prefill.give(conn)
-        params = json.dumps(answer["kv_transfer_params"]).encode()
-        decode = raw.rstrip()[:-1] + b', "kv_transfer_params": ' + params + b"}"
-        conn = await self.decode.take()
-        await conn.relay(self.decode.host, path, decode, rid, client)
-        self.decode.give(conn)
-
-    async def _overlapped(self, path: str, rid: bytes, prefill: bytes, raw: bytes, client: asyncio.Transport) -> None:
-        grant = b', "grant_first": true' if self.grant_first else b""
-        claim = b'{"handoff_id": "%s", "result": "with_kv"%s}' % (rid, grant)
+        claim = b'{"handoff_id": "%s", "result": "with_kv"}' % rid
         decode = raw.rstrip()[:-1] + b', "kv_transfer_params": ' + claim + b"}"
         pconn, dconn = await self.prefill.take(), await self.decode.take()
-        if self.grant_first:  # the prefill on the decode server's 200
-            dconn.first = granted = asyncio.get_running_loop().create_future()
-            relayed = asyncio.ensure_future(dconn.relay(self.decode.host, path, decode, rid, client))
-            await granted
-            answer = asyncio.ensure_future(pconn.call(self.prefill.host, path, prefill, rid))
-            await relayed
-        else:
-            answer = asyncio.ensure_future(pconn.call(self.prefill.host, path, prefill, rid))
-            await dconn.relay(self.decode.host, path, decode, rid, client)
+        dconn.first = granted = asyncio.get_running_loop().create_future()
+        relayed = asyncio.ensure_future(dconn.relay(self.decode.host, path, decode, rid, client))
+        await granted  # the prefill on the decode server's 200
+        answer = asyncio.ensure_future(pconn.call(self.prefill.host, path, json.dumps(prefill).encode(), rid))
+        await relayed
         self.decode.give(dconn)
         await answer  # read beside the relay (long there by now), for its connection
         self.prefill.give(pconn)
@@ -236,19 +198,16 @@ class _Client(asyncio.Protocol):
             self.task.cancel()
 
 
-async def start(port: int, prefill: tuple[str, int], decode: tuple[str, int], lease: bool = True,
-                overlap: bool = False, grant_first: bool = False) -> asyncio.Server:
+async def start(port: int, prefill: tuple[str, int], decode: tuple[str, int]) -> asyncio.Server:
     """The relay on 127.0.0.1:``port`` (0: any free port), its handoff target read from the
-    decode server's capabilities; ``lease``: False skips the lease exchange; ``overlap``:
-    prefill and decode at once, the first token with the KV; ``grant_first``: no lease, the
-    decode request first and the prefill on its 200."""
+    decode server's capabilities."""
     reader, writer = await asyncio.open_connection(*decode)
     writer.write(b"GET /v1/pd/capabilities HTTP/1.1\r\nHost: %s:%d\r\nConnection: close\r\n\r\n"
                  % (decode[0].encode(), decode[1]))
     data = await reader.read()
     writer.close()
     kv_endpoint = json.loads(data[_head_end(data) + 4:])["kv_endpoint"]
-    relay = _Relay(prefill, decode, kv_endpoint, lease, overlap, grant_first)
+    relay = _Relay(prefill, decode, kv_endpoint)
     return await asyncio.get_running_loop().create_server(lambda: _Client(relay), "127.0.0.1", port)
 
 
@@ -262,16 +221,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--prefill", required=True, help="host:port of the prefill server")
     parser.add_argument("--decode", required=True, help="host:port of the decode server")
-    parser.add_argument("--no-lease", action="store_true", help="skip the lease exchange")
-    parser.add_argument("--overlap", action="store_true", help="prefill and decode at once (the first token "
-                        "with the KV)")
-    parser.add_argument("--grant-first", action="store_true", help="no lease: the decode request first, the "
-                        "prefill on its 200 (the first token with the KV)")
     args = parser.parse_args()
 
     async def run() -> None:
-        async with await start(args.port, _addr(args.prefill), _addr(args.decode), not args.no_lease,
-                               args.overlap, args.grant_first) as server:
+        async with await start(args.port, _addr(args.prefill), _addr(args.decode)) as server:
             await server.serve_forever()
 
     uvloop.run(run())

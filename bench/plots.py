@@ -56,8 +56,7 @@ def _save(fig: Any, plt: Any, path: Path, title: str, run: str) -> None:
 
 
 _FLOORS = {  # a panel's first key: the floors drawn on it (row key, marker, legend)
-    "ttft_p50_ms": (("pd_floor_ttft_p50_ms", "x", "minimal PD relay p50"),
-                    ("pd_floor_no_lease_ttft_p50_ms", "1", "minimal PD relay without its lease, p50")),
+    "ttft_p50_ms": (("pd_floor_ttft_p50_ms", "x", "minimal PD relay p50"),),
     "router_cpu_us_per_token": (("pd_floor_cpu_us_per_token", "x", "minimal PD relay"),
                                 ("byte_relay_cpu_us_per_token", "+", "byte relay")),
 }

@@ -3,21 +3,20 @@
 The same processes as ``bench/router_overhead.py`` (fake prefill, fake decode with 1024
 slots and a token every 3.19 ms, the router), chat completions, streaming. Measures
 
-* router CPU per request: 1-token streams at C=16 (lease, prefill, decode open, relay of
-  one chunk and the end, the access line): everything a request costs besides its tokens;
+* router CPU per request: 1-token streams at C=16 (the decode request taking its slot, the
+  prefill, the relay of one chunk and the end, the access line): everything a request costs
+  besides its tokens;
 * router CPU per token: 512-token streams at C=64, less their requests' share;
 * the floors under both: the same streams through a byte relay (``bench/bare_relay.py``: no
   HTTP parsing, one read and one write per chunk), its CPU per request (one exchange
-  relayed, where the router makes four: the client's, the lease, the prefill, the decode)
-  and per token; and the routed requests through a minimal PD relay (``bench/pd_floor.py``:
-  the router's four exchanges, nothing checked), per request and per token, and through
-  the minimal relay of the router's protocol for a free slot (``--grant-first``: the decode
-  request first, the prefill on its 200; issue 34), the same two;
-* the loopback round trip of one small POST to a Python server (the fake decode's lease
-  release of an unknown id) paced like the C=1 run (one every 3.19 ms, so both ends sleep
-  in between), which bounds how low the router's added TTFT can go: a routed request waits
-  on more sequential exchanges than a direct one (the lease, the prefill, and the router's
-  own hop between client and decode server).
+  relayed, where the router makes three: the client's, the decode request, the prefill) and
+  per token; and the routed requests through a minimal PD relay (``bench/pd_floor.py``: the
+  router's exchanges, nothing checked), per request and per token;
+* the loopback round trip of one small POST to a Python server (the fake decode's cancel of
+  an unknown id) paced like the C=1 run (one every 3.19 ms, so both ends sleep in between),
+  which bounds how low the router's added TTFT can go: a routed request waits on more
+  sequential exchanges than a direct one (the decode request's 200, the prefill, and the
+  router's own hop between client and decode server).
 
 Prints the split and what it predicts for the 64-token requests of router_overhead.py, for
 the router and for each floor (issue 34's CPU goal: the router at 1.25x the byte relay).
@@ -44,20 +43,20 @@ sys.path.insert(0, str(REPO))
 from bench.router_overhead import TOKEN_DELAY, TOKENS, _phase, fake_stack  # noqa: E402
 from pd_router.http_pool import ConnectionPool  # noqa: E402
 from pd_router.upstream import Target  # noqa: E402
-from pd_wire.decode import LEASE_RELEASE_PATH, LeaseIds
+from pd_wire.decode import CANCEL_PATH, CancelRequest  # noqa: E402
 
 LONG = 512
 
 
 async def _round_trips(decode_url: str, n: int = 300) -> list[float]:
     origin, pool = Target.parse(decode_url).origin, ConnectionPool()
-    body = LeaseIds(lease_ids=["no-such-lease"]).model_dump_json().encode()
+    body = CancelRequest(request_id="no-such-request").model_dump_json().encode()
     out = []
     try:
         for _ in range(n):
             await asyncio.sleep(TOKEN_DELAY)
             t0 = time.perf_counter()
-            resp = await pool.post(origin, LEASE_RELEASE_PATH, body, {})
+            resp = await pool.post(origin, CANCEL_PATH, body, {})
             await resp.read()
             resp.release()
             out.append(time.perf_counter() - t0)
@@ -76,9 +75,8 @@ async def _split(url: str, pid: int, direct: bool, tag: str) -> tuple[float, flo
 
 
 async def _measure(urls: dict[str, str], pids: dict[str, int], rounds: int) -> dict[str, float]:
-    """``relay``: the byte relay, fed the direct requests; ``floor``: the minimal PD relay;
-    ``floor_granted``: its ``--grant-first`` protocol."""
-    names = ("router", "relay", "floor", "floor_granted")
+    """``relay``: the byte relay, fed the direct requests; ``floor``: the minimal PD relay."""
+    names = ("router", "relay", "floor")
     cpu: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in names}
     rtts, direct_ttft = [], []
     for r in range(rounds):
@@ -99,7 +97,6 @@ async def _measure(urls: dict[str, str], pids: dict[str, int], rounds: int) -> d
     return {"per_request_ms": ms("router"), "per_token_us": us("router"),
             "floor_request_ms": ms("relay"), "floor_us": us("relay"),
             "pd_floor_request_ms": ms("floor"), "pd_floor_us": us("floor"),
-            "granted_request_ms": ms("floor_granted"), "granted_us": us("floor_granted"),
             "rtt_p50_ms": statistics.median(rtts) * 1e3,
             "direct_ttft_p50_ms": statistics.median(direct_ttft) * 1e3}
 
@@ -116,15 +113,11 @@ def main() -> None:
     print(f"router CPU per relayed token ({LONG}-token chat streams, C=64, less the requests' share): "
           f"{m['per_token_us']:.1f} us")
     print(f"the floors, a byte relay (bench/bare_relay.py) of the same streams: {m['floor_request_ms']:.3f} ms per "
-          f"request (one exchange; the router makes 4: x{m['per_request_ms'] / m['floor_request_ms']:.2f}), "
+          f"request (one exchange; the router makes 3: x{m['per_request_ms'] / m['floor_request_ms']:.2f}), "
           f"{m['floor_us']:.1f} us per token (the router's relay: x{m['per_token_us'] / m['floor_us']:.2f})")
     print(f"a minimal PD relay (bench/pd_floor.py) of the routed requests: {m['pd_floor_request_ms']:.3f} ms per "
-          f"request (the same 4 exchanges: the router x{m['per_request_ms'] / m['pd_floor_request_ms']:.2f}), "
+          f"request (the same 3 exchanges: the router x{m['per_request_ms'] / m['pd_floor_request_ms']:.2f}), "
           f"{m['pd_floor_us']:.1f} us per token (the router's relay: x{m['per_token_us'] / m['pd_floor_us']:.2f})")
-    granted_request, granted_token = m["granted_request_ms"], m["granted_us"]
-    print(f"the minimal relay of the protocol for a free slot (bench/pd_floor.py --grant-first): "
-          f"{granted_request:.3f} ms per request (the router x{m['per_request_ms'] / granted_request:.2f}), "
-          f"{granted_token:.1f} us per token (the router's relay: x{m['per_token_us'] / granted_token:.2f})")
     print(f"at {TOKENS} tokens per request: {share:.1f} us/token from the request + {m['per_token_us']:.1f} "
           f"per token = {share + m['per_token_us']:.1f} us/token")
 
@@ -134,12 +127,11 @@ def main() -> None:
     relay = at(m["floor_request_ms"], m["floor_us"])
     print(f"at {TOKENS} tokens, against the byte relay's {relay:.1f} us/token (issue 34's goal: x1.25 for the "
           f"router): the router x{at(m['per_request_ms'], m['per_token_us']) / relay:.2f}, the minimal PD relay "
-          f"x{at(m['pd_floor_request_ms'], m['pd_floor_us']) / relay:.2f}, its --grant-first protocol "
-          f"x{at(m['granted_request_ms'], m['granted_us']) / relay:.2f}")
+          f"x{at(m['pd_floor_request_ms'], m['pd_floor_us']) / relay:.2f}")
     print(f"loopback round trip of one small POST to a Python server, one every {TOKEN_DELAY * 1e3:.2f} ms: "
           f"p50 {m['rtt_p50_ms']:.3f} ms; direct TTFT p50 {m['direct_ttft_p50_ms']:.3f} ms")
-    print(f"a routed request waits on 3 more sequential exchanges than a direct one (lease, prefill, the "
-          f"router's hop): ~{3 * m['rtt_p50_ms']:.2f} ms of added TTFT before the router's own work")
+    print(f"a routed request waits on 3 more sequential exchanges than a direct one (the decode request, the "
+          f"prefill, the router's hop): ~{3 * m['rtt_p50_ms']:.2f} ms of added TTFT before the router's own work")
     print(f"({started}; load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, "
           f"{os.cpu_count()} CPUs)")
 

@@ -8,13 +8,10 @@ router's added TTFT p50/p99, added inter-token latency p50/p99, throughput ratio
 (router/direct) and router CPU microseconds per output token (from the router process's
 CPU time) per endpoint, each goal as met or not, and the floors beside the goals: at C=1
 the added TTFT and at C=64 the CPU per token of a minimal PD relay (``bench/pd_floor.py``:
-the router's three upstream exchanges and a byte relay of the answer, nothing else), the
-floor of a Python router with this protocol on the machine (at C=1 also without its lease
-exchange: two sequential exchanges instead of three; and with prefill and decode at once,
-the first token with the KV: ``--overlap``; at C=1 and C=64 the router's protocol for a
-free slot, no lease and the prefill on the decode request's 200: ``--grant-first``, the
-floor issue 34's TTFT goal is judged against), and at C=64 the CPU per token of a
-byte relay (``bench/bare_relay.py``) of the direct streams, the floor of any relay;
+the router's upstream exchanges, the decode request first and the prefill on its 200, and a
+byte relay of the answer, nothing else), the floor of a Python router with this protocol on
+the machine, and at C=64 the CPU per token of a byte relay (``bench/bare_relay.py``) of the
+direct streams, the floor of any relay;
 writes them to docs/benchmarks.md under
 "## Router overhead", its rows to bench/results/router_overhead.json and draws
 docs/img/router_overhead.png from them (``python -m bench.plots`` redraws it).
@@ -52,7 +49,6 @@ TOKENS, TOKEN_DELAY, PROMPT = 64, 0.00319, " ".join(f"w{i % 97}" for i in range(
 CONCURRENCY = (1, 16, 64)
 FLOOR_CONCURRENCY = 64  # where the byte relay's CPU per token is measured beside the router's
 PD_FLOOR_CONCURRENCY = (1, 64)  # where the minimal PD relay is measured: the TTFT and the CPU goals
-NO_LEASE_CONCURRENCY = 1  # where it is also measured without its lease exchange: the TTFT goal
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
@@ -172,18 +168,13 @@ async def _measure(
     rows = []
     for c in CONCURRENCY:
         for endpoint in endpoints:
-            directs, routeds, relayed, minimal, leaseless, overlapped, granted = [], [], [], [], [], [], []
+            directs, routeds, relayed, minimal = [], [], [], []
             for r in range(rounds):  # alternate, so that drifting machine load hits all alike
                 n, tag = per_client[c], f"{endpoint[:4]}{c}.{r}"
                 directs.append(await _phase(urls["decode"], endpoint, True, c, n, None, f"d-{tag}"))
                 routeds.append(await _phase(urls["router"], endpoint, False, c, n, pids["router"], f"r-{tag}"))
                 if c in PD_FLOOR_CONCURRENCY:  # the protocol's floor: the same requests, minimal relay
                     minimal.append(await _phase(urls["floor"], endpoint, False, c, n, pids["floor"], f"f-{tag}"))
-                    granted.append(await _phase(urls["floor_granted"], endpoint, False, c, n, pids["floor_granted"],
-                                                f"g-{tag}"))
-                if c == NO_LEASE_CONCURRENCY:  # one sequential exchange fewer
-                    leaseless.append(await _phase(urls["floor_no_lease"], endpoint, False, c, n, None, f"n-{tag}"))
-                    overlapped.append(await _phase(urls["floor_overlap"], endpoint, False, c, n, None, f"o-{tag}"))
                 if c == FLOOR_CONCURRENCY:  # the relay's floor: the direct requests through a byte relay
                     relayed.append(await _phase(urls["relay"], endpoint, True, c, n, pids["relay"], f"b-{tag}"))
             direct = _merge(directs)
@@ -192,14 +183,6 @@ async def _measure(
                 floor = _merge(minimal)
                 row["pd_floor_ttft_p50_ms"] = _added_ms(floor.ttft, direct.ttft, 0.5)
                 row["pd_floor_cpu_us_per_token"] = floor.cpu / floor.tokens * 1e6
-            if granted:
-                floor = _merge(granted)
-                row["pd_floor_granted_ttft_p50_ms"] = _added_ms(floor.ttft, direct.ttft, 0.5)
-                row["pd_floor_granted_cpu_us_per_token"] = floor.cpu / floor.tokens * 1e6
-            if leaseless:
-                row["pd_floor_no_lease_ttft_p50_ms"] = _added_ms(_merge(leaseless).ttft, direct.ttft, 0.5)
-            if overlapped:
-                row["pd_floor_overlap_ttft_p50_ms"] = _added_ms(_merge(overlapped).ttft, direct.ttft, 0.5)
             if relayed:
                 floor = _merge(relayed)
                 row["byte_relay_cpu_us_per_token"] = floor.cpu / floor.tokens * 1e6
@@ -255,30 +238,17 @@ def floors(rows: list[dict]) -> list[str]:
     for r in rows:
         where = f"floor at C={r['concurrency']}, {r['endpoint']}"
         routed_cpu = r["router_cpu_us_per_token"]
-        if r["concurrency"] == GOALS["ttft_p50_ms"][0] and "pd_floor_ttft_p50_ms" in r:
-            out.append(f"{where}: a minimal PD relay (bench/pd_floor.py) added {r['pd_floor_ttft_p50_ms']:.2f} ms "
-                       f"TTFT p50; the router {r['ttft_p50_ms']:.2f}")
-        if "pd_floor_no_lease_ttft_p50_ms" in r:
-            out.append(f"{where}: the minimal PD relay without its lease exchange (--no-lease: one sequential "
-                       f"exchange fewer) added {r['pd_floor_no_lease_ttft_p50_ms']:.2f} ms TTFT p50")
-        if "pd_floor_overlap_ttft_p50_ms" in r:
-            out.append(f"{where}: the minimal PD relay with prefill and decode at once (--overlap: the first "
-                       f"token with the KV) added {r['pd_floor_overlap_ttft_p50_ms']:.2f} ms TTFT p50")
+        floor_ttft = r.get("pd_floor_ttft_p50_ms")
+        if r["concurrency"] == GOALS["ttft_p50_ms"][0] and floor_ttft is not None:
+            ratio = r["ttft_p50_ms"] / floor_ttft if floor_ttft > 0 else float("inf")
+            out.append(f"{where}: a minimal PD relay of the router's protocol (bench/pd_floor.py: the decode "
+                       f"request first, the prefill on its 200) added {floor_ttft:.2f} ms TTFT p50; the router "
+                       f"{r['ttft_p50_ms']:.2f} (x{ratio:.2f}; issue 34's goal x1.2: "
+                       f"{'met' if ratio <= 1.2 else 'NOT met'})")
         if r["concurrency"] == GOALS["router_cpu_us_per_token"][0] and "pd_floor_cpu_us_per_token" in r:
             floor = r["pd_floor_cpu_us_per_token"]
             out.append(f"{where}: a minimal PD relay (bench/pd_floor.py) used {floor:.1f} us of CPU per token; "
                        f"the router {routed_cpu:.1f} (x{routed_cpu / floor:.2f})")
-        granted = r.get("pd_floor_granted_ttft_p50_ms")
-        if r["concurrency"] == GOALS["ttft_p50_ms"][0] and granted is not None:
-            ratio = r["ttft_p50_ms"] / granted if granted > 0 else float("inf")
-            out.append(f"{where}: the minimal PD relay of the router's protocol for a free slot (--grant-first: the "
-                       f"decode request first, the prefill on its 200) added {granted:.2f} ms TTFT p50; the router "
-                       f"{r['ttft_p50_ms']:.2f} (x{ratio:.2f}; issue 34's goal x1.2: "
-                       f"{'met' if ratio <= 1.2 else 'NOT met'})")
-        if r["concurrency"] == GOALS["router_cpu_us_per_token"][0] and "pd_floor_granted_cpu_us_per_token" in r:
-            floor = r["pd_floor_granted_cpu_us_per_token"]
-            out.append(f"{where}: the --grant-first relay used {floor:.1f} us of CPU per token; the router "
-                       f"{routed_cpu:.1f} (x{routed_cpu / floor:.2f})")
         floor = r.get("byte_relay_cpu_us_per_token")
         if floor:
             out.append(f"{where}: a byte relay (bench/bare_relay.py) of the direct requests used {floor:.1f} us "
@@ -319,20 +289,16 @@ def _write_section(text: str) -> None:
 @contextmanager
 def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
     """A fake prefill and a fake decode server (1024 slots, a token every TOKEN_DELAY s); in
-    front of them a router and a minimal PD relay (``bench/pd_floor.py``, with and without
-    its lease exchange, with prefill and decode at once, and decode first without a lease),
-    and in front of the fake
+    front of them a router and a minimal PD relay (``bench/pd_floor.py``), and in front of the fake
     decode a byte relay (``bench/bare_relay.py``); each its own process. Yields their URLs and the pids of the
     router, the byte relay and the minimal PD relay."""
-    ports = {name: free_port() for name in ("prefill", "decode", "router", "relay", "floor", "floor_no_lease",
-                                            "floor_overlap", "floor_granted")}
+    ports = {name: free_port() for name in ("prefill", "decode", "router", "relay", "floor")}
     fake = ["-m", "tests.fakes.fake_backends"]
     decode_knobs = json.dumps({"model": "tiny", "slots": 1024, "token_delay": TOKEN_DELAY})
     urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
 
-    def floor_argv(name: str, *extra: str) -> list[str]:
-        return python_argv("-m", "bench.pd_floor", "--port", str(ports[name]), "--prefill",
-                           f"127.0.0.1:{ports['prefill']}", "--decode", f"127.0.0.1:{ports['decode']}", *extra)
+    floor_argv = python_argv("-m", "bench.pd_floor", "--port", str(ports["floor"]), "--prefill",
+                             f"127.0.0.1:{ports['prefill']}", "--decode", f"127.0.0.1:{ports['decode']}")
     with (
         server(python_argv(*fake, "prefill", "--port", str(ports["prefill"])), logs / "prefill.log",
                urls["prefill"] + "/health", 30),
@@ -344,16 +310,9 @@ def fake_stack(logs: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
         server(python_argv("-m", "bench.bare_relay", "--port", str(ports["relay"]), "--upstream",
                            urls["decode"].removeprefix("http://")),
                logs / "relay.log", urls["relay"] + "/ready", 30) as relay,
-        server(floor_argv("floor"), logs / "floor.log", urls["floor"] + "/ready", 30) as floor,
-        server(floor_argv("floor_no_lease", "--no-lease"), logs / "floor-no-lease.log",
-               urls["floor_no_lease"] + "/ready", 30),
-        server(floor_argv("floor_overlap", "--overlap"), logs / "floor-overlap.log",
-               urls["floor_overlap"] + "/ready", 30),
-        server(floor_argv("floor_granted", "--grant-first"), logs / "floor-granted.log",
-               urls["floor_granted"] + "/ready", 30) as granted,
+        server(floor_argv, logs / "floor.log", urls["floor"] + "/ready", 30) as floor,
     ):
-        yield urls, {"router": router.proc.pid, "relay": relay.proc.pid, "floor": floor.proc.pid,
-                     "floor_granted": granted.proc.pid}
+        yield urls, {"router": router.proc.pid, "relay": relay.proc.pid, "floor": floor.proc.pid}
 
 
 def main() -> None:
@@ -384,6 +343,7 @@ def main() -> None:
     print(f"({started}, {took:.0f} s; load average {load_start:.1f} at the start, {load:.1f} at the end, "
           f"{os.cpu_count()} CPUs; logs in {logs})")
     from bench.plots import render, write_result
+    from pd_build.versions import git_revision
 
     data = write_result("router_overhead", f"{started}, {os.cpu_count()} CPUs, load {load_start:.1f} -> {load:.1f}",
                         rows, args.results, goals={k: [c, limit] for k, (c, limit, _, _) in GOALS.items()})
@@ -404,15 +364,11 @@ def main() -> None:
             f"C={FLOOR_CONCURRENCY} the direct requests also go through a byte relay (`bench/bare_relay.py`: "
             "no HTTP parsing, one read and one write per chunk) in the same alternations, whose CPU per token "
             "is the floor of any relay on the machine; at C=1 and C=64 the routed requests also go through a "
-            "minimal PD relay (`bench/pd_floor.py`: the router's lease, prefill and decode exchanges and a byte "
-            "relay of the answer, nothing checked, no metrics), the floor of a Python router with this "
-            "protocol on the machine, and at C=1 through the same relay without its lease exchange "
-            "(`--no-lease`), the floor of a protocol with one sequential exchange fewer, and with prefill and "
-            "decode at once (`--overlap`: the first token with the KV, issue 34); at C=1 and C=64 also "
-            "through the minimal relay of the router's protocol for a free slot (`--grant-first`: no lease, "
-            "the decode request first and the prefill on its 200, issue 34). "
-            f"{started}, {took:.0f} s; machine: {os.cpu_count()} CPUs, load average {load_start:.1f} at the "
-            f"start, {load:.1f} at the end.\n\n"
+            "minimal PD relay (`bench/pd_floor.py`: the router's exchanges, the decode request first and the "
+            "prefill on its 200, and a byte relay of the answer, nothing checked, no metrics), the floor of a "
+            "Python router with this protocol on the machine. "
+            f"Commit {git_revision() or 'unknown'}, {started}, {took:.0f} s; machine: {os.cpu_count()} CPUs, load "
+            f"average {load_start:.1f} at the start, {load:.1f} at the end.\n\n"
             f"{table}\n\n```\n{goals}\n```\n{figure}{_caveat(load)}"
         )
 

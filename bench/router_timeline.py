@@ -74,7 +74,7 @@ class Recorder:
 
 
 def _instrument(rec: Recorder) -> None:
-    from pd_router import api, decode_check, handler, lease_client, prefill_leg, rawhttp, relay, slots
+    from pd_router import api, decode_check, handler, prefill_leg, rawhttp, relay, slots
 
     send = rawhttp._Connection.send
 
@@ -113,8 +113,8 @@ def _instrument(rec: Recorder) -> None:
     setattr(handler, "parse_request", parsed)  # noqa: B010
     for owner, name, step in (
         (decode_check, "check_decode_view", "decode view"),
-        (slots.SlotPool, "lease", "lease"),
-        (lease_client.LeaseClient, "acquire", "lease call"),
+        (slots.SlotPool, "take", "slot"),
+        (relay, "open_slot", "decode request"),
         (prefill_leg, "prefill", "prefill leg"),
         (prefill_leg, "prefill_body", "prefill body"),
         (prefill_leg, "read_handoff", "handoff check"),

@@ -1,25 +1,25 @@
-"""Scale simulation of decode slot leases: the GLM-5.1 B200 deployment's shape (72
+"""Scale simulation of decode slots shared by routers: the GLM-5.1 B200 deployment's shape (72
 single-slot decode servers, 4 prefill servers) behind one router, then behind two, in one
 run with the same mocks and the same load; with ``--decodes 8,24,72``, the same for each
 number of decode servers (the clients scaled with it: 4 for every 3 slots, so that
 requests queue), to show what a request costs the router as the servers grow. The token
 rate is scaled down (``--token-delay``, 50 ms: the 72 mocks together stream what one
 Python process on this 2-CPU machine can serve; at TileRT's 3.19 ms they would stream 22k
-tokens/s); what is measured is the lease traffic and the router's work per token, which do
+tokens/s); what is measured is the slot traffic and the router's work per token, which do
 not depend on it.
 
-The mocks are tests/fakes' FakeDecode (granting leases through the real LeaseTable, one
+The mocks are tests/fakes' FakeDecode (holding slots for decode requests through the real SlotTable, one
 slot each, ``--tokens`` tokens ``--token-delay`` apart) and FakePrefill, all on one
 event loop in one process (a process each would not fit this machine). Each phase runs
 ``--clients`` streaming clients (more than the 72 slots, so requests queue), spread over
 the routers, each sending ``--requests`` requests one after the other. Reported per phase:
 router CPU per output token (all routers' CPU time from /proc), TTFT p50/p99 at the
-clients, slot utilisation while a lease request waited (sampled in the mocks every 5 ms),
-lease RTT (``pd_router_lease_rtt_seconds``: grants without waiting and renews), lease
-requests the decode servers received per request served, requests sent back as busy (must
-be 0); and each phase against the first.
+clients, slot utilisation while a decode request waited (sampled in the mocks every 5 ms),
+slot RTT (``pd_router_slot_rtt_seconds``: decode requests given a free slot at once),
+decode requests standing in the servers' queues per request served, requests sent back as
+busy (must be 0); and each phase against the first.
 
-    .venv/bin/python bench/scale_leases.py [--decodes 72] [--routers 1,2] [--clients 96] [--requests 4]
+    .venv/bin/python bench/scale_slots.py [--decodes 72] [--routers 1,2] [--clients 96] [--requests 4]
         [--tokens 16] [--token-delay 0.05] [--no-write]
 """
 
@@ -42,11 +42,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.router_overhead import _cpu_seconds, _pct  # noqa: E402
+from pd_build.versions import git_revision  # noqa: E402
 from pd_deploy.commands import RouterSpec, router_argv  # noqa: E402
 from tests.procs import free_port, python_argv, server  # noqa: E402
 
 DECODES, PREFILLS = 72, 4
-SECTION = "## Scale simulation: decode slot leases, 2 routers x 72 decode servers"
+SECTION = "## Scale simulation: decode slots, 2 routers x 72 decode servers"
 
 
 # ---- the mocks' process ----------------------------------------------------------------------
@@ -59,24 +60,24 @@ async def _serve_mocks(decode_ports: list[int], prefill_ports: list[int], stats_
 
     decodes = [FakeDecode(slots=1, tokens=tokens, token_delay=token_delay) for _ in decode_ports]
     apps = [*zip(decodes, decode_ports), *((FakePrefill(), p) for p in prefill_ports)]
-    waiting_samples: list[float] = []  # held slots / all slots, when a lease request waited
-    calls = [0]  # lease requests before the last reset
+    waiting_samples: list[float] = []  # held slots / all slots, when a decode request waited
+    calls = [0]  # standing decode requests before the last reset
 
     async def stats(scope, receive, send) -> None:  # GET /stats, POST /reset
         if scope["type"] != "http":
             return
-        # slot requests: lease calls, and decode requests standing in a queue for their request
-        total = sum(len(d.records.leases) + len(d.records.queued_claims) for d in decodes)
+        # slot requests: decode requests standing in a queue for their request
+        total = sum(len(d.records.queued_claims) for d in decodes)
         if scope["path"] == "/reset":
             waiting_samples.clear()
             calls[0] = total
-        body = {"samples": len(waiting_samples), "lease_requests": total - calls[0],
+        body = {"samples": len(waiting_samples), "slot_requests": total - calls[0],
                 "utilisation": sum(waiting_samples) / len(waiting_samples) if waiting_samples else None}
         await respond(send, 200, json.dumps(body).encode())
 
     async def sample() -> None:
         while True:
-            tables = [d.leases for d in decodes]
+            tables = [d.slots for d in decodes]
             if any(t is not None and t.queued for t in tables):
                 waiting_samples.append(sum(t.busy for t in tables if t is not None) / len(tables))
             await asyncio.sleep(0.005)
@@ -151,8 +152,8 @@ async def _router_numbers(urls: list[str]) -> dict[str, float]:
         for url in urls:
             async with session.get(url + "/metrics") as resp:
                 text = await resp.text()
-            out["rtt_sum"] += _metric(text, "pd_router_lease_rtt_seconds_sum")
-            out["rtt_count"] += _metric(text, "pd_router_lease_rtt_seconds_count")
+            out["rtt_sum"] += _metric(text, "pd_router_slot_rtt_seconds_sum")
+            out["rtt_count"] += _metric(text, "pd_router_slot_rtt_seconds_count")
             out["busy"] += _metric(text, "pd_router_busy_requeues_total")
     return out
 
@@ -173,26 +174,26 @@ def _row(phase: Phase, numbers: dict[str, float], stats: dict) -> dict:
     util = stats["utilisation"]
     return {"decodes": phase.decodes, "routers": phase.routers, "clients": phase.clients, "requests": len(phase.ttft),
             "errors": phase.errors,
-            "lease_calls_per_request": stats["lease_requests"] / max(1, len(phase.ttft)),
+            "slot_requests_per_request": stats["slot_requests"] / max(1, len(phase.ttft)),
             "cpu_us_per_token": phase.cpu / max(1, phase.tokens) * 1e6,
             "cpu_ms_per_request": phase.cpu / max(1, len(phase.ttft)) * 1e3,
             "ttft_p50_ms": _pct(phase.ttft, 0.5) * 1e3, "ttft_p99_ms": _pct(phase.ttft, 0.99) * 1e3,
             "tok_s": phase.tokens / phase.wall, "utilisation": util,
-            "lease_rtt_ms": numbers["rtt_sum"] / numbers["rtt_count"] * 1e3 if numbers["rtt_count"] else None,
+            "slot_rtt_ms": numbers["rtt_sum"] / numbers["rtt_count"] * 1e3 if numbers["rtt_count"] else None,
             "busy_requeues": numbers["busy"]}
 
 
 def _table(rows: list[dict]) -> str:
     lines = ["| decode servers | routers | clients | requests | errors | router CPU us/token | router CPU ms/request | "
              "slot requests per request | TTFT p50 ms | TTFT p99 ms | tokens/s | slot utilisation while queued | "
-             "lease RTT mean ms | busy requeues |",
+             "slot RTT mean ms | busy requeues |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         util = f"{r['utilisation'] * 100:.1f}%" if r["utilisation"] is not None else "n/a (never queued)"
-        rtt = f"{r['lease_rtt_ms']:.2f}" if r["lease_rtt_ms"] is not None else "n/a"
+        rtt = f"{r['slot_rtt_ms']:.2f}" if r["slot_rtt_ms"] is not None else "n/a"
         lines.append(f"| {r['decodes']} | {r['routers']} | {r['clients']} | {r['requests']} | {r['errors']} | "
                      f"{r['cpu_us_per_token']:.1f} | {r['cpu_ms_per_request']:.2f} | "
-                     f"{r['lease_calls_per_request']:.2f} | "
+                     f"{r['slot_requests_per_request']:.2f} | "
                      f"{r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['tok_s']:.0f} | {util} | {rtt} | "
                      f"{r['busy_requeues']:.0f} |")
     first = rows[0]
@@ -200,7 +201,7 @@ def _table(rows: list[dict]) -> str:
         lines.append(f"| {r['decodes']} vs {first['decodes']} | {r['routers']} vs {first['routers']} | | | | "
                      f"x{r['cpu_us_per_token'] / first['cpu_us_per_token']:.2f} | "
                      f"x{r['cpu_ms_per_request'] / first['cpu_ms_per_request']:.2f} | "
-                     f"x{r['lease_calls_per_request'] / max(1e-9, first['lease_calls_per_request']):.2f} | "
+                     f"x{r['slot_requests_per_request'] / max(1e-9, first['slot_requests_per_request']):.2f} | "
                      f"{r['ttft_p50_ms'] - first['ttft_p50_ms']:+.1f} | "
                      f"{r['ttft_p99_ms'] - first['ttft_p99_ms']:+.1f} | "
                      f"x{r['tok_s'] / first['tok_s']:.2f} | | | |")
@@ -220,11 +221,11 @@ def _bench(args: argparse.Namespace) -> list[dict]:
         clients = args.clients if args.decodes == [DECODES] else n_decodes * 4 // 3
         decode_ports, prefill_ports, (stats_port,) = _ports(n_decodes, PREFILLS, 1)
         stats_url = f"http://127.0.0.1:{stats_port}"
-        logs = Path(tempfile.mkdtemp(prefix="scale-leases-"))
+        logs = Path(tempfile.mkdtemp(prefix="scale-slots-"))
         spec = json.dumps([decode_ports, prefill_ports, stats_port, args.tokens, args.token_delay])
         prefills = [f"http://127.0.0.1:{p}" for p in prefill_ports]
         decodes = [f"http://127.0.0.1:{p}" for p in decode_ports]
-        with server(python_argv("bench/scale_leases.py", "--mocks", spec), logs / "mocks.log", stats_url + "/stats",
+        with server(python_argv("bench/scale_slots.py", "--mocks", spec), logs / "mocks.log", stats_url + "/stats",
                     120):
             for n in args.routers:
                 (ports,) = _ports(n)
@@ -277,14 +278,15 @@ def main() -> None:
     print(table)
     if args.no_write:
         return
-    cmd = (f"`.venv/bin/python bench/scale_leases.py --decodes {','.join(map(str, args.decodes))} "
+    cmd = (f"`.venv/bin/python bench/scale_slots.py --decodes {','.join(map(str, args.decodes))} "
            f"--routers {','.join(map(str, args.routers))} --clients {args.clients} --requests {args.requests} "
            f"--tokens {args.tokens} --token-delay {args.token_delay:g}`")
-    text = (f"{SECTION}\n\n{cmd} (single-slot fake decode servers granting leases through the real "
-            f"LeaseTable, {PREFILLS} fake prefill servers, all on one event loop in one process; {args.tokens} "
+    text = (f"{SECTION}\n\n{cmd} (single-slot fake decode servers holding slots for decode requests through "
+            f"the real SlotTable, {PREFILLS} fake prefill servers, all on one event loop in one process; {args.tokens} "
             f"tokens {args.token_delay * 1e3:g} ms apart; the clients stream {args.requests} requests each, "
             f"one after the other, spread over the routers; the same mocks and load for each number of routers). "
-            f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(t0))} UTC, {time.time() - t0:.0f} s; machine: "
+            f"Commit {git_revision() or 'unknown'}, {time.strftime('%Y-%m-%d %H:%M', time.gmtime(t0))} UTC, "
+            f"{time.time() - t0:.0f} s; machine: "
             f"{os.cpu_count()} CPUs, load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.\n\n"
             f"{table}\n")
     path = REPO / "docs" / "benchmarks.md"

@@ -47,5 +47,5 @@ class HandoffTimeout(ReceiverError):
     """The handoff's KV did not (fully) arrive in time; it has been freed."""
 
 
-class HandoffFailed(ReceiverError):
+class TransferFailed(ReceiverError):
     """The sender reported failure or abort, or vanished; the handoff has been freed."""

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 
 from connector.control import ControlConnection, ControlLimits, ControlServer
-from connector.kv_errors import HandoffFailed, HandoffTimeout, ReceiverError
+from connector.kv_errors import HandoffTimeout, ReceiverError, TransferFailed
 from connector.layout import layout_fingerprint, packed_layers_views, plane_offsets
 from connector.protocol import (
     Abort,
@@ -70,7 +70,7 @@ from pd_wire.handoff import PROTOCOL_VERSION, HandoffResult, PeerStatus
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HandoffFailed", "HandoffTimeout", "KVReceiver", "ReceivedKV", "ReceiverError", "ReceiverSettings",
+__all__ = ["TransferFailed", "HandoffTimeout", "KVReceiver", "ReceivedKV", "ReceiverError", "ReceiverSettings",
            "ReceiverStats", "SlotSource"]
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class KVReceiver:
             await asyncio.gather(*list(self._orphan_checks), return_exceptions=True)
 
     def use_slots(self, slots: SlotSource) -> None:
-        """Before :meth:`start`: take receive slots from ``slots`` (the decode server's leases)."""
+        """Before :meth:`start`: take receive slots from ``slots`` (the decode server's slot table)."""
         self._slots = slots
 
     def busy_slots(self) -> int:
@@ -222,7 +222,7 @@ class KVReceiver:
                         return self._view(h)
                     if h is not None and h.state == "failed":
                         self._handoffs.pop(handoff_id, None)
-                        raise HandoffFailed(f"handoff {handoff_id}: {h.error}")
+                        raise TransferFailed(f"handoff {handoff_id}: {h.error}")
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break
@@ -448,7 +448,7 @@ class KVReceiver:
         if slot is None:
             return Refused(handoff_id=hid, reason="busy",
                            message=f"all {self._s.slots} KV receive slots of the decode server are busy or "
-                                   f"leased (none for handoff {hid})")
+                                   f"held (none for handoff {hid})")
         layer_bytes = self._layout.bytes_per_layer(n)
         planes = plane_offsets(self._layout, n)
         base = slot * self._slot_bytes

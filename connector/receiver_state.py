@@ -21,7 +21,7 @@ HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 class SlotSource(Protocol):
     """Who owns the receive slots: the receiver's own free list (:class:`FreeSlots`), or the
-    decode server's lease table (the slot leased under the handoff id)."""
+    decode server's slot table (the slot held under the handoff id)."""
 
     def take(self, handoff_id: str) -> int | None:
         """A slot for this handoff, or None (busy)."""

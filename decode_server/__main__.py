@@ -54,8 +54,9 @@ def decode_tracing(settings: DecodeServerSettings) -> Tracing | None:
 def app_config(settings: DecodeServerSettings) -> AppConfig:
     return AppConfig(model_dir=settings.model, served_model_name=settings.model_name, engine=settings.engine,
                      slots=settings.effective_slots, max_seq_len=settings.max_seq_len, num_mtp=settings.num_mtp,
-                     kv_timeout=settings.kv_timeout, lease_ttl_s=settings.lease_ttl,
-                     lease_max_queue=settings.lease_queue, reasoning_parser=settings.reasoning_parser != "none",
+                     kv_timeout=settings.kv_timeout, write_timeout=settings.write_timeout,
+                     max_queue=settings.max_queue,
+                     reasoning_parser=settings.reasoning_parser != "none",
                      tool_call_parser=settings.tool_call_parser != "none", api_key=settings.api_key(),
                      schema_limits=SchemaLimits(max_bytes=settings.max_schema_bytes,
                                                 max_depth=settings.max_schema_depth),

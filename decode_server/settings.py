@@ -53,11 +53,13 @@ class DecodeServerSettings(EntrySettings):
     slots: int = Field(1, ge=1, le=1024, description="concurrent sequences (forced to 1 for tilert)")
     max_seq_len: int = Field(4096, ge=2, description="longest prompt + output, in tokens")
     num_mtp: int = Field(1, ge=0, le=8, description="MTP draft tokens per step (0: no MTP)")
-    kv_timeout: float = Field(30.0, gt=0, le=3600, description="seconds to wait for a request's KV (then 504)")
-    lease_ttl: float = Field(5.0, ge=0.1, le=600, description="seconds a slot lease lasts unless its router renews "
-                             "it (routers renew at a third of it); a dead router's slots are free after this")
-    lease_queue: int = Field(4096, ge=0, le=1_000_000, description="lease requests that may wait for a slot "
-                             "(from all routers together); more are refused with 429")
+    kv_timeout: float = Field(30.0, gt=0, le=3600, description="seconds to wait for a request's KV (then 504; "
+                              "its slot is free: a router that stopped before its prefill)")
+    write_timeout: float = Field(60.0, gt=0, le=3600, description="seconds an answer may wait for its client (the "
+                                 "router) to take the next bytes; then its generation ends and its slot is free (a "
+                                 "router stopped mid-stream)")
+    max_queue: int = Field(4096, ge=0, le=1_000_000, description="decode requests that may wait for a slot "
+                           "(from all routers together); more are refused with 429")
     drain_timeout: float = Field(
         600.0, ge=0, description="on SIGTERM: seconds generations in flight may take to finish (new requests "
         "get 503) before the rest are ended with an error")

@@ -5,7 +5,7 @@ A server process holds a few hundred thousand objects once it has started (the r
 more, with its engine and model), all of them live for the process's lifetime. CPython's
 full (generation 2) collection scans every tracked object: 140-176 ms on this project's
 2-core development VM for the router's heap, during which the event loop (every relayed
-token, every lease) stands still. Full collections come when enough objects have survived
+token, every slot request) stands still. Full collections come when enough objects have survived
 into the oldest generation, so a busy server has them regularly (two in 30 s at ~1150
 requests/s through the router). :func:`freeze_startup_heap` moves what is alive at the end
 of start-up to the permanent generation (``gc.freeze``): later full collections scan only

@@ -1,7 +1,7 @@
 """What the router knows about its prefill and decode servers.
 
-Health comes from :mod:`pd_router.probes`; load (in-flight prefills, leased decode
-slots) from the request path, and vLLM's own count of running and waiting requests from
+Health comes from :mod:`pd_router.probes`; load (in-flight prefills, decode
+slots held) from the request path, and vLLM's own count of running and waiting requests from
 :mod:`pd_router.load`. Readiness and the healthy-backend filters live here, in one place.
 
 The lists change at runtime (:mod:`pd_router.discovery`): :meth:`Backends.add` appends a
@@ -74,10 +74,10 @@ class DecodeBackend:
     capabilities: DecodeCapabilities | None = None
     plain: bool = False  # no capabilities endpoint (e.g. vLLM): no cancel, no kv_endpoint
     models: frozenset[str] = frozenset()
-    in_use: int = 0
-    busy_refusals: int = 0  # "busy" answers in a row for slots counted free here (slots.SlotPool.hold)
-    draining: bool = False  # removed: no new leases; dropped once nothing is in use
-    lease_free: int = 0  # free slots as last heard from a server granting leases (a cache, not the count)
+    in_use: int = 0  # slots this router's requests hold there
+    refusals: int = 0  # refusals in a row (a busy server, a standing decode request refused): its back-off
+    draining: bool = False  # removed: no new requests; dropped once nothing is in use
+    free_slots: int = 0  # free slots as last heard from a server of ours (a cache, not the count)
     compatible: bool = False
     incompatible_reason: str | None = None
     target: Target = field(init=False, repr=False)
@@ -97,13 +97,14 @@ class DecodeBackend:
         return self.default_slots if self.default_slots is not None else math.inf
 
     @property
-    def leases(self) -> bool:
-        """The server owns its slots and grants leases (slots.SlotPool asks it)."""
-        return self.capabilities is not None and self.capabilities.lease_ttl_s is not None
+    def owns_slots(self) -> bool:
+        """A server of ours: its slots are held by decode requests (it counts them, the router
+        asks); else (a plain vLLM) the router counts its slots."""
+        return self.capabilities is not None
 
     @property
     def free(self) -> float:
-        return self.lease_free if self.leases else self.slots - self.in_use
+        return self.free_slots if self.owns_slots else self.slots - self.in_use
 
     @property
     def usable(self) -> bool:
@@ -111,7 +112,7 @@ class DecodeBackend:
 
     @property
     def accepting(self) -> bool:
-        """Usable and not being drained: may get new leases."""
+        """Usable and not being drained: may get new requests."""
         return self.usable and not self.draining
 
     def serves(self, model: str) -> bool:
@@ -186,7 +187,7 @@ class Backends:
         return d
 
     def drain(self, role: Role, url: str) -> bool:
-        """No new requests (prefill) or leases (decode) for ``url``; it is dropped by
+        """No new requests for ``url``; it is dropped by
         :meth:`sweep` once nothing of it is in flight. False if there is no such server."""
         backend = self.find(role, url)
         if backend is None:
@@ -210,8 +211,8 @@ class Backends:
         """Recompute served models and decode compatibility after a probe round."""
         self._served = frozenset().union(*(p.models for p in self.prefill if p.healthy))
         for d in self.decode:
-            if d.leases and d.capabilities is not None:
-                d.lease_free = max(0, d.capabilities.slots - d.capabilities.busy_slots)
+            if d.capabilities is not None:
+                d.free_slots = max(0, d.capabilities.slots - d.capabilities.busy_slots)
             d.incompatible_reason = self._incompatibility(d)
             d.compatible = d.incompatible_reason is None
 

@@ -46,7 +46,7 @@ class RequestContext:
     model: str = ""  # the model_name label: set once the model is known to be served
     prompt_tokens: int = 0  # as prefill counted them (our connector's handoff)
     ttft: float | None = None  # seconds from ``start`` to the first token relayed (the whole answer unstreamed)
-    leased: float | None = None  # seconds from ``start`` to its first decode slot lease (the end of its queue wait)
+    slot_wait: float | None = None  # seconds from ``start`` to its first decode slot (the end of its queue wait)
     status: int = 0
     error_type: str = ""
     started: bool = False  # response headers sent

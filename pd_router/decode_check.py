@@ -1,13 +1,9 @@
-"""Refuse before prefill what the decode server would refuse after it.
-
-The decode server validates the body it gets (the client's body plus
-``kv_transfer_params``) with :mod:`pd_wire.requests` and refuses what its
-engine cannot do; by then prefill has run and pushed the KV. The router validated the body
-with the same model (:func:`pd_router.api.parse_request`, once); here it runs the rest
-first: what no engine serves (:func:`check_decode_view`), then, once a decode slot is
-leased, what that server's advertised features exclude (:func:`refusal`). Both give the
-decode server's own message and ``param`` in the router's OpenAI 400.
-"""
+"""What the router decides from a request before its decode and prefill legs: the decode
+server's own 400 before anything is sent, for what no engine serves (:func:`check_decode_view`)
+and what a server's advertised features exclude (:func:`refusal`, before its decode request
+goes there); which requests a prefill server answers alone, what the prefill leg must ask for,
+and where the first token comes from (:func:`result_with_kv`); and the answers the router
+merges (prompt logprobs, echo)."""
 
 from __future__ import annotations
 
@@ -61,15 +57,13 @@ def prefill_fields(req: OpenAIRequest, capabilities: DecodeCapabilities | None) 
     return {"return_token_ids": True} if repetition not in (None, 1.0) else {}
 
 
-def result_with_kv(body: Mapping[str, Any], req: OpenAIRequest, capabilities: DecodeCapabilities | None,
-                   extra: Mapping[str, Any], any_server: bool = False) -> bool:
-    """Whether the first token can travel with the KV (``HandoffTarget.result_with_kv``): the
-    decode request then goes out with the prefill, naming only its handoff. Not when the
-    decode needs something of vLLM's answer (the first token's logprobs, the prompt's token
-    ids: ``extra``) or the router merges something of it (``prompt_logprobs``, ``echo``),
-    nor for a decode server that is not ours. ``any_server``: what the request alone decides,
-    before a server is chosen."""
-    return ((any_server or capabilities is not None) and not extra and not req.wants_logprobs()
+def result_with_kv(body: Mapping[str, Any], req: OpenAIRequest, capabilities: DecodeCapabilities | None) -> bool:
+    """Whether the first token can travel with the KV (``HandoffTarget.result_with_kv``;
+    ``HandoffClaim.result`` ``with_kv``) to this decode server. Not when the decode needs
+    something of vLLM's answer (the first token's logprobs, the prompt's token ids:
+    :func:`prefill_fields`; the router then posts it) or the router merges something of it
+    (``prompt_logprobs``, ``echo``), nor for a decode server that is not ours."""
+    return (capabilities is not None and not prefill_fields(req, capabilities) and not req.wants_logprobs()
             and body.get("prompt_logprobs") is None and not body.get("echo"))
 
 
@@ -167,8 +161,9 @@ def merged(endpoint: Endpoint, data: bytes, body: Mapping[str, Any], prompt_logp
 
 
 def refusal(req: OpenAIRequest, capabilities: DecodeCapabilities | None) -> InvalidRequest | None:
-    """The 400 the decode server with these capabilities would answer, if any. A server
-    without a capabilities endpoint (plain vLLM decode) checks for itself."""
+    """The 400 the decode server with these capabilities would answer, if any: the router's
+    own, before the decode request is sent. A server without a capabilities endpoint (plain
+    vLLM decode) checks for itself."""
     if capabilities is None:
         return None
     found = unsupported(req, capabilities.features, capabilities.engine, routed=True)

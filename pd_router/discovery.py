@@ -11,7 +11,7 @@ admin     ``POST`` / ``DELETE /admin/backends`` (:mod:`pd_router.admin`)
 
 Every ``--discovery-interval`` seconds (and at once after an admin call) the union of the
 sources is compared with :class:`pd_router.backends.Backends`: a new server is added and
-probed at once; a server no source lists any more is drained (no new requests or leases;
+probed at once; a server no source lists any more is drained (no new requests;
 the ones in flight finish) and dropped when nothing of it is in flight; a drained server
 listed again comes back.
 """

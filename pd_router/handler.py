@@ -1,17 +1,18 @@
 """The completion routes as one raw ASGI handler: the router's hot path.
 
-Per request: validate -> lease a decode slot from the decode server (FIFO across routers,
-:mod:`pd_router.slots`) -> prefill (least-loaded healthy server, one retry on connection
-failure) -> decode (relay bytes unchanged) -> release. When the decode server turns out
-busy (prefill's KV refused as ``busy``, or decode 429: a lease that ran out, or a server
-without leases counted free here), the request waits for a slot again and runs prefill
-again, within its ``--queue-timeout`` (:class:`Requeue`).
+Per request: validate -> a decode slot, held by the request's decode request (FIFO across
+routers, :mod:`pd_router.slots`) -> prefill on its 200 (least-loaded healthy server, one retry
+on connection failure) -> the decode answer relayed (bytes unchanged) -> the slot given back.
+When the decode server turns out busy (prefill's KV refused as ``busy``, or decode 429 from a
+server the router counts), the request waits for a slot again and runs prefill again, a
+bounded number of times within its ``--queue-timeout`` (:class:`Requeue`, docs/router.md,
+"Retries").
 
 One abort path: a watcher task waits for the client's ``http.disconnect`` and cancels
 the request's task wherever it is (queued, in prefill, in decode). Whatever the way
-out, the ``finally`` of :meth:`CompletionHandler._attempt` either releases the lease
-(clean end) or hands it to :meth:`RouterState.abort`, which calls the decode server's
-cancel endpoint and then releases the slot.
+out, the ``finally`` of :meth:`CompletionHandler._attempt` either gives the slot back
+(clean end, a refusal) or hands it to :meth:`RouterState.abort`, which calls the decode
+server's cancel endpoint and then gives the slot back.
 
 The rooms around it: the request's context (:mod:`pd_router.context`), its observation
 (:mod:`pd_router.observe`: trace, access log, metrics), the prefill leg
@@ -49,9 +50,9 @@ from pd_router.errors import (
     UpstreamRejected,
     UpstreamTimeout,
 )
-from pd_router.overlap import StandingDecode
-from pd_router.prefill_leg import HandoffFailed
-from pd_router.slots import Lease, Requeue, SlotNotTaken
+from pd_router.overlap import ClaimFirst
+from pd_router.prefill_leg import KVNotDelivered
+from pd_router.slots import Requeue, Slot, backoff
 from pd_wire.requests import Endpoint, OpenAIRequest
 
 if TYPE_CHECKING:
@@ -177,13 +178,6 @@ class CompletionHandler:
             await prefill_leg.prefill_alone(state, ctx, body, model)
             return
         decode_check.check_decode_view(ctx.endpoint, body, request)
-        # a request takes a free slot with its decode request, the prefill on its 200: no lease
-        # exchange (docs/router.md); queued, its decode request stands in the servers' queues for
-        # it. A try after a busy or failed one, or after its decode request found the slot taken,
-        # waits in the queues. Its first token travels with the KV, or (when its decode needs vLLM's
-        # answer) the router posts the result it read from that answer
-        holds_slot = state.settings.first_token_with_kv and state.settings.decode_request_holds_slot
-        not_taken = 0  # tries whose decode request found its slot taken: after two, the queues
         t_start = perf_counter()
         attempt = busy = stale = 0
         failed_over = False
@@ -191,15 +185,14 @@ class CompletionHandler:
             ctx.stage = "queued"
             t_queue = perf_counter()
             remaining = state.settings.queue_timeout - (t_queue - t_start)
+            handoff_id = attempt_handoff_id(ctx.request_id, attempt)
             with observe.span(state, ctx, "queue") as span:
-                handoff_id = attempt_handoff_id(ctx.request_id, attempt)
+                # the request's decode request holds its slot at a server of ours (its 200: the
+                # slot is the request's), found free at once or after a wait in the queue
+                decode = ClaimFirst(state, ctx, body, request, handoff_id,
+                                    Tracing.headers(span) if span is not None else None)
                 try:
-                    lease = await state.pool.lease(
-                        model, timeout=remaining, requeue=attempt > 0, lease_id=handoff_id, arrived=ctx.start,
-                        implicit=holds_slot and not_taken < 2 and attempt == 0,
-                        decode_first=StandingDecode(state, ctx, body, request, handoff_id,
-                                                    Tracing.headers(span) if span is not None else None)
-                        if holds_slot else None)
+                    slot = await state.pool.take(model, decode, timeout=remaining, first_try=attempt == 0)
                 except Overloaded as err:
                     if not busy:
                         raise
@@ -209,44 +202,29 @@ class CompletionHandler:
                         retry_after=err.retry_after,
                     ) from None
                 if span is not None:
-                    span.set_attributes({"pd.attempt": attempt, "pd.decode.backend": lease.backend.url})
+                    span.set_attributes({"pd.attempt": attempt, "pd.decode.backend": slot.backend.url})
             now = perf_counter()
             state.metrics.queue_wait.observe(now - t_queue)
-            if ctx.leased is None:
-                ctx.leased = now - ctx.start
-            refused = decode_check.refusal(request, lease.backend.capabilities)
-            if refused is not None:  # what this decode server would refuse costs no prefill
-                state.pool.release(lease)
-                raise refused
-            extra = decode_check.prefill_fields(request, lease.backend.capabilities)
-            with_kv = (state.settings.first_token_with_kv
-                       and decode_check.result_with_kv(body, request, lease.backend.capabilities, extra))
+            if ctx.slot_wait is None:
+                ctx.slot_wait = now - ctx.start
             try:
-                await self._attempt(ctx, lease, {**body, **extra} if extra else body, request,
-                                    handoff_id, grammar, with_kv)
+                await self._attempt(ctx, slot, body, request, handoff_id, grammar)
                 return
             except DecodeLegFailed as failed:
-                state.upstream_failed("decode", lease.backend, failed.error, mark_down=True)
+                state.upstream_failed("decode", slot.backend, failed.error, mark_down=True)
                 if failed_over or not state.backends.decode_available(model):
                     raise failed.error from None
                 failed_over = True
-                state.metrics.child(state.metrics.failovers, lease.backend.url, failed.error.type).inc()
+                state.metrics.child(state.metrics.failovers, slot.backend.url, failed.error.type).inc()
                 state.metrics.child(state.metrics.retries, "failover").inc()
                 log.warning("request_id=%s attempt %d: decode server %s failed before the first byte (%s); "
                             "running the request again on another decode server", ctx.request_id, attempt,
-                            lease.backend.url, failed.error.message)
+                            slot.backend.url, failed.error.message)
                 attempt += 1
-            except SlotNotTaken as missed:  # before any prefill: as a lease call answered so
-                # one more server this router counts free is asked (that one now counts full or
-                # down here), as a lease call without wait was; then the queues
-                not_taken += 1
-                state.metrics.child(state.metrics.retries, "slot_not_taken").inc()
-                log.info("request_id=%s attempt %d: %s; asking %s", ctx.request_id, attempt, missed.message,
-                         "another decode server" if not_taken < 2 else "in the decode servers' queues")
             except Requeue as again:
                 if again.busy:
                     busy += 1
-                    state.metrics.child(state.metrics.busy_requeues, lease.backend.url, again.reason).inc()
+                    state.metrics.child(state.metrics.busy_requeues, slot.backend.url, again.reason).inc()
                     if busy > MAX_BUSY_RETRIES:
                         raise Overloaded(f"{again.message}; the decode servers were busy for {busy} attempts in a row "
                                          f"(at most {MAX_BUSY_RETRIES} retries)", retry_after=1) from None
@@ -260,64 +238,67 @@ class CompletionHandler:
                 log.info("request_id=%s attempt %d: %s; waiting for a slot again", ctx.request_id, attempt,
                          again.message)
                 attempt += 1
+                if again.busy and slot.backend.owns_slots:  # a back-off, within the request's queue timeout
+                    # (a server the router counts keeps the slot taken for it instead: SlotPool.hold)
+                    left = state.settings.queue_timeout - (perf_counter() - t_start)
+                    await asyncio.sleep(max(0.0, min(backoff(busy), left)))
 
     async def _attempt(
-        self, ctx: RequestContext, lease: Lease, body: dict[str, Any], request: OpenAIRequest, handoff_id: str,
-        grammar: GrammarSpec | None = None, with_kv: bool = False,
+        self, ctx: RequestContext, slot: Slot, body: dict[str, Any], request: OpenAIRequest, handoff_id: str,
+        grammar: GrammarSpec | None = None,
     ) -> None:
-        """Prefill and decode on one lease (``with_kv``: at once, the first token with the KV,
-        :mod:`pd_router.overlap`; else one after the other, on a slot held by the decode request
-        with the result posted to it); always gives the lease back: at
-        once after a clean end or a 4xx answer (prefill refused before computing anything;
-        decode refused after giving its slot and the KV back), held back when the decode
-        server was busy, else after a cancel on the decode server (it may still hold the KV
-        or the generation)."""
+        """Prefill and decode on one slot: at a server of ours, the prefill on the slot its decode
+        request holds (the first token with the KV, :mod:`pd_router.overlap`, or the result
+        posted); at a server the router counts, the prefill, then the decode request. Always
+        gives the slot back: at once after a clean end or a 4xx answer (prefill refused before
+        computing anything; decode refused after giving its slot and the KV back), held back
+        when a counted server was busy, else after a cancel on the decode server (it may still
+        hold the KV or the generation)."""
         state = self.state
         outcome = "aborted"
+        caps = slot.backend.capabilities
+        extra = decode_check.prefill_fields(request, caps)
+        if extra:
+            body = {**body, **extra}
         try:
             ctx.stage = "prefill"
-            if with_kv or lease.implicit:
-                kv_params: dict[str, Any] = {}
-            else:
-                kv_params = await prefill_leg.prefill(state, ctx, lease, body, request, handoff_id, grammar)
+            with_kv = decode_check.result_with_kv(body, request, caps)
+            kv_params: dict[str, Any] | None = None
+            if not with_kv:  # the prefill's answer first: for a server the router counts, or to post it
+                kv_params = await prefill_leg.prefill(state, ctx, slot, body, request, handoff_id, grammar)
                 ctx.stage = "decode"
             with observe.span(state, ctx, "decode", SpanKind.CLIENT) as span:
                 trace = None
                 if span is not None:
-                    span.set_attributes({"pd.decode.backend": lease.backend.url, "pd.handoff_id": handoff_id,
-                                         "pd.stream": request.stream, "pd.result_with_kv": with_kv})
+                    span.set_attributes({"pd.decode.backend": slot.backend.url, "pd.handoff_id": handoff_id,
+                                         "pd.stream": request.stream})
                     trace = Tracing.headers(span)
-                if with_kv:
-                    clean = await overlap.prefill_and_decode(state, ctx, lease, body, request, handoff_id, grammar,
-                                                             trace)
-                elif lease.implicit:
-                    clean = await overlap.prefill_then_post(state, ctx, lease, body, request, handoff_id, grammar,
-                                                            trace)
+                if kv_params is None:
+                    clean = await overlap.prefill_and_decode(state, ctx, slot, body, request, handoff_id, grammar)
+                elif slot.opened is None:  # a server the router counts: the decode request now
+                    clean = await relay.decode(state, ctx, slot, body, request, kv_params, trace)
                 else:
-                    clean = await relay.decode(state, ctx, lease, body, request, kv_params, trace)
+                    clean = await overlap.post_and_relay(state, ctx, slot, body, request, kv_params)
             if clean:
                 outcome = "clean"
-        except SlotNotTaken as missed:  # nothing held there, no prefill run
-            outcome = "not_taken"
-            state.pool.not_taken(lease, missed)
-            raise
         except Requeue as again:
             outcome = "busy" if again.busy else "aborted"
             raise
         except UpstreamRejected:  # never a decode 429: that one became a Requeue
             outcome = "answered"
             raise
-        except HandoffFailed as err:
+        except KVNotDelivered as err:
             raise DecodeLegFailed(err) from None
         except RouterError as err:
             if ctx.stage == "decode" and not ctx.started:
                 if not isinstance(err, UpstreamTimeout):
                     raise DecodeLegFailed(err) from None
-                state.upstream_failed("decode", lease.backend, err)  # slow, not down
+                state.upstream_failed("decode", slot.backend, err)  # slow, not down
             raise
         finally:
-            if outcome in ("clean", "answered"):  # a clean end also ended the lease on the server
-                state.pool.release(lease, tell_server=outcome != "clean")
-            elif outcome != "not_taken":
-                state.abort(lease, ctx.request_id, handoff_id, busy=outcome == "busy")
-
+            # a clean end freed the slot there (the generation ended); a refusal came after the
+            # server gave its slot and the KV back
+            if outcome in ("clean", "answered"):
+                state.pool.release(slot)
+            else:
+                state.abort(slot, ctx.request_id, handoff_id, busy=outcome == "busy")

@@ -73,7 +73,7 @@ class ServerView:
 
 class ServerGauges(Collector):
     """The gauges of the router's queue and servers, computed from its state when scraped:
-    a lease or a release (every request, several times) then costs nothing here, where
+    a slot taken or given back (every request, several times) then costs nothing here, where
     setting each server's gauges on every change cost O(servers) per change (135 us with
     72 decode servers). A server no longer listed is simply not reported."""
 
@@ -144,9 +144,9 @@ class RouterMetrics:
         )
         self.busy_requeues = self._counter(
             "busy_requeues",
-            "Requests that waited for a decode slot again because the leased server was busy "
-            "(reason kv_receive_slot: prefill's KV refused at admission; engine_slot: decode 429); "
-            "0 with decode servers granting leases, unless a lease ran out",
+            "Requests that waited for a decode slot again because the server of their slot was busy "
+            "(reason kv_receive_slot: prefill's KV refused at admission; engine_slot: decode 429 from a server "
+            "the router counts)",
             ("backend", "reason"),
         )
         self.retries = self._counter(
@@ -161,14 +161,14 @@ class RouterMetrics:
             "Requests run again on another decode server because theirs failed before the first byte",
             ("backend", "error_type"),
         )
-        self.lease_rtt = self._histogram(
-            "lease_rtt_seconds", "Round trip of a lease call to a decode server answered without queueing "
-            "(a grant of a free slot, a renew)", buckets=TOKEN_BUCKETS,
+        self.slot_rtt = self._histogram(
+            "slot_rtt_seconds", "Round trip of a decode request given a free slot at once (its 200, without a "
+            "wait in the server's queue)", buckets=TOKEN_BUCKETS,
         )
-        self.lease_requests = self._counter(
-            "lease_requests", "Slot requests to decode servers (lease calls, decode requests taking their slot "
-            "themselves or waiting in the queue) by answer (granted; refused: no slot within the wait; conflict; "
-            "unavailable; rejected: the request itself refused; error: no answer)", ("backend", "result"),
+        self.slot_requests = self._counter(
+            "slot_requests", "Decode requests asking a decode server for a slot (at once, or waiting in its "
+            "queue) by answer (granted; refused: no slot within the wait; conflict; unavailable; rejected: the "
+            "request itself refused; error: no answer)", ("backend", "result"),
         )
         self.draining = self._gauge("draining", "1 while the router drains (SIGTERM): new requests get 503")
 

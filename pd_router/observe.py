@@ -44,7 +44,7 @@ def finish(state: RouterState, ctx: RequestContext) -> None:
     if ctx.span is not None:
         _end_trace(ctx)
     ttft_ms = None if ctx.ttft is None else round(ctx.ttft * 1e3, 3)
-    leased_ms = None if ctx.leased is None else round(ctx.leased * 1e3, 3)
+    slot_ms = None if ctx.slot_wait is None else round(ctx.slot_wait * 1e3, 3)
     log.info(
         "request_id=%s %s status=%d%s stage=%s %.1fms%s%s",
         rid,
@@ -53,11 +53,11 @@ def finish(state: RouterState, ctx: RequestContext) -> None:
         f" error={ctx.error_type}" if ctx.error_type else "",
         ctx.stage,
         latency * 1e3,
-        "" if leased_ms is None else f" leased={leased_ms:.1f}ms",
+        "" if slot_ms is None else f" slot={slot_ms:.1f}ms",
         "" if ttft_ms is None else f" ttft={ttft_ms:.1f}ms",
         extra={"fields": {"event": "access", "endpoint": endpoint.path, "status": ctx.status,
                           "error_type": ctx.error_type or None, "stage": ctx.stage,
-                          "latency_ms": round(latency * 1e3, 3), "leased_ms": leased_ms,
+                          "latency_ms": round(latency * 1e3, 3), "slot_ms": slot_ms,
                           "ttft_ms": ttft_ms}},
     )
 

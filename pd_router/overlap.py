@@ -1,17 +1,21 @@
-"""Prefill and decode at once, the first token with the KV (issue 34).
+"""The decode request first, then the prefill, the first token with the KV.
 
-When the decode needs nothing of vLLM's answer (:func:`decode_check.result_with_kv`), the
-prefill asks the connector to send its result (the first token) to the decode server over
-the KV channel (``HandoffTarget.result_with_kv``), and the decode request goes out at the
-same time, naming only the handoff (``HandoffClaim``). The decode server answers once the
-KV and the first token have landed; its first event goes to the client at once. vLLM's
-answer is read beside it: for the handoff's failures (which it classifies: busy, too
-long, cancelled, failed) and the prompt's length, never waited for before the first token.
+A request's decode request (:class:`ClaimFirst`, a ``HandoffClaim``) goes to a decode server of
+ours before anything else and holds its slot: the server answers 200 once the slot is the
+request's (the pool, :mod:`pd_router.slots`, hands the handler that open answer). The prefill
+goes out on that 200. When the decode needs nothing of vLLM's answer
+(:func:`decode_check.result_with_kv`), the prefill asks the connector to send its result (the
+first token) to the decode server over the KV channel (``HandoffTarget.result_with_kv``): the
+decode server's first event comes once the KV and the first token landed, and goes to the
+client at once. vLLM's answer is read beside it, for the handoff's failures (which it
+classifies: busy, too long, cancelled, failed) and the prompt's length, never waited for before
+the first token. Otherwise the router posts the result it read from vLLM's answer
+(:func:`post_and_relay`).
 
-Whatever ends first, nothing is left behind: a failed prefill closes the decode request
-(the decode server frees what it held for it), a decode that failed before its first byte
-waits for the prefill's answer (its failure says more: a busy KV slot is a requeue, not a
-failed server), and the prefill's answer is read to its end after a clean decode.
+Whatever ends first, nothing is left behind: a failed prefill closes the decode request (the
+decode server frees what it held for it), a decode that failed before its first byte waits for
+the prefill's answer (its failure says more: a busy KV slot is a requeue, not a failed server),
+and the prefill's answer is read to its end after a clean decode.
 """
 
 from __future__ import annotations
@@ -27,8 +31,7 @@ from pd_router import decode_check, prefill_leg, relay
 from pd_router.backends import DecodeBackend
 from pd_router.context import RequestContext
 from pd_router.errors import RouterError, UpstreamRejected
-from pd_router.lease_client import Answer
-from pd_router.slots import Lease
+from pd_router.slots import Answer, Slot
 from pd_wire.handoff import HandoffClaim, SlotWait
 from pd_wire.requests import OpenAIRequest
 
@@ -40,29 +43,21 @@ log = logging.getLogger("pd_router.requests")
 
 
 async def prefill_and_decode(
-    state: RouterState, ctx: RequestContext, lease: Lease, body: dict[str, Any], request: OpenAIRequest,
-    handoff_id: str, grammar: GrammarSpec | None, trace: Mapping[str, str] | None = None,
+    state: RouterState, ctx: RequestContext, slot: Slot, body: dict[str, Any], request: OpenAIRequest,
+    handoff_id: str, grammar: GrammarSpec | None,
 ) -> bool:
-    """Run both legs on one lease; True when the answer ended cleanly. Raises as the
-    sequential legs do (``ctx.stage`` says which leg failed). An implicit lease (no lease was
-    asked: :attr:`Lease.implicit`): the decode request goes first and takes the slot, and the
-    prefill goes out on its 200 (the grant); not taken, :class:`SlotNotTaken`, no prefill run."""
-    claim = HandoffClaim(handoff_id=handoff_id, result="with_kv", grant_first=lease.implicit).model_dump(
-        exclude_none=True)
-    granted: Response | None = None
-    if lease.implicit:
-        ctx.stage = "decode"  # a failure to take the slot is the decode leg's
-        granted = lease.take_opened()  # granted in the server's queue (:class:`StandingDecode`)
-        if granted is None:
-            granted = await relay.open_answer(state, ctx, lease, body, claim, trace)
-        ctx.stage = "prefill"
+    """The prefill on a slot its decode request holds (its 200 came), the first token with the
+    KV; True when the answer ended cleanly. Raises as the sequential legs do (``ctx.stage`` says
+    which leg failed)."""
+    granted = slot.take_opened()
+    assert granted is not None  # a slot of a server of ours holds its open decode request
+    ctx.stage = "prefill"
     prefill = asyncio.ensure_future(
-        prefill_leg.prefill(state, ctx, lease, body, request, handoff_id, grammar, result_with_kv=True))
+        prefill_leg.prefill(state, ctx, slot, body, request, handoff_id, grammar, result_with_kv=True))
     # the decode leg is what remains once the prefill answered well (an unstreamed answer
     # opens only when whole): the stage a failure or a client leaving is counted under
     prefill.add_done_callback(lambda leg: _prefilled(ctx, leg))
-    opening = asyncio.ensure_future(relay.open_answer(state, ctx, lease, body, claim, trace) if granted is None
-                                    else relay.first_event(state, lease, granted))
+    opening = asyncio.ensure_future(relay.first_event(state, slot, granted))
     relayed = False
     try:
         await asyncio.wait({prefill, opening}, return_when=asyncio.FIRST_COMPLETED)
@@ -74,7 +69,7 @@ async def prefill_and_decode(
         resp = await _opened(ctx, prefill, opening)
         ctx.stage = "decode"
         relayed = True  # the relay gives the connection back
-        clean = await relay.relay(state, ctx, lease, resp, body, request)
+        clean = await relay.relay(state, ctx, slot, resp, body, request)
         if clean:
             await _answered(ctx, prefill)
         return clean
@@ -82,18 +77,15 @@ async def prefill_and_decode(
         for leg in (opening, prefill):
             if not leg.done():
                 leg.cancel()  # a decode request closed: the decode server frees what it held for it
-            elif not leg.cancelled() and leg.exception() is None and leg is opening and not relayed:
-                opening.result().close()  # opened as the prefill failed: closed the same way
-        if granted is not None and not relayed:
+        if not relayed:
             granted.close()  # (a no-op when its connection went back or was closed already)
 
 
 @dataclass(eq=False)
-class StandingDecode:
-    """One attempt's decode request as its standing request in a decode server's queue
-    (:class:`pd_router.lease_types.DecodeFirst`), to one of our servers that would take it as it
-    is (no 400 of its own): its result comes with the KV, or is posted when its decode needs
-    vLLM's answer (:func:`prefill_then_post`)."""
+class ClaimFirst:
+    """A request's decode request (:class:`pd_router.slots.DecodeRequest`), sent to a decode
+    server of ours before its prefill to hold its slot: its result comes with the KV, or is
+    posted when its decode needs vLLM's answer (:func:`post_and_relay`)."""
 
     state: RouterState
     ctx: RequestContext
@@ -102,44 +94,36 @@ class StandingDecode:
     handoff_id: str
     trace: Mapping[str, str] | None = None  # the ``traceparent`` of the router's queue span, where it waits
 
-    def fits(self, backend: DecodeBackend) -> bool:
-        caps = backend.capabilities
-        return caps is not None and decode_check.refusal(self.request, caps) is None
+    @property
+    def arrived(self) -> float:
+        return self.ctx.start
 
-    async def open(self, backend: DecodeBackend, wait: SlotWait) -> Answer:
-        caps = backend.capabilities
-        with_kv = decode_check.result_with_kv(self.body, self.request, caps,
-                                              decode_check.prefill_fields(self.request, caps))
-        claim = HandoffClaim(handoff_id=self.handoff_id, result="with_kv" if with_kv else "posted", grant_first=True,
-                             wait=wait)
-        return await relay.open_standing(self.state, self.ctx, backend, self.body, claim.model_dump(exclude_none=True),
-                                         self.trace)
+    async def open(self, backend: DecodeBackend, wait: SlotWait | None) -> Answer:
+        refused = decode_check.refusal(self.request, backend.capabilities)
+        if refused is not None:  # what this server would refuse is refused here: no call
+            return Answer(400, rejected=refused)
+        with_kv = decode_check.result_with_kv(self.body, self.request, backend.capabilities)
+        claim = HandoffClaim(handoff_id=self.handoff_id, result="with_kv" if with_kv else "posted", wait=wait)
+        return await relay.open_slot(self.state, self.ctx, backend, self.body, claim.model_dump(exclude_none=True),
+                                     self.trace)
 
 
-async def prefill_then_post(
-    state: RouterState, ctx: RequestContext, lease: Lease, body: dict[str, Any], request: OpenAIRequest,
-    handoff_id: str, grammar: GrammarSpec | None, trace: Mapping[str, str] | None = None,
+async def post_and_relay(
+    state: RouterState, ctx: RequestContext, slot: Slot, body: dict[str, Any], request: OpenAIRequest,
+    params: dict[str, Any],
 ) -> bool:
     """A request whose decode needs vLLM's answer (the first token's logprobs, the prompt's ids)
-    on a slot its decode request holds (:attr:`Lease.implicit`): that request first (granted in
-    the server's queue, or taking a free slot now: :class:`SlotNotTaken` when it does not), the
-    prefill on its 200, then the result read from vLLM's answer posted to the decode server
-    (``HandoffClaim.result == "posted"``), whose first event then comes. True when the answer
-    ended cleanly; raises as the sequential legs do."""
-    granted = lease.take_opened()
-    if granted is None:
-        ctx.stage = "decode"  # a failure to take the slot is the decode leg's
-        claim = HandoffClaim(handoff_id=handoff_id, result="posted", grant_first=True)
-        granted = await relay.open_answer(state, ctx, lease, body, claim.model_dump(exclude_none=True), trace)
+    on a slot its decode request holds, once the prefill answered: the result read from vLLM's
+    answer (``params``) posted to the decode server (``HandoffClaim.result == "posted"``), whose
+    first event then comes. True when the answer ended cleanly; raises as the sequential legs do."""
+    granted = slot.take_opened()
+    assert granted is not None  # a slot of a server of ours holds its open decode request
     relayed = False
     try:
-        ctx.stage = "prefill"
-        params = await prefill_leg.prefill(state, ctx, lease, body, request, handoff_id, grammar)
-        ctx.stage = "decode"
-        await relay.post_result(state, ctx, lease, params)
-        resp = await relay.first_event(state, lease, granted)
+        await relay.post_result(state, ctx, slot, params)
+        resp = await relay.first_event(state, slot, granted)
         relayed = True  # the relay gives the connection back
-        return await relay.relay(state, ctx, lease, resp, body, request)
+        return await relay.relay(state, ctx, slot, resp, body, request)
     finally:
         if not relayed:
             granted.close()  # the decode request closed: the decode server frees what it held for it

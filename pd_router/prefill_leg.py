@@ -20,7 +20,7 @@ from pd_router.api import VLLM_REMOTE_DECODE_PARAMS, prefill_body
 from pd_router.asgi import respond
 from pd_router.context import RequestContext
 from pd_router.errors import BadUpstream, NoHealthyBackend, PromptTooLong, RouterError
-from pd_router.slots import Lease, Requeue
+from pd_router.slots import Requeue, Slot
 from pd_wire.handoff import HandoffResult, HandoffTarget
 from pd_wire.requests import ChatCompletionRequest, OpenAIRequest
 
@@ -28,19 +28,19 @@ if TYPE_CHECKING:
     from pd_router.state import RouterState
 
 
-class HandoffFailed(BadUpstream):
+class KVNotDelivered(BadUpstream):
     """Prefill ran but its KV did not reach the decode server (unreachable, rejected,
     transfer failed): a failure of the decode leg, before anything reached the client."""
 
 
 
 async def prefill(
-    state: RouterState, ctx: RequestContext, lease: Lease, body: dict[str, Any], request: OpenAIRequest,
+    state: RouterState, ctx: RequestContext, slot: Slot, body: dict[str, Any], request: OpenAIRequest,
     handoff_id: str, grammar: GrammarSpec | None = None, result_with_kv: bool = False,
 ) -> dict[str, Any]:
     """The prefill leg; the ``kv_transfer_params`` its answer carries for decode.
     ``result_with_kv``: the connector also sends them to the decode server with the KV."""
-    decode = lease.backend
+    decode = slot.backend
     if decode.capabilities is None:
         target: Mapping[str, Any] = VLLM_REMOTE_DECODE_PARAMS
     else:
@@ -68,7 +68,7 @@ async def prefill(
             elif not side.cancelled():
                 side.exception()  # retrieved: the PD prefill's own failure is the one raised
     with observe.span(state, ctx, "handoff") as span:
-        params = read_handoff(state, lease, answer, request, handoff_id, span)
+        params = read_handoff(state, slot, answer, request, handoff_id, span)
     tokens = params.get("num_prompt_tokens")
     ctx.prompt_tokens = tokens if isinstance(tokens, int) else 0
     return params
@@ -156,7 +156,7 @@ async def prefill_leg(
 
 
 def read_handoff(
-    state: RouterState, lease: Lease, answer: dict[str, Any], request: OpenAIRequest, handoff_id: str,
+    state: RouterState, slot: Slot, answer: dict[str, Any], request: OpenAIRequest, handoff_id: str,
     span: Span | None = None,
 ) -> dict[str, Any]:
     """The ``kv_transfer_params`` for decode, from the prefill answer."""
@@ -165,7 +165,7 @@ def read_handoff(
         raise BadUpstream(
             "prefill answer carries no kv_transfer_params (is the KV connector configured?)"
         )
-    if lease.backend.capabilities is None:
+    if slot.backend.capabilities is None:
         return params  # plain vLLM decode: as prefill returned them
     try:
         result = HandoffResult.model_validate(params)
@@ -188,10 +188,10 @@ def read_handoff(
                 f"{result.error}",
                 param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
             )
-        raise HandoffFailed(f"KV handoff to {result.kv_endpoint} failed ({result.reason}): {result.error}")
+        raise KVNotDelivered(f"KV handoff to {result.kv_endpoint} failed ({result.reason}): {result.error}")
     if result.handoff_id != handoff_id:
         raise BadUpstream(f"prefill returned handoff {result.handoff_id!r}, expected {handoff_id!r}")
-    state.pool.served(lease.backend)
+    state.pool.served(slot.backend)
     ids = decode_check.prompt_token_ids(answer)  # there when the prefill leg asked (prefill_fields)
     if ids is not None:
         result = result.model_copy(update={"prompt_token_ids": ids})

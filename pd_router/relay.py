@@ -1,7 +1,7 @@
-"""The decode leg: open the decode server's answer and relay it to the client, a JSON body
-whole or an SSE stream chunk by chunk (after the first chunk, from the upstream connection's
-callback through the request's :class:`~pd_http.chunk_writer.ChunkWriter`: no task switch
-per token), with its TTFT, TPOT and ITL."""
+"""The decode leg: the decode request that holds its slot (:func:`open_slot`), and the decode
+server's answer relayed to the client, a JSON body whole or an SSE stream chunk by chunk (after
+the first chunk, from the upstream connection's callback through the request's
+:class:`~pd_http.chunk_writer.ChunkWriter`: no task switch per token), with its TTFT, TPOT and ITL."""
 
 from __future__ import annotations
 
@@ -18,10 +18,9 @@ from pd_router.asgi import SSE, respond
 from pd_router.backends import DecodeBackend
 from pd_router.context import RequestContext
 from pd_router.errors import BadUpstream, RouterError, UpstreamRejected
-from pd_router.lease_client import CALL_TIMEOUT_S, IMMEDIATE_ANSWER_S, Answer
 from pd_router.rawhttp import Response, UpstreamError
-from pd_router.slots import Lease, Requeue, SlotNotTaken
-from pd_router.upstream import Unreachable
+from pd_router.slots import Answer, Requeue, Slot
+from pd_router.upstream import Unavailable, Unreachable
 from pd_wire.decode import FREE_SLOTS_FIELD, REQUEST_ID_HEADER, RESULT_PATH
 from pd_wire.requests import OpenAIRequest
 
@@ -30,52 +29,36 @@ if TYPE_CHECKING:
     from pd_router.state import RouterState
 
 _DONE = b"data: [DONE]"
+CALL_TIMEOUT_S = 5.0  # a posted result; the answer of a decode request past its wait in a queue
+# a decode request asking for a free slot without waiting is answered at once by a live server
+# (a round trip): one that says nothing for this long is hung (SIGSTOPped, its loop stuck)
+IMMEDIATE_ANSWER_S = 2.0
 
 
 async def decode(
-    state: RouterState, ctx: RequestContext, lease: Lease, body: dict[str, Any], request: OpenAIRequest,
+    state: RouterState, ctx: RequestContext, slot: Slot, body: dict[str, Any], request: OpenAIRequest,
     kv_params: dict[str, Any], trace: Mapping[str, str] | None = None,
 ) -> bool:
-    """Relay the decode answer; True when it ended cleanly. ``trace``: the ``traceparent`` header."""
-    resp = await open_answer(state, ctx, lease, body, kv_params, trace)
-    return await relay(state, ctx, lease, resp, body, request)
+    """A server the router counts (a plain vLLM): the decode request after the prefill, its
+    answer relayed; True when it ended cleanly. ``trace``: the ``traceparent`` header."""
+    backend = slot.backend
+    with _busy_is_requeue(backend):
+        resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.path,
+                                          decode_body(ctx.raw, body, kv_params), ctx.request_id,
+                                          state.settings.decode_timeout, trace)
+    # any other failure to open: the caller marks the server down and may fail over
+    return await relay(state, ctx, slot, resp, body, request)
 
 
-async def open_answer(
-    state: RouterState, ctx: RequestContext, lease: Lease, body: dict[str, Any], kv_params: dict[str, Any],
-    trace: Mapping[str, str] | None = None,
-) -> Response:
-    """The decode request, open once the decode server answered 200 (its first event; for a
-    request holding its slot itself, ``grant_first``, the slot's take, which a live server
-    answers at once: one that does not is hung; :func:`first_event` then waits for the rest)."""
-    backend = lease.backend
-    data = decode_body(ctx.raw, body, kv_params)
-    if not kv_params.get("grant_first"):
-        with _busy_is_requeue(backend):
-            return await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.path, data,
-                                              ctx.request_id, state.settings.decode_timeout, trace)
-        # any other failure to open: the caller marks the server down and may fail over
-    try:  # the slot's take, which answers what a lease call without wait would have
-        resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.path, data,
-                                          ctx.request_id, state.settings.decode_timeout, trace, IMMEDIATE_ANSWER_S)
-    except UpstreamRejected as err:
-        if err.status not in (429, 503):
-            raise
-        raise SlotNotTaken("refused" if err.status == 429 else "unavailable",
-                           f"decode server {backend.url} answered {err.status}: {err.message}") from None
-    except Unreachable as err:
-        raise SlotNotTaken("error", err.message, err.message) from None
-    state.pool.hooks.answered(backend.url, "granted")
-    return resp
-
-
-async def open_standing(state: RouterState, ctx: RequestContext, backend: DecodeBackend, body: dict[str, Any],
-                        claim: dict[str, Any], trace: Mapping[str, str] | None = None) -> Answer:
-    """A queued request's decode request waiting in ``backend``'s queue (``claim``: a
-    ``HandoffClaim`` with ``wait``): open once granted (``Answer.opened``), else the status
-    that refused it, or no answer (0: unreachable, or silent past its wait: hung). ``trace``:
-    the ``traceparent`` header (of the router's queue span, where the request waits)."""
-    wait_s = claim["wait"]["wait_s"]
+async def open_slot(state: RouterState, ctx: RequestContext, backend: DecodeBackend, body: dict[str, Any],
+                    claim: dict[str, Any], trace: Mapping[str, str] | None = None) -> Answer:
+    """A request's decode request holding its slot (``claim``: a ``HandoffClaim``; with ``wait``,
+    it waits in ``backend``'s queue): open once granted (``Answer.opened``), else the status that
+    refused it, the request's own refusal, or no answer (0: unreachable, or silent past its wait:
+    hung). ``trace``: the ``traceparent`` header (of the router's queue span, where the request
+    waits, or of its decode span)."""
+    wait = claim.get("wait")
+    wait_s = wait["wait_s"] if wait else 0.0
     limit = wait_s + CALL_TIMEOUT_S if wait_s > 0 else IMMEDIATE_ANSWER_S
     data = decode_body(ctx.raw, body, claim)
     t0 = perf_counter()
@@ -86,6 +69,8 @@ async def open_standing(state: RouterState, ctx: RequestContext, backend: Decode
         return Answer(err.status, rtt=perf_counter() - t0, rejected=None if err.status in (409, 429) else err)
     except Unreachable as err:
         return Answer(0, rtt=perf_counter() - t0, unreachable=err.message)
+    except Unavailable:  # draining, not ready
+        return Answer(503, rtt=perf_counter() - t0)
     except RouterError:
         return Answer(0, rtt=perf_counter() - t0)
     resp.read_timeout = state.settings.decode_timeout  # granted: from here, a decode answer's timeout
@@ -96,11 +81,11 @@ async def open_standing(state: RouterState, ctx: RequestContext, backend: Decode
     return Answer(200, rtt=perf_counter() - t0, immediate=wait_s == 0, opened=resp, free=max(0, free))
 
 
-async def post_result(state: RouterState, ctx: RequestContext, lease: Lease, params: dict[str, Any]) -> None:
+async def post_result(state: RouterState, ctx: RequestContext, slot: Slot, params: dict[str, Any]) -> None:
     """The handoff's result, read from vLLM's answer, to the decode request waiting for it
     (``HandoffClaim.result == "posted"``). Not there (404: the request or its KV ended) is for the
     open answer to say; no answer at all is the decode leg's failure."""
-    target = lease.backend.target
+    target = slot.backend.target
     try:
         await upstream.call(state.upstream, target, RESULT_PATH, json.dumps(params).encode(), CALL_TIMEOUT_S,
                             {REQUEST_ID_HEADER: ctx.request_id})
@@ -108,17 +93,17 @@ async def post_result(state: RouterState, ctx: RequestContext, lease: Lease, par
         raise upstream.map_error("decode", target, exc, f"{CALL_TIMEOUT_S:g}s (posting the result)") from None
 
 
-async def first_event(state: RouterState, lease: Lease, resp: Response) -> Response:
-    """A granted decode answer (:func:`open_answer` with ``grant_first``) once its first event
-    came; a refusal in its body raised as the status it stands for."""
-    with _busy_is_requeue(lease.backend):
-        return await upstream.first_event(resp, lease.backend.target, state.settings.decode_timeout)
+async def first_event(state: RouterState, slot: Slot, resp: Response) -> Response:
+    """A granted decode answer (:func:`open_slot`) once its first event came; a refusal in its
+    body raised as the status it stands for."""
+    with _busy_is_requeue(slot.backend):
+        return await upstream.first_event(resp, slot.backend.target, state.settings.decode_timeout)
 
 
 @contextmanager
 def _busy_is_requeue(backend: DecodeBackend) -> Iterator[None]:
-    """429: no slot for this request there (its lease ran out, or a server whose slot this
-    router counted free): the request waits for a slot again."""
+    """429: no slot for this request there (a server whose slot this router counted free): the
+    request waits for a slot again."""
     try:
         yield
     except UpstreamRejected as err:
@@ -127,10 +112,10 @@ def _busy_is_requeue(backend: DecodeBackend) -> Iterator[None]:
         raise Requeue("engine_slot", f"decode server {backend.url} busy (429): {err.message}") from None
 
 
-async def relay(state: RouterState, ctx: RequestContext, lease: Lease, resp: Response, body: dict[str, Any],
+async def relay(state: RouterState, ctx: RequestContext, slot: Slot, resp: Response, body: dict[str, Any],
                 request: OpenAIRequest) -> bool:
     """Relay an open decode answer to the client (and give its connection back); True when it ended cleanly."""
-    backend = lease.backend
+    backend = slot.backend
     try:
         if request.stream:
             return await relay_stream(state, ctx, resp, backend)

@@ -136,19 +136,6 @@ class RouterSettings(EntrySettings):
         description="a decode server with capabilities is ready only once a prefill connector "
         "handshook with it",
     )
-    first_token_with_kv: bool = Field(
-        True,
-        description="send the decode request with the prefill and let the first token travel with the KV "
-        "(the connector's Prefilled; a request whose decode needs the prefill's answer gets it posted); off: a "
-        "lease, then the prefill, then the decode request with the prefill's answer (the order of before)",
-    )
-    decode_request_holds_slot: bool = Field(
-        True,
-        description="with the first token with the KV, a request to a decode server that grants leases holds its "
-        "slot with its decode request, sent first (no lease exchange: the decode server answers 200 once the slot "
-        "is taken, at once or after a wait in its queue, and the prefill goes out on that 200); off: a lease "
-        "first",
-    )
     log_level: LogLevel = Field("info", description="log level")
     log_format: LogFormat = Field(
         "text", description="text, or json: one JSON object per line, request lines with request_id and trace_id"

@@ -1,58 +1,46 @@
-"""Decode slot leases.
+"""Decode slots: where a request's decode request takes one (docs/router.md, "Decode slots").
 
-The decode server owns its slots (docs/architecture.md, "Decode slot leases"): a server
-whose capabilities carry ``lease_ttl_s`` grants a lease (id = the attempt's handoff id,
-expiry unless renewed) and queues the requests that find no free slot, in order of arrival
-at their router, so several routers in front of the same servers act as one queue. This
-pool asks for a lease (:meth:`SlotPool.lease`):
+A decode server of ours holds a slot for a request's decode request itself: the decode request
+goes first, the server answers 200 once the slot is the request's, at once or after a wait in
+its queue, and the prefill goes out on that 200. :meth:`SlotPool.take` hands the handler a
+:class:`~pd_router.slot_queue.Slot`, the open decode answer, or an error:
 
-1. at the server its cache says has a free slot, without waiting (one round trip); or, for
-   a request whose decode request can take the slot itself (``implicit``), not at all: that
-   decode request is the slot request (:attr:`Lease.implicit`, ``docs/router.md``);
-2. else it waits in this router's queue, behind at most one standing request per server
-   (:mod:`pd_router.lease_queue`: waiting in that server's queue for the oldest request
-   here; that request's own decode request where it can go before its prefill, ``decode_first``,
-   else a lease request); ``--max-queue`` bounds this router's waiters, ``--queue-timeout`` the wait.
+1. a server this router counts free, nobody waiting here: the request's decode request without
+   wait (one round trip); refused (the slot taken meanwhile, draining) or unanswered, one more
+   server counted free, then the queue;
+2. the queue (:mod:`pd_router.slot_queue`): in arrival order, behind at most one standing
+   decode request per server; ``--max-queue`` bounds this router's waiters, ``--queue-timeout``
+   the wait.
 
-While it lives, every lease is renewed at a third of its ttl (one call per server for all
-of this router's leases there); it ends when its generation ends (the server ends it), on
-the cancel endpoint, or on :meth:`SlotPool.release`. The cache of free slots
-(``DecodeBackend.lease_free``, from grants, refusals and probes) only chooses where to ask
-first: it is never the authority.
-
-Servers without leases (plain vLLM as decode, ``--decode-slots``) are counted here: a fair
-FIFO queue in this router; a server busy although its slot is free here (prefill reports
-the KV refused as ``busy``, or decode answers 429) gets the lease back through
-:meth:`SlotPool.hold`, which keeps that slot counted as taken for a short, growing
-back-off, and the request waits again with ``requeue=True`` (at the head of the queue).
+The count of free slots per server (``DecodeBackend.free_slots``, from the servers' answers and
+the probes) only chooses where to ask first: the server is the authority. A server without a
+capabilities endpoint (a plain vLLM decode, ``--decode-slots``) is counted here instead: its
+slot is the count alone, the request then runs its prefill and decode one after the other, and
+a server busy although counted free (prefill reports the KV refused as ``busy``, or decode
+answers 429) keeps that slot counted as taken for a back-off (:meth:`SlotPool.hold`) while the
+request waits again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-from collections import deque
-from dataclasses import dataclass, field
-from time import perf_counter
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from pd_router.backends import Backends, DecodeBackend
 from pd_router.errors import NoHealthyBackend, Overloaded
-from pd_router.lease_client import LeaseClient
-from pd_router.lease_types import DecodeFirst, Lease, LeaseHooks, wait_for_grant
-from pd_router.remote_leases import RemoteLeases
+from pd_router.slot_queue import Answer, DecodeRequest, Slot, SlotQueue, backoff
 
-__all__ = ["Lease", "LeaseHooks", "Requeue", "SlotNotTaken", "SlotPool"]
-BUSY_HOLD_MIN_S = 0.05  # first back-off after a server refused for lack of a slot
-BUSY_HOLD_MAX_S = 1.0  # it doubles with each refusal in a row, up to this
+__all__ = ["Answer", "DecodeRequest", "Requeue", "Slot", "SlotHooks", "SlotPool", "backoff"]
+IMMEDIATE_TRIES = 2  # servers counted free asked at once for a new request, before the queue
 
 
 class Requeue(Exception):
-    """The attempt on this lease cannot go on, but it is not a client error: the request
-    waits for a slot again and runs prefill again. ``busy``: the decode server had no free
-    slot for this lease (a server without leases counted free here: held back,
-    :meth:`SlotPool.hold`; a lease that ran out); otherwise the handoff id was stale on the
-    decode server (a client reusing an ``X-Request-Id``) and the next attempt's new id is
-    enough. ``reason``: the label of ``pd_router_busy_requeues_total`` (which counts the busy ones)."""
+    """The attempt on this slot cannot go on, but it is not a client error: the request waits
+    for a slot again and runs prefill again. ``busy``: the decode server had no free slot or KV
+    receive slot for it (a server counted here: held back, :meth:`SlotPool.hold`); otherwise the
+    handoff id was stale on the decode server (a client reusing an ``X-Request-Id``) and the
+    next attempt's new id is enough. ``reason``: the label of ``pd_router_retries_total``."""
 
     def __init__(self, reason: str, message: str, busy: bool = True) -> None:
         super().__init__(message)
@@ -61,174 +49,124 @@ class Requeue(Exception):
         self.busy = busy
 
 
-class SlotNotTaken(Exception):
-    """A decode request holding its slot itself (:attr:`Lease.implicit`) did not get it, before
-    its 200 and so before any prefill: ``result`` ``refused`` (429: taken meanwhile, or requests
-    wait there), ``unavailable`` (503) or ``error`` (no answer: ``unreachable`` says why). As
-    after a lease call answered so (:meth:`SlotPool.not_taken`), the request asks for a lease."""
+class SlotHooks:
+    """What the pool reports and how it runs background work (set by the router's state)."""
 
-    def __init__(self, result: str, message: str, unreachable: str | None = None) -> None:
-        super().__init__(message)
-        self.result = result
-        self.message = message
-        self.unreachable = unreachable
-
-
-@dataclass(eq=False)
-class _Waiter:
-    model: str
-    future: asyncio.Future[Lease] = field(repr=False)
+    def __init__(self, spawn: Callable[[Coroutine[Any, Any, Any]], Any] = asyncio.ensure_future,
+                 rtt: Callable[[float], None] = lambda s: None,
+                 answered: Callable[[str, str], None] = lambda backend, result: None,
+                 unreachable: Callable[[DecodeBackend, str], None] = lambda backend, why: None) -> None:
+        self.spawn = spawn
+        self.unreachable = unreachable  # a decode request could not connect: mark the server down
+        self.rtt = rtt  # seconds of a decode request granted without waiting in a queue
+        self.answered = answered  # (backend url, Answer.result)
 
 
 class SlotPool:
-    def __init__(
-        self,
-        backends: Backends,
-        max_queue: int,
-        queue_timeout: float,
-        client: LeaseClient | None = None,
-        hooks: LeaseHooks | None = None,
-    ) -> None:
+    def __init__(self, backends: Backends, max_queue: int, queue_timeout: float, holder: str,
+                 hooks: SlotHooks | None = None) -> None:
         self.backends = backends
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
-        self.client = client
-        self.hooks = hooks or LeaseHooks()
-        self._queue: deque[_Waiter] = deque()
-        self.remote = RemoteLeases(backends, client, self.hooks, queue_timeout) if client is not None else None
+        self.hooks = hooks or SlotHooks()
+        self.queue = SlotQueue(backends, holder, queue_timeout, self._took, self._count, self.release,
+                               self.hooks.spawn)
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue) + (self.remote.waiting if self.remote is not None else 0)
+        return self.queue.waiting
 
-    def leased(self) -> int:
+    def held(self) -> int:
+        """Slots this router's requests hold (0 when it is idle)."""
         return sum(d.in_use for d in self.backends.decode)
 
-    async def lease(self, model: str, timeout: float | None = None, requeue: bool = False,
-                    lease_id: str | None = None, arrived: float | None = None, implicit: bool = False,
-                    decode_first: DecodeFirst | None = None) -> Lease:
-        """A slot on a usable decode server for ``model``; waits in FIFO order, at most
-        ``timeout`` seconds (default ``--queue-timeout``). ``lease_id`` (the attempt's handoff
-        id): the id of a lease from a server that grants them; ``arrived``: when the request
-        came (``perf_counter``; its place in the servers' queues). ``requeue``: a request that held a
-        lease before; it waits at the head of the queue and is not counted against ``--max-queue``.
-        ``implicit``: a server granting leases whose slot is free in this router's count is not
-        asked for a lease; the request's decode request takes the slot (:attr:`Lease.implicit`).
-        ``decode_first``: queued for a server granting leases, the request's decode request
-        stands in that server's queue for it (:attr:`Lease.opened` once granted).
+    async def take(self, model: str, request: DecodeRequest, timeout: float | None = None,
+                   first_try: bool = True) -> Slot:
+        """A slot for ``request`` on a usable decode server for ``model``, within ``timeout``
+        seconds (default ``--queue-timeout``). ``first_try``: a request's first attempt asks the
+        servers counted free at once when nobody here waits; a later attempt (after a busy,
+        stale or failed one) waits in the queue, where it keeps its place by its arrival.
 
         Raises :class:`NoHealthyBackend` (503) when no usable server serves the model,
-        :class:`Overloaded` (429) when the queue is full or the wait times out."""
+        :class:`Overloaded` (429) when the queue is full or the wait times out, and the decode
+        server's own refusal of the request (:class:`~pd_router.errors.UpstreamRejected`)."""
         if not self.backends.decode_available(model):
             raise NoHealthyBackend.for_decode(model)
         wait = self.queue_timeout if timeout is None else max(0.0, timeout)
-        if lease_id is not None and self.remote is not None:
-            servers = [d for d in self.backends.decode if d.accepting and d.serves(model) and d.leases]
-            if servers:
-                return await self.remote.lease(model, lease_id, servers, wait,
-                                               perf_counter() if arrived is None else arrived,
-                                               lambda waiting: self._check_queue(requeue, waiting), implicit,
-                                               decode_first)
-        if requeue or not self._queue:
-            backend = self.backends.pick_decode(model)
-            if backend is not None:
-                return self._grant(backend, model)
-        self._check_queue(requeue, len(self._queue))
-        loop = asyncio.get_running_loop()
-        waiter = _Waiter(model, loop.create_future())
-        if requeue:
-            self._queue.appendleft(waiter)
-        else:
-            self._queue.append(waiter)
-        timer = loop.call_later(wait, self._expire, waiter)
-        return await wait_for_grant(waiter.future, timer, self.release, lambda: self._forget(waiter))
+        if first_try and not self.queue.waiting:
+            for _ in range(IMMEDIATE_TRIES):
+                backend = self.backends.pick_decode(model)
+                if backend is None:
+                    break
+                if not backend.owns_slots:
+                    return self._count(backend, model)
+                # counted taken until the server answers (its answer sets the count): requests
+                # arriving meanwhile ask another server, not all the one that may not answer
+                backend.free_slots -= 1
+                answer = await request.open(backend, None)
+                slot = self._took(backend, model, answer)
+                if slot is not None:
+                    return slot
+                if answer.rejected is not None:
+                    raise answer.rejected
+        if first_try and self.queue.waiting >= self.max_queue:
+            raise Overloaded(f"all decode slots are busy and {self.queue.waiting} requests are queued", retry_after=1)
+        return await self.queue.wait(model, request, wait)
 
-    def _check_queue(self, requeue: bool, queued: int) -> None:
-        if not requeue and self.queue_depth >= self.max_queue:
-            raise Overloaded(f"all decode slots are busy and {queued} requests are queued", retry_after=1)
+    # ---- a server's answer, and giving back ------------------------------------------------
+    def _took(self, backend: DecodeBackend, model: str, answer: Answer) -> Slot | None:
+        """Report a server's answer to a decode request and count it; the slot of a grant."""
+        self.hooks.answered(backend.url, answer.result)
+        if answer.opened is None:
+            if answer.status in (429, 503):
+                backend.free_slots = 0
+            if answer.unreachable is not None:
+                self.hooks.unreachable(backend, answer.unreachable)
+            return None
+        if answer.immediate:  # a round trip, not a wait in the queue
+            self.hooks.rtt(answer.rtt)
+        backend.free_slots = answer.free
+        backend.in_use += 1
+        return Slot(backend, model, opened=answer.opened)
 
-    # ---- giving back ----------------------------------------------------------------------
-    def release(self, lease: Lease, tell_server: bool = True) -> None:
-        """Give the lease back (idempotent). ``tell_server``: False when the decode server
-        already ended it (its generation ended, or the cancel endpoint answered)."""
-        if (lease.lease_id is not None or lease.implicit) and self.remote is not None:
-            self.remote.release(lease, tell_server)
+    def _count(self, backend: DecodeBackend, model: str) -> Slot:
+        """A slot of a server this router counts."""
+        backend.in_use += 1
+        return Slot(backend, model)
+
+    def release(self, slot: Slot) -> None:
+        """Give the slot back (idempotent): an unused open decode answer is closed (its slot is
+        free there once the server sees it go); a counted slot goes to the next request here."""
+        if slot.released:
             return
-        if lease.released:
+        slot.released = True
+        opened = slot.take_opened()
+        if opened is not None:
+            opened.close()
+        backend = slot.backend
+        backend.in_use -= 1
+        if backend.owns_slots:
+            backend.free_slots += 1
+        self.queue.refresh()
+
+    def hold(self, slot: Slot) -> None:
+        """The slot's server was busy although counted free: a counted slot stays taken for a
+        back-off that doubles with each such refusal in a row (:meth:`served` resets it), then
+        goes back; a slot of ours goes back at once, its server counted full."""
+        backend = slot.backend
+        if backend.owns_slots:
+            self.release(slot)
+            backend.free_slots = 0
             return
-        lease.released = True
-        lease.backend.in_use -= 1
-        self.dispatch()
-
-    def hold(self, lease: Lease) -> float:
-        """The lease's server was busy although this pool counted its slot free: keep the
-        slot counted as taken for a back-off that doubles with each such refusal in a
-        row (:meth:`served` resets it), then release it. Returns the back-off. A lease
-        granted by the server is given back at once (its server counts, not this pool); an
-        implicit one too, and that server counts as full here (the next try asks for a lease,
-        in the servers' queues)."""
-        if lease.lease_id is not None or lease.implicit:
-            self.release(lease)
-            if lease.implicit:
-                lease.backend.lease_free = 0
-            return 0.0
-        backend = lease.backend
-        backend.busy_refusals += 1
-        delay = min(BUSY_HOLD_MAX_S, BUSY_HOLD_MIN_S * 2 ** min(backend.busy_refusals - 1, 16))
-        asyncio.get_running_loop().call_later(delay, self.release, lease)
-        return delay
-
-    def not_taken(self, lease: Lease, missed: SlotNotTaken) -> None:
-        """An implicit lease whose decode request did not get the slot: reported as a lease call
-        answered so would be (a server that did not answer is marked down), given back here;
-        a server that refused (or is unavailable: draining, not ready) counts as full."""
-        self.hooks.answered(lease.backend.url, missed.result)
-        if missed.unreachable is not None:
-            self.hooks.unreachable(lease.backend, missed.unreachable)
-        if missed.result in ("refused", "unavailable"):
-            self.hold(lease)
-        else:
-            self.release(lease)
+        backend.refusals += 1
+        asyncio.get_running_loop().call_later(backoff(backend.refusals), self.release, slot)
 
     @staticmethod
     def served(backend: DecodeBackend) -> None:
         """The server took a handoff: its back-off starts over."""
-        backend.busy_refusals = 0
+        backend.refusals = 0
 
     def dispatch(self) -> None:
-        """Give free slots to waiters (oldest first); fail waiters nobody can serve."""
-        if self.remote is not None:
-            self.remote.fail_unservable()
-        for waiter in list(self._queue):
-            if waiter.future.done():
-                continue
-            if not self.backends.decode_available(waiter.model):
-                self._forget(waiter)
-                waiter.future.set_exception(NoHealthyBackend.for_decode(waiter.model))
-                continue
-            backend = self.backends.pick_decode(waiter.model)
-            if backend is None:
-                continue
-            self._forget(waiter)
-            waiter.future.set_result(self._grant(backend, waiter.model))
+        """After a probe: fail the waits nobody can serve, give out what is free."""
+        self.queue.fail_unservable()
 
-    @staticmethod
-    def _grant(backend: DecodeBackend, model: str) -> Lease:
-        backend.in_use += 1
-        return Lease(backend, model)
-
-    def _expire(self, waiter: _Waiter) -> None:
-        if not waiter.future.done():
-            self._forget(waiter)
-            waiter.future.set_exception(
-                Overloaded(
-                    f"no decode slot became free within --queue-timeout {self.queue_timeout:g}s",
-                    retry_after=math.ceil(min(self.queue_timeout, 30)),
-                )
-            )
-
-    def _forget(self, waiter: _Waiter) -> None:
-        try:
-            self._queue.remove(waiter)
-        except ValueError:
-            pass

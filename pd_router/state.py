@@ -21,12 +21,11 @@ from pd_router.backends import Backends, DecodeBackend, PrefillBackend
 from pd_router.discovery import Discovery
 from pd_router.errors import RouterError, UpstreamRejected
 from pd_router.http_pool import ConnectionPool
-from pd_router.lease_client import LeaseClient
 from pd_router.load import LoadScraper
 from pd_router.metrics import RouterMetrics, ServerView
 from pd_router.probes import Prober
 from pd_router.settings import RouterSettings
-from pd_router.slots import Lease, LeaseHooks, SlotPool
+from pd_router.slots import Slot, SlotHooks, SlotPool
 from pd_router.upstream import Unreachable
 from pd_settings.servers import Resolver, system_resolver
 from pd_wire.decode import CANCEL_PATH, CancelRequest
@@ -54,9 +53,9 @@ class RouterState:
         self.discovery = Discovery(settings, self.backends, self._added, self._on_probe,
                                    resolver if resolver is not None else system_resolver)
         self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout,
-                             LeaseClient(lambda: self.upstream, f"pd-router-{uuid.uuid4().hex[:8]}"),
-                             LeaseHooks(self.spawn, self.metrics.lease_rtt.observe, self._lease_answered,
-                                        self._decode_unreachable))
+                             f"pd-router-{uuid.uuid4().hex[:8]}",
+                             SlotHooks(self.spawn, self.metrics.slot_rtt.observe, self._slot_answered,
+                                       self._decode_unreachable))
         self._pool: ConnectionPool | None = None
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -122,7 +121,7 @@ class RouterState:
     async def drain(self) -> None:
         """SIGTERM: ``/ready`` turns 503 and new requests get 503 at once; the requests in
         flight may finish for ``--drain-timeout`` seconds, then the rest are ended with an
-        error (an SSE error event when they stream). Their leases go back through the
+        error (an SSE error event when they stream). Their slots go back through the
         usual paths (a cancel on the decode server)."""
         self.draining = True
         self.metrics.draining.set(1)
@@ -144,12 +143,12 @@ class RouterState:
         return task
 
     def _decode_unreachable(self, backend: DecodeBackend, why: str) -> None:
-        """A lease call found the decode server down: down until a probe says otherwise."""
+        """A decode request found the decode server down: down until a probe says otherwise."""
         self.upstream_failed("decode", backend, Unreachable(f"decode server {backend.url} unreachable: {why}"),
                              mark_down=True)
 
-    def _lease_answered(self, backend: str, result: str) -> None:
-        self.metrics.child(self.metrics.lease_requests, backend, result).inc()
+    def _slot_answered(self, backend: str, result: str) -> None:
+        self.metrics.child(self.metrics.slot_requests, backend, result).inc()
 
     def background_tasks(self) -> int:
         """Tasks besides the loops that run until stop (cancels, probes of new servers)."""
@@ -160,46 +159,46 @@ class RouterState:
         if self._prober is not None:
             self.spawn(self._prober.probe_one(backend))
 
-    def abort(self, lease: Lease, request_id: str, handoff_id: str | None = None, busy: bool = False) -> None:
+    def abort(self, slot: Slot, request_id: str, handoff_id: str | None = None, busy: bool = False) -> None:
         """Cancel the request (its handoff ``handoff_id``, default the request id) on its
-        decode server, then free its slot (in the background). The cancel also ends the
-        lease on a server granting them. ``busy``: a server without leases had no free slot
-        although this router counted one: the slot is held for a back-off instead
-        (:meth:`SlotPool.hold`)."""
-        self.spawn(self._cancel_then_release(lease, request_id, handoff_id, busy))
+        decode server, then give its slot back (in the background). ``busy``: a server the
+        router counts had no free slot although this router counted one: the slot is held for
+        a back-off instead (:meth:`SlotPool.hold`). A decode request still open and unread is
+        closed first, at once: the decode server frees what it held for it."""
+        opened = slot.take_opened()
+        if opened is not None:
+            opened.close()
+        self.spawn(self._cancel_then_release(slot, request_id, handoff_id, busy))
 
-    async def _cancel_then_release(
-        self, lease: Lease, request_id: str, handoff_id: str | None, busy: bool
-    ) -> None:
-        ended = False  # the server answered the cancel: it ended the lease too
+    async def _cancel_then_release(self, slot: Slot, request_id: str, handoff_id: str | None, busy: bool) -> None:
+        backend = slot.backend
         try:
-            if lease.backend.capabilities is not None:
+            if backend.capabilities is not None:
                 cancel = CancelRequest(request_id=request_id, handoff_id=handoff_id)
                 resp = await self.client.post(
-                    lease.backend.url + CANCEL_PATH,
+                    backend.url + CANCEL_PATH,
                     timeout=CANCEL_TIMEOUT_S,
                     json=cancel.model_dump(exclude_none=True),
                     # the id travels in the body; the header only as ASCII (httpx refuses anything else)
                     headers={"X-Request-Id": request_id.encode("ascii", "backslashreplace").decode(),
-                             **lease.backend.auth_headers},
+                             **backend.auth_headers},
                 )
-                ended = resp.status_code == 200
                 log.info(
                     "request_id=%s cancel on %s: %d %s",
                     request_id,
-                    lease.backend.url,
+                    backend.url,
                     resp.status_code,
                     resp.text[:100],
                 )
         except httpx.HTTPError as exc:
-            log.warning("request_id=%s cancel on %s failed: %s", request_id, lease.backend.url, exc)
+            log.warning("request_id=%s cancel on %s failed: %s", request_id, backend.url, exc)
         except Exception:  # a bug, not the network: still free the slot below
-            log.exception("request_id=%r cancel on %s failed", request_id, lease.backend.url)
+            log.exception("request_id=%r cancel on %s failed", request_id, backend.url)
         finally:
             if busy:
-                self.pool.hold(lease)
+                self.pool.hold(slot)
             else:
-                self.pool.release(lease, tell_server=not ended)
+                self.pool.release(slot)
 
     def upstream_failed(
         self, role: str, backend: PrefillBackend | DecodeBackend, err: RouterError, mark_down: bool = False
@@ -234,7 +233,7 @@ class RouterState:
         """Non-zero counts of things that should be zero when the router is idle."""
         counts = {
             "queued": self.pool.queue_depth,
-            "leased_slots": self.pool.leased(),
+            "held_slots": self.pool.held(),
             "prefill_in_flight": sum(p.in_flight for p in self.backends.prefill),
             "request_ids": len(self.request_ids),
         }

@@ -29,6 +29,10 @@ class ConnectionLost(BadUpstream):
     """The connection broke after the request was sent (the upstream process died or reset it)."""
 
 
+class Unavailable(BadUpstream):
+    """The upstream answered 503: not ready, or draining."""
+
+
 class Target(NamedTuple):
     """A backend base URL, parsed once."""
 
@@ -82,12 +86,14 @@ def _status_error(role: str, target: Target, status: int, data: bytes, content_t
         return UpstreamRejected(status, data, content_type)
     if role == "decode" and status == 504:
         return UpstreamTimeout(f"{role} server {target.origin} answered 504: {_short(data)}")
+    if status == 503:
+        return Unavailable(f"{role} server {target.origin} answered 503: {_short(data)}")
     return BadUpstream(f"{role} server {target.origin} answered {status}: {_short(data)}")
 
 
 async def call(pool: ConnectionPool, target: Target, path: str, body: bytes, timeout_s: float,
                headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
-    """One small exchange with a decode server's control endpoint (a lease call, a posted
+    """One small exchange with a decode server's control endpoint (a posted
     result): ``body`` POSTed to ``path`` with the target's auth, the whole answer read within
     ``timeout_s`` (else :class:`TimeoutError`); its status and body, the connection given back."""
     async with asyncio.timeout(timeout_s):
@@ -132,10 +138,10 @@ async def open_decode(
     pool: ConnectionPool, target: Target, path: str, body: bytes, request_id: str, timeout_s: float,
     trace: Mapping[str, str] | None = None, granted_within: float | None = None,
 ) -> Response:
-    """POST to the leased decode server; the open response (status 200 checked).
+    """POST to the decode server holding the slot; the open response (status 200 checked).
     ``timeout_s`` bounds the wait for the answer and for each later chunk. ``trace``: the
     ``traceparent`` header when tracing is on. ``granted_within``: the request holds its
-    slot itself (``HandoffClaim.grant_first``): its 200 must come within this many seconds
+    slot itself (every claim does): its 200 must come within this many seconds
     (else :class:`Unreachable`: connected and silent, hung); it says the slot is taken, and
     :func:`first_event` waits for the rest."""
     headers = {REQUEST_ID_HEADER: request_id, **dict(target.auth), **(trace or {})}

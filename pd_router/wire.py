@@ -33,7 +33,7 @@ class DecodeStatus(BaseModel):
     slots: int | None  # None: unlimited
     in_use: int
     peers: list[PeerStatus]
-    draining: bool = False  # removed: no new leases, finishing what it has
+    draining: bool = False  # removed: no new requests, finishing what it has
 
 
 class ReadinessReport(BaseModel):
@@ -100,7 +100,7 @@ class BackendEntry(BaseModel):
     sources: list[str]  # static, file, dns, admin
     state: BackendState
     reason: str | None  # why it is not ready
-    in_flight: int  # prefill requests in flight, or decode slots leased
+    in_flight: int  # prefill requests in flight, or decode slots held
 
 
 class BackendList(BaseModel):

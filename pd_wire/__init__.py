@@ -5,7 +5,7 @@ packages: import-linter contract ``wire-leaf``): what each process sends the oth
 
 * :mod:`pd_wire.handoff`: ``kv_transfer_params`` (router -> vLLM -> router -> decode server)
   and the protocol version;
-* :mod:`pd_wire.decode`: the decode server's HTTP contract (capabilities, leases, cancel);
+* :mod:`pd_wire.decode`: the decode server's HTTP contract (capabilities, slot waits, refusals, cancel);
 * :mod:`pd_wire.requests`: the OpenAI request bodies a decode server accepts, and the checks
   the router runs on them before prefill;
 * :mod:`pd_wire.errors`: the one OpenAI error body.

@@ -5,22 +5,20 @@ router, the local launcher) read. Wire types only: this module imports pydantic,
 A decode server speaks the OpenAI API itself:
 
 * ``POST /v1/completions`` and ``POST /v1/chat/completions`` take the client's
-  original body plus ``kv_transfer_params`` (a :class:`pd_wire.handoff.HandoffResult`)
-  and answer exactly as an OpenAI server would (SSE when ``stream`` is true, else
-  one JSON body; errors OpenAI-shaped). The router relays these bytes unchanged.
-  The request id travels in the ``X-Request-Id`` header on both legs.
+  original body plus ``kv_transfer_params`` (the router's :class:`pd_wire.handoff.HandoffClaim`,
+  sent before the prefill: its slot is held by this request, see "Slots" below; or a
+  :class:`pd_wire.handoff.HandoffResult` from a client that prefilled elsewhere) and answer
+  exactly as an OpenAI server would (SSE when ``stream`` is true, else one JSON body; errors
+  OpenAI-shaped). The router relays these bytes unchanged. The request id travels in the
+  ``X-Request-Id`` header on both legs.
 * ``GET  {CAPABILITIES_PATH}`` -> :class:`DecodeCapabilities` (ours only; a server
   answering 404 here, e.g. plain vLLM, is treated as having ``--decode-slots`` slots).
 * ``POST {CANCEL_PATH}`` with :class:`CancelRequest` -> :class:`CancelResponse`:
-  stop the generation of that request id and answer once its slot and KV are free;
-  with no generation under that id, free the handoff (``handoff_id``, default the
-  request id) in the KV receiver (idempotent; ``cancelled`` says whether a generation
-  was stopped).
+  stop the generation of that request's handoff (``handoff_id``, default the request id)
+  and answer once its slot and KV are free; with no generation under that handoff, take
+  its decode request out of the queue and free the handoff in the KV receiver
+  (idempotent; ``cancelled`` says whether a generation was stopped).
 * ``GET /health`` (liveness) and ``GET /ready`` (engine loaded, KV receiver listening).
-
-A decode request whose ``kv_transfer_params`` is a :class:`pd_wire.handoff.HandoffClaim`
-with ``grant_first`` holds its slot itself (no lease was asked for it, see "Slots held by
-the decode request" below).
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from pd_wire.errors import ErrorBody, ErrorDetail
-from pd_wire.handoff import PeerStatus, SlotWait
+from pd_wire.handoff import PeerStatus
 
 CAPABILITIES_PATH = "/v1/pd/capabilities"
 # the result of a claim whose result is "posted" (HandoffClaim.result): a HandoffResult as the
@@ -90,38 +88,35 @@ class DecodeCapabilities(BaseModel):
     kv_endpoint: str = Field(description="host:port of the KV control endpoint (HandoffTarget.kv_endpoint)")
     layout_fingerprint: str
     peers: list[PeerStatus] = Field(default_factory=list)
-    lease_ttl_s: float | None = Field(default=None, description="the server grants slot leases (LEASE_PATH) "
-                                      "lasting this long unless renewed; None: it does not (count slots locally)")
     features: EngineFeatures = Field(default_factory=EngineFeatures)
     sampling_defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
 
 
-# ---- slots held by the decode request ------------------------------------------------------
-# A claim with ``grant_first`` takes a free slot when the request arrives (or finds the slot its
-# KV took, when the prefill's admission came first), as a request without a lease does: 429 at
-# once when no slot is free or requests wait in the lease queue (they came first). Taken, the
-# server answers at once: status 200 and its headers, before the KV lands; the router learns
-# that the server is alive and the slot is held. The slot is held while the request is open:
-# the client closing it frees the slot (no lease, no renewal). A refusal that comes after the
-# 200 (no KV within the server's KV timeout, a prompt too long for the decode server, the
-# engine failing before the first token) is the whole body, one SSE event ``event: pd-error``
-# whose data is a :class:`DecodeRefusal`: the status and OpenAI error body the server would
-# have answered. After the first token, failures are the OpenAI error events of any stream.
-# With ``HandoffClaim.wait`` (:class:`pd_wire.handoff.SlotWait`) a claim that finds no free
-# slot waits in the server's queue as a lease request does (arrival order across routers,
-# closing it leaves the queue): 429 when its wait runs out or the queue is full, 409 when its
-# handoff id is held or queued, 503 draining; its 200 comes at the grant. Its ``replaces`` may
-# name a lease or a granted decode request of the caller's: that request's answer ends (a
-# ``pd-error`` 499) and its slot is handed on as a lease's is.
+# ---- slots ----------------------------------------------------------------------------------
+# A decode request whose ``kv_transfer_params`` is a HandoffClaim holds its slot itself: it
+# takes a free slot when it arrives, or 429 at once when none is free or requests wait in the
+# queue (they came first). With ``HandoffClaim.wait`` (:class:`pd_wire.handoff.SlotWait`) it
+# waits in the server's queue instead, in arrival order across routers (closing it leaves the
+# queue): 429 when its wait runs out or the queue is full. 409 when its handoff id is held or
+# queued here already, 503 draining. Taken, the server answers at once: status 200 and its
+# headers, before the KV lands; the router learns that the server is alive and the slot is the
+# request's, and sends the prefill. The slot is held while the request is open: the client
+# closing it frees the slot. A refusal that comes after the 200 (no KV within the server's KV
+# timeout, a prompt too long for the decode server, the engine failing before the first token)
+# is the whole body, one SSE event ``event: pd-error`` whose data is a :class:`DecodeRefusal`:
+# the status and OpenAI error body the server would have answered. After the first token,
+# failures are the OpenAI error events of any stream. ``SlotWait.replaces`` may name a granted
+# decode request of the caller's: that request's answer ends (a ``pd-error`` 499) and its slot
+# is handed on to whoever waits longest (a swap).
 REFUSAL_EVENT = b"event: pd-error\ndata: "
-# on that 200: the server's free slots after this grant (as LeaseGrant.free), a hint for the router's
-# choice of where to send its next request; an integer
+# on that 200: the server's free slots after this grant, a hint for the router's choice of
+# where to send its next request; an integer
 FREE_SLOTS_HEADER = "X-PD-Free-Slots"
 FREE_SLOTS_FIELD = FREE_SLOTS_HEADER.lower().encode()  # as raw HTTP headers (ASGI, httptools) carry its name
 
 
 class DecodeRefusal(BaseModel):
-    """A refusal after the 200 of a slot held by its request (see above)."""
+    """A refusal after the 200 of a decode request holding its slot (see above)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -155,67 +150,3 @@ class CancelResponse(BaseModel):
 
     request_id: str
     cancelled: bool
-
-
-# ---- decode slot leases --------------------------------------------------------------------
-# The decode server owns its slots; a router holds one by a lease from before prefill until
-# the generation ends (docs/architecture.md, "Decode slot leases"). The lease id is the
-# attempt's handoff id (HandoffTarget.handoff_id): the KV that prefill pushes under that id
-# and the generation request that names it in kv_transfer_params land on the leased slot.
-#
-# * ``POST {LEASE_PATH}`` with :class:`LeaseRequest` -> :class:`LeaseGrant` (200), or an
-#   OpenAI-shaped 429 (no free slot within ``wait_s``, or the queue is full; Retry-After), 409
-#   (the id is already leased or queued here), 503 (not ready, draining). A request that
-#   finds no free slot waits in the server's queue for at most ``wait_s``, ordered by its
-#   arrival at its router (``arrived_at`` on the router's clock, put on the server's clock with
-#   the smallest ``receipt - sent_at`` seen from that holder); closing the connection leaves
-#   the queue. ``replaces``: a lease the caller holds here and gives back as this request joins
-#   the queue, in one step (a router's standing request granted for a request it already
-#   served elsewhere passes to the request now at the head of its queue: the slot goes to
-#   whoever waits longest here, this request included); with ``wait_s`` 0 the request is
-#   granted that slot at once or refused at once (429), never left in the queue.
-# * ``POST {LEASE_RENEW_PATH}`` with :class:`LeaseIds` -> :class:`LeaseRenewed`.
-# * ``POST {LEASE_RELEASE_PATH}`` with :class:`LeaseIds` -> :class:`LeaseReleased`: ends the
-#   leases (and takes queued requests of those ids out of the queue); idempotent. A lease
-#   also ends when the generation bound to it ends, when the cancel endpoint names its
-#   handoff, and when it is not renewed within ``ttl_s``.
-LEASE_PATH = "/v1/pd/lease"
-LEASE_RENEW_PATH = "/v1/pd/lease/renew"
-LEASE_RELEASE_PATH = "/v1/pd/lease/release"
-LEASE_ID = Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
-
-
-class LeaseRequest(SlotWait):
-    model_config = ConfigDict(frozen=True)
-
-    lease_id: str = LEASE_ID
-
-
-class LeaseGrant(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    lease_id: str
-    slot: int = Field(ge=0)
-    ttl_s: float = Field(gt=0, description="the lease ends unless renewed within this")
-    free: int = Field(ge=0, description="free slots left after this grant")
-    queued: int = Field(ge=0, description="requests waiting in this server's queue")
-
-
-class LeaseIds(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    lease_ids: list[str] = Field(max_length=4096)
-
-
-class LeaseRenewed(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    ttl_s: float
-    unknown: list[str] = Field(description="ids with no live lease here (expired, ended or never granted)")
-
-
-class LeaseReleased(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    released: int = Field(ge=0, description="leases and queued requests ended by this call")
-    free: int = Field(ge=0)

@@ -2,19 +2,19 @@
 server pass one another about a request's KV handoff, and the protocol version all three
 must speak.
 
-Flow for one request, the first token with the KV (``HandoffTarget.result_with_kv``)::
+Flow for one request: the decode request goes first and holds its slot (its 200 is the
+slot's take, at once or after a wait in the server's queue), then the prefill, with the
+first token traveling with the KV (``HandoffTarget.result_with_kv``)::
 
+    router  --HandoffClaim-->  decode server (200 once the slot is the request's; it waits for the KV)
     router  --HandoffTarget-->  vLLM prefill (TileRTConnector reads it)
-    router  --HandoffClaim-->  decode server (at the same time: it waits for the KV)
     vLLM (the connector)  --HandoffResult-->  decode server (over the KV channel, Prefilled)
     vLLM    --HandoffResult-->  router (in the prefill HTTP response: failures and usage)
 
-and the first token through the router (requests whose decode needs the prefill's answer:
-its logprobs, the prompt's token ids)::
-
-    router  --HandoffTarget-->  vLLM prefill
-    vLLM    --HandoffResult-->  router (in the prefill HTTP response)
-    router  --HandoffResult (+ prefill_logprobs)-->  decode server
+or, for a request whose decode needs the prefill's answer (its first token's logprobs, the
+prompt's token ids), the result the router read from vLLM's answer, posted
+(``HandoffClaim.result == "posted"``, :data:`pd_wire.decode.RESULT_PATH`). A client of the
+decode server's own API that prefilled elsewhere sends a :class:`HandoffResult` instead.
 
 The KV bytes travel connector -> decode server over NIXL; that channel's own messages
 (hello, admit, prefilled, ...) are the connector's (:mod:`connector.protocol`).
@@ -24,20 +24,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-# 3: the KV control channel authenticates (AuthStart ... AuthOk) before Hello;
-# 4: the handoff's result can travel with the KV (Prefilled, HandoffClaim);
-# 5: a lease request may swap a lease held for one queued (LeaseRequest.replaces: a server
-#    that ignored it would keep the stale slot until its lease ran out);
-# 6: a claim may hold its slot itself (HandoffClaim.grant_first: the decode server answers
-#    200 at the slot's take and puts a later refusal in the body, pd_wire.decode.DecodeRefusal)
-# 7: a claim holding its slot itself may wait for it in the server's queue (HandoffClaim.wait,
-#    SlotWait): a router's standing request for the head of its queue is that request's decode
-#    request; ``replaces`` hands on a slot held by a decode request the router no longer needs;
-#    a claim's result may be posted by the router (HandoffClaim.result "posted",
-#    pd_wire.decode.RESULT_PATH): requests whose decode needs vLLM's answer hold their slot too
-PROTOCOL_VERSION = 7
+# Version 8: every decode request holds its slot itself (a HandoffClaim; it may wait in the
+# server's queue, HandoffClaim.wait) and is the only way to hold one; its result comes with the
+# KV (Prefilled) or is posted by the router (RESULT_PATH). A router and a decode server of other
+# versions refuse to pair (the router's probe, the decode server's 400). The versions before
+# are in git's history of this line.
+PROTOCOL_VERSION = 8
 
 # "pending": admitted, the KV is on its way (the decode server waits for its last layer);
 # "sent": every layer had landed when vLLM answered; "failed": see ``reason`` and ``error``.
@@ -67,11 +61,10 @@ class HandoffTarget(BaseModel):
 
 
 class SlotWait(BaseModel):
-    """How a request for a decode slot waits in the decode server's queue when no slot is free
-    (a lease request, or a decode request that holds its slot itself): ordered by its arrival at
-    its router, ``arrived_at`` on the router's monotonic clock put on the server's clock with
-    the smallest ``receipt - sent_at`` seen from that ``holder``; closing the connection
-    leaves the queue."""
+    """How a decode request waits for its slot in the decode server's queue when no slot is
+    free: ordered by its arrival at its router, ``arrived_at`` on the router's monotonic clock
+    put on the server's clock with the smallest ``receipt - sent_at`` seen from that ``holder``;
+    closing the connection leaves the queue."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -82,17 +75,19 @@ class SlotWait(BaseModel):
     arrived_at: float = Field(default=0.0, description="when the request came to its router (the holder's "
                               "monotonic clock, seconds): its place in the queue")
     sent_at: float = Field(default=0.0, description="when this request left the router (same clock)")
-    replaces: str | None = Field(default=None, min_length=1, max_length=256, description="a slot the caller "
-                                 "holds on this server (a lease id, or the handoff id of a decode request "
-                                 "holding its slot) and gives back once this request is queued: a swap (the "
+    replaces: str | None = Field(default=None, min_length=1, max_length=256, description="the handoff id of "
+                                 "another decode request of the caller's holding a slot on this server, given "
+                                 "back once this request is queued: a swap (that request's answer ends, the "
                                  "slot goes to whoever waits longest, this request included; with wait_s 0 "
                                  "this request is granted that slot at once or refused at once, never queued)")
 
 
 class HandoffClaim(BaseModel):
-    """A decode request's ``kv_transfer_params`` when the handoff's result travels with the
-    KV (``HandoffTarget.result_with_kv``): the decode server waits for both, up to its KV
-    timeout, then decodes as with a :class:`HandoffResult`."""
+    """A decode request's ``kv_transfer_params`` when it goes before its prefill: it holds its
+    slot itself (the decode server answers 200 as soon as the slot is the request's, before the
+    KV lands, and puts a refusal that comes later in the body, pd_wire.decode.DecodeRefusal),
+    then waits for the KV and the handoff's result, up to its KV timeout, and decodes as with a
+    :class:`HandoffResult`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -102,19 +97,9 @@ class HandoffClaim(BaseModel):
                                                  "channel (with_kv), or the router once vLLM answered (posted: "
                                                  "POST pd_wire.decode.RESULT_PATH, with the first token's "
                                                  "logprobs and the prompt's ids when the decode needs them)")
-    grant_first: bool = Field(default=False, description="the decode request holds its slot itself (no lease "
-                              "was asked for it): the decode server answers 200 as soon as it took the slot "
-                              "(before the KV lands) and puts a refusal that comes later in the body "
-                              "(pd_wire.decode.DecodeRefusal)")
-    wait: SlotWait | None = Field(default=None, description="with grant_first: no free slot, the request "
-                                  "waits in the server's queue (429 when the wait runs out or the queue is "
-                                  "full); its 200 comes at the grant. None: a free slot now or 429")
-
-    @model_validator(mode="after")
-    def _wait_needs_grant_first(self) -> HandoffClaim:
-        if self.wait is not None and not self.grant_first:
-            raise ValueError("wait is for a claim that holds its slot itself (grant_first)")
-        return self
+    wait: SlotWait | None = Field(default=None, description="no free slot: the request waits in the server's "
+                                  "queue (429 when the wait runs out or the queue is full); its 200 comes at "
+                                  "the grant. None: a free slot now or 429")
 
 
 class HandoffResult(BaseModel):

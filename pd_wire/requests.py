@@ -4,7 +4,7 @@ each engine supports: ONE model per endpoint, used by both servers that read the
 * The router parses each client body once with these models (:mod:`pd_router.api` adds
   the few rules only a client-facing server needs: ``model`` required, a non-empty prompt),
   then, before it sends anything to prefill, runs :func:`unsupported` against the
-  :class:`~pd_wire.decode.EngineFeatures` the leased decode server advertises
+  :class:`~pd_wire.decode.EngineFeatures` the chosen decode server advertises
   (:mod:`pd_router.decode_check`), so a request the decode server would refuse gets the
   same 400 without costing a prefill.
 * The decode server validates every body it gets (the client's body plus

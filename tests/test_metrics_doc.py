@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 
 from connector.receiver_state import ReceiverStats
-from decode_server.server.leases import LeaseTable
 from decode_server.server.metrics import DecodeMetrics
+from decode_server.server.slots import SlotTable
 from pd_build.info import BuildInfo, collect
 from pd_router.metrics import RouterMetrics
 
@@ -49,7 +49,7 @@ def test_every_router_metric_is_documented_and_nothing_else():
 
 def test_every_decode_server_metric_is_documented_and_nothing_else():
     metrics = DecodeMetrics(lambda: 0, 2, _build(), "m", lambda: ReceiverStats())
-    metrics.watch_leases(LeaseTable(2, 5.0, 16))
+    metrics.watch_slots(SlotTable(2, 16))
     names = exposed(metrics.render().decode())
     assert {"decode_server_kv_refusals_total", "decode_server_kv_received_bytes_total"} <= names
     assert names - documented("decode_server_") == set(), "exposed, not in docs/metrics.md"

@@ -1,7 +1,7 @@
 """bench/pd_floor.py, the floor bench/router_overhead.py measures the router against: it
-speaks the router's protocol to the fakes (lease, then prefill with the handoff target,
-then decode with the handoff result) and relays the decode answer byte for byte, several
-requests in turn on one client connection."""
+speaks the router's protocol to the fakes (the decode request first, holding its slot, then
+the prefill on its 200 with the first token going with the KV) and relays the decode answer
+byte for byte, several requests in turn on one client connection."""
 
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ from tests.procs import free_port
 pytestmark = pytest.mark.timeout(60)
 
 
-async def _two_requests(prefill: int, decode: int, lease: bool = True, overlap: bool = False,
-                        grant_first: bool = False) -> list[bytes]:
-    floor = await start(0, ("127.0.0.1", prefill), ("127.0.0.1", decode), lease, overlap, grant_first)
+async def _two_requests(prefill: int, decode: int) -> list[bytes]:
+    floor = await start(0, ("127.0.0.1", prefill), ("127.0.0.1", decode))
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", floor.sockets[0].getsockname()[1])
         answers = []
@@ -41,60 +40,31 @@ async def _two_requests(prefill: int, decode: int, lease: bool = True, overlap: 
         floor.close()
 
 
-def _through_the_floor(lease: bool = True, overlap: bool = False,
-                       grant_first: bool = False) -> tuple[list[bytes], FakePrefill, FakeDecode]:
+def _through_the_floor() -> tuple[list[bytes], FakePrefill, FakeDecode]:
     """Two requests through the floor in front of a fresh fake prefill and fake decode."""
     prefill_app, decode_app = FakePrefill(model="tiny"), FakeDecode(model="tiny", slots=1)
     prefill, decode = ServerThread(prefill_app, free_port()).start(), ServerThread(decode_app, free_port()).start()
     try:
-        return (asyncio.run(_two_requests(prefill.port, decode.port, lease, overlap, grant_first)), prefill_app,
-                decode_app)
+        return asyncio.run(_two_requests(prefill.port, decode.port)), prefill_app, decode_app
     finally:
         prefill.stop()
         decode.stop()
 
 
-def test_the_minimal_pd_relay_leases_prefills_and_relays_the_decode_answer():
+def test_the_minimal_pd_relay_takes_the_slot_then_prefills_and_relays_the_decode_answer():
+    """The decode request takes the slot and is answered 200 at once; the prefill (its result
+    with the KV) follows that 200; the decode answer is relayed as the decode server sent it."""
     answers, prefill_app, decode_app = _through_the_floor()
     for answer in answers:
         assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
         assert answer.count(b'"choices": [{') == 3  # the decode server's token events, as it sent them
         assert b"data: [DONE]" in answer
-    # the protocol's order: a lease, then prefill with that id as the handoff target (the fake
-    # prefill answers 400 to a body not rewritten as the router's), then decode with its result
-    assert not prefill_app.records.errors and not decode_app.records.errors
-    assert len(decode_app.records.leases) == 2
-    handoffs = [r["body"]["kv_transfer_params"]["handoff_id"] for r in prefill_app.records.requests]
-    assert handoffs == decode_app.records.leases
-    decoded = [r["body"]["kv_transfer_params"]["handoff_id"] for r in decode_app.records.requests]
-    assert decoded == handoffs
-
-
-def test_without_its_lease_exchange_it_relays_the_same_answer_on_implicit_leases():
-    answers, prefill_app, decode_app = _through_the_floor(lease=False)
-    assert all(a.count(b'"choices": [{') == 3 and b"data: [DONE]" in a for a in answers)
-    assert not prefill_app.records.errors and not decode_app.records.errors
-    assert decode_app.records.leases == []  # no lease asked: the decode server leased implicitly
-    assert len(decode_app.records.requests) == 2
-
-
-def test_with_prefill_and_decode_at_once_the_decode_request_names_only_its_handoff():
-    """``--overlap`` (issue 34): after the lease, the prefill asks for its result to go with
-    the KV and the decode request (a claim) goes out with it; the fake decode answers once the
-    fake prefill sent the result over its KV channel."""
-    answers, prefill_app, decode_app = _through_the_floor(overlap=True)
-    assert all(a.count(b'"choices": [{') == 3 and b"data: [DONE]" in a for a in answers)
+    # (the fake prefill answers 400 to a body not rewritten as the router's)
     assert not prefill_app.records.errors and not decode_app.records.errors
     assert all(r["body"]["kv_transfer_params"]["result_with_kv"] for r in prefill_app.records.requests)
     assert len(decode_app.records.claims) == 2 and decode_app.records.closed_claims == []
-
-
-def test_grant_first_the_prefill_goes_out_on_the_decode_servers_200():
-    """``--grant-first`` (issue 34, the router's path for a free slot): no lease, the decode
-    request takes the slot and is answered 200 at once; the prefill follows that 200."""
-    answers, prefill_app, decode_app = _through_the_floor(grant_first=True)
-    assert all(a.count(b'"choices": [{') == 3 and b"data: [DONE]" in a for a in answers)
-    assert not prefill_app.records.errors and not decode_app.records.errors
-    assert decode_app.records.leases == [] and len(decode_app.records.granted_first) == 2
+    assert len(decode_app.records.granted_first) == 2
+    handoffs = [r["body"]["kv_transfer_params"]["handoff_id"] for r in prefill_app.records.requests]
+    assert [r["body"]["kv_transfer_params"]["handoff_id"] for r in decode_app.records.requests] == handoffs
     for sent, prefilled in zip(decode_app.records.requests, prefill_app.records.requests, strict=True):
         assert sent["t"] < prefilled["t"]

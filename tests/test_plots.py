@@ -22,7 +22,7 @@ def _sample(results: Path) -> None:
     write_result("router_overhead", "sample", [
         {"endpoint": e, "concurrency": c, "ttft_p50_ms": 0.5 * c, "ttft_p99_ms": c, "itl_p50_ms": 0.01,
          "itl_p99_ms": 0.1 * c, "router_cpu_us_per_token": 60 / c, "throughput_ratio": 1 - c / 1000,
-         **({"pd_floor_ttft_p50_ms": 0.4, "pd_floor_no_lease_ttft_p50_ms": 0.3} if c == 1 else {}),
+         **({"pd_floor_ttft_p50_ms": 0.4} if c == 1 else {}),
          **({"pd_floor_cpu_us_per_token": 0.7, "byte_relay_cpu_us_per_token": 0.5} if c == 64 else {})}
         for e in ("chat", "completions") for c in (1, 16, 64)], results,
         goals={"ttft_p50_ms": [1, 1.0], "itl_p99_ms": [16, 0.25]})

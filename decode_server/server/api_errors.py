@@ -61,7 +61,7 @@ class NotReady(ApiError):
     error_type = "service_unavailable"
 
 
-class HandoffFailed(ApiError):
+class KVHandoffFailed(ApiError):
     """Prefill reported the KV handoff as failed, or the sender aborted it."""
 
     status = 502

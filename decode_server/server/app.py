@@ -17,9 +17,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from connector.receiver_state import ReceiverStats
-from decode_server.server.leases import LeaseTable
 from decode_server.server.metrics import DecodeMetrics
-from decode_server.server.slot_table import SlotManager
+from decode_server.server.slots import SlotTable
 from decode_server.server.state import AppConfig, DecodeState, EngineFactory, ReceiverFactory, build_info
 from decode_server.server.text import GenerationDefaults, TextTokenizer
 from pd_http.tracing import Tracing
@@ -37,29 +36,17 @@ def create_app(config: AppConfig, engine_factory: EngineFactory, receiver_factor
     """``tracing``: this app's tracer (:func:`pd_http.tracing.otlp_tracing`), shut down with the app;
     None: tracing off."""
     from decode_server.server.auth import RequireApiKey
-    from decode_server.server.lease_routes import router as lease_router
     from decode_server.server.routes import router
 
     tokenizer = TextTokenizer.from_model_dir(config.model_dir)
     state: DecodeState
-
-    def expired(lease_id: str) -> None:  # its router is gone: free the KV it may hold
-        if state.receiver is not None and "job" not in slots.leases.holders(lease_id):
-            state.receiver.release(lease_id)
-
-    def replaced(handoff_id: str) -> None:  # a swap took its slot: the router gave that request up here
-        for job in slots.jobs():
-            if job.plan.handoff_id == handoff_id:
-                job.replaced()
-
-    slots = SlotManager(LeaseTable(config.slots, config.lease_ttl_s, config.lease_max_queue, on_expire=expired,
-                                   on_replaced=replaced))
+    slots = SlotTable(config.slots, config.max_queue)
     state = DecodeState(config=config, tokenizer=tokenizer,
                         defaults=GenerationDefaults.from_model_dir(config.model_dir, tokenizer),
                         slots=slots, metrics=DecodeMetrics(lambda: slots.busy, config.slots, build_info(config),
                                                            config.served_model_name, lambda: receiver_stats(state)),
                         tracing=tracing)
-    state.metrics.watch_leases(slots.leases)
+    state.metrics.watch_slots(slots)
 
     async def load() -> None:
         try:
@@ -83,7 +70,6 @@ def create_app(config: AppConfig, engine_factory: EngineFactory, receiver_factor
     app = FastAPI(title="decode_server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.decode = state
     app.include_router(router)
-    app.include_router(lease_router)
     if config.api_key is not None:
         app.add_middleware(RequireApiKey, api_key=config.api_key)
     return app

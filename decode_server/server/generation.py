@@ -1,10 +1,11 @@
 """One generation, from KV wait to the last byte, with one abort path.
 
-:class:`Job` owns everything a request holds — its decode slot, its KV handoff in
-the receiver, its engine session and worker thread — and gives each back exactly
-once, whatever happens (client gone, cancel endpoint, KV timeout, engine error,
-server shutdown). :class:`GenerationResponse` is the ASGI response that runs the
-job and watches the client: a disconnect aborts the job at once.
+:class:`Job` owns everything a request holds — its decode slot (taken as it runs: now,
+or after a wait in the queue), its KV handoff in the receiver, its engine session and worker
+thread — and gives each back exactly once, whatever happens (client gone, cancel endpoint,
+KV timeout, engine error, server shutdown, a swap that took its slot).
+:class:`GenerationResponse` is the ASGI response that runs the job and watches the client: a
+disconnect aborts the job at once.
 
 Threads: the engine runs on the slot's worker thread (``engine.start`` then
 ``session.step`` until a stop condition); stop conditions, detokenization and
@@ -26,19 +27,18 @@ from typing import Any, Protocol
 
 from starlette.responses import Response
 
-from connector.kv_errors import HandoffFailed as KVHandoffFailed
-from connector.kv_errors import HandoffTimeout, ReceiverError
+from connector.kv_errors import HandoffTimeout, ReceiverError, TransferFailed
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import Cancelled as EngineCancelled
 from decode_server.engine.base import DecodeSession, Engine, EngineError, SamplingParams, TokenOut
-from decode_server.server.api_errors import ApiError, Cancelled, EngineFailure, HandoffFailed, KVTimeout
+from decode_server.server.api_errors import ApiError, Cancelled, EngineFailure, KVHandoffFailed, KVTimeout
 from decode_server.server.granted import GrantedSend
 from decode_server.server.metrics import DecodeMetrics
 from decode_server.server.observe import RequestObservation
 from decode_server.server.request_plan import Plan, with_result
 from decode_server.server.responses import DONE, dumps, renderer_for, sse
 from decode_server.server.sequence import Delta, SequenceProcessor
-from decode_server.server.slot_table import Slot, SlotManager
+from decode_server.server.slots import SlotRefused, SlotTable
 from decode_server.server.text import TextTokenizer
 from decode_server.structured import GrammarCompiler
 from pd_http.tracing import Span, Tracing, fail
@@ -65,10 +65,11 @@ class GenerationContext:
     engine: Engine
     receiver: Receiver
     tokenizer: TextTokenizer
-    slots: SlotManager
+    slots: SlotTable
     metrics: DecodeMetrics
     executor: Executor
     kv_timeout: float
+    write_timeout: float = 60.0  # an answer's wait for its client to take the next bytes
     tracing: Tracing | None = None  # None: tracing off
     grammars: GrammarCompiler | None = None  # structured output (None: the engine cannot)
 
@@ -95,11 +96,10 @@ class Job:
         self.endpoint_label = endpoint_label
         self.request_id = plan.request_id
         self.obs = observation or RequestObservation(None, endpoint_label, plan.request_id, ())
-        self.slot: Slot | None = None
-        # the request holds its slot itself: its 200 goes out once the slot is taken (:mod:`granted`)
-        self.grant_first = isinstance(plan.handoff, HandoffClaim) and plan.handoff.grant_first
-        # ... after a wait in the server's queue (HandoffClaim.wait): no slot, and so no KV, before its grant
-        self.queued = plan.handoff.wait if isinstance(plan.handoff, HandoffClaim) else None
+        self.holds_slot = False
+        # a decode request before its prefill: its 200 goes out once it holds its slot (:mod:`granted`),
+        # and no KV comes before (the router prefills on that 200)
+        self.claim = isinstance(plan.handoff, HandoffClaim)
         self.arrived = time.monotonic()
         self.abort_reason: str | None = None
         self._aborted = asyncio.Event()
@@ -111,7 +111,7 @@ class Job:
         self._worker_started = False
         self._worker_done = asyncio.Event()  # set on the loop once the worker gave the slot back
         self._given_back = asyncio.Event()  # slot and KV handoff are free again
-        self._kv_released = self.queued is not None  # nothing of a queued request's KV to give back yet
+        self._kv_released = self.claim  # nothing of a claim's KV to give back before its slot
         self._tombstone = True  # a KV released before it came is refused when it comes
         self._closed = False
 
@@ -157,9 +157,13 @@ class Job:
     def _release_now(self) -> None:
         """Give back the KV handoff and the slot (no worker holds them)."""
         self._release_kv()
-        if self.slot is not None:
-            self.ctx.slots.release(self.slot)
+        self._release_slot()
         self._given_back.set()
+
+    def _release_slot(self) -> None:
+        if self.holds_slot:
+            self.holds_slot = False
+            self.ctx.slots.release(self.plan.handoff_id, "job")
 
     async def _give_back(self) -> None:
         """Before an error answer: stop the worker and give back the slot and the KV handoff,
@@ -227,12 +231,12 @@ class Job:
         except HandoffTimeout as exc:
             raise KVTimeout(f"the KV of handoff {handoff.handoff_id!r} did not arrive within "
                             f"{self.ctx.kv_timeout:g} s: {exc}") from exc
-        except (KVHandoffFailed, ReceiverError) as exc:
-            raise HandoffFailed(f"the KV handoff {handoff.handoff_id!r} failed: {exc}") from exc
+        except (TransferFailed, ReceiverError) as exc:
+            raise KVHandoffFailed(f"the KV handoff {handoff.handoff_id!r} failed: {exc}") from exc
         self.ctx.metrics.kv_wait.observe(time.monotonic() - self.arrived)
         if claim:
             if kv.result is None:  # a receiver that returned without it: a bug, not the client's
-                raise HandoffFailed(f"the KV of handoff {handoff.handoff_id!r} came without the prefill's result")
+                raise KVHandoffFailed(f"the KV of handoff {handoff.handoff_id!r} came without the prefill's result")
             if span is not None:
                 span.set_attribute("pd.handoff.prompt_tokens", kv.result.num_prompt_tokens)
             self.plan = with_result(self.plan, kv.result)
@@ -305,14 +309,13 @@ class Job:
 
     def _worker_finished(self) -> None:
         self._release_kv()  # already done after engine.start; kept for a worker that never got there
-        if self.slot is not None:
-            self.ctx.slots.release(self.slot)
+        self._release_slot()
         self._worker_done.set()
         self._given_back.set()
 
     async def _slot_returned(self) -> None:
         """Before an error answer: the slot and KV are free once the client sees the error.
-        (Not before the last byte of a clean answer: the slot goes to the next lease as soon
+        (Not before the last byte of a clean answer: the slot goes to the next queued request as soon
         as the worker has closed the engine session; nobody counts it elsewhere.) Bounded:
         after the final token the worker only closes the engine session."""
         try:
@@ -388,11 +391,11 @@ class Job:
         the stream started, an error event after; the ``pd-error`` event of a request that
         holds its slot itself, whose 200 went out first)."""
         status_sent = False
-        if self.queued is not None and not await self._granted(send, headers):
+        if not await self._take_slot(send, headers):
             return
-        if self.grant_first:
+        if self.claim:
             send = GrantedSend(send, (SSE_HEADERS if self.plan.stream else JSON_HEADERS) + headers)
-            await send.start(self.ctx.slots.leases.free)
+            await send.start(self.ctx.slots.free)
         try:
             await self._first_event()
             renderer = renderer_for(self.plan)  # after the first event: a claim's plan is complete then
@@ -418,12 +421,14 @@ class Job:
                 self.ctx.metrics.errors.labels(err.error_type).inc()
                 await send({"type": "http.response.body", "body": sse(err.body().model_dump()) + DONE})
 
-    async def _granted(self, send: Any, headers: list[tuple[bytes, bytes]]) -> bool:
-        """A queued request's slot, after its wait (:meth:`SlotManager.wait`); False when it was
+    async def _take_slot(self, send: Any, headers: list[tuple[bytes, bytes]]) -> bool:
+        """The request's slot (:meth:`SlotTable.acquire`: now, or after a claim's wait in the
+        queue; a request whose KV came first joins the slot its KV holds); False when it was
         refused (answered here: 429, 409 or 503) or its client went away first."""
-        assert self.queued is not None
-        waiting = asyncio.ensure_future(self.ctx.slots.wait(self.request_id, self, self.plan.handoff_id,
-                                                            self.queued))
+        handoff = self.plan.handoff
+        wait = handoff.wait if isinstance(handoff, HandoffClaim) else None
+        waiting = asyncio.ensure_future(self.ctx.slots.acquire(self.plan.handoff_id, self, wait,
+                                                               kv_first=not self.claim))
         aborted = asyncio.ensure_future(self._aborted.wait())
         try:
             await asyncio.wait({waiting, aborted}, return_when=asyncio.FIRST_COMPLETED)
@@ -435,15 +440,21 @@ class Job:
         if waiting.cancelled():
             return False
         try:
-            self.slot = waiting.result()
-        except ApiError as err:
+            waiting.result()
+        except SlotRefused as refused:
+            if self.ctx.slots.job(self.plan.handoff_id) is not None:
+                self._kv_released = True  # the KV under that handoff is the job's that holds it
+            self._release_kv()  # before the answer, as every refusal
+            err = refused.error()
             self._count(err.status, err)
             if self.abort_reason != "client_disconnected":
                 start, body = error_response_parts(err, headers)
                 await send(start)
                 await send(body)
             return False
+        self.holds_slot = True
         self._kv_released = False  # the KV may come now: the router prefills on the 200
+        self.ctx.metrics.slot_wait.observe(time.monotonic() - self.arrived)
         if self.abort_reason is not None:  # aborted as the slot came: given back by close()
             return False
         return True
@@ -513,11 +524,20 @@ class GenerationResponse(Response):
             self.job.obs.finish(self.job.abort_reason)
 
     def _safe_send(self, send: Any) -> Any:
+        """``send``, given up (the job aborted) when the client is gone, or takes no bytes for
+        the write timeout (a client that stopped reading: a router SIGSTOPped mid-stream would
+        hold the slot for ever)."""
+        limit = self.job.ctx.write_timeout
+
         async def wrapped(message: dict) -> None:
-            if self.job.abort_reason == "client_disconnected":
+            if self.job.abort_reason in ("client_disconnected", "client_stalled"):
                 return
             try:
-                await send(message)
+                async with asyncio.timeout(limit):
+                    await send(message)
+            except TimeoutError:  # (an OSError too: first)
+                log.warning("request %s: its client took no bytes for %gs; ending it", self.job.request_id, limit)
+                self.job.abort("client_stalled")
             except OSError:
                 self.job.abort("client_disconnected")
         return wrapped

@@ -1,5 +1,5 @@
-"""The answer of a decode request that holds its slot itself (``HandoffClaim.grant_first``;
-contract: :mod:`pd_wire.decode`, "slots held by the decode request").
+"""The answer of a decode request that holds its slot (a ``HandoffClaim``; contract:
+:mod:`pd_wire.decode`, "Slots").
 
 Its 200 goes out as soon as the slot is taken, before the KV lands: the router learns at once
 that this server is alive and the slot is the request's. What the generation sends afterwards

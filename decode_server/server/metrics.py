@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from connector.protocol import REFUSAL_REASONS
 from connector.receiver_state import HANDOFF_BUCKETS, ReceiverStats
-from decode_server.server.leases import LeaseTable
+from decode_server.server.slots import SlotTable
 from pd_build.info import LABELS, BuildInfo
 from pd_build.prometheus import DOC as BUILD_INFO_DOC
 
@@ -93,24 +93,22 @@ class _ReceiverCollector(Collector):
         return [handoffs, received, refusals, prefilled, took]
 
 
-class _LeaseCollector(Collector):
-    def __init__(self, table: LeaseTable) -> None:
+class _SlotCollector(Collector):
+    def __init__(self, table: SlotTable) -> None:
         self._table = table
 
     def collect(self) -> Iterable[Metric]:
         t = self._table
-        yield CounterMetricFamily("decode_server_lease_grants", "Slot requests granted (leases, and decode "
-                                  "requests that could wait in the queue)", value=t.grants)
-        refusals = CounterMetricFamily("decode_server_lease_refusals", "Lease requests refused, by reason "
-                                       "(timeout, queue_full, duplicate, closed, released)", labels=["reason"])
+        yield CounterMetricFamily("decode_server_slot_grants", "Decode requests given their slot (at once or "
+                                  "after a wait in the queue)", value=t.grants)
+        refusals = CounterMetricFamily("decode_server_slot_refusals", "Decode requests refused a slot, by reason "
+                                       "(timeout, queue_full, duplicate, closed, cancelled)", labels=["reason"])
         for reason, n in sorted(t.refusals.items()):
             refusals.add_metric([reason], n)
         yield refusals
-        yield CounterMetricFamily("decode_server_lease_expiries", "Leases ended because their router did not "
-                                  "renew them in time", value=t.expiries)
-        yield GaugeMetricFamily("decode_server_lease_queue", "Lease requests waiting for a slot", value=t.queued)
-        yield GaugeMetricFamily("decode_server_free_slots", "Slots nobody holds (no lease, KV or generation)",
-                                value=t.free)
+        yield GaugeMetricFamily("decode_server_slot_queue", "Decode requests waiting for a slot", value=t.queued)
+        yield GaugeMetricFamily("decode_server_free_slots", "Slots nobody holds (no decode request, KV or "
+                                "generation)", value=t.free)
 
 
 class DecodeMetrics:
@@ -152,14 +150,12 @@ class DecodeMetrics:
         Gauge("decode_server_busy_slots", "Slots holding a sequence", registry=r).set_function(busy_slots)
         Gauge("decode_server_slots", "Configured slots", registry=r).set(slots)
         r.register(_ReceiverCollector(receiver_stats, model))
-        self.lease_requests = Counter("decode_server_lease_requests", "Lease requests received (POST /v1/pd/lease)",
-                                      registry=r)
-        self.lease_wait = Histogram("decode_server_lease_wait_seconds", "Time from a lease request to its grant",
-                                    buckets=_WAIT_BUCKETS, registry=r)
+        self.slot_wait = Histogram("decode_server_slot_wait_seconds", "Time from a decode request's arrival to "
+                                   "its slot", buckets=_WAIT_BUCKETS, registry=r)
 
-    def watch_leases(self, table: LeaseTable) -> None:
-        """Report the lease table's counts (it keeps them: it is the authority on its slots)."""
-        self.registry.register(_LeaseCollector(table))
+    def watch_slots(self, table: SlotTable) -> None:
+        """Report the slot table's counts (it keeps them: it is the authority on its slots)."""
+        self.registry.register(_SlotCollector(table))
 
     def set_build(self, build: BuildInfo) -> None:
         """Report ``build`` (replacing what was reported before)."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from decode_server.engine.base import SamplingParams
-from decode_server.server.api_errors import HandoffFailed, InvalidRequest
+from decode_server.server.api_errors import InvalidRequest, KVHandoffFailed
 from decode_server.server.glm import MARKERS
 from decode_server.server.sequence import MIN_LOGPROB, StopSpec, TokenLogprob
 from decode_server.server.text import GenerationDefaults
@@ -69,7 +69,7 @@ def _check_handoff(handoff: HandoffResult | HandoffClaim) -> None:
             f"kv_transfer_params.protocol_version is {handoff.protocol_version}, this server speaks "
             f"{PROTOCOL_VERSION}", "kv_transfer_params.protocol_version")
     if isinstance(handoff, HandoffResult) and handoff.status == "failed":
-        raise HandoffFailed(f"prefill reported the KV handoff {handoff.handoff_id!r} as failed: "
+        raise KVHandoffFailed(f"prefill reported the KV handoff {handoff.handoff_id!r} as failed: "
                             f"{handoff.error or 'no reason given'}", "kv_transfer_params.status")
 
 
@@ -106,7 +106,7 @@ def with_result(plan: Plan, result: HandoffResult) -> Plan:
     from a posted result the first token's logprobs and the prompt's ids."""
     _check_handoff(result)
     if result.handoff_id != plan.handoff_id:
-        raise HandoffFailed(f"the KV channel delivered handoff {result.handoff_id!r} for {plan.handoff_id!r}",
+        raise KVHandoffFailed(f"the KV channel delivered handoff {result.handoff_id!r} for {plan.handoff_id!r}",
                             "kv_transfer_params.handoff_id")
     if plan.sampling.repetition_penalty != 1.0 and result.prompt_token_ids is None:
         raise InvalidRequest("repetition_penalty needs the prompt's token ids: the posted result's "

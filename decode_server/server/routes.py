@@ -80,17 +80,15 @@ def handoff_id_of(body: Any) -> str | None:
 
 def _release_refused(state: DecodeState, body: Any) -> None:
     """Give back the KV receive slot of a request refused before it became a :class:`Job`
-    (the KV was pushed by prefill before this server saw the request). Not when a running
-    request owns that handoff (a duplicate request id). The release of a claim holding its slot
-    itself (``grant_first``) leaves no tombstone: its prefill goes out only on its 200, so no KV
-    is on its way, and a tombstone would refuse the KV of its next try under that id."""
+    (the KV of a client that prefilled elsewhere came before this server saw the request). Not
+    when a decode request holds that handoff here (a duplicate). The release of a claim leaves
+    no tombstone: its prefill goes out only on its 200, so no KV is on its way, and a tombstone
+    would refuse the KV of its next try under that id."""
     handoff_id = handoff_id_of(body)
-    if handoff_id is None or state.receiver is None:
-        return
-    if any(job.plan.handoff_id == handoff_id for job in state.slots.jobs()):
+    if handoff_id is None or state.receiver is None or state.slots.job(handoff_id) is not None:
         return
     params = body.get("kv_transfer_params") if isinstance(body, dict) else None
-    state.receiver.release(handoff_id, tombstone=not (isinstance(params, dict) and params.get("grant_first")))
+    state.receiver.release(handoff_id, tombstone=not (isinstance(params, dict) and "result" in params))
 
 
 async def _generate(request: Request, endpoint: Endpoint) -> Response:
@@ -107,9 +105,7 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
             raise NotReady(f"decode server not ready: {state.not_ready_reason()}")
         plan = build_plan(endpoint, req, request_id, state.limits, state.defaults)
         obs.stage = "slot"
-        job = Job(state.context, plan, label, obs)
-        if job.queued is None:  # else it waits for its slot in the queue as it runs
-            job.slot = state.slots.acquire(request_id, job, plan.handoff_id)
+        job = Job(state.context, plan, label, obs)  # it takes its slot as it runs (now, or after a wait)
     except ApiError as err:
         _release_refused(state, body)  # every refusal gives the KV back before answering
         state.metrics.requests.labels(label, str(err.status)).inc()
@@ -139,8 +135,8 @@ async def capabilities(request: Request) -> Response:
     caps = DecodeCapabilities(
         protocol_version=PROTOCOL_VERSION, model=cfg.served_model_name, engine=cfg.engine, slots=cfg.slots,
         busy_slots=state.slots.busy, kv_busy_slots=receiver.busy_slots(), max_seq_len=cfg.max_seq_len,
-        num_mtp=cfg.num_mtp, lease_ttl_s=state.slots.leases.ttl_s,
-        kv_endpoint=receiver.endpoint, layout_fingerprint=receiver.fingerprint, peers=receiver.peers(),
+        num_mtp=cfg.num_mtp, kv_endpoint=receiver.endpoint, layout_fingerprint=receiver.fingerprint,
+        peers=receiver.peers(),
         features=state.limits.features, sampling_defaults=state.defaults.sampling,
     )
     return Response(caps.model_dump_json(), media_type="application/json")
@@ -148,24 +144,29 @@ async def capabilities(request: Request) -> Response:
 
 @router.post(CANCEL_PATH)
 async def cancel(request: Request) -> Response:
-    """Stop the request's generation and answer once its slot and KV are given back; with no
-    generation under that id, free the handoff in the receiver (an unclaimed KV, or a
-    tombstone that refuses the KV if it comes later)."""
+    """Stop the generation of the request's handoff and answer once its slot and KV are given
+    back; with no generation under that handoff, take its decode request out of the queue and
+    free the handoff in the receiver (an unclaimed KV, or a tombstone that refuses the KV if it
+    comes later)."""
     try:
         body: CancelRequest = await parse_body(request, CancelRequest)
     except ApiError as err:
         return error_response(err)
     state = _state(request)
-    job = state.slots.job(body.request_id)
-    if job is not None and body.handoff_id not in (None, job.plan.handoff_id):
-        job = None  # the same request id, another attempt's handoff: leave that generation alone
+    handoff_id = body.handoff_id or body.request_id
+    job = state.slots.job(handoff_id)
+    if job is None and body.handoff_id is None:  # a client of this server's own API, by its request id
+        job = state.slots.job_of_request(body.request_id)
+    if job is not None and job.request_id != body.request_id:
+        job = None  # another request's handoff: leave that generation alone
     cancelled = False
-    if job is not None:
+    if isinstance(job, Job):
         cancelled = job.abort("cancelled")
         await job.given_back(CANCEL_WAIT_S)
-    elif state.receiver is not None:
-        state.receiver.release(body.handoff_id or body.request_id)
-    state.slots.leases.release([body.handoff_id or body.request_id])  # the request's lease ends with it
+    else:
+        state.slots.cancel(handoff_id)
+        if state.receiver is not None:
+            state.receiver.release(handoff_id)
     return Response(CancelResponse(request_id=body.request_id, cancelled=cancelled).model_dump_json(),
                     media_type="application/json")
 
@@ -179,8 +180,9 @@ async def post_result(request: Request) -> Response:
     except ApiError as err:
         return error_response(err)
     state = _state(request)
-    waiting = any(isinstance(job.plan.handoff, HandoffClaim) and job.plan.handoff.result == "posted"
-                  and job.plan.handoff_id == result.handoff_id for job in state.slots.jobs())
+    job = state.slots.job(result.handoff_id)
+    waiting = (isinstance(job, Job) and isinstance(job.plan.handoff, HandoffClaim)
+               and job.plan.handoff.result == "posted")
     if not waiting or state.receiver is None or not await state.receiver.post_result(result):
         return error_response(NotFound(f"no request waits here for the result of handoff {result.handoff_id!r} "
                                        "(its KV did not come, or it ended)", "handoff_id"))

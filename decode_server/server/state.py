@@ -1,7 +1,6 @@
 """The decode server's state: its configuration, engine, KV receiver, slots and metrics, and
-how it loads, drains and shuts down. The routes (:mod:`decode_server.server.routes`,
-:mod:`decode_server.server.lease_routes`) and the app (:mod:`decode_server.server.app`)
-import it; it imports neither."""
+how it loads, drains and shuts down. The routes (:mod:`decode_server.server.routes`) and the app
+(:mod:`decode_server.server.app`) import it; it imports neither."""
 
 from __future__ import annotations
 
@@ -18,10 +17,9 @@ from connector.receiver import SlotSource
 from connector.receiver_state import ReceiverStats
 from decode_server.engine.base import Engine
 from decode_server.server.generation import GenerationContext, Receiver
-from decode_server.server.leases import LeaseTable
 from decode_server.server.metrics import DecodeMetrics
 from decode_server.server.request_plan import ServerLimits
-from decode_server.server.slot_table import SlotManager
+from decode_server.server.slots import SlotTable
 from decode_server.server.text import GenerationDefaults, TextTokenizer
 from decode_server.structured import GrammarCompiler
 from pd_build.info import BuildInfo, collect
@@ -74,8 +72,8 @@ class AppConfig:
     max_seq_len: int
     num_mtp: int
     kv_timeout: float
-    lease_ttl_s: float = 5.0
-    lease_max_queue: int = 4096
+    write_timeout: float = 60.0  # an answer's wait for its client to take the next bytes (then aborted)
+    max_queue: int = 4096  # decode requests that may wait for a slot (from all routers together)
     reasoning_parser: bool = False
     tool_call_parser: bool = False
     schema_limits: SchemaLimits = SchemaLimits()  # structured output's bounds on a request's schemas
@@ -94,7 +92,7 @@ class DecodeState:
     config: AppConfig
     tokenizer: TextTokenizer
     defaults: GenerationDefaults
-    slots: SlotManager
+    slots: SlotTable
     metrics: DecodeMetrics
     engine: Engine | None = None
     receiver: ManagedReceiver | None = None
@@ -132,7 +130,7 @@ class DecodeState:
             raise RuntimeError(f"{problem}, which the {caps.engine} engine does not implement (vLLM prefill "
                                "applies it to the first token): remove it from generation_config.json")
         receiver = receiver_factory(self.engine.kv_layout, cfg.slots, cfg.max_seq_len)
-        receiver.use_slots(_LeasedSlots(self.slots.leases))  # a KV push lands on its lease's slot
+        receiver.use_slots(_KVSlots(self.slots))  # a KV push lands on its decode request's slot
         await receiver.start()
         self.receiver = receiver
         self.metrics.set_build(build_info(cfg, receiver.fingerprint))
@@ -148,7 +146,8 @@ class DecodeState:
         await asyncio.to_thread(warm_up, caps.features.structured_output)
         self.context = GenerationContext(engine=self.engine, receiver=receiver, tokenizer=self.tokenizer,
                                          slots=self.slots, metrics=self.metrics, executor=self.executor,
-                                         kv_timeout=cfg.kv_timeout, tracing=self.tracing, grammars=grammars)
+                                         kv_timeout=cfg.kv_timeout, write_timeout=cfg.write_timeout,
+                                         tracing=self.tracing, grammars=grammars)
         if cfg.freeze_heap:
             freeze_startup_heap("decode server")
         log.info("decode server ready: engine=%s slots=%d kv_endpoint=%s", caps.engine, cfg.slots, receiver.endpoint)
@@ -158,7 +157,7 @@ class DecodeState:
         router runs them on another decode server); generations in flight may finish for
         ``timeout`` seconds, then end with an error (as at shutdown)."""
         self.draining = True
-        self.slots.leases.close()
+        self.slots.close()
 
         def cut() -> None:
             for job in self.slots.jobs():
@@ -181,17 +180,17 @@ class DecodeState:
 
 
 @dataclass(frozen=True)
-class _LeasedSlots:
-    """The receive slots of the KV receiver are the lease table's slots: an Admit for a
-    handoff lands on the slot leased under that id (or a free one nobody waits for)."""
+class _KVSlots:
+    """The receive slots of the KV receiver are the slot table's: an Admit for a handoff lands
+    on the slot its decode request holds (or a free one nobody waits for)."""
 
-    leases: LeaseTable
+    table: SlotTable
 
     def take(self, handoff_id: str) -> int | None:
-        return self.leases.take(handoff_id, "kv")
+        return self.table.take_for_kv(handoff_id)
 
     def give(self, handoff_id: str, slot: int) -> None:
-        self.leases.put(handoff_id, "kv")
+        self.table.release(handoff_id, "kv")
 
 
 def build_info(config: AppConfig, kv_layout: str | None = None) -> BuildInfo:

@@ -92,7 +92,7 @@ def start_server(model_dir: Path, engine_cfg: FakeEngineConfig, slots: int = 2, 
                  tools: bool = False, engine: Engine | None = None, engine_name: str = "reference",
                  kv_tokens: int = 4, api_key: str | None = None, receiver_factory=None,
                  drain_timeout: float | None = None, tracing: Tracing | None = None,
-                 ) -> tuple[RunningServer, uvicorn.Server, threading.Thread]:
+                 write_timeout: float = 60.0) -> tuple[RunningServer, uvicorn.Server, threading.Thread]:
     """``drain_timeout``: serve with the drain python -m decode_server runs (``server.begin_drain``);
     ``tracing``: the app's tracer (default: tracing off)."""
     engine = engine or FakeEngine(engine_cfg)
@@ -107,7 +107,7 @@ def start_server(model_dir: Path, engine_cfg: FakeEngineConfig, slots: int = 2, 
 
     cfg = AppConfig(model_dir=model_dir, served_model_name="fake-model", engine=engine_name, slots=slots,
                     max_seq_len=max_seq_len, num_mtp=engine.capabilities.num_mtp, kv_timeout=kv_timeout,
-                    reasoning_parser=reasoning, tool_call_parser=tools, api_key=api_key)
+                    write_timeout=write_timeout, reasoning_parser=reasoning, tool_call_parser=tools, api_key=api_key)
     app = create_app(cfg, lambda: engine, make_receiver, tracing=tracing)
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", http="httptools",

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _claim(wait: dict[str, Any] | None = None, result: str = "with_kv") -> dict[str, Any]:
-    claim: dict[str, Any] = {"handoff_id": f"h-{uuid.uuid4().hex[:12]}", "result": result, "grant_first": True}
+    claim: dict[str, Any] = {"handoff_id": f"h-{uuid.uuid4().hex[:12]}", "result": result}
     if wait is not None:
         claim["wait"] = {"holder": "router-a", "sent_at": time.monotonic(), "arrived_at": time.monotonic(), **wait}
     return claim
@@ -80,7 +80,7 @@ class _Asker:
 
 def _free(srv) -> None:
     assert srv.receiver.held() == set(), f"KV receive slot still held: {srv.receiver.held()}"
-    assert srv.state.slots.busy == 0 and srv.state.slots.leases.queued == 0
+    assert srv.state.slots.busy == 0 and srv.state.slots.queued == 0
 
 
 def _hold_the_slot(srv) -> httpx.Response:
@@ -95,7 +95,7 @@ def test_a_queued_claim_is_answered_200_when_its_slot_is_granted_then_decodes(ma
     srv = make_server(FakeEngineConfig(script=rest), slots=1)
     holder = _hold_the_slot(srv)
     queued = _Asker(srv, _claim({"wait_s": 20}))
-    wait_until(lambda: srv.state.slots.leases.queued == 1, 15, "the claim waits in the queue")
+    wait_until(lambda: srv.state.slots.queued == 1, 15, "the claim waits in the queue")
     assert not queued.granted.is_set()  # no 200 while it waits
     holder.close()  # the first request's client leaves: its slot goes to the waiter
     assert queued.granted.wait(15) and queued.status == 200
@@ -112,12 +112,12 @@ def test_queued_claims_are_granted_in_order_of_arrival_at_their_router(make_serv
     holder = _hold_the_slot(srv)
     now = time.monotonic()
     later = _Asker(srv, _claim({"wait_s": 20, "arrived_at": now - 0.1, "sent_at": now}))
-    wait_until(lambda: srv.state.slots.leases.queued == 1, 15, "the later arrival waits")
+    wait_until(lambda: srv.state.slots.queued == 1, 15, "the later arrival waits")
     earlier = _Asker(srv, _claim({"wait_s": 20, "arrived_at": now - 0.5, "sent_at": now}))
-    wait_until(lambda: srv.state.slots.leases.queued == 2, 15, "the earlier arrival waits")
+    wait_until(lambda: srv.state.slots.queued == 2, 15, "the earlier arrival waits")
     holder.close()
     assert earlier.granted.wait(15) and earlier.status == 200
-    assert not later.granted.is_set() and srv.state.slots.leases.queued == 1
+    assert not later.granted.is_set() and srv.state.slots.queued == 1
     earlier.close()
     srv.receiver.release(earlier.claim["handoff_id"])
     assert later.granted.wait(15) and later.status == 200
@@ -139,7 +139,7 @@ def test_a_swap_hands_a_granted_claims_slot_to_the_next_request_at_once(make_ser
     assert stale.done.wait(15)
     refusal = DecodeRefusal.of_event(stale.body)
     assert refusal is not None and refusal.status == 499, stale.body
-    assert srv.state.slots.busy == 1 and srv.state.slots.leases.holders(head.claim["handoff_id"]) == {"job"}
+    assert srv.state.slots.busy == 1 and srv.state.slots.holders(head.claim["handoff_id"]) == {"job"}
     # no KV was sent for the stale one here: its release leaves no tombstone that would refuse its
     # KV when the same request (not served elsewhere, only overtaken) is granted here later
     assert stale.claim["handoff_id"] not in srv.receiver.tombstoned
@@ -158,11 +158,11 @@ def test_a_swap_refused_at_once_when_an_older_request_waits_there(make_server):
     assert stale.granted.wait(15) and stale.status == 200
     now = time.monotonic()
     older = _Asker(srv, _claim({"wait_s": 20, "holder": "router-b", "arrived_at": now - 5, "sent_at": now}))
-    wait_until(lambda: srv.state.slots.leases.queued == 1, 15, "the other router's request waits")
+    wait_until(lambda: srv.state.slots.queued == 1, 15, "the other router's request waits")
     head = _Asker(srv, _claim({"wait_s": 0, "arrived_at": now - 1, "replaces": stale.claim["handoff_id"]}))
     assert head.granted.wait(15) and head.status == 429
     assert older.granted.wait(15) and older.status == 200
-    assert srv.state.slots.leases.queued == 0
+    assert srv.state.slots.queued == 0
     older.close()
     wait_until(lambda: srv.state.slots.busy == 0, 15, "every slot freed")
     _free(srv)
@@ -172,9 +172,9 @@ def test_a_claim_leaving_the_queue_leaves_no_place_slot_or_kv_tombstone(make_ser
     srv = make_server(slots=1)
     holder = _hold_the_slot(srv)
     queued = _Asker(srv, _claim({"wait_s": 20}))
-    wait_until(lambda: srv.state.slots.leases.queued == 1, 15, "the claim waits in the queue")
+    wait_until(lambda: srv.state.slots.queued == 1, 15, "the claim waits in the queue")
     queued.close()
-    wait_until(lambda: srv.state.slots.leases.queued == 0, 15, "the claim left the queue")
+    wait_until(lambda: srv.state.slots.queued == 0, 15, "the claim left the queue")
     holder.close()
     wait_until(lambda: srv.state.slots.busy == 0, 15, "the held slot freed")
     assert queued.claim["handoff_id"] not in srv.receiver.release_calls  # its KV was never expected here
@@ -189,14 +189,6 @@ def test_a_queued_claims_wait_running_out_is_a_429(make_server):
     assert resp.status_code == 429 and resp.json()["error"]["type"] == "rate_limit_error", resp.text
     holder.close()
     wait_until(lambda: srv.state.slots.busy == 0, 15, "the held slot freed")
-    _free(srv)
-
-
-def test_a_wait_without_grant_first_is_a_400(make_server):
-    srv = make_server(slots=1)
-    claim = {**_claim({"wait_s": 1}), "grant_first": False}
-    resp = httpx.post(srv.url + "/v1/completions", timeout=30, json={"prompt": "x", "kv_transfer_params": claim})
-    assert resp.status_code == 400 and "kv_transfer_params" in resp.json()["error"]["param"], resp.text
     _free(srv)
 
 

@@ -90,8 +90,8 @@ def test_engine_error_mid_decode_gives_everything_back_before_the_last_byte(make
 
 
 def test_busy_429_gives_the_kv_back_like_every_refusal(make_server):
-    """No slot free and no lease: 429, and the KV goes back at once (no router retries with
-    it any more: a router leases the slot before prefill, POST /v1/pd/lease)."""
+    """No slot free: 429, and the KV goes back at once (no router retries with it: a router's
+    decode request holds its slot before the prefill)."""
     srv = make_server(LONG, slots=1)
     holder = threading.Thread(target=lambda: httpx.post(
         srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 30, "kv_transfer_params": _pushed(srv)},
@@ -101,7 +101,7 @@ def test_busy_429_gives_the_kv_back_like_every_refusal(make_server):
     kv = _pushed(srv)
     resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": kv},
                       headers={"X-Request-Id": "second"})
-    assert resp.status_code == 429 and "/v1/pd/lease" in resp.json()["error"]["message"], resp.text
+    assert resp.status_code == 429 and "decode slots are busy" in resp.json()["error"]["message"], resp.text
     assert kv["handoff_id"] not in srv.receiver.held(), "a 429 must give the KV back before answering"
     httpx.post(srv.url + CANCEL_PATH, json={"request_id": "holder"})
     holder.join(30)
@@ -121,7 +121,7 @@ def test_cancel_without_a_generation_frees_the_unclaimed_handoff(make_server):
 
 
 def test_cancel_answers_once_the_slot_and_kv_are_free(make_server):
-    """The router frees its lease when the cancel answers: the decode slot must be free then."""
+    """The router frees its slot when the cancel answers: the decode slot must be free then."""
     srv = make_server(FakeEngineConfig(script=[], filler_token=5, step_delay=0.05, close_delay=0.3), slots=1)
     result: dict[str, httpx.Response] = {}
     body = {"prompt": "x", "max_tokens": 400, "stream": True, "kv_transfer_params": _pushed(srv)}

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from pd_wire.decode import CANCEL_PATH, LEASE_PATH, LEASE_RELEASE_PATH
+from pd_wire.decode import CANCEL_PATH
 from tests.decode_server.helpers import client, handoff, script_for
 from tests.fakes.fake_engine import FakeEngineConfig
 from tests.waits import wait_until
@@ -288,8 +288,8 @@ def test_cancel_while_the_engine_injects_kv(make_server):
     cancel = threading.Thread(target=lambda: result.setdefault("cancel", httpx.post(
         srv.url + CANCEL_PATH, json={"request_id": "inj"}, timeout=30)))
     cancel.start()
-    wait_until(lambda: (job := srv.state.slots.job("inj")) is not None and job.abort_reason == "cancelled", 15,
-               "the injecting job cancelled")
+    wait_until(lambda: (job := srv.state.slots.job_of_request("inj")) is not None
+               and job.abort_reason == "cancelled", 15, "the injecting job cancelled")
     srv.engine.release_start.set()  # start() returns into a cancelled request
     cancel.join(15)
     t.join(15)
@@ -308,33 +308,4 @@ def test_unexpected_receiver_error_is_an_openai_error(make_server, monkeypatch):
     monkeypatch.setattr(srv.receiver, "wait_for", broken)
     err = _assert_openai_error(httpx.post(srv.url + "/v1/completions", json=_body()), 500, "engine_error")
     assert "receive buffer exploded" in err["message"]
-    srv.wait_idle()
-
-
-@pytest.mark.parametrize("stream", [True, False])
-def test_each_lease_serves_one_generation_and_the_next_waits_for_the_slot(make_server, stream):
-    """A router leases the slot before prefill (its lease id is the handoff id); the lease ends
-    with its generation, and the next lease, queued meanwhile, gets the slot once the engine
-    session closed: never a 429, and the last byte is not held back for it."""
-    srv = make_server(FakeEngineConfig(script=[6, 7, 8], close_delay=0.3), slots=1)
-    grants: list[int] = []
-
-    def lease(i: int) -> None:
-        resp = httpx.post(srv.url + LEASE_PATH, json={"lease_id": f"h{i}", "wait_s": 20}, timeout=30)
-        grants.append(resp.status_code)
-
-    assert httpx.post(srv.url + LEASE_PATH, json={"lease_id": "h0"}).status_code == 200
-    for i in range(3):
-        waiter = threading.Thread(target=lease, args=(i + 1,))
-        waiter.start()
-        wait_until(lambda: srv.state.slots.leases.queued == 1, 15, "srv.state.slots.leases.queued == 1")
-        body = {"prompt": "x", "max_tokens": 4, "stream": stream, "ignore_eos": True,
-                "kv_transfer_params": handoff(5, handoff_id=f"h{i}")}
-        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30,
-                          headers={"X-Request-Id": f"r{i}"}) as resp:
-            assert resp.status_code == 200, resp.read()
-            resp.read()
-        waiter.join(30)
-        assert grants == [200] * (i + 1)
-    httpx.post(srv.url + LEASE_RELEASE_PATH, json={"lease_ids": ["h3"]})
     srv.wait_idle()

@@ -1,5 +1,6 @@
-"""The decode server's lease table (decode_server/server/leases.py): FIFO across callers,
-bounded queue, queue timeout, expiry, renew, the KV's and the job's holds."""
+"""The decode server's slot table (decode_server/server/slots.py): decode requests granted in
+arrival order across routers, the bounded queue and its timeout, the KV's and the job's holds,
+swaps of a stale grant."""
 
 from __future__ import annotations
 
@@ -9,14 +10,39 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decode_server.server.leases import LeaseRefused, LeaseTable
+from decode_server.server.slots import SlotRefused, SlotTable
+from pd_wire.handoff import SlotWait
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-async def _queued(table: LeaseTable, n: int) -> None:
+class Job:
+    """A job as the table sees it; ``replaced`` counts the swaps that took its slot."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.swapped = 0
+
+    def replaced(self) -> None:
+        self.swapped += 1
+
+    def abort(self, reason: str) -> bool:
+        return True
+
+
+def wait(wait_s: float = 0.0, age: float = 0.0, replaces: str | None = None) -> SlotWait:
+    """A claim's wait, from no router in particular: its request came ``age`` seconds before it
+    was sent (the server puts it that long before now)."""
+    return SlotWait(wait_s=wait_s, arrived_at=-age, sent_at=0.0, replaces=replaces)
+
+
+async def take(table: SlotTable, handoff_id: str, slot_wait: SlotWait | None = None) -> int:
+    return await table.acquire(handoff_id, Job(handoff_id), slot_wait)
+
+
+async def _queued(table: SlotTable, n: int) -> None:
     """Let the new waiter's task run until it waits (a few loop turns), then check it does."""
     for _ in range(3):
         await asyncio.sleep(0)
@@ -25,22 +51,22 @@ async def _queued(table: LeaseTable, n: int) -> None:
 
 def test_fifo_by_arrival_at_the_router() -> None:
     async def main() -> list[str]:
-        table = LeaseTable(1, ttl_s=60, max_queue=8)
-        assert await table.acquire("a") == 0
+        table = SlotTable(1, max_queue=8)
+        assert await take(table, "a") == 0
         order: list[str] = []
 
-        async def wait(lease_id: str, age: float) -> None:
-            await table.acquire(lease_id, wait_s=10, arrived_at=-age)
-            order.append(lease_id)
-            table.release([lease_id])
+        async def waiter(handoff_id: str, age: float) -> None:
+            await take(table, handoff_id, wait(10, age))
+            order.append(handoff_id)
+            table.release(handoff_id, "job")
 
-        tasks = [asyncio.create_task(wait("b", 0.0))]
+        tasks = [asyncio.create_task(waiter("b", 0.0))]
         await _queued(table, 1)
-        tasks.append(asyncio.create_task(wait("c", 0.0)))
+        tasks.append(asyncio.create_task(waiter("c", 0.0)))
         await _queued(table, 2)
-        tasks.append(asyncio.create_task(wait("d", 5.0)))  # arrived at its router 5 s ago: first
+        tasks.append(asyncio.create_task(waiter("d", 5.0)))  # arrived at its router 5 s ago: first
         await _queued(table, 3)
-        table.release(["a"])
+        table.release("a", "job")
         await asyncio.gather(*tasks)
         assert table.free == 1 and table.busy == 0
         return order
@@ -51,28 +77,29 @@ def test_fifo_by_arrival_at_the_router() -> None:
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 10), st.floats(0, 0.05)), min_size=2, max_size=20))
 def test_one_routers_requests_keep_their_exact_order_whatever_the_transit(requests: list) -> None:
-    """(gap since the previous request at the router, transit of its lease request): the
-    server grants them in the router's order, whatever the transit of each lease request,
+    """(gap since the previous request at the router, transit of its decode request): the
+    server grants them in the router's order, whatever the transit of each decode request,
     though the router's clock is far from the server's."""
     async def main() -> list[int]:
         now = [0.0]
-        table = LeaseTable(1, ttl_s=3600, max_queue=64, clock=lambda: now[0])
-        await table.acquire("holding")
+        table = SlotTable(1, max_queue=64, clock=lambda: now[0])
+        await take(table, "holding")
         router_clock, offset = 0.0, 1000.0  # the router's clock runs 1000 s behind the server's
         tasks = []
         for i, (gap, transit) in enumerate(requests):
             router_clock += gap
             now[0] = router_clock + offset + transit
-            tasks.append(asyncio.create_task(table.acquire(f"r{i}", 3600, "router-1", router_clock, router_clock)))
+            slot_wait = SlotWait(wait_s=3600, holder="router-1", arrived_at=router_clock, sent_at=router_clock)
+            tasks.append(asyncio.create_task(take(table, f"r{i}", slot_wait)))
             await _queued(table, i + 1)
         order: list[int] = []
-        table.release(["holding"])
+        table.release("holding", "job")
         for _ in tasks:
             done, _pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             finished = [t for t in done if tasks.index(t) not in order]
             assert len(finished) == 1
             order.append(tasks.index(finished[0]))
-            table.release([f"r{order[-1]}"])
+            table.release(f"r{order[-1]}", "job")
             await asyncio.sleep(0)
         return order
 
@@ -81,173 +108,143 @@ def test_one_routers_requests_keep_their_exact_order_whatever_the_transit(reques
 
 def test_bounded_queue_and_timeout() -> None:
     async def main() -> None:
-        table = LeaseTable(1, ttl_s=60, max_queue=1)
-        await table.acquire("a")
-        with pytest.raises(LeaseRefused) as now:
-            await table.acquire("b")  # wait_s 0: a free slot now or nothing
+        table = SlotTable(1, max_queue=1)
+        await take(table, "a")
+        with pytest.raises(SlotRefused) as now:
+            await take(table, "b")  # no wait: a free slot now or nothing
         assert now.value.reason == "timeout"
-        waiter = asyncio.create_task(table.acquire("c", wait_s=0.05))
+        waiter = asyncio.create_task(take(table, "c", wait(0.05)))
         await _queued(table, 1)
-        with pytest.raises(LeaseRefused) as full:
-            await table.acquire("d", wait_s=10)
+        with pytest.raises(SlotRefused) as full:
+            await take(table, "d", wait(10))
         assert full.value.reason == "queue_full"
-        with pytest.raises(LeaseRefused) as late:
+        with pytest.raises(SlotRefused) as late:
             await waiter
         assert late.value.reason == "timeout"
         assert table.queued == 0 and table.refusals == {"timeout": 2, "queue_full": 1}
-        with pytest.raises(LeaseRefused) as dup:
-            await table.acquire("a")
+        with pytest.raises(SlotRefused) as dup:
+            await take(table, "a")
         assert dup.value.reason == "duplicate"
 
     run(main())
 
 
-def test_expiry_frees_the_slot_and_its_kv() -> None:
+def test_the_job_and_its_kv_hold_the_slot_until_both_gave_it_back() -> None:
     async def main() -> None:
-        expired: list[str] = []
-        gone = asyncio.Event()
-
-        def on_expire(lease_id: str) -> None:
-            expired.append(lease_id)
-            table.put(lease_id, "kv")  # what the app does: the receiver frees the handoff
-            gone.set()
-
-        table = LeaseTable(1, ttl_s=0.05, max_queue=4, on_expire=on_expire)
-        await table.acquire("a")
-        assert table.take("a", "kv") == 0  # the KV arrived under the lease
-        waiter = asyncio.create_task(table.acquire("b", wait_s=30))
-        await gone.wait()
-        assert await waiter == 0
-        assert expired == ["a"] and table.expiries == 1
-        assert table.renew(["a", "b"]) == ["a"]
-
-    run(main())
-
-
-def test_renew_and_release() -> None:
-    async def main() -> None:
-        table = LeaseTable(2, ttl_s=60, max_queue=4)
-        await table.acquire("a")
-        assert table.renew(["a", "zz"]) == ["zz"]
-        assert table.release(["a", "a", "zz"]) == 1
-        assert table.free == 2 and table.renew(["a"]) == ["a"]
-
-    run(main())
-
-
-def test_a_job_keeps_its_slot_past_expiry_and_its_end_ends_the_lease() -> None:
-    async def main() -> None:
-        ended = asyncio.Event()
-        table = LeaseTable(1, ttl_s=0.02, max_queue=4, on_expire=lambda _id: ended.set())
-        await table.acquire("a")
-        assert table.take("a", "job") == 0
-        await asyncio.wait_for(ended.wait(), 10)  # the lease ran out (nobody renews it)
-        assert table.busy == 1 and table.holders("a") == {"job"} and table.expiries == 1
-        table.put("a", "job")
+        table = SlotTable(1, max_queue=4)
+        job = Job("r")
+        assert await table.acquire("a", job) == 0 and table.job("a") is job and table.jobs() == [job]
+        assert table.take_for_kv("a") == 0  # the KV lands on its decode request's slot
+        table.release("a", "job")
+        assert table.busy == 1 and table.holders("a") == {"kv"} and table.job("a") is None
+        table.release("a", "kv")
         assert table.free == 1 and table.holders("a") == frozenset()
 
     run(main())
 
 
-def test_implicit_lease_only_when_nobody_waits() -> None:
+def test_kv_that_comes_first_takes_a_free_slot_nobody_waits_for_and_its_request_joins_it() -> None:
     async def main() -> None:
-        table = LeaseTable(1, ttl_s=60, max_queue=4)
-        assert table.take("x", "kv") == 0  # no lease: a free slot is taken directly
-        assert table.take("y", "kv") is None  # busy
-        waiter = asyncio.create_task(table.acquire("b", wait_s=10))
+        table = SlotTable(1, max_queue=4)
+        assert table.take_for_kv("x") == 0  # no decode request yet: a free slot is taken
+        assert table.take_for_kv("y") is None  # busy
+        with pytest.raises(SlotRefused) as dup:  # a claim's handoff must be new
+            await take(table, "x")
+        assert dup.value.reason == "duplicate"
+        assert await table.acquire("x", Job("x"), kv_first=True) == 0  # the request of that KV joins it
+        table.release("x", "job")
+        waiter = asyncio.create_task(take(table, "b", wait(10)))
         await _queued(table, 1)
-        table.put("x", "kv")  # the implicit lease ends with its last holder
+        table.release("x", "kv")
         assert await waiter == 0
-        table.release(["b"])
-        late = asyncio.create_task(table.acquire("c", wait_s=10))
-        await asyncio.sleep(0)
-        assert await late == 0
-        assert table.take("z", "kv") is None  # c holds the only slot
+        assert table.take_for_kv("z") is None  # b holds the only slot
 
     run(main())
 
 
 def test_cancelled_waiter_leaves_the_queue() -> None:
     async def main() -> None:
-        table = LeaseTable(1, ttl_s=60, max_queue=4)
-        await table.acquire("a")
-        waiter = asyncio.create_task(table.acquire("b", wait_s=10))
+        table = SlotTable(1, max_queue=4)
+        await take(table, "a")
+        waiter = asyncio.create_task(take(table, "b", wait(10)))
         await _queued(table, 1)
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
         assert table.queued == 0
-        table.release(["a"])
+        other = asyncio.create_task(take(table, "c", wait(10)))
+        await _queued(table, 1)
+        assert table.cancel("c") and not table.cancel("c")  # the cancel endpoint: it leaves the queue
+        with pytest.raises(SlotRefused) as cancelled:
+            await other
+        assert cancelled.value.reason == "cancelled" and table.queued == 0
+        table.release("a", "job")
         assert table.free == 1
 
     run(main())
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 3), st.lists(st.tuples(st.sampled_from(["acquire", "release", "take", "put", "renew"]),
+@given(st.integers(1, 3), st.lists(st.tuples(st.sampled_from(["acquire", "release", "kv", "kv_done"]),
                                              st.integers(0, 5), st.floats(0, 5)), max_size=40))
 def test_no_slot_is_double_booked_and_waiters_go_in_arrival_order(slots: int, ops: list) -> None:
     async def main() -> None:
-        table = LeaseTable(slots, ttl_s=3600, max_queue=64)
+        table = SlotTable(slots, max_queue=64)
         tasks: dict[str, asyncio.Task[int]] = {}
         for n, (op, key, age) in enumerate(ops):
-            lease_id = f"l{key}"
-            before = {w.lease_id: w.arrived for w in table._queue}
-            if op == "acquire" and lease_id not in tasks and not table.holders(lease_id):
-                tasks[lease_id] = asyncio.create_task(table.acquire(lease_id, wait_s=3600, arrived_at=-age))
-            elif op == "release":
-                table.release([lease_id])
-                tasks.pop(lease_id, None)
-            elif op == "take":
-                table.take(lease_id, "kv")
-            elif op == "put":
-                table.put(lease_id, "kv")
-            elif op == "renew":
-                table.renew([lease_id])
+            handoff_id = f"h{key}"
+            before = {w.handoff_id: w.arrived for w in table._queue}
+            if op == "acquire" and handoff_id not in tasks and not table.holders(handoff_id):
+                tasks[handoff_id] = asyncio.create_task(take(table, handoff_id, wait(3600, age)))
+            elif op == "release":  # its decode request leaves the queue, or ends
+                table.cancel(handoff_id)
+                table.release(handoff_id, "job")
+                tasks.pop(handoff_id, None)
+            elif op == "kv":
+                table.take_for_kv(handoff_id)
+            elif op == "kv_done":
+                table.release(handoff_id, "kv")
             for _ in range(3):
                 await asyncio.sleep(0)
             held = [slot.index for slot in table._held.values()]
             assert len(held) == len(set(held)), f"step {n}: a slot held twice"
             assert table.busy + table.free == slots and table.busy == len(held)
             assert not (table.free and table.queued), f"step {n}: a waiter waits while a slot is free"
-            waiting = {w.lease_id: w.arrived for w in table._queue}
-            granted = [i for i in before if i not in waiting and table.leased(i)]
+            waiting = {w.handoff_id: w.arrived for w in table._queue}
+            granted = [i for i in before if i not in waiting and "job" in table.holders(i)]
             if granted and waiting:
                 assert max(before[i] for i in granted) <= min(waiting.values()), f"step {n}: overtaken"
         for task in tasks.values():
             task.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
-        for lease_id in list(table._held):
-            table.release([lease_id])
-            table.put(lease_id, "kv")
+        for handoff_id in list(table._held):
+            table.release(handoff_id, "job")
+            table.release(handoff_id, "kv")
         assert table.free == slots
 
     run(main())
 
 
-def test_grant_now_answers_without_waiting_and_never_jumps_the_queue() -> None:
-    """The lease route's fast path: a free slot with nobody waiting is granted at once (no
-    task); otherwise None (the caller queues) or the same refusals as acquire."""
-
+def test_a_free_slot_is_taken_at_once_and_never_jumps_the_queue() -> None:
     async def main() -> None:
-        table = LeaseTable(2, ttl_s=60, max_queue=8)
-        assert table.grant_now("a") == 0 and table.grant_now("b") == 1
-        assert table.grant_now("c") is None  # full: acquire would queue it
-        with pytest.raises(LeaseRefused) as dup:
-            table.grant_now("a")
-        assert dup.value.reason == "duplicate"
-        waiter = asyncio.create_task(table.acquire("w", wait_s=10))
+        table = SlotTable(2, max_queue=8)
+        assert await take(table, "a") == 0 and await take(table, "b") == 1
+        with pytest.raises(SlotRefused):
+            await take(table, "c")  # full: only a wait would queue it
+        waiter = asyncio.create_task(take(table, "w", wait(10)))
         await _queued(table, 1)
-        with pytest.raises(LeaseRefused):
-            table.grant_now("w")  # queued: a duplicate too
-        table.release(["a"])  # the slot goes to the waiter, not to a later grant_now
-        assert table.grant_now("d") is None
+        with pytest.raises(SlotRefused) as dup:
+            await take(table, "w")  # queued: a duplicate
+        assert dup.value.reason == "duplicate"
+        table.release("a", "job")  # the slot goes to the waiter, not to a later request
+        with pytest.raises(SlotRefused):
+            await take(table, "d")
         assert await waiter == 0
-        table.release(["b"])
-        assert table.grant_now("d") == 1
+        table.release("b", "job")
+        assert await take(table, "d") == 1
         table.close()
-        with pytest.raises(LeaseRefused) as closed:
-            table.grant_now("e")
+        with pytest.raises(SlotRefused) as closed:
+            await take(table, "e")
         assert closed.value.reason == "closed"
 
     run(main())
@@ -255,22 +252,24 @@ def test_grant_now_answers_without_waiting_and_never_jumps_the_queue() -> None:
 
 @pytest.mark.parametrize("own_age, winner", [(5.0, "mine"), (0.0, "other")])
 def test_a_swap_gives_the_stale_grants_slot_to_whoever_waits_longest(own_age: float, winner: str) -> None:
-    """A router's grant for a request it served elsewhere, swapped for the request now at the
-    head of its queue (``replaces``): the new request is queued before the stale slot is
-    released, so the slot goes to the oldest waiter: the router's own when it is older than
-    the other router's, else the other router's."""
+    """A router's decode request granted for a request it served elsewhere, swapped for the
+    request now at the head of its queue (``replaces``): the new request is queued before the
+    stale slot is taken from its job (told: its answer ends), so the slot goes to the oldest
+    waiter: the router's own when it is older than the other router's, else the other router's."""
     async def main() -> str:
-        table = LeaseTable(1, ttl_s=60, max_queue=8)
-        assert await table.acquire("stale") == 0
-        other = asyncio.create_task(table.acquire("other", wait_s=10, arrived_at=-1.0))
+        table = SlotTable(1, max_queue=8)
+        stale = Job("stale")
+        assert await table.acquire("stale", stale) == 0
+        other = asyncio.create_task(take(table, "other", wait(10, 1.0)))
         await _queued(table, 1)
-        mine = asyncio.create_task(table.acquire("mine", wait_s=10, arrived_at=-own_age, replaces="stale"))
+        mine = asyncio.create_task(take(table, "mine", wait(10, own_age, replaces="stale")))
         done, _pending = await asyncio.wait({other, mine}, return_when=asyncio.FIRST_COMPLETED)
-        assert len(done) == 1 and not table.leased("stale") and table.queued == 1
+        assert len(done) == 1 and not table.holders("stale") and table.queued == 1 and stale.swapped == 1
         first = "mine" if mine in done else "other"
-        table.release([first])
+        table.release(first, "job")
         await asyncio.gather(other, mine)
-        table.release(["mine", "other"])
+        table.release("mine", "job")
+        table.release("other", "job")
         assert table.free == 1
         return first
 
@@ -279,15 +278,33 @@ def test_a_swap_gives_the_stale_grants_slot_to_whoever_waits_longest(own_age: fl
 
 def test_a_refused_swap_still_gives_the_stale_grant_back() -> None:
     async def main() -> None:
-        table = LeaseTable(2, ttl_s=60, max_queue=8)
-        await table.acquire("stale")
-        await table.acquire("held")
-        with pytest.raises(LeaseRefused) as refused:  # the new id is held here already
-            await table.acquire("held", wait_s=10, replaces="stale")
+        table = SlotTable(2, max_queue=8)
+        await take(table, "stale")
+        await take(table, "held")
+        with pytest.raises(SlotRefused) as refused:  # the new id is held here already
+            await take(table, "held", wait(10, replaces="stale"))
         assert refused.value.reason == "duplicate"
-        assert not table.leased("stale") and table.free == 1
-        await table.acquire("next", replaces="held")  # a free slot: granted at once, "held" given back
-        assert not table.leased("held") and table.leased("next") and table.free == 1
+        assert not table.holders("stale") and table.free == 1
+        await take(table, "next", wait(replaces="held"))  # a free slot: taken at once, "held" given back
+        assert not table.holders("held") and table.holders("next") == {"job"} and table.free == 1
+
+    run(main())
+
+
+def test_a_swapped_slot_whose_kv_came_stays_held_by_the_kv() -> None:
+    """The KV of the stale request came (its prefill ran): the swap ends the job's answer, the
+    slot is free once the KV goes too."""
+    async def main() -> None:
+        table = SlotTable(1, max_queue=8)
+        stale = Job("stale")
+        await table.acquire("stale", stale)
+        assert table.take_for_kv("stale") == 0
+        mine = asyncio.create_task(take(table, "mine", wait(10, replaces="stale")))
+        await _queued(table, 1)
+        assert stale.swapped == 1 and table.holders("stale") == {"job", "kv"}
+        table.release("stale", "job")
+        table.release("stale", "kv")
+        assert await mine == 0
 
     run(main())
 
@@ -295,21 +312,21 @@ def test_a_refused_swap_still_gives_the_stale_grant_back() -> None:
 @pytest.mark.parametrize("own_age, granted", [(5.0, True), (0.0, False)])
 def test_a_swap_without_wait_is_granted_or_refused_at_once(own_age: float, granted: bool) -> None:
     async def main() -> None:
-        table = LeaseTable(1, ttl_s=60, max_queue=8)
-        await table.acquire("stale")
-        other = asyncio.create_task(table.acquire("other", wait_s=10, arrived_at=-1.0))
+        table = SlotTable(1, max_queue=8)
+        await take(table, "stale")
+        other = asyncio.create_task(take(table, "other", wait(10, 1.0)))
         await _queued(table, 1)
         if granted:
-            assert await table.acquire("mine", arrived_at=-own_age, replaces="stale") == 0
-            assert table.leased("mine") and table.queued == 1
-            table.release(["mine"])
+            assert await take(table, "mine", wait(0, own_age, replaces="stale")) == 0
+            assert table.holders("mine") == {"job"} and table.queued == 1
+            table.release("mine", "job")
         else:
-            with pytest.raises(LeaseRefused) as refused:
-                await table.acquire("mine", arrived_at=-own_age, replaces="stale")
-            assert refused.value.reason == "timeout" and table.queued == 0 and table.leased("other")
+            with pytest.raises(SlotRefused) as refused:
+                await take(table, "mine", wait(0, own_age, replaces="stale"))
+            assert refused.value.reason == "timeout" and table.queued == 0 and table.holders("other")
         await other
-        assert not table.leased("stale")
-        table.release(["other"])
+        assert not table.holders("stale")
+        table.release("other", "job")
         assert table.free == 1
 
     run(main())

@@ -15,7 +15,7 @@ from decode_server.server import (
     TextTokenizer,
     parse_tool_call,
 )
-from decode_server.server.api_errors import HandoffFailed, InvalidRequest
+from decode_server.server.api_errors import InvalidRequest, KVHandoffFailed
 from decode_server.server.glm import MARKERS
 from decode_server.server.request_plan import ServerLimits, build_plan, prefill_logprob
 from decode_server.server.text import GenerationDefaults
@@ -158,7 +158,7 @@ def test_plan_defaults_and_limits():
     assert _plan("chat", max_tokens=5, max_completion_tokens=7).sampling.max_tokens == 7
     with pytest.raises(InvalidRequest, match="maximum context length"):
         _plan("chat", max_tokens=91)
-    with pytest.raises(HandoffFailed):
+    with pytest.raises(KVHandoffFailed):
         _plan("completions", kv_transfer_params=handoff(5, status="failed"))
     with pytest.raises(InvalidRequest, match="protocol_version"):
         _plan("completions", kv_transfer_params=handoff(5, protocol_version=99))

@@ -34,7 +34,7 @@ from tests.deploy.conftest import dump_recipe, load_recipe_dict
 from tests.deploy.entry_check import check_against_aiperf
 from tests.deploy.jobs import submit_job, wait_state
 from tests.deploy.slurm_cluster import ClusterNode, SlurmCluster, require_installed
-from tests.leases import held_slot
+from tests.held_slot import held_slot
 from tests.nodes import Node, Nodes
 from tests.procs import REPO
 from tests.test_build_info import assert_matches_this_venv
@@ -91,7 +91,7 @@ def _listening(node: Node, port: int) -> bool:
 def _served(head: Node, node: Node, key: str) -> float:
     """Requests the decode server on ``node`` answered 200 (decode_server_requests_total), asked
     from ``head`` (not one refused 429 at once: a router whose count said the slot was free asks
-    there with its decode request, as it asked for a lease before)."""
+    there with its decode request)."""
     text = head.call(lambda: httpx.get(f"http://{node.address}:{PORTS['decode']}/metrics", timeout=5,
                                        headers={"Authorization": f"Bearer {key}"}).text)
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

@@ -273,7 +273,7 @@ def test_echo_equals_vllm_alones(pd_stack, vllm_alone):
     # what evaluation clients send for a loglikelihood (lm-eval 0.4.13's local-completions: echo,
     # logprobs 1, max_tokens 1; it sums token_logprobs and compares top_logprobs): the prompt's
     # logprobs by echo, with 0 or 1 new token: the prefill server's answer, exactly vLLM's
-    grants = sum(metric_sum(u, "decode_server_lease_grants_total") for u in pd_stack.config.decode_urls)
+    grants = sum(metric_sum(u, "decode_server_slot_grants_total") for u in pd_stack.config.decode_urls)
     for max_tokens in (0, 1):
         scored = {"model": MODEL_NAME, "prompt": COMPLETION["prompt"], "echo": True, "logprobs": 1,
                   "max_tokens": max_tokens, "temperature": 0.0}
@@ -287,7 +287,7 @@ def test_echo_equals_vllm_alones(pd_stack, vllm_alone):
                                                                       abs=1e-3)
         assert [sorted(top or {}) for top in got["logprobs"]["top_logprobs"]] == [
             sorted(top or {}) for top in want["logprobs"]["top_logprobs"]]
-    assert sum(metric_sum(u, "decode_server_lease_grants_total") for u in pd_stack.config.decode_urls) == grants
+    assert sum(metric_sum(u, "decode_server_slot_grants_total") for u in pd_stack.config.decode_urls) == grants
 
 
 @pytest.mark.parametrize("logprobs", [0, 2])

@@ -147,9 +147,10 @@ def _busy_requeues(router_url: str) -> float:
 
 
 async def test_two_routers_share_one_slot_without_a_busy_refusal(pd_stack, tmp_path):
-    """Two routers in front of one decode server with one slot: the slot is leased from the
-    decode server, so neither router's requests find it taken (no busy KV refusal, no 429,
-    nothing sent back to the queue); they wait their turn in the server's lease queue."""
+    """Two routers in front of one decode server with one slot: the slot is held at the
+    decode server by each request's decode request, so neither router's requests find it
+    taken (no busy KV refusal, no 429, nothing sent back to the queue); they wait their turn
+    in the server's slot queue."""
     cfg = pd_stack.config
     port = free_port()
     other = ManagedProcess("router-2", router_argv(RouterSpec((cfg.prefill_url,), tuple(cfg.decode_urls),
@@ -168,7 +169,7 @@ async def test_two_routers_share_one_slot_without_a_busy_refusal(pd_stack, tmp_p
         assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers if a.status_code != 200]
         requeues = _busy_requeues(cfg.router_url) + _busy_requeues(other_url) - before
         print(f"two routers, one slot: 6/6 served, {requeues:.0f} busy requeue(s)")
-        assert requeues == 0  # before the leases (each router counting the slot as its own): >= 1
+        assert requeues == 0  # each router counting the slot as its own would give >= 1
     finally:
         other.stop()
     await asyncio.to_thread(_assert_idle, pd_stack, 5)

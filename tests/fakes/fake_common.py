@@ -57,12 +57,11 @@ class Records:
     active: set[str] = field(default_factory=set)
     max_active: int = 0
     busy: list[str] = field(default_factory=list)  # requests answered 429: every slot taken
-    leases: list[str] = field(default_factory=list)  # lease requests (their ids), decode fakes granting leases
-    swaps: list[str] = field(default_factory=list)  # the grants those requests gave back (``replaces``)
+    swaps: list[str] = field(default_factory=list)  # the grants decode requests gave back (``replaces``)
     health: list[str] = field(default_factory=list)  # GET /health of a prefill fake: answered | held
     claims: list[str] = field(default_factory=list)  # decode requests naming only their handoff (HandoffClaim)
     closed_claims: list[str] = field(default_factory=list)  # their handoff ids, closed before the result came
-    granted_first: list[str] = field(default_factory=list)  # claims holding their slot: answered 200 at the take
+    granted_first: list[str] = field(default_factory=list)  # claims (holding their slot): answered 200 at the take
     queued_claims: list[str] = field(default_factory=list)  # handoff ids of those that asked to wait (claim.wait)
     posted: list[dict[str, Any]] = field(default_factory=list)  # results the router posted (RESULT_PATH)
 
@@ -76,7 +75,6 @@ class Records:
             "active": sorted(self.active),
             "max_active": self.max_active,
             "busy": self.busy,
-            "leases": self.leases,
             "swaps": self.swaps,
             "health": self.health,
             "claims": self.claims,

@@ -1,9 +1,9 @@
 """The fake decode server: checks ``kv_transfer_params`` and slot limits (a ``HandoffClaim``
-waits for its result on the fake KV channel, where the fake prefill sends it), streams
-``tokens`` OpenAI SSE chunks ``token_delay`` seconds apart, records cancels and
-disconnects; hold and fault knobs (see :class:`DecodeKnobs`). Grants slot leases as the
-real one does (the real :class:`LeaseTable` behind the contract's endpoints) unless
-``leases`` is off (then it only counts its slots, like a server the router counts for)."""
+holds its slot as on the real server, the real :class:`SlotTable` behind it: 200 at the take,
+at once or after a wait in its queue; then it waits for its result on the fake KV channel,
+where the fake prefill sends it), streams ``tokens`` OpenAI SSE chunks ``token_delay`` seconds
+apart, records cancels and disconnects; hold and fault knobs (see :class:`DecodeKnobs`).
+``plain``: a plain vLLM as decode (no capabilities, the router counts its slots)."""
 
 from __future__ import annotations
 
@@ -16,24 +16,16 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from decode_server.server.granted import GrantedSend
-from decode_server.server.leases import Holder, LeaseRefused, LeaseTable
+from decode_server.server.slots import SlotRefused, SlotTable
 from pd_router.asgi import Receive, Scope, Send, read_body, respond
 from pd_wire.decode import (
     CANCEL_PATH,
     CAPABILITIES_PATH,
-    LEASE_PATH,
-    LEASE_RELEASE_PATH,
-    LEASE_RENEW_PATH,
     RESULT_PATH,
     CancelRequest,
     CancelResponse,
     DecodeCapabilities,
     EngineFeatures,
-    LeaseGrant,
-    LeaseIds,
-    LeaseReleased,
-    LeaseRenewed,
-    LeaseRequest,
 )
 from pd_wire.handoff import PROTOCOL_VERSION, HandoffClaim, HandoffResult, PeerStatus, SlotWait
 from tests.fakes.fake_common import FakeBase, error_body
@@ -43,7 +35,7 @@ class DecodeKnobs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str = "tiny"
     plain: bool = False  # no capabilities endpoint (like vLLM)
-    slots: int = 1
+    slots: int = 1  # (a plain one too: more at once are answered 429, as a full vLLM would queue them)
     protocol_version: int = PROTOCOL_VERSION
     peers: list[PeerStatus] = [PeerStatus(peer="prefill-0", state="ok")]
     # the KV endpoint it advertises; None: its own fake KV channel, where the fake prefill sends
@@ -61,8 +53,6 @@ class DecodeKnobs(BaseModel):
     max_tokens: int | None = None  # larger max tokens are a 400 before any slot, as the real server's context
     release_lag: float = 0.0  # seconds between the end of a sequence and its slot being free again
     busy: bool = False  # answer 429 to every request (slots taken outside the router's count)
-    leases: bool = True  # grant slot leases (capabilities.lease_ttl_s); False: the router counts the slots
-    lease_ttl: float = 5.0
     engine: str = "reference"
     # what /v1/pd/capabilities advertises (by default what the reference engine does)
     features: EngineFeatures = EngineFeatures(logprobs=True, penalties=True, logit_bias=True, min_p=True, seed=True,
@@ -81,18 +71,18 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         self._swapped: set[str] = set()  # handoff ids whose slot a swap took (their answer is a 499)
         self._results: dict[str, asyncio.Event] = {}  # handoff id -> set once its result came with the KV
         self._kv_server: asyncio.Server | None = None
-        self._table: LeaseTable | None = None
+        self._table: SlotTable | None = None
         # an in-process test may set it: awaited before each streamed token (its index), to
         # pace the stream by what the test observes instead of by the clock
         self.token_gate: Callable[[int], Awaitable[None]] | None = None
 
     @property
-    def leases(self) -> LeaseTable | None:
-        """The lease table (made on first use, with the slots and ttl of that moment)."""
-        if not self.knobs.leases or self.knobs.plain:
+    def slots(self) -> SlotTable | None:
+        """The slot table (made on first use, with the slots of that moment); None when plain."""
+        if self.knobs.plain:
             return None
         if self._table is None:
-            self._table = LeaseTable(self.knobs.slots, self.knobs.lease_ttl, 1024, on_replaced=self._replaced)
+            self._table = SlotTable(self.knobs.slots, 1024)
         return self._table
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -117,13 +107,12 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 engine=k.engine,
                 slots=k.slots,
                 # (as the real server: its slot table's count, the slots taken and not given back)
-                busy_slots=self.leases.busy if self.leases is not None else len(self.records.active),
+                busy_slots=self.slots.busy if self.slots is not None else len(self.records.active),
                 max_seq_len=4096,
                 num_mtp=1,
                 kv_endpoint=k.kv_endpoint or await self._kv_channel(scope["server"][0]),
                 layout_fingerprint="fake",
                 peers=k.peers,
-                lease_ttl_s=k.lease_ttl if self.leases is not None else None,
                 features=k.features,
             )
             return await respond(send, 200, caps.model_dump_json().encode())
@@ -136,8 +125,8 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 event = None  # as the real server: another attempt's handoff under that request id is left alone
             if event is not None:
                 event.set()
-            if self.leases is not None:
-                self.leases.release([req.handoff_id or req.request_id])
+            if self.slots is not None:
+                self.slots.cancel(req.handoff_id or req.request_id)
             body = CancelResponse(request_id=req.request_id, cancelled=event is not None)
             return await respond(send, 200, body.model_dump_json().encode())
         if path == RESULT_PATH and not k.plain:  # a claim's result, posted by the router (as the real server)
@@ -148,41 +137,9 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 return await respond(send, 404, error_body(f"no request waits for {result.handoff_id}", 404))
             self._result_event(result.handoff_id).set()
             return await respond(send, 204, b"")
-        if path in (LEASE_PATH, LEASE_RENEW_PATH, LEASE_RELEASE_PATH) and self.leases is not None:
-            return await self._lease(path, self.leases, receive, send, await read_body(scope, receive, 1 << 20))
         if path not in ("/v1/completions", "/v1/chat/completions"):
             return await respond(send, 404, error_body("not found", 404))
         await self._generate(scope, receive, send, path)
-
-    async def _lease(self, path: str, table: LeaseTable, receive: Receive, send: Send, raw: bytes) -> None:
-        if path == LEASE_RENEW_PATH:
-            ids = LeaseIds.model_validate_json(raw).lease_ids
-            return await respond(send, 200, LeaseRenewed(ttl_s=table.ttl_s, unknown=table.renew(ids))
-                                 .model_dump_json().encode())
-        if path == LEASE_RELEASE_PATH:
-            n = table.release(LeaseIds.model_validate_json(raw).lease_ids)
-            return await respond(send, 200, LeaseReleased(released=n, free=table.free).model_dump_json().encode())
-        req = LeaseRequest.model_validate_json(raw)
-        self.records.leases.append(req.lease_id)
-        if req.replaces is not None:
-            self.records.swaps.append(req.replaces)
-        try:
-            slot = table.grant_now(req.lease_id, req.replaces)  # at once, as the real decode server
-            if slot is None:
-                slot = await self._wait_for_slot(table, req.lease_id, req, receive)
-        except LeaseRefused as exc:
-            return await respond(send, 409 if exc.reason == "duplicate" else 429, error_body(exc.message, 429))
-        if slot is None:  # the caller went away while it waited
-            return
-        await respond(send, 200, LeaseGrant(lease_id=req.lease_id, slot=slot, ttl_s=table.ttl_s, free=table.free,
-                                            queued=table.queued).model_dump_json().encode())
-
-    async def _wait_as_job(self, table: LeaseTable, lease_id: str, wait: SlotWait, receive: Receive) -> bool:
-        """A decode request's wait for its slot (``HandoffClaim.wait``); False: the caller left first."""
-        self.records.queued_claims.append(lease_id)
-        if wait.replaces is not None:
-            self.records.swaps.append(wait.replaces)
-        return await self._wait_for_slot(table, lease_id, wait, receive, "job") is not None
 
     def _replaced(self, handoff_id: str) -> None:
         """A swap took this decode request's slot: it no longer holds it, and its answer ends
@@ -194,19 +151,24 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             self._swapped.add(handoff_id)
             event.set()
 
-    @staticmethod
-    async def _wait_for_slot(table: LeaseTable, lease_id: str, wait: SlotWait, receive: Receive,
-                             kind: Holder = "lease") -> int | None:
-        grant = asyncio.ensure_future(table.acquire(lease_id, wait.wait_s, wait.holder, wait.arrived_at, wait.sent_at,
-                                                    wait.replaces, kind))
+    async def _take(self, table: SlotTable, handoff_id: str, rid: str, wait: SlotWait | None, kv_first: bool,
+                    receive: Receive) -> bool:
+        """The request's slot (as the real server: now, or after a claim's wait in the queue);
+        False when the caller went away first. Refusals raised (:class:`SlotRefused`)."""
+        if wait is not None:
+            self.records.queued_claims.append(handoff_id)
+            if wait.replaces is not None:
+                self.records.swaps.append(wait.replaces)
+        grant = asyncio.ensure_future(table.acquire(handoff_id, _FakeJob(self, rid, handoff_id), wait, kv_first))
         gone = asyncio.ensure_future(receive())
         await asyncio.wait({grant, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
         if not grant.done():
             grant.cancel()
             await asyncio.gather(grant, return_exceptions=True)
-            return None
-        return grant.result()
+            return False
+        grant.result()
+        return True
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         k, rec = self.knobs, self.records
@@ -230,35 +192,40 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             return await respond(send, 400, error_body(f"invalid max tokens {limit!r}"))
         if limit is not None and k.max_tokens is not None and limit > k.max_tokens:
             return await respond(send, 400, error_body(f"max tokens {limit} over this decode server's {k.max_tokens}"))
-        table, lease_id = self.leases, body["kv_transfer_params"].get("handoff_id", rid)
+        table, handoff_id = self.slots, body["kv_transfer_params"].get("handoff_id", rid)
+        claim = "result" in body["kv_transfer_params"]
         wait = body["kv_transfer_params"].get("wait")
-        if table is not None and wait is not None and not k.busy:  # as the real server: a wait in the queue
-            try:
-                taken = await self._wait_as_job(table, lease_id, SlotWait.model_validate(wait), receive)
-            except LeaseRefused as exc:
-                rec.requests.append({**entry, "busy": exc.reason != "duplicate", "queued": True})
-                status = 409 if exc.reason == "duplicate" else 503 if exc.reason == "closed" else 429
-                return await respond(send, status, error_body(exc.message, status))
-            if not taken:  # the caller went away while it waited
-                return
-        elif table is not None:
-            taken = not k.busy and table.take(lease_id, "job") is not None
-        else:
-            taken = not k.busy and len(rec.active) < (k.slots if not k.plain else 1 << 30)
-        if not taken:
+        if k.busy or (table is None and len(rec.active) >= k.slots):
             rec.busy.append(rid)  # as the real decode server: 429 until a slot is back
+            if queued:
+                rec.requests.append(entry)
             rec.requests[-1]["busy"] = True
             return await respond(send, 429, error_body("all decode slots are busy; retry later", 429))
-        if body["kv_transfer_params"].get("grant_first"):  # as the real decode server: 200 once the slot is taken
+        if table is not None:
+            try:
+                taken = await self._take(table, handoff_id, rid, SlotWait.model_validate(wait) if wait else None,
+                                         not claim, receive)
+            except SlotRefused as exc:
+                err = exc.error()
+                if queued:
+                    rec.requests.append({**entry, "busy": exc.reason != "duplicate", "queued": True})
+                else:
+                    rec.requests[-1]["busy"] = exc.reason != "duplicate"
+                    if exc.reason != "duplicate":
+                        rec.busy.append(rid)
+                return await respond(send, err.status, error_body(exc.message, err.status))
+            if not taken:  # the caller went away while it waited
+                return
+        if claim:  # as the real decode server: 200 once the slot is taken
             send = GrantedSend(send, [(b"content-type", b"text/event-stream" if body.get("stream")
                                        else b"application/json")])
             await send.start(table.free if table is not None else 0)
             rec.granted_first.append(rid)
         if k.fail == "status":
-            self._ended(rid, lease_id)
+            self._ended(rid, handoff_id)
             return await respond(send, k.fail_status, error_body("fake decode failure", k.fail_status))
         cancel = self._cancel[rid] = asyncio.Event()
-        self._by_handoff[lease_id] = rid
+        self._by_handoff[handoff_id] = rid
         rec.active.add(rid)
         rec.max_active = max(rec.max_active, len(rec.active))
         watch = asyncio.ensure_future(receive())  # completes when the client goes away
@@ -273,11 +240,11 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         finally:
             watch.cancel()
             self._cancel.pop(rid, None)
-            self._by_handoff.pop(lease_id, None)
+            self._by_handoff.pop(handoff_id, None)
             if k.release_lag:  # like an engine thread that hands the slot back a little later
-                asyncio.get_running_loop().call_later(k.release_lag, self._ended, rid, lease_id)
+                asyncio.get_running_loop().call_later(k.release_lag, self._ended, rid, handoff_id)
             else:
-                self._ended(rid, lease_id)
+                self._ended(rid, handoff_id)
 
     async def _kv_channel(self, host: str) -> str:
         """The fake KV channel's address, on ``host`` (this server's; listening from the first
@@ -325,10 +292,10 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             await respond(send, 504, error_body("fake decode: no KV and result within kv_timeout", 504))
         return False
 
-    def _ended(self, rid: str, lease_id: str) -> None:
+    def _ended(self, rid: str, handoff_id: str) -> None:
         self.records.active.discard(rid)
-        if self.leases is not None:
-            self.leases.put(lease_id, "job")
+        if self.slots is not None:
+            self.slots.release(handoff_id, "job")
 
     def _release(self, what: dict[str, Any]) -> None:
         """``{"request_id": id}`` releases that held request, ``{"n": n}`` the n oldest."""
@@ -475,3 +442,19 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         if k.fail != "no_done":
             tail += b"data: [DONE]\n\n"
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+class _FakeJob:
+    """What the slot table holds of a fake request (:class:`decode_server.server.slots.SlotJob`)."""
+
+    def __init__(self, fake: FakeDecode, request_id: str, handoff_id: str) -> None:
+        self.fake, self.request_id, self.handoff_id = fake, request_id, handoff_id
+
+    def replaced(self) -> None:
+        self.fake._replaced(self.handoff_id)
+
+    def abort(self, reason: str) -> bool:
+        event = self.fake._cancel.get(self.request_id)
+        if event is not None:
+            event.set()
+        return event is not None

@@ -12,7 +12,7 @@ import dataclasses
 import threading
 import time
 
-from connector.kv_errors import HandoffFailed, HandoffTimeout
+from connector.kv_errors import HandoffTimeout, TransferFailed
 from connector.layout import KVLayout
 from connector.receiver import ReceivedKV, ReceiverStats
 from pd_wire.handoff import HandoffResult, PeerStatus
@@ -59,7 +59,7 @@ class FakeReceiver:
         return [PeerStatus(peer="fake-prefill", state="ok")]
 
     def use_slots(self, slots: object) -> None:
-        """The decode server hands its lease table over; KV here is not bound to slots."""
+        """The decode server hands its slot table over; KV here is not bound to slots."""
         self.slot_source = slots
 
     def busy_slots(self) -> int:
@@ -127,7 +127,7 @@ class FakeReceiver:
                 return dataclasses.replace(self._kv(handoff_id), result=result)
             if state is not None and state != "pending":
                 self.release(handoff_id)
-                raise HandoffFailed(f"handoff {handoff_id!r}: {state}")
+                raise TransferFailed(f"handoff {handoff_id!r}: {state}")
             if time.monotonic() >= deadline:
                 self.release(handoff_id)
                 raise HandoffTimeout(f"handoff {handoff_id!r}: no KV after {timeout:g} s")

@@ -23,8 +23,8 @@ import httpx
 from pd_deploy.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv
 from pd_deploy.stack.launcher import StackConfig
 from pd_deploy.stack.process import ManagedProcess
-from pd_wire.decode import CAPABILITIES_PATH, DecodeCapabilities, LeaseGrant
-from tests.leases import held_slot
+from pd_wire.decode import CAPABILITIES_PATH, DecodeCapabilities
+from tests.held_slot import HeldSlot, held_slot
 from tests.nodes import Node, Nodes
 
 ROUTER_PORT, PREFILL_PORT, DECODE_PORT, KV_PORT = 8000, 8100, 8200, 9100  # each node has its own ports
@@ -94,9 +94,9 @@ class NodeStack:
                    if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "))
 
     @contextmanager
-    def held_slot(self, node: Node) -> Iterator[LeaseGrant]:
-        """Decode ``node``'s slot leased by the test from node 0, as another router would
-        (tests/leases.py): the router sees it taken there."""
+    def held_slot(self, node: Node) -> Iterator[HeldSlot]:
+        """Decode ``node``'s slot held by the test from node 0, as another router's request would
+        (tests/held_slot.py): the router sees it taken there."""
         with held_slot(self.decode_url(node), DECODE_KEY, on=self.head.call) as grant:
             yield grant
 

@@ -37,8 +37,7 @@ def stack3(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 def _served(stack: NodeStack, node: Node) -> float:
     """Requests the node's decode server answered 200 (not one refused 429 at once: a router
-    whose count said the slot was free asks there with its decode request, as it asked for a
-    lease before)."""
+    whose count said the slot was free asks there with its decode request)."""
     lines = stack.get(stack.decode_url(node) + "/metrics").text.splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines
                if line.startswith("decode_server_requests_total{") and 'status="200"' in line)
@@ -46,7 +45,7 @@ def _served(stack: NodeStack, node: Node) -> float:
 
 def test_greedy_output_as_vllm_alone_with_both_decode_nodes_serving(stack3: NodeStack, vllm_alone: str) -> None:
     assert_matches_vllm_alone(lambda path, body: stack3.post(path, body), poster(vllm_alone), stack3.model_name)
-    # one slot per decode server: with one node's slot taken (leased by the test, as by another
+    # one slot per decode server: with one node's slot taken (held by the test, as by another
     # router), the request is the other node's; so each node serves once, as vLLM alone answers
     alone = poster(vllm_alone)
     for i, node in enumerate(stack3.decode_nodes):

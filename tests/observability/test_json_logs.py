@@ -70,9 +70,9 @@ def test_router_json_logs_parse_line_by_line_and_join_the_trace(tmp_path, collec
     ok, missing, failed = (_access(records, rid) for rid in ("json-ok", "json-404", "json-502"))
     assert (ok["status"], ok["stage"], ok["endpoint"]) == (200, "decode", "/v1/completions")
     assert ok["latency_ms"] > 0 and ok["error_type"] is None
-    assert 0 < ok["leased_ms"] < ok["ttft_ms"] <= ok["latency_ms"]
+    assert 0 < ok["slot_ms"] < ok["ttft_ms"] <= ok["latency_ms"]
     assert missing["ttft_ms"] is None and failed["ttft_ms"] is None  # no token reached the client
-    assert missing["leased_ms"] is None and 0 < failed["leased_ms"]  # 404 before any lease; 502 after one
+    assert missing["slot_ms"] is None and 0 < failed["slot_ms"]  # 404 before any slot; 502 after one
     assert (missing["status"], missing["error_type"]) == (404, "model_not_found")
     assert (failed["status"], failed["stage"], failed["error_type"]) == (502, "decode", "bad_upstream_response")
     request_lines = [r for r in records if "request_id" in r]

@@ -242,9 +242,10 @@ def test_one_request_is_one_trace_across_router_vllm_and_decode_server(observed:
     # vLLM's request span is a child of the router's prefill span
     assert len(vllm) == 1 and vllm[0].service not in ("pd-router", "pd-decode-server")
     assert vllm[0].parent_span_id == router["prefill"].span_id
-    # the decode server's request span is a child of the router's decode span, its stages children of it
+    # the decode server's request span is a child of the router's queue span (where the decode
+    # request took its slot, before the prefill), its stages children of it
     droot = dec["POST /v1/completions"]
-    assert droot.kind == SERVER and droot.parent_span_id == router["decode"].span_id
+    assert droot.kind == SERVER and droot.parent_span_id == router["queue"].span_id
     assert droot.attributes["pd.request_id"] == rid
     for name in ("kv_wait", "engine_start", "generation"):
         assert dec[name].parent_span_id == droot.span_id, name

@@ -1,6 +1,7 @@
 """Tracing (issue 14): one request through the router is one trace: the router's spans
 (queue, prefill, handoff, decode), the ``traceparent`` the prefill server receives, and the
-decode server's spans (kv_wait, engine_start, generation) under the router's decode span,
+decode server's spans (kv_wait, engine_start, generation) under the router's queue span (where
+the request's decode request took its slot),
 exported over real OTLP (HTTP/protobuf and gRPC) to an in-process collector."""
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(collector: Ot
                                                                     router_protocol: str):
     decode = make_decode(tracing=otlp_tracing(collector.http_endpoint, "http/protobuf", "pd-decode-server"))
     endpoint = collector.grpc_endpoint if router_protocol == "grpc" else collector.http_endpoint
-    # the order whose spans follow one another (prefill, handoff, then decode): the fake prefill
-    # here has no KV channel to this real decode server, so the first token goes through the router
+    # the order whose spans follow one another (queue, prefill, handoff, then decode): the fake
+    # prefill here has no KV channel to this real decode server, so the first token goes through
+    # the router (a request asking for logprobs: the result posted from the prefill's answer)
     rig = make_rig(n_decode=0, decode_urls=(decode.url,), prefill={"model": MODEL},
-                   otlp_traces_endpoint=endpoint, otlp_traces_protocol=router_protocol, first_token_with_kv=False)
+                   otlp_traces_endpoint=endpoint, otlp_traces_protocol=router_protocol)
     resp = httpx.post(rig.url + "/v1/completions", timeout=30, headers={"X-Request-Id": "traced-1"},
-                      json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True})
+                      json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True, "logprobs": 1})
     assert resp.status_code == 200, resp.text
     assert resp.text.rstrip().endswith("data: [DONE]")
 
@@ -67,9 +69,10 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(collector: Ot
     assert (version, trace_id, parent_id) == ("00", root.trace_id, router["prefill"].span_id)
     assert int(flags, 16) & 1, "sampled"
 
-    # the decode server's request span is a child of the router's decode span
+    # the decode server's request span is a child of the router's queue span, where the request's
+    # decode request took its slot before the prefill
     droot = dec["POST /v1/completions"]
-    assert droot.kind == SERVER and droot.parent_span_id == router["decode"].span_id
+    assert droot.kind == SERVER and droot.parent_span_id == router["queue"].span_id
     assert droot.attributes["pd.request_id"] == "traced-1" and droot.attributes["http.response.status_code"] == 200
     for name in ("kv_wait", "engine_start", "generation"):
         assert dec[name].parent_span_id == droot.span_id, name
@@ -86,12 +89,12 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(collector: Ot
 def test_the_clients_trace_is_continued_and_failures_are_marked(collector: OtlpCollector, make_decode, make_rig):
     decode = make_decode(tracing=otlp_tracing(collector.http_endpoint, "http/protobuf", "pd-decode-server"))
     rig = make_rig(n_decode=0, decode_urls=(decode.url,), prefill={"model": MODEL},
-                   otlp_traces_endpoint=collector.http_endpoint, otlp_traces_protocol="http/protobuf",
-                   first_token_with_kv=False)  # as above
+                   otlp_traces_endpoint=collector.http_endpoint, otlp_traces_protocol="http/protobuf")
     client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     resp = httpx.post(rig.url + "/v1/chat/completions", timeout=30,
                       headers={"traceparent": f"00-{client_trace}-{client_span}-01"},
-                      json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                            "logprobs": True})  # (its result posted, as above)
     assert resp.status_code == 200, resp.text
     tracing = rig.state.tracing
     assert tracing is not None
@@ -141,7 +144,7 @@ def test_a_queued_requests_decode_request_is_in_its_trace_under_the_queue_span(c
         rig.wait(lambda: rig.records(rig.prefills[0])["active"] == ["holder"], what="the first prefill held")
         second = pool.submit(httpx.post, rig.url + "/v1/chat/completions", json=body, timeout=30,
                              headers={"X-Request-Id": "queued"})
-        rig.wait(lambda: decode.state.slots.leases.queued == 1, what="the second request in the decode server's queue")
+        rig.wait(lambda: decode.state.slots.queued == 1, what="the second request in the decode server's queue")
         while not (first.done() and second.done()):  # each held answer, as it comes
             httpx.post(rig.prefills[0].url + "/fake/release")
             rig.wait(lambda: first.done() and second.done() or bool(rig.records(rig.prefills[0])["active"]),

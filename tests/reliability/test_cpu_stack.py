@@ -23,7 +23,7 @@ import pytest
 from pd_deploy.stack.launcher import Stack
 from pd_wire.decode import CAPABILITIES_PATH
 from tests.e2e.conftest import make_stack_config, running_stack, vllm_kv_usage
-from tests.leases import held_slot
+from tests.held_slot import held_slot
 from tests.waits import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(600)]
@@ -111,8 +111,8 @@ def test_a_disconnect_storm_leaves_nothing_behind(stack2):
 
 
 def test_a_decode_server_killed_before_its_first_token_costs_only_latency(stack2):
-    """The router still counts decode-0 healthy after its kill -9: the next request's lease
-    call finds it down before any prefill runs, and the client only waits. Which server the
+    """The router still counts decode-0 healthy after its kill -9: the next request's decode
+    request finds it down before any prefill runs, and the client only waits. Which server the
     router asks first follows its cache of free slots (stale after the storm), so the test
     holds every slot of decode-1 the way another router would until the router has asked
     decode-0: the request cannot avoid the dead server, whatever the cache says."""
@@ -123,14 +123,14 @@ def test_a_decode_server_killed_before_its_first_token_costs_only_latency(stack2
     decode0 = _proc(stack2, "decode-0")
     decode0.proc.send_signal(signal.SIGKILL)
     decode0.proc.wait(10)
-    lease_errors = f'pd_router_lease_requests_total{{backend="{dead}",result="error"'
+    slot_errors = f'pd_router_slot_requests_total{{backend="{dead}",result="error"'
     t0 = time.monotonic()
     with ThreadPoolExecutor(1) as pool, ExitStack() as held:  # held ends first, on any failure too
         grants = [held.enter_context(held_slot(cfg.decode_urls[1])) for _ in range(cfg.decode_slots)]
         assert grants[-1].free == 0, grants[-1]
         first = pool.submit(_completion, url, model, "after-kill-0")
-        _wait_until(lambda: _metric(url, lease_errors) >= 1 or first.done(), 60, "the router asking decode-0")
-        assert _metric(url, lease_errors) >= 1, f"decode-0 never asked: {first.result().text}"
+        _wait_until(lambda: _metric(url, slot_errors) >= 1 or first.done(), 60, "the router asking decode-0")
+        assert _metric(url, slot_errors) >= 1, f"decode-0 never asked: {first.result().text}"
         held.close()  # decode-1's slots free again: the request waiting in its queue gets one
         answers = [first.result(120)]
     answers += [_completion(url, model, f"after-kill-{i}") for i in range(1, 4)]
@@ -138,18 +138,18 @@ def test_a_decode_server_killed_before_its_first_token_costs_only_latency(stack2
     for resp in answers:
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["text"] == expected
-    # the lease call found decode-0 down before any prefill ran: no failover needed, it is marked down
+    # the decode request found decode-0 down before any prefill ran: no failover needed, it is marked down
     assert _metric(url, f'pd_router_decode_failovers_total{{backend="{dead}"') == 0
     ready = httpx.get(url + "/ready", timeout=5).json()
     assert [d["healthy"] for d in ready["decode"]] == [False, True]
     _wait_until(lambda: vllm_kv_usage(cfg.prefill_url) == 0, 30, "vLLM's KV blocks freed")
     assert _metric(url, "pd_router_in_flight_requests") == 0
-    print(f"4 requests after kill -9 of decode-0: {elapsed:.1f}s, no failover (the lease call found it down)")
+    print(f"4 requests after kill -9 of decode-0: {elapsed:.1f}s, no failover (its decode request found it down)")
 
 
 def _stream_events(url: str, model: str, rid: str, max_tokens: int, first_token: threading.Event) -> list[str]:
     """A streamed completion's SSE data payloads; ``first_token`` is set when the first one with
-    text has reached this client (the decode server is then generating, not just leased)."""
+    text has reached this client (the decode server is then generating, not just holding the slot)."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     events: list[str] = []
     with httpx.stream("POST", url + "/v1/completions", json=body, headers={"X-Request-Id": rid},
@@ -172,7 +172,7 @@ def test_a_decode_server_killed_mid_stream_then_restarted(stack2):
     first_token = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         stream = pool.submit(_stream_events, url, model, "victim", 2000, first_token)
-        # a slot counted busy may only be leased (prefill still running): kill once a token has arrived
+        # a slot counted busy may only be held (prefill still running): kill once a token has arrived
         assert first_token.wait(60), "no token of the stream within 60 s"
         os.killpg(decode1.pid, signal.SIGKILL)
         events = stream.result(60)

@@ -56,10 +56,10 @@ def test_a_decode_server_failing_before_the_first_byte_costs_only_latency(make_r
         assert resp.json()["choices"][0]["text"] == "t0 t1 t2 t3 "
     assert _served_by(rig, 1) == ["r1"]  # the retry's handoff id is r1#1, its request id r1
     assert not rig.state.backends.decode[0].healthy  # marked down at once
-    if how == "refused":  # its lease call could not connect: marked down before any prefill, no failover
-        leases = [line for line in _metrics(rig).splitlines() if line.startswith("pd_router_lease_requests_total{")]
-        assert any(line.startswith(f'pd_router_lease_requests_total{{backend="{bad.url}",result="error"}}')
-                   for line in leases), leases
+    if how == "refused":  # its decode request could not connect: marked down before any prefill, no failover
+        slot_lines = [line for line in _metrics(rig).splitlines() if line.startswith("pd_router_slot_requests_total{")]
+        assert any(line.startswith(f'pd_router_slot_requests_total{{backend="{bad.url}",result="error"}}')
+                   for line in slot_lines), slot_lines
         assert not _failovers(rig)
         rig.decodes.pop(0)
     else:

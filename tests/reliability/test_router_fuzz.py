@@ -71,7 +71,7 @@ def test_no_input_gets_a_5xx_from_the_router(fuzz_rig, data):
 def fuzz_rig() -> Iterator[Rig]:
     """One router for all examples (a new one per example would dominate the time). Its
     teardown, after the module's last test, is the leak check: whatever test of the module
-    left something queued, leased or in flight (router or fakes), the module fails here."""
+    left something queued, held or in flight (router or fakes), the module fails here."""
     with rig_factory() as make:
         rig = make(decode={"slots": 64})
         yield rig

@@ -13,6 +13,7 @@ from contextlib import closing
 import httpx
 import pytest
 
+from pd_router.slots import Slot
 from pd_wire.errors import ErrorBody
 from tests.router.conftest import MODEL
 
@@ -149,8 +150,9 @@ def test_the_cancel_goes_out_whatever_the_request_id(make_rig):
     state = rig.state
 
     async def abort_with_odd_id() -> None:
-        lease = await state.pool.lease(MODEL)
-        state.abort(lease, "caf\xe9")
+        slot = Slot(state.backends.decode[0], MODEL)
+        state.backends.decode[0].in_use += 1  # (as the pool counts a slot it hands out)
+        state.abort(slot, "caf\xe9")
 
     asyncio.run_coroutine_threadsafe(abort_with_odd_id(), rig.server.server.loop).result(5)
     rig.wait(lambda: rig.records(rig.decodes[0])["cancels"] == ["caf\xe9"], 5, "the cancel on the decode server")

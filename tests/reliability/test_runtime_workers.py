@@ -21,7 +21,7 @@ from pd_deploy.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, rou
 from pd_router.load import vllm_load
 from pd_router.wire import BackendList
 from tests.e2e.conftest import make_stack_config, vllm_kv_usage
-from tests.leases import held_slot
+from tests.held_slot import held_slot
 from tests.procs import server
 from tests.waits import wait_until
 

@@ -60,7 +60,7 @@ class Rig:
         return httpx.get(self.url + "/ready", timeout=5).status_code
 
     def assert_no_leaks(self, timeout: float = 5.0) -> None:
-        """Nothing queued, leased or in flight, in the router and in every fake."""
+        """Nothing queued, held or in flight, in the router and in every fake."""
 
         def clean() -> bool:
             fakes = all(not self.records(b)["active"] for b in self.prefills + self.decodes)

@@ -1,5 +1,5 @@
 """/admin/backends: the API key guards it (403 on a non-loopback bind without one), bad
-input is an OpenAI-shaped 400, and a removed decode server drains: no new leases, the
+input is an OpenAI-shaped 400, and a removed decode server drains: no new requests, the
 request in flight on it completes 200, then it is dropped; added again, it comes back."""
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def test_added_decode_server_takes_requests_and_removed_one_drains(make_rig) -> 
     resp = admin(rig, "DELETE", {"role": "decode", "url": held.url})
     entry = BackendEntry.model_validate_json(resp.content)
     assert resp.status_code == 202 and (entry.state, entry.in_flight) == ("draining", 1)
-    # no new lease on it: with no other decode server, a new request is refused at once
+    # no new request on it: with no other decode server, a new request is refused at once
     refused = complete(rig, "while-draining")
     assert refused.status_code == 503 and error_type(refused) == "no_healthy_backend"
     assert rig.state.backends.find("decode", held.url) is backend  # still there: draining

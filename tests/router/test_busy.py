@@ -1,9 +1,8 @@
-"""A decode server without leases (the router counts its slots) that is busy although the
-router counted a free slot (issue 17): prefill's KV refused at admission
-(``HandoffResult.reason == "busy"``) or decode 429. Not a client error while
-``--queue-timeout`` allows waiting: the request waits for a slot (this server after a
-back-off, or another) and runs prefill again. (A server granting leases never refuses a
-leased request as busy: tests/router/test_leases.py.)"""
+"""A decode server busy although its slot was the request's (issue 17): prefill's KV refused at
+admission (``HandoffResult.reason == "busy"``), or decode 429 from a server the router counts (a
+plain vLLM, ``--decode-slots``: its slot free in the router's count). Not a client error while
+``--queue-timeout`` allows waiting: the request waits for a slot (this server after a back-off,
+or another) and runs prefill again."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from tests.router.conftest import MODEL
 pytestmark = pytest.mark.timeout(60)
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 BUSY = {"fail": "handoff_failed", "handoff_reason": "busy"}
-COUNTED = {"leases": False}  # decode servers whose slots the router counts
+COUNTED = {"plain": True}  # decode servers whose slots the router counts (with --decode-slots)
 
 
 def _requeues(rig, reason: str) -> float:
@@ -35,13 +34,13 @@ def _handoff_ids(rig, backend) -> list[str]:
 
 def _decoded(rig, backend) -> list[str]:
     """The handoffs a decode server decoded: its requests less those the router closed
-    unanswered (the decode request goes out with the prefill; a failed prefill closes it)."""
+    unanswered (a failed prefill closes the decode request holding its slot)."""
     closed = rig.records(backend)["closed_claims"]
     return [h for h in _handoff_ids(rig, backend) if h not in closed]
 
 
 def test_kv_receive_slot_busy_waits_and_prefills_again(make_rig):
-    rig = make_rig(decode=COUNTED, prefill={**BUSY, "fail_times": 2})
+    rig = make_rig(prefill={**BUSY, "fail_times": 2})
     resp = httpx.post(rig.url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "r1"}, timeout=20)
     assert resp.status_code == 200, resp.text
     assert _handoff_ids(rig, rig.prefills[0]) == ["r1", "r1#1", "r1#2"]  # a new handoff per attempt
@@ -53,7 +52,7 @@ def test_kv_receive_slot_busy_waits_and_prefills_again(make_rig):
 
 
 def test_busy_until_the_queue_timeout_is_a_429_not_a_502(make_rig):
-    rig = make_rig(decode=COUNTED, prefill=BUSY, queue_timeout=0.6)
+    rig = make_rig(prefill=BUSY, queue_timeout=0.6)
     t0 = time.monotonic()
     resp = httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=20)
     elapsed = time.monotonic() - t0
@@ -66,19 +65,23 @@ def test_busy_until_the_queue_timeout_is_a_429_not_a_502(make_rig):
     rig.assert_no_leaks()
 
 
+def _served(rig, backend) -> list[str]:
+    """The requests a plain decode server answered (not with its 429)."""
+    return [r["request_id"] for r in rig.records(backend)["requests"] if not r.get("busy")]
+
+
 def test_busy_server_is_held_back_and_another_one_serves(make_rig):
-    rig = make_rig(n_decode=2, decode=COUNTED, prefill={**BUSY, "fail_times": 1})
+    rig = make_rig(n_decode=2, decode=COUNTED, decode_slots=1)
+    rig.config(rig.decodes[0], busy=True)  # its slot taken outside this router's count
     resp = httpx.post(rig.url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "r2"}, timeout=20)
     assert resp.status_code == 200, resp.text
-    refused = [d for d in rig.decodes if rig.records(d)["cancels"]]
-    rig.wait(lambda: sum(len(rig.records(d)["closed_claims"]) for d in rig.decodes) == 1, what="closed decode request")
-    served = [d for d in rig.decodes if _decoded(rig, d)]
-    assert len(served) == 1 and refused and refused[0] is not served[0], "the retry went to the busy server"
+    assert rig.records(rig.decodes[0])["busy"] == ["r2"] and _served(rig, rig.decodes[1]) == ["r2"]
+    assert _requeues(rig, "engine_slot") == 1
     rig.assert_no_leaks()
 
 
 def test_decode_429_waits_and_prefills_again(make_rig):
-    rig = make_rig(decode={**COUNTED, "busy": True})
+    rig = make_rig(decode={**COUNTED, "busy": True}, decode_slots=1)
     result: dict[str, httpx.Response] = {}
     t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
         rig.url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "r3"}, timeout=30)))
@@ -87,16 +90,14 @@ def test_decode_429_waits_and_prefills_again(make_rig):
     rig.config(rig.decodes[0], busy=False)
     t.join(20)
     assert result["r"].status_code == 200, result["r"].text
-    ids = _handoff_ids(rig, rig.prefills[0])
-    assert ids[0] == "r3" and ids[1] == "r3#1", ids
-    # the 429 cancelled the first attempt's handoff: the decode server frees its KV
-    assert "r3" in rig.records(rig.decodes[0])["cancel_handoffs"]
+    assert len(rig.records(rig.prefills[0])["requests"]) >= 2  # prefilled again for the next attempt
+    assert _served(rig, rig.decodes[0]) == ["r3"]
     rig.assert_no_leaks()
 
 
 def test_a_requeued_request_keeps_its_place_in_the_queue(make_rig):
     """FIFO: a request sent back by a busy server waits ahead of the ones that came after it."""
-    rig = make_rig(decode=COUNTED, prefill={**BUSY, "fail_times": 1, "delay": 0.3})
+    rig = make_rig(decode={**COUNTED, "busy": True}, decode_slots=1)
     results: dict[str, httpx.Response] = {}
 
     def post(rid: str) -> None:
@@ -105,15 +106,15 @@ def test_a_requeued_request_keeps_its_place_in_the_queue(make_rig):
 
     first = threading.Thread(target=post, args=("first",))
     first.start()
-    rig.wait(lambda: rig.records(rig.prefills[0])["active"] == ["first"], what="first in prefill")
+    rig.wait(lambda: _requeues(rig, "engine_slot") >= 1, what="first sent back by the busy server")
     second = threading.Thread(target=post, args=("second",))
     second.start()
-    rig.wait(lambda: rig.state.pool.queue_depth == 1, what="second queued behind first")
+    rig.wait(lambda: rig.state.pool.queue_depth == 2, what="second queued behind first")
+    rig.config(rig.decodes[0], busy=False)
     first.join(20)
     second.join(20)
     assert results["first"].status_code == 200 and results["second"].status_code == 200
-    rig.wait(lambda: rig.records(rig.decodes[0])["closed_claims"] == ["first"], what="first's closed decode request")
-    assert _decoded(rig, rig.decodes[0]) == ["first#1", "second"]
+    assert _served(rig, rig.decodes[0]) == ["first", "second"]
     rig.assert_no_leaks()
 
 
@@ -144,13 +145,13 @@ def test_a_stale_handoff_id_is_retried_under_a_new_one_at_once(make_rig):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_decode_refusal_frees_the_lease_before_the_client_sees_it(make_rig, stream):
+def test_a_decode_refusal_frees_the_slot_before_the_client_sees_it(make_rig, stream):
     """The decode server gave its slot and the KV back before its 4xx (decode_server
-    contract): the router frees the lease at once, with no cancel round trip, so the
+    contract): the router frees the slot at once, with no cancel round trip, so the
     client's next request finds the slot free."""
     rig = make_rig(decode={"fail": "status", "fail_status": 400})
     resp = httpx.post(rig.url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=20)
     assert resp.status_code == 400, resp.text
-    assert rig.state.pool.leased() == 0, "lease still held when the client got the refusal"
+    assert rig.state.pool.held() == 0, "slot still held when the client got the refusal"
     assert rig.records(rig.decodes[0])["cancels"] == []
     rig.assert_no_leaks()

@@ -1,4 +1,4 @@
-"""The router refuses, before prefill, what the leased decode server would refuse: the
+"""The router refuses, before prefill, what the chosen decode server would refuse: the
 features it advertises on ``/v1/pd/capabilities`` (:class:`EngineFeatures`) and the body
 checks of ``pd_wire.requests``. Against fake backends: prefill never sees the
 request, the slot is back, and a server that advertises the feature gets the request."""

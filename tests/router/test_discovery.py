@@ -52,7 +52,7 @@ async def test_servers_file_add_edit_remove(tmp_path: Path) -> None:
     await d.refresh()
     assert urls(d, "decode") == {"http://d1:8200": False, "http://d2:8200": False}
 
-    # d1 has a slot leased: removed, it drains (no new leases) until the slot comes back
+    # d1 has a slot held: removed, it drains (no new requests) until the slot comes back
     d1 = d.backends.find("decode", "http://d1:8200")
     d1.in_use = 1
     write(d._file.path, "prefill: [http://p1:8100]\ndecode: [http://d2:8200]\n")

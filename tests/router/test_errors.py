@@ -227,7 +227,7 @@ def test_unexpected_failure_is_openai_shaped_and_frees_the_slot(make_rig, monkey
     def broken(*args, **kwargs):
         raise KeyError("simulated bug")
 
-    monkeypatch.setattr(relay, "open_answer", broken)  # on the path before the first byte, in either order
+    monkeypatch.setattr(relay, "open_slot", broken)  # on the path before the first byte
     err = _error(httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=10), 500, "internal_error")
     assert "simulated bug" not in err["message"] and "request_id=" in err["message"]
     rig.assert_no_leaks()

@@ -1,7 +1,7 @@
 """A decode server that hangs (a SIGSTOPped process: connections accepted, data
 acknowledged, nothing answered) costs one request a bounded wait, not every request a
 timeout: its first unanswered call marks it down (a decode request holding its slot is
-answered 200 at once, and so is a lease call without wait: each is given 2 s), and the
+answered 200 at once: it is given 2 s), and the
 requests after it go to the other server without trying it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from pd_router.lease_client import IMMEDIATE_ANSWER_S
+from pd_router.relay import IMMEDIATE_ANSWER_S
 from tests.router.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(120)
@@ -20,15 +20,15 @@ COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 
 
 def _unanswered_calls(rig, backend_url: str) -> float:
-    """Lease calls left unanswered, and decode requests failed over (a 200 that did not come)."""
+    """Decode requests left unanswered before their 200, and those failed over (a 200 that did not come)."""
     text = httpx.get(rig.url + "/metrics", timeout=5).text
-    lines = (f'pd_router_lease_requests_total{{backend="{backend_url}",result="error"}}',
+    lines = (f'pd_router_slot_requests_total{{backend="{backend_url}",result="error"}}',
              f'pd_router_decode_failovers_total{{backend="{backend_url}",')
     return sum(float(row.rsplit(" ", 1)[1]) for row in text.splitlines() if row.startswith(lines))
 
 
 def test_after_the_first_sign_of_a_hung_decode_server_no_request_waits_on_it(make_rig):
-    # probes far apart: what finds the hung server here is the lease path, not a probe
+    # probes far apart: what finds the hung server here is the decode request, not a probe
     rig = make_rig(n_decode=2, decode={"slots": 1}, probe_interval=30.0)
     for _ in range(4):  # both servers have served (and so have a serving loop the fake can stop)
         assert httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=20).status_code == 200

@@ -36,7 +36,7 @@ def test_disconnect_while_queued(make_rig):
     rig.wait(lambda: rig.state.pool.queue_depth == 0, what="queue emptied")
     rig.wait(lambda: _aborts(rig, "queued") == 1, what="abort counted")
     assert [r["request_id"] for r in rig.records(rig.prefills[0])["requests"]] == ["busy"]  # never prefilled
-    assert rig.state.pool.leased() == 1  # only the busy request's slot
+    assert rig.state.pool.held() == 1  # only the busy request's slot
     busy.close()
     rig.wait(lambda: rig.records(rig.decodes[0])["cancels"] == ["busy"], what="cancel of the busy request")
     rig.assert_no_leaks()
@@ -53,7 +53,7 @@ def test_disconnect_during_prefill(make_rig):
     rig = make_rig(prefill={"delay": 5.0})
     sock = _open_request(rig.server.port, "in-prefill")
     rig.wait(lambda: rig.records(rig.prefills[0])["active"] == ["in-prefill"], what="prefill running")
-    assert rig.state.pool.leased() == 1
+    assert rig.state.pool.held() == 1
     sock.close()
     rig.wait(lambda: rig.records(rig.prefills[0])["disconnects"] == ["in-prefill"], what="prefill closed")
     rig.wait(lambda: rig.records(rig.decodes[0])["cancels"] == ["in-prefill"], what="decode cancel")
@@ -97,13 +97,13 @@ def test_slot_released_after_every_outcome(make_rig):
     assert rig.records(rig.decodes[0])["max_active"] == 1
 
 
-@pytest.mark.parametrize("leases", [False, True])
-async def test_decode_slot_freed_late_is_retried_not_failed(make_rig, leases):
+@pytest.mark.parametrize("counted", [True, False], ids=["counted", "ours"])
+async def test_decode_slot_freed_late_is_retried_not_failed(make_rig, counted):
     """A decode server frees a slot a little after the last byte (its engine thread hands it
-    back). Without leases the router, which already counts the slot free, gets a 429 and
-    waits for a slot again instead of failing; with leases the next request's lease waits
-    in the server's queue until the slot is really free: no 429 at all."""
-    rig = make_rig(decode={"slots": 1, "release_lag": 0.05, "leases": leases})
+    back). A server the router counts (a plain vLLM): the router, which already counts the slot
+    free, gets a 429 and waits for a slot again instead of failing; a server of ours: the next
+    request's decode request waits in the server's queue until the slot is really free: no 429."""
+    rig = make_rig(decode={"slots": 1, "release_lag": 0.05, "plain": counted}, decode_slots=1 if counted else None)
     async with httpx.AsyncClient(timeout=20) as client:
         answers = await asyncio.gather(
             *(
@@ -116,6 +116,6 @@ async def test_decode_slot_freed_late_is_retried_not_failed(make_rig, leases):
         )
     assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
     busy = rig.decodes[0].app.records.busy
-    assert (not busy) if leases else busy  # without leases the race really happened
+    assert busy if counted else not busy  # counted here, the race really happened
     assert rig.decodes[0].app.records.max_active == 1
     await asyncio.to_thread(rig.assert_no_leaks)

@@ -49,7 +49,7 @@ async def test_200_streaming_clients_fifo(make_rig):
                              interval=0.001)
         else:
             await eventually(lambda i=i: pool.queue_depth == i - 1, 10.0, f"client {i} queued", interval=0.001)
-    assert rig.state.pool.leased() == 2
+    assert rig.state.pool.held() == 2
     async with httpx.AsyncClient(timeout=10) as http:
         for served in range(N_CLIENTS):  # free one slot at a time: exactly one waiter may move up
             oldest = arrived()[served]

@@ -1,6 +1,6 @@
-"""Queued requests behind standing lease requests (pd_router/lease_queue.py): two routers in
-front of the same six single-slot decode servers. A request that queues costs no lease call
-at every server (one standing request per router and server, whatever the queue's length),
+"""Queued requests behind standing decode requests (pd_router/slot_queue.py): two routers in
+front of the same six single-slot decode servers. A request that queues costs no call at
+every server (one standing decode request per router and server, whatever the queue's length),
 each router's requests are served in its own arrival order, stale grants are swapped, and
 nothing is lost, sent back as busy or leaked."""
 
@@ -22,7 +22,7 @@ TOKENS = 3
 
 
 @pytest.mark.timeout(120)
-async def test_queued_requests_cost_one_standing_lease_request_per_server(make_rig):
+async def test_queued_requests_cost_one_standing_decode_request_per_server(make_rig):
     a = make_rig(n_decode=N_DECODE, decode={"hold": True, "slots": 1}, max_queue=64, queue_timeout=60)
     b = make_rig(n_decode=0, decode_urls=tuple(d.url for d in a.decodes), max_queue=64, queue_timeout=60)
     routers = [a, b]
@@ -32,8 +32,8 @@ async def test_queued_requests_cost_one_standing_lease_request_per_server(make_r
     def arrived() -> list[dict]:  # (not those answered busy: a cache that said a slot was free)
         return sorted((r for f in fakes for r in f.records.requests if not r.get("busy")), key=lambda r: r["t"])
 
-    def lease_calls() -> int:  # slot requests: lease calls, and decode requests standing in a queue
-        return sum(len(f.records.leases) + len(f.records.queued_claims) for f in fakes)
+    def slot_calls() -> int:  # slot requests: decode requests standing in a queue
+        return sum(len(f.records.queued_claims) for f in fakes)
 
     async def one(i: int, router: int) -> str:
         stream = await clients[router].completions.create(
@@ -45,7 +45,7 @@ async def test_queued_requests_cost_one_standing_lease_request_per_server(make_r
     for i in range(FILL):  # one at a time through the first router, each to a slot
         tasks.append(asyncio.create_task(one(i, 0)))
         await eventually(lambda i=i: len(arrived()) == i + 1, 10.0, f"client {i} at a decode server", interval=0.001)
-    before = lease_calls()
+    before = slot_calls()
     for k in range(QUEUED):
         i, router = FILL + k, k % 2
         depth = routers[router].state.pool.queue_depth
@@ -53,15 +53,15 @@ async def test_queued_requests_cost_one_standing_lease_request_per_server(make_r
         by_router[router].append(f"c{i:03d}")
         await eventually(lambda r=router, d=depth: routers[r].state.pool.queue_depth == d + 1, 10.0,
                          f"client {i} queued", interval=0.001)
-    # one standing lease request per router and server, however many requests wait (the
+    # one standing decode request per router and server, however many requests wait (the
     # long poll of every queued request at every server: QUEUED x N_DECODE = 72 calls)
-    await eventually(lambda: lease_calls() - before >= 2 * N_DECODE, 10.0,
-                     "a standing lease request from each router at each server", interval=0.001)
-    queued_calls = lease_calls() - before
+    await eventually(lambda: slot_calls() - before >= 2 * N_DECODE, 10.0,
+                     "a standing decode request from each router at each server", interval=0.001)
+    queued_calls = slot_calls() - before
     # (+ the second router's first request: its cache, from a probe, said a slot was free;
     # its decode request was answered busy, and so was its next try at a server its cache
     # still said had a free slot, before it queued)
-    assert queued_calls <= 2 * N_DECODE + 1, [f.records.leases for f in fakes]
+    assert queued_calls <= 2 * N_DECODE + 1, [f.records.queued_claims for f in fakes]
     async with httpx.AsyncClient(timeout=10) as http:
         for served in range(FILL + QUEUED):  # free one slot at a time
             oldest = arrived()[served]
@@ -83,16 +83,14 @@ async def test_queued_requests_cost_one_standing_lease_request_per_server(make_r
     # while served, per slot handed on (whatever the number of servers): at most a swap and a
     # standing request sent again per router (a grant that came for a request served
     # elsewhere), and the standing request for the next one
-    calls = lease_calls() - before - queued_calls
+    calls = slot_calls() - before - queued_calls
     assert calls <= (2 * len(routers) + 1) * (FILL + QUEUED), (queued_calls, calls)
     assert sum(len(f.records.swaps) for f in fakes) >= 1, "no stale grant was swapped: the test missed that path"
-    # every standing request was a queued request's own decode request: no lease was asked (protocol 7)
-    assert sum(len(f.records.leases) for f in fakes) == 0, [f.records.leases for f in fakes]
     assert sum(len(f.records.queued_claims) for f in fakes) >= QUEUED
     assert all(f.records.max_active == 1 and not f.records.errors for f in fakes)
     # answered busy: a decode request taking a slot its router's count said was free, refused at
     # once (its prefill never ran: it goes out on the 200); then one more at another server that
-    # count says is free (as a lease call without wait was before), then the queues, where nothing
+    # count says is free, then the queues, where nothing
     # is answered busy: twice at most per request, and only for the second router's first try
     # (above) or one of the first requests (a probe's count that came after the router's own take
     # said a slot was free); never a request that queued at its router

@@ -1,7 +1,7 @@
-"""The router's lease queue (pd_router/lease_queue.py) against decode servers the test
-answers by hand (tests/fakes/scripted_leases.py): one standing lease request per server
-whatever the queue's length, the head's grant, the swap of a stale grant (no wait, the head
-reserved meanwhile), a grant for a reserved head, the release when nobody waits."""
+"""The router's slot queue (pd_router/slot_queue.py) against decode servers the test answers by
+hand (tests/fakes/scripted_slots.py): one standing decode request per server whatever the
+queue's length, the head's grant, the swap of a stale grant (no wait, the head reserved
+meanwhile), a grant for a reserved head, the standing requests closed when nobody waits."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from collections.abc import Iterator
 import pytest
 
 from pd_router.backends import Backends
-from pd_router.lease_types import Lease, LeaseHooks
-from pd_router.remote_leases import RemoteLeases
+from pd_router.slots import Slot, SlotHooks, SlotPool
 from pd_wire.decode import DecodeCapabilities
 from pd_wire.handoff import PROTOCOL_VERSION, PeerStatus
-from tests.fakes.scripted_leases import Call, ScriptedDecodeFirst, ScriptedLeases
+from tests.fakes.scripted_slots import Call, ScriptedRequest, ScriptedServers
 from tests.waits import eventually
 
 pytestmark = pytest.mark.timeout(30)
@@ -30,37 +29,35 @@ def _backends(n: int) -> Backends:
         d.capabilities = DecodeCapabilities(
             protocol_version=PROTOCOL_VERSION, model="m", engine="reference", slots=1, busy_slots=0,
             max_seq_len=8, num_mtp=0, kv_endpoint="h:1", layout_fingerprint="f",
-            peers=[PeerStatus(peer="p", state="ok")], lease_ttl_s=3600.0)
+            peers=[PeerStatus(peer="p", state="ok")])
     b.refresh()
     for d in b.decode:
-        d.lease_free = 0  # every slot taken: requests queue (no call without wait)
+        d.free_slots = 0  # every slot taken: requests queue (no call without wait)
     return b
 
 
 class Rig:
     def __init__(self, n: int) -> None:
         self.backends = _backends(n)
-        self.client = ScriptedLeases()
+        self.servers = ScriptedServers()
         self.tasks: list[asyncio.Future] = []
-        self.remote = RemoteLeases(self.backends, self.client, LeaseHooks(spawn=self._spawn), WAIT)  # type: ignore[arg-type]
-        self.waits: dict[str, asyncio.Task[Lease]] = {}
+        self.pool = SlotPool(self.backends, 64, WAIT, "scripted", SlotHooks(spawn=self._spawn))
+        self.waits: dict[str, asyncio.Task[Slot]] = {}
 
     def _spawn(self, coro) -> asyncio.Future:
         task = asyncio.ensure_future(coro)
         self.tasks.append(task)
         return task
 
-    def ask(self, lease_id: str, arrived: float, decode_first: bool = False) -> None:
-        servers = list(self.backends.decode)
-        first = ScriptedDecodeFirst(self.client, lease_id) if decode_first else None
-        self.waits[lease_id] = asyncio.ensure_future(
-            self.remote.lease("m", lease_id, servers, WAIT, arrived, lambda waiting: None, decode_first=first))
+    def ask(self, handoff_id: str, arrived: float) -> None:
+        request = ScriptedRequest(self.servers, handoff_id, arrived)
+        self.waits[handoff_id] = asyncio.ensure_future(self.pool.take("m", request, WAIT))
 
     def open(self) -> list[tuple[str, str, float, str | None]]:
-        return [c.key for c in self.client.open()]
+        return [c.key for c in self.servers.open()]
 
-    def call(self, url: str, lease_id: str):
-        return next(c for c in self.client.open() if (c.url, c.lease_id) == (url, lease_id))
+    def call(self, url: str, handoff_id: str):
+        return next(c for c in self.servers.open() if (c.url, c.handoff_id) == (url, handoff_id))
 
     def served(self) -> dict[str, str]:
         return {rid: t.result().backend.url for rid, t in self.waits.items() if t.done()}
@@ -113,10 +110,10 @@ async def test_one_standing_request_per_server_the_head_and_the_swaps(rig) -> No
     r.call("d1", "r2").grant()
     await _turns()
     assert r.served() == {"r0": "http://d1", "r1": "http://d0", "r2": "http://d1"}
-    # nobody waits any more: the standing request left at d2 is released there
-    assert r.open() == [] and ("d2", ["r2"]) in r.client.releases
-    assert r.remote.waiting == 0 and r.remote.queue.standing == 0
-    assert len(r.client.calls) == 9  # each of the 3 queued requests asked each server: 9 long polls before
+    # nobody waits any more: the standing request left at d2 is closed (it leaves that server's queue)
+    assert r.open() == [] and ("d2", "r2", WAIT, None) in [c.key for c in r.servers.calls if c.closed]
+    assert r.pool.queue.waiting == 0 and r.pool.queue.standing == 0
+    assert len(r.servers.calls) == 9  # each of the 3 queued requests asked each server: 9 long polls before
 
 
 async def test_a_grant_for_a_head_reserved_by_a_swap_elsewhere_is_the_heads(rig) -> None:
@@ -139,7 +136,7 @@ async def test_a_grant_for_a_head_reserved_by_a_swap_elsewhere_is_the_heads(rig)
     assert ("d1", "r2", 0.0, "r1") in r.open()
     r.call("d1", "r2").grant()
     await _turns()
-    assert r.served()["r2"] == "http://d1" and r.remote.waiting == 0
+    assert r.served()["r2"] == "http://d1" and r.pool.queue.waiting == 0
 
 
 async def test_a_refused_standing_request_is_sent_again_after_a_back_off(rig) -> None:
@@ -156,28 +153,28 @@ async def test_a_refused_standing_request_is_sent_again_after_a_back_off(rig) ->
 
 
 async def test_a_queued_requests_decode_request_stands_for_it_and_is_closed_when_no_longer_needed(rig) -> None:
-    """The standing requests are the request's own decode requests (no lease asked): the grant
-    is its lease with the open answer; the others are closed (their calls cancelled), no
-    release call; the router counts the server's free slots as its 200 said."""
+    """The standing requests are the request's own decode requests: the grant is its slot with
+    the open answer; the others are closed (their calls cancelled); the router counts the
+    server's free slots as its 200 said."""
     r: Rig = rig(3)
-    r.ask("r0", 0.0, decode_first=True)
+    r.ask("r0", 0.0)
     await _turns()
     assert sorted(r.open()) == [(f"d{i}", "r0", WAIT, None) for i in range(3)]
-    assert all(c.decode for c in r.client.calls)
     r.call("d1", "r0").grant(free=0)
     await _turns()
-    lease = r.waits["r0"].result()
-    assert lease.implicit and lease.lease_id is None and lease.opened is r.client.calls[1].opened
-    assert r.open() == [] and r.client.releases == [] and r.remote.queue.standing == 0
-    r.remote.release(lease)
-    assert r.client.calls[1].opened.closed  # given back unused: closing it frees the slot there
+    slot = r.waits["r0"].result()
+    assert slot.opened is r.servers.calls[1].opened
+    assert r.open() == [] and r.pool.queue.standing == 0
+    assert [c.url for c in r.servers.calls if c.closed] == ["d0", "d2"]
+    r.pool.release(slot)
+    assert r.servers.calls[1].opened.closed  # given back unused: closing it frees the slot there
 
 
 async def _stale_at_d1(r: Rig) -> Call:
     """r0 and r1 queued with their decode requests; r0 served at d0, then d1 grants r0: stale,
     a swap for r1 at d1 goes out (r1 reserved). The stale grant's call."""
-    r.ask("r0", 0.0, decode_first=True)
-    r.ask("r1", 1.0, decode_first=True)
+    r.ask("r0", 0.0)
+    r.ask("r1", 1.0)
     await _turns()
     r.call("d0", "r0").grant()
     await _turns()
@@ -191,13 +188,13 @@ async def test_a_stale_decode_grant_is_swapped_and_closed_once_the_swap_answered
     r: Rig = rig(2)
     stale = await _stale_at_d1(r)
     swap = r.call("d1", "r1")
-    assert swap.key == ("d1", "r1", 0.0, "r0") and swap.decode
+    assert swap.key == ("d1", "r1", 0.0, "r0")
     assert not stale.opened.closed  # (closed before the swap came, its slot could go to anyone)
     swap.grant()
     await _turns()
     assert stale.opened.closed and r.served() == {"r0": "http://d0", "r1": "http://d1"}
-    # d0's standing request for r1 was closed as r1 was served (nobody waits): no release call
-    assert r.open() == [] and r.client.releases == [] and r.remote.queue.standing == 0
+    # d0's standing request for r1 was closed as r1 was served (nobody waits)
+    assert r.open() == [] and r.pool.queue.standing == 0
 
 
 async def test_a_decode_swap_dropped_in_flight_gives_its_head_back_to_the_other_servers(rig) -> None:
@@ -208,7 +205,7 @@ async def test_a_decode_swap_dropped_in_flight_gives_its_head_back_to_the_other_
     assert ("d1", "r1", 0.0, "r0") in r.open()
     r.backends.decode[1].healthy = False
     r.backends.refresh()
-    r.remote.queue.refresh()  # d1 unusable: its swap is closed
+    r.pool.queue.refresh()  # d1 unusable: its swap is closed
     await _turns()
     assert ("d1", "r1", 0.0, "r0") not in r.open()
     r.call("d2", "r0").grant()  # stale (r0 served at d0): r1, no longer reserved, is swapped in here

@@ -1,7 +1,7 @@
-"""A request that finds a free slot takes it with its decode request (issue 34), against the
-fake servers: no lease exchange; the decode request goes first, its server answers 200 at the
-slot's take, and the prefill goes out on that 200. A refusal after the 200 is the status it
-stands for; switched off (``--no-decode-request-holds-slot``) a lease comes first."""
+"""A request takes its slot with its decode request, against the fake servers: the decode
+request goes first, its server answers 200 at the slot's take (at once, or after a wait in its
+queue), and the prefill goes out on that 200. A refusal after the 200 is the status it stands
+for."""
 
 from __future__ import annotations
 
@@ -30,21 +30,11 @@ def test_a_free_slot_is_taken_by_the_decode_request_without_a_lease(make_rig, st
         assert resp.status_code == 200, resp.text
         assert (b"data: [DONE]" in resp.content) if stream else "choices" in resp.json()
     decode = rig.records(rig.decodes[0])
-    assert decode["leases"] == []  # no lease asked: before, one per request
     assert decode["granted_first"] == ["held-0", "held-1", "held-2"]
-    assert all(p["grant_first"] for p in _decode_params(rig))
+    assert all(p["result"] == "with_kv" for p in _decode_params(rig))
     prefills = rig.records(rig.prefills[0])["requests"]
     for sent, prefilled in zip(decode["requests"], prefills, strict=True):  # the prefill on the decode's 200
         assert sent["request_id"] == prefilled["request_id"] and sent["t"] < prefilled["t"]
-    rig.assert_no_leaks()
-
-
-def test_switched_off_a_lease_comes_first(make_rig):
-    rig = make_rig(decode_request_holds_slot=False)
-    resp = httpx.post(rig.url + "/v1/completions", json=COMPLETION, headers={"X-Request-Id": "leased"}, timeout=20)
-    assert resp.status_code == 200, resp.text
-    assert rig.records(rig.decodes[0])["leases"] == ["leased"]
-    assert not _decode_params(rig)[0]["grant_first"] and rig.records(rig.decodes[0])["granted_first"] == []
     rig.assert_no_leaks()
 
 
@@ -77,7 +67,7 @@ def test_a_server_failing_after_its_200_is_failed_over_before_the_first_byte(mak
 
 def test_a_queued_request_waits_with_its_decode_request_and_is_prefilled_on_its_grant(make_rig):
     """No slot free: the request's decode request waits in the decode server's queue
-    (``HandoffClaim.wait``), no lease asked; its prefill goes out only once the slot came to it."""
+    (``HandoffClaim.wait``); its prefill goes out only once the slot came to it."""
     rig = make_rig(decode={"hold": True, "slots": 1})
     decode, answers = rig.decodes[0], {}
 
@@ -98,7 +88,7 @@ def test_a_queued_request_waits_with_its_decode_request_and_is_prefilled_on_its_
     second.join(30)
     assert [answers[rid].status_code for rid in ("first", "second")] == [200, 200], answers
     records = rig.records(decode)
-    assert records["leases"] == [] and records["granted_first"] == ["first", "second"]
+    assert records["granted_first"] == ["first", "second"]
     assert [p["request_id"] for p in rig.records(rig.prefills[0])["requests"]] == ["first", "second"]
     rig.assert_no_leaks()
 

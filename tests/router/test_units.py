@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -11,8 +12,6 @@ from pd_router.api import decode_body, parse_request, prefill_body
 from pd_router.backends import Backends
 from pd_router.errors import InvalidRequest, NoHealthyBackend, Overloaded
 from pd_router.slots import SlotPool
-from pd_wire.decode import DecodeCapabilities
-from pd_wire.handoff import PROTOCOL_VERSION, PeerStatus
 from pd_wire.requests import Endpoint
 
 pytestmark = pytest.mark.timeout(30)
@@ -69,32 +68,35 @@ def test_parse_request_keeps_unknown_fields_and_rejects_bad_ones():
 
 
 def _backends(n_decode: int, slots: int = 1, models: tuple[str, ...] = ("m",)) -> Backends:
-    b = Backends.from_urls(("http://p",), tuple(f"http://d{i}" for i in range(n_decode)), None, True)
+    """Decode servers the router counts (plain ones: ``--decode-slots``)."""
+    b = Backends.from_urls(("http://p",), tuple(f"http://d{i}" for i in range(n_decode)), slots, True)
     b.prefill[0].healthy, b.prefill[0].models = True, frozenset(models)
     for i, d in enumerate(b.decode):
-        model = models[i % len(models)]
-        d.healthy, d.models = True, frozenset({model})
-        d.capabilities = DecodeCapabilities(
-            protocol_version=PROTOCOL_VERSION,
-            model=model,
-            engine="reference",
-            slots=slots,
-            busy_slots=0,
-            max_seq_len=8,
-            num_mtp=0,
-            kv_endpoint="h:1",
-            layout_fingerprint="f",
-            peers=[PeerStatus(peer="p", state="ok")],
-        )
+        d.healthy, d.models, d.plain = True, frozenset({models[i % len(models)]}), True
     b.refresh()
     return b
 
 
+class _Request:
+    """A decode request as the pool sees it (never sent: the servers here are counted)."""
+
+    def __init__(self) -> None:
+        self.handoff_id = "h"
+        self.arrived = time.perf_counter()
+
+    async def open(self, backend, wait):
+        raise AssertionError("a counted server is not asked")
+
+
+def _take(pool: SlotPool, model: str):
+    return pool.take(model, _Request())
+
+
 async def test_pool_fifo_per_model_and_timeout():
     backends = _backends(2, slots=1, models=("m", "n"))
-    pool = SlotPool(backends, max_queue=10, queue_timeout=0.2)
-    first_m, first_n = await pool.lease("m"), await pool.lease("n")
-    waiters = [asyncio.create_task(pool.lease(model)) for model in ("m", "n", "m")]
+    pool = SlotPool(backends, max_queue=10, queue_timeout=0.2, holder="r")
+    first_m, first_n = await _take(pool, "m"), await _take(pool, "n")
+    waiters = [asyncio.create_task(_take(pool, model)) for model in ("m", "n", "m")]
     await asyncio.sleep(0)
     assert pool.queue_depth == 3
     pool.release(first_n)  # only the "n" waiter can use it, although a "m" waiter is older
@@ -107,24 +109,24 @@ async def test_pool_fifo_per_model_and_timeout():
         await waiters[2]  # times out after 0.2 s
     for w in waiters[:2]:
         pool.release(w.result())
-    assert pool.queue_depth == 0 and pool.leased() == 0
+    assert pool.queue_depth == 0 and pool.held() == 0
 
 
 async def test_pool_cancelled_waiter_and_backend_loss():
     backends = _backends(1)
-    pool = SlotPool(backends, max_queue=1, queue_timeout=10)
-    held = await pool.lease("m")
-    waiter = asyncio.create_task(pool.lease("m"))
+    pool = SlotPool(backends, max_queue=1, queue_timeout=10, holder="r")
+    held = await _take(pool, "m")
+    waiter = asyncio.create_task(_take(pool, "m"))
     await asyncio.sleep(0)
     with pytest.raises(Overloaded):
-        await pool.lease("m")  # queue full
+        await _take(pool, "m")  # queue full
     pool.release(held)  # granted to the waiter...
     waiter.cancel()  # ...which is cancelled before it runs: the slot must come back
     with pytest.raises(asyncio.CancelledError):
         await waiter
-    assert pool.leased() == 0 and pool.queue_depth == 0
-    held = await pool.lease("m")
-    waiter = asyncio.create_task(pool.lease("m"))
+    assert pool.held() == 0 and pool.queue_depth == 0
+    held = await _take(pool, "m")
+    waiter = asyncio.create_task(_take(pool, "m"))
     await asyncio.sleep(0)
     backends.decode[0].healthy = False
     backends.refresh()
@@ -133,8 +135,8 @@ async def test_pool_cancelled_waiter_and_backend_loss():
         await waiter
     pool.release(held)
     with pytest.raises(NoHealthyBackend):
-        await pool.lease("m")
-    assert pool.leased() == 0
+        await _take(pool, "m")
+    assert pool.held() == 0
 
 
 def test_backend_url_parsing():

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from connector.admission import Admission, AdmissionClient
-from connector.kv_errors import HandoffFailed, HandoffTimeout
+from connector.kv_errors import HandoffTimeout, TransferFailed
 from connector.layout import layout_fingerprint
 from pd_wire.handoff import HandoffResult
 from tests.connector.transport.helpers import SMALL, assert_no_leaks
@@ -236,7 +236,7 @@ async def test_a_result_is_taken_only_from_the_admitting_group_and_a_failed_one_
             assert (await _result(theirs, "x")).ok
             theirs.prefilled(_result_of("h", receiver.endpoint, 10))  # not its handoff: dropped
             theirs.prefilled(_result_of("x", receiver.endpoint, 10, status="failed"))
-            with pytest.raises(HandoffFailed, match="the prefill failed"):
+            with pytest.raises(TransferFailed, match="the prefill failed"):
                 await receiver.wait_for("x", 10, with_result=True)
             assert receiver.busy_slots() == 1  # x's slot is free again, h holds its own
             with pytest.raises(HandoffTimeout, match=r"0/\d+ layers and the prefill's result"):

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from connector.kv_errors import AdmissionRefused, HandoffFailed, HandoffTimeout
+from connector.kv_errors import AdmissionRefused, HandoffTimeout, TransferFailed
 from connector.layout import SenderPlan, glm5_fp8_ds_mla_layout
 from pd_wire.handoff import HandoffResult
 from tests.connector.transport.helpers import SMALL, assert_no_leaks
@@ -105,7 +105,7 @@ async def test_abort_releases_the_receiver(kv, transport):
             handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "ab", 10, [0, 1])
             waiter = asyncio.create_task(receiver.wait_for("ab", 10))
             await asyncio.to_thread(handoff.abort, "client went away")
-            with pytest.raises(HandoffFailed, match="aborted by the sender .*client went away"):
+            with pytest.raises(TransferFailed, match="aborted by the sender .*client went away"):
                 await waiter
             assert handoff.status() == "failed" and "client went away" in handoff.error
             handoff.post_layer(2)  # posting after abort is ignored, not an error
@@ -160,7 +160,7 @@ async def test_sender_that_disappears_fails_its_incomplete_handoffs(kv):
         await asyncio.to_thread(sender.close)
         assert handoff.status() == "failed" and "closed" in handoff.error
         assert await asyncio.to_thread(handoff.wait, 0.1) == "failed"  # returns at once
-        with pytest.raises(HandoffFailed, match="disconnected after 1/3 layers"):
+        with pytest.raises(TransferFailed, match="disconnected after 1/3 layers"):
             await waiter
         assert_no_leaks(receiver)
 
@@ -172,7 +172,7 @@ async def test_sender_wait_timeout_aborts(kv):
             handoff = await asyncio.to_thread(_send, sender, receiver.endpoint, "slow", 8, [0])
             assert await asyncio.to_thread(handoff.wait, 0.2) == "failed"
             assert "1/3 layers sent" in handoff.error
-            with pytest.raises(HandoffFailed):
+            with pytest.raises(TransferFailed):
                 await receiver.wait_for("slow", 5)
             assert_no_leaks(receiver, sender)
         finally:
