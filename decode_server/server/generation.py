@@ -422,27 +422,30 @@ class Job:
                 await send({"type": "http.response.body", "body": sse(err.body().model_dump()) + DONE})
 
     async def _take_slot(self, send: Any, headers: list[tuple[bytes, bytes]]) -> bool:
-        """The request's slot (:meth:`SlotTable.acquire`: now, or after a claim's wait in the
-        queue; a request whose KV came first joins the slot its KV holds); False when it was
-        refused (answered here: 429, 409 or 503) or its client went away first."""
+        """The request's slot (:meth:`SlotTable.take_now`, else a claim's wait in the queue,
+        :meth:`SlotTable.wait_for`; a request whose KV came first joins the slot its KV holds);
+        False when it was refused (answered here: 429, 409 or 503) or its client went away first."""
         handoff = self.plan.handoff
         wait = handoff.wait if isinstance(handoff, HandoffClaim) else None
-        waiting = asyncio.ensure_future(self.ctx.slots.acquire(self.plan.handoff_id, self, wait,
-                                                               kv_first=not self.claim))
-        aborted = asyncio.ensure_future(self._aborted.wait())
+        slots = self.ctx.slots
         try:
-            await asyncio.wait({waiting, aborted}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            aborted.cancel()
-            if not waiting.done():
-                waiting.cancel()  # leaves the queue (a slot granted at that moment goes back)
-                await asyncio.gather(waiting, return_exceptions=True)
-        if waiting.cancelled():
-            return False
-        try:
-            waiting.result()
+            taken = slots.take_now(self.plan.handoff_id, self, wait, kv_first=not self.claim)
+            if taken is None:  # queued: until the grant, the wait's end, or the client's leaving
+                assert wait is not None
+                waiting = asyncio.ensure_future(slots.wait_for(self.plan.handoff_id, self, wait))
+                aborted = asyncio.ensure_future(self._aborted.wait())
+                try:
+                    await asyncio.wait({waiting, aborted}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    aborted.cancel()
+                    if not waiting.done():
+                        waiting.cancel()  # leaves the queue (a slot granted at that moment goes back)
+                        await asyncio.gather(waiting, return_exceptions=True)
+                if waiting.cancelled():
+                    return False
+                waiting.result()
         except SlotRefused as refused:
-            if self.ctx.slots.job(self.plan.handoff_id) is not None:
+            if slots.job(self.plan.handoff_id) is not None:
                 self._kv_released = True  # the KV under that handoff is the job's that holds it
             self._release_kv()  # before the answer, as every refusal
             err = refused.error()

@@ -6,11 +6,11 @@ its wait for the KV, then its generation; the table keeps the job with its slot)
 the receiver holds for the slot's handoff. It is free once the last holder went, and then goes
 to the oldest waiting decode request at once.
 
-A decode request takes its slot (:meth:`SlotTable.acquire`) now, when one is free and nobody
-waits, or after a wait in the queue (its ``HandoffClaim.wait``: how long, its router and when the
-request came there). KV that comes before any decode request (a client of this server's own API
-that prefilled elsewhere) takes a free slot nobody waits for (:meth:`take_for_kv`); its decode
-request then joins that slot.
+A decode request takes its slot now (:meth:`SlotTable.take_now`, synchronous), when one is free
+and nobody waits, or after a wait in the queue (:meth:`SlotTable.wait_for`; its
+``HandoffClaim.wait``: how long, its router and when the request came there). KV that comes
+before any decode request (a client of this server's own API that prefilled elsewhere) takes a
+free slot nobody waits for (:meth:`take_for_kv`); its decode request then joins that slot.
 
 A decode request may name in ``replaces`` another of its router's decode requests here, granted
 for a request that router served elsewhere (a stale grant): this request is queued first, then
@@ -180,10 +180,22 @@ class SlotTable:
 
     async def acquire(self, handoff_id: str, job: SlotJob, wait: SlotWait | None = None,
                       kv_first: bool = False) -> int:
-        """The slot of ``job``'s decode request (its index): a free one nobody waits for, or
-        one after a wait in arrival order (``wait``); ``kv_first``: the request's KV came first
-        (a client that prefilled elsewhere): the slot that KV holds. Raises :class:`SlotRefused`.
-        Cancelling the caller leaves the queue (a slot granted at that moment goes back)."""
+        """The slot of ``job``'s decode request (its index): :meth:`take_now`, else after a wait
+        in arrival order (:meth:`wait_for`). Raises :class:`SlotRefused`. Cancelling the caller
+        leaves the queue (a slot granted at that moment goes back)."""
+        now = self.take_now(handoff_id, job, wait, kv_first)
+        if now is not None:
+            return now
+        assert wait is not None  # take_now refuses a request without a wait that cannot take a slot now
+        return await self.wait_for(handoff_id, job, wait)
+
+    def take_now(self, handoff_id: str, job: SlotJob, wait: SlotWait | None = None,
+                 kv_first: bool = False) -> int | None:
+        """The slot now, without a task or a wait (the common case: a free slot, nobody
+        waiting): a free one nobody waits for, or, with ``kv_first`` (the request's KV came
+        first: a client that prefilled elsewhere), the slot that KV holds; its index. None when
+        the request waits for one in the queue (:meth:`wait_for`; only with a ``wait`` that allows
+        it). Raises :class:`SlotRefused`."""
         replaces = wait.replaces if wait is not None else None
         now = self._take_now(handoff_id, job, replaces, kv_first)
         if now is not None:
@@ -194,6 +206,12 @@ class SlotTable:
                 raise self._refuse("timeout", f"all {self.capacity} decode slots are busy")
             raise self._refuse("queue_full", f"all {self.capacity} decode slots are busy and "
                                f"{len(self._queue)} requests wait for one")
+        return None
+
+    async def wait_for(self, handoff_id: str, job: SlotJob, wait: SlotWait) -> int:
+        """The slot after a wait in the queue, in arrival order, for a request :meth:`take_now`
+        found no slot for now. Raises :class:`SlotRefused`."""
+        replaces = wait.replaces
         waiter = _Waiter(self.arrival(wait.holder, wait.arrived_at, wait.sent_at), next(self._seq), handoff_id, job,
                          asyncio.get_running_loop().create_future(), wait.holder, wait.arrived_at)
         bisect.insort(self._queue, waiter)

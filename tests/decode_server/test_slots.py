@@ -49,6 +49,18 @@ async def _queued(table: SlotTable, n: int) -> None:
     assert table.queued == n
 
 
+def test_a_free_slot_is_taken_at_once_without_the_event_loop() -> None:
+    """The common case (a free slot, nobody waiting) needs no task and no loop turn: the route
+    takes it synchronously; without a slot, a request without a wait is refused at once and one
+    with a wait is told to queue."""
+    table = SlotTable(1, max_queue=8)
+    assert table.take_now("a", Job("a")) == 0 and table.busy == 1
+    with pytest.raises(SlotRefused) as refused:
+        table.take_now("b", Job("b"))
+    assert refused.value.reason == "timeout" and table.queued == 0
+    assert table.take_now("c", Job("c"), wait(10)) is None and table.queued == 0
+
+
 def test_fifo_by_arrival_at_the_router() -> None:
     async def main() -> list[str]:
         table = SlotTable(1, max_queue=8)
