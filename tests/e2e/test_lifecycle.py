@@ -53,9 +53,10 @@ def _assert_decode_aborts(router_url: str, expected: float, within_s: float) -> 
 
 
 async def test_16_concurrent_clients_one_slot_first_come_first_served(pd_stack, model_name):
-    """Request 0 holds the only slot (a long generation) while 1..15 arrive one after the
-    other: each is sent once the router has queued the one before (its queue depth, the
-    observable state), so the arrival order is known; first tokens must come in that order."""
+    """Request 0 holds the only slot while 1..15 arrive one after the other: each is sent once
+    the router has queued the one before (its queue depth, the observable state), so the arrival
+    order is known; then request 0's client leaves (its generation could end before the last
+    arrival on a slow machine) and the first tokens of 1..15 must come in arrival order."""
     assert pd_stack.config.decode_slots == 1 and pd_stack.config.num_decode == 1
     router = pd_stack.config.router_url
     url = f"{router}/v1/completions"
@@ -65,7 +66,7 @@ async def test_16_concurrent_clients_one_slot_first_come_first_served(pd_stack, 
     async def client(i: int, http: httpx.AsyncClient) -> int:
         if i:
             await queued[i - 1].wait()  # arrival order 0, 1, 2, ...
-        body = {"model": model_name, "prompt": f"Request number {i}:", "max_tokens": 600 if i == 0 else 8,
+        body = {"model": model_name, "prompt": f"Request number {i}:", "max_tokens": 4000 if i == 0 else 8,
                 "temperature": 0, "stream": True, "ignore_eos": True}
         n = 0
         async with http.stream("POST", url, json=body) as r:
@@ -74,6 +75,10 @@ async def test_16_concurrent_clients_one_slot_first_come_first_served(pd_stack, 
                 if line.startswith("data: ") and line != "data: [DONE]":
                     first_token_at.setdefault(i, time.monotonic())
                     n += len(json.loads(line[6:])["choices"])
+                if i == 0 and queued[15].is_set():
+                    break  # request 0 leaves: its slot goes to the queue's head
+            else:
+                assert i, "request 0's 4000 tokens ended before the 15 others were queued"
         return n
 
     async def arrivals(http: httpx.AsyncClient) -> None:

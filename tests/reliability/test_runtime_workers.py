@@ -79,8 +79,10 @@ def stack(tiny_model_dir: Path, tmp_path: Path) -> Iterator[dict]:
             decode(i)
         vllm = procs.enter_context(server(vllm_prefill_argv(prefill), tmp_path / "prefill.log",
                                           f"{cfg.prefill_url}/health", 300, VLLM_CPU_ENV))
-        procs.enter_context(server(router_argv(router), tmp_path / "router.log", f"{cfg.router_url}/ready", 120))
-        yield {"cfg": cfg, "file": servers_file, "urls": urls, "kvs": kvs, "decode": decode, "vllm": vllm}
+        router_proc = procs.enter_context(server(router_argv(router), tmp_path / "router.log",
+                                                 f"{cfg.router_url}/ready", 120))
+        yield {"cfg": cfg, "file": servers_file, "urls": urls, "kvs": kvs, "decode": decode, "vllm": vllm,
+               "router": router_proc}
 
 
 def test_decode_server_added_and_removed_at_runtime(stack: dict) -> None:
@@ -110,16 +112,26 @@ def test_decode_server_added_and_removed_at_runtime(stack: dict) -> None:
     assert status == 200 and text.split('"text":')[1][:40] == baseline.split('"text":')[1][:40], text
     assert served(urls[2]) == before + 1
 
-    # remove decode-0 while a stream is in flight on it: it drains, the stream completes
+    # remove decode-0 while a stream is in flight on it: it drains, the stream completes. The
+    # streams on decode-1 and decode-2 start while the test holds decode-0's slot; decode-0's
+    # starts last (the only free slot then), so the file's change lands early in its 2048 tokens
+    # (seconds), a discovery interval after the router counted it there.
     before = served(urls[0])  # the decode server counts a request when it answers its head
+
+    def in_flight() -> list[int]:
+        listed = backends(router)
+        return [listed[u][1] for u in urls]
+
     with ThreadPoolExecutor(3) as pool:
-        # long enough (seconds) that the file's change lands while they run
-        streams = [pool.submit(complete, router, model, f"drain-{i}", True, 2048, ignore_eos=True)
-                   for i in range(3)]
-        wait_until(lambda: all(n == 1 for _, n in backends(router).values()), 60, "a stream on every decode server")
+        with held_slot(urls[0]):
+            streams = [pool.submit(complete, router, model, f"drain-{i}", True, 2048, ignore_eos=True)
+                       for i in (1, 2)]
+            wait_until(lambda: in_flight() == [0, 1, 1], 60, "a stream on decode-1 and decode-2")
+        streams.append(pool.submit(complete, router, model, "drain-0", True, 2048, ignore_eos=True))
+        wait_until(lambda: in_flight() == [1, 1, 1], 60, "a stream on decode-0")
         write_servers(stack["file"], cfg.prefill_url, list(zip(urls[1:], kvs[1:], strict=True)))
-        wait_until(lambda: backends(router)[urls[0]][0] == "draining", 30, "decode-0 draining")
-        assert backends(router)[urls[0]] == ("draining", 1)  # still serving its stream
+        removed = f"decode server {urls[0]} removed: draining (1 in flight)"
+        wait_until(lambda: removed in stack["router"].log_tail(400), 30, "decode-0 draining with its stream")
         results = [f.result() for f in streams]
     for status, text in results:
         assert status == 200 and text.rstrip().endswith("data: [DONE]") and '"error"' not in text, text[-300:]
