@@ -40,6 +40,7 @@ import uvloop
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pd_build.versions import git_revision  # noqa: E402
 from pd_deploy.commands import RouterSpec, router_argv  # noqa: E402
 from pd_wire.handoff import HandoffResult
 from tests.e2e.prompts import long_prompt  # noqa: E402
@@ -332,6 +333,7 @@ def main() -> None:
     per_client = dict(zip(CONCURRENCY, args.requests_per_client, strict=True))
     logs = Path(tempfile.mkdtemp(prefix="router-bench-"))
     with fake_stack(logs) as (urls, pids):
+        revision = git_revision() or "unknown"  # before the run writes its results into the tree
         t0 = time.perf_counter()
         rows = uvloop.run(_measure(urls, pids, per_client, args.rounds, args.endpoints))
         took = time.perf_counter() - t0
@@ -343,7 +345,6 @@ def main() -> None:
     print(f"({started}, {took:.0f} s; load average {load_start:.1f} at the start, {load:.1f} at the end, "
           f"{os.cpu_count()} CPUs; logs in {logs})")
     from bench.plots import render, write_result
-    from pd_build.versions import git_revision
 
     data = write_result("router_overhead", f"{started}, {os.cpu_count()} CPUs, load {load_start:.1f} -> {load:.1f}",
                         rows, args.results, goals={k: [c, limit] for k, (c, limit, _, _) in GOALS.items()})
@@ -367,7 +368,7 @@ def main() -> None:
             "minimal PD relay (`bench/pd_floor.py`: the router's exchanges, the decode request first and the "
             "prefill on its 200, and a byte relay of the answer, nothing checked, no metrics), the floor of a "
             "Python router with this protocol on the machine. "
-            f"Commit {git_revision() or 'unknown'}, {started}, {took:.0f} s; machine: {os.cpu_count()} CPUs, load "
+            f"Commit {revision}, {started}, {took:.0f} s; machine: {os.cpu_count()} CPUs, load "
             f"average {load_start:.1f} at the start, {load:.1f} at the end.\n\n"
             f"{table}\n\n```\n{goals}\n```\n{figure}{_caveat(load)}"
         )

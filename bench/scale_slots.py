@@ -272,6 +272,7 @@ def main() -> None:
         asyncio.run(_serve_mocks(*json.loads(args.mocks)))
         return
     load0 = os.getloadavg()[0]
+    revision = git_revision() or "unknown"  # before the run writes its section into the tree
     t0 = time.time()
     rows = _bench(args)
     table = _table(rows)
@@ -285,7 +286,7 @@ def main() -> None:
             f"the real SlotTable, {PREFILLS} fake prefill servers, all on one event loop in one process; {args.tokens} "
             f"tokens {args.token_delay * 1e3:g} ms apart; the clients stream {args.requests} requests each, "
             f"one after the other, spread over the routers; the same mocks and load for each number of routers). "
-            f"Commit {git_revision() or 'unknown'}, {time.strftime('%Y-%m-%d %H:%M', time.gmtime(t0))} UTC, "
+            f"Commit {revision}, {time.strftime('%Y-%m-%d %H:%M', time.gmtime(t0))} UTC, "
             f"{time.time() - t0:.0f} s; machine: "
             f"{os.cpu_count()} CPUs, load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.\n\n"
             f"{table}\n")
