@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import secrets
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +37,7 @@ from decode_server.engine.base import (
     TokenOut,
 )
 from decode_server.engine.grammar import Constraint
-from decode_server.engine.sampling import LogitsAdjuster, choose, token_out
+from decode_server.engine.sampling import LogitsAdjuster, choose, position_seed, token_out
 from decode_server.reference.decoder import Decoder
 from decode_server.reference.model import DTYPES, MlaMoeModel, load_model
 from pd_wire.decode import EngineFeatures
@@ -66,10 +67,9 @@ class ReferenceSession(DecodeSession):
         self._num_mtp = num_mtp
         self._device = caches.device
         self._gen = torch.Generator(device=self._device)
-        if params.seed is None:
-            self._gen.seed()
-        else:
-            self._gen.manual_seed(params.seed)
+        # each draw seeded by its position (sampling.position_seed): an unseeded request's seed
+        # is drawn once here
+        self._seed = params.seed if params.seed is not None else secrets.randbits(63)
         here = params.first_token_here
         self._adjust = (LogitsAdjuster(params, decoder.cfg.vocab_size, None if here else first_token_id,
                                        self._device) if params.adjusts_logits else None)
@@ -95,10 +95,15 @@ class ReferenceSession(DecodeSession):
         row = logits[0] if self._adjust is None else self._adjust(logits[0])
         if self._grammar is not None and self._grammar.active:
             row = self._grammar.constrain(row, self._grammar.step_masks([])[0])
-        tok = choose(row, self._params, self._gen)
+        tok = choose(row, self._params, self._at(self._len))
         if self._adjust is not None:
             self._adjust.accept(tok)
         return token_out(logits[0], tok, self._params)
+
+    def _at(self, position: int) -> torch.Generator:
+        """The generator for the draw of the token at ``position``."""
+        self._gen.manual_seed(position_seed(self._seed, position))
+        return self._gen
 
     @property
     def position(self) -> int:
@@ -156,7 +161,7 @@ class ReferenceSession(DecodeSession):
             row = logits[i] if self._adjust is None else self._adjust(logits[i])
             if masks is not None and grammar is not None and grammar.active:
                 row = grammar.constrain(row, masks[i])
-            tok = choose(row, self._params, self._gen, draft)
+            tok = choose(row, self._params, self._at(self._len + 1 + i))
             if self._adjust is not None:
                 self._adjust.accept(tok)
             if grammar is not None:
@@ -172,13 +177,14 @@ class ReferenceSession(DecodeSession):
         out: list[TokenOut] = []
         accepted = 0
         for i, draft in enumerate(self._drafts):
-            tok = greedy[i] if greedy is not None else choose(logits[i], self._params, self._gen, draft)
+            tok = greedy[i] if greedy is not None else choose(logits[i], self._params, self._at(self._len + 1 + i))
             out.append(token_out(logits[i], tok, self._params))
             if tok != draft:
                 break
             accepted += 1
         else:
-            tok = greedy[-1] if greedy is not None else choose(logits[-1], self._params, self._gen)
+            tok = greedy[-1] if greedy is not None else choose(logits[-1], self._params,
+                                                               self._at(self._len + len(self._drafts) + 1))
             out.append(token_out(logits[-1], tok, self._params))
         return out, accepted
 

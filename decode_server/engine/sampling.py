@@ -1,7 +1,11 @@
-"""Token choice for the reference engine: greedy, or temperature/min-p/top-k/top-p sampling
-with speculative verification (drafts are greedy MTP proposals, i.e. one-hot draft
-distributions, so rejection sampling reduces to: accept draft ``d`` with probability
-``p(d)``, else sample from ``p`` with ``d`` removed; the output distribution is ``p``).
+"""Token choice for the reference engine: greedy, or temperature/min-p/top-k/top-p sampling.
+
+A sampled token is drawn from the target distribution with the randomness of its position in
+the sequence alone (:func:`position_seed`: the request's seed and the token's position), so
+the tokens of a seeded request do not depend on how the steps fell: MTP drafts (a greedy
+proposal ``d`` is accepted iff the token drawn there is ``d``, which happens with
+probability ``p(d)``: the rejection sampling of a one-hot draft, the output distribution is
+``p``), nor a sequence resumed elsewhere from its tokens so far.
 
 Before the choice, in vLLM's order (its sampler): logit bias, then the repetition penalty
 (tokens of the prompt or the output: a positive logit divided by it, a negative one
@@ -78,19 +82,26 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, draft: int | None = None) -> int:
-    """The token at this position; equals ``draft`` iff the draft is accepted."""
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of the draw at ``position`` (0-based, in the whole sequence: prompt and output)
+    of a sequence seeded ``seed``: SplitMix64's finaliser over the two, so neighbouring
+    positions and seeds give unrelated streams."""
+    z = (seed * _GOLDEN + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+    """The token at this position: the argmax (greedy), else one draw from the target
+    distribution with ``gen`` (seeded for the position by the caller)."""
     if params.greedy:
         return int(logits.argmax())
-    probs = target_probs(logits, params)
-    if draft is not None:
-        if torch.rand((), generator=gen, device=gen.device) < probs[draft]:
-            return draft
-        probs = probs.clone()
-        probs[draft] = 0.0
-        if float(probs.sum()) <= 0.0:  # p was one-hot on the draft (cannot happen after the accept test)
-            return draft
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return int(torch.multinomial(target_probs(logits, params), 1, generator=gen))
 
 
 def token_out(logits: torch.Tensor, token: int, params: SamplingParams) -> TokenOut:

@@ -105,6 +105,43 @@ def test_seeded_sampling_is_reproducible_and_uses_drafts(tiny_model_dir, model, 
     assert run(7) != run(8)
 
 
+def _sampled(engine: ReferenceEngine, model: MlaMoeModel, ids: list[int], params: SamplingParams,
+             n: int) -> list[int]:
+    """``n`` tokens of the engine after the prefill of ``ids``, the first chosen by the engine
+    too (``params`` with min_p: ``first_token_here``)."""
+    assert params.first_token_here
+    kv, handoff, _ = prefilled(model, ids)
+    session = engine.start(kv, handoff, params)
+    toks = [session.first_token.token_id]
+    try:
+        while len(toks) < n:
+            toks += [t.token_id for t in session.step()]
+    finally:
+        session.close()
+    return toks[:n]
+
+
+def test_seeded_sampling_does_not_depend_on_the_drafts(tiny_model_dir, model, tokenizer) -> None:
+    """Each token is drawn with its position's randomness: MTP on or off, the same tokens."""
+    ids = tokenizer.encode(PROMPTS[3]).ids
+    params = SamplingParams(max_tokens=40, temperature=0.8, min_p=0.01, seed=5)
+    with_mtp = _sampled(_engine(tiny_model_dir, model, num_mtp=1), model, ids, params, 40)
+    assert with_mtp == _sampled(_engine(tiny_model_dir, model, num_mtp=0), model, ids, params, 40)
+
+
+@pytest.mark.parametrize("cut", [1, 9, 23])
+def test_seeded_sampling_resumed_from_the_tokens_so_far_goes_on_as_uninterrupted(
+        tiny_model_dir, model, tokenizer, cut) -> None:
+    """A sequence cut after ``cut`` tokens and prefilled again with them (as a migration to
+    another decode server does) draws the same tokens as the one never cut."""
+    engine = _engine(tiny_model_dir, model, num_mtp=1)
+    ids = tokenizer.encode(PROMPTS[5]).ids
+    params = SamplingParams(max_tokens=32, temperature=1.0, top_k=40, min_p=0.01, seed=1234)
+    whole = _sampled(engine, model, ids, params, 32)
+    assert len(set(whole)) > 8  # sampled, not a greedy loop
+    assert _sampled(engine, model, ids + whole[:cut], params, 32 - cut) == whole[cut:]
+
+
 def test_slots_busy_and_close_frees(tiny_model_dir, model, tokenizer) -> None:
     engine = _engine(tiny_model_dir, model, slots=2)
     kv, h, _ = prefilled(model, tokenizer.encode(PROMPTS[0]).ids)
