@@ -67,6 +67,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
     prompt_token_ids: tuple[int, ...] = ()  # needed when repetition_penalty != 1
+    # a sequence resumed from a cut (its KV prefilled again with these tokens after the prompt):
+    # the output tokens generated before the cut, which count for the penalties and advance the
+    # grammar; the engine chooses the token at the cut itself (first_token_here)
+    resumed_from: tuple[int, ...] = ()
     greedy: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -74,11 +78,12 @@ class SamplingParams:
 
     @property
     def first_token_here(self) -> bool:
-        """vLLM refuses ``logit_bias`` and ``min_p`` with speculative decoding, which our
-        prefill always runs (MTP): the router leaves them out of the prefill leg, and the
-        engine chooses the first token itself, from the last prompt position
-        (:attr:`DecodeSession.first_token`)."""
-        return bool(self.logit_bias) or self.min_p > 0.0
+        """Whether the engine chooses the first token itself, from the last prompt position
+        (:attr:`DecodeSession.first_token`): vLLM refuses ``logit_bias`` and ``min_p`` with
+        speculative decoding, which our prefill always runs (MTP), so the router leaves them out
+        of the prefill leg; and a resumed sequence's token at the cut is drawn as the
+        uninterrupted sequence would have drawn it (``resumed_from``)."""
+        return bool(self.logit_bias) or self.min_p > 0.0 or bool(self.resumed_from)
 
     @property
     def adjusts_logits(self) -> bool:

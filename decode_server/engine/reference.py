@@ -77,6 +77,8 @@ class ReferenceSession(DecodeSession):
         self._grammar: Constraint | None = None
         if params.grammar is not None:  # structured output: the masks of a step's 1 + num_mtp rows
             self._grammar = Constraint(params.grammar, decoder.cfg.vocab_size, 1 + num_mtp)
+            for token in params.resumed_from:  # the output before a cut
+                self._grammar.accept(token)
         if here:
             self.first_token = self._choose_first(last_prompt_token_id)
             self._pending = self.first_token.token_id

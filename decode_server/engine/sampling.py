@@ -24,7 +24,8 @@ from decode_server.engine.base import SamplingParams, TokenOut
 
 class LogitsAdjuster:
     """One sequence's logit bias and penalties: the output counts so far (``accept`` each
-    emitted token, the first one prefill sampled included) and the prompt's token set."""
+    emitted token, the first one prefill sampled and those before a cut included) and the
+    prompt's token set."""
 
     def __init__(self, params: SamplingParams, vocab_size: int, first_token_id: int | None,
                  device: torch.device) -> None:
@@ -40,6 +41,8 @@ class LogitsAdjuster:
             self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             if params.prompt_token_ids:
                 self._seen[torch.tensor(params.prompt_token_ids, dtype=torch.long, device=device)] = True
+        for token in params.resumed_from:  # the output before a cut
+            self.accept(token)
         if first_token_id is not None:  # prefill's, else the first token is yet to be chosen
             self.accept(first_token_id)
 

@@ -164,7 +164,7 @@ def test_ar_steps_bounded_by_budget_and_plain_decode(tmp_path):
     s.close()
 
 
-def test_start_rejects_bad_kv_and_logprobs(tmp_path):
+def test_start_rejects_bad_kv_logprobs_and_a_resumed_sequence(tmp_path):
     engine, _ = _engine(tmp_path)
     with pytest.raises(EngineError, match="layers"):
         engine.start(_received(8, 3), _handoff(8), SamplingParams(max_tokens=5))
@@ -176,6 +176,8 @@ def test_start_rejects_bad_kv_and_logprobs(tmp_path):
         engine.start(bad, _handoff(8), SamplingParams(max_tokens=5))
     with pytest.raises(EngineError, match="logprobs"):
         engine.start(_received(8, 4), _handoff(8), SamplingParams(max_tokens=5, logprobs=1))
+    with pytest.raises(EngineError, match="does not resume a cut sequence"):
+        engine.start(_received(8, 4), _handoff(8), SamplingParams(max_tokens=5, resumed_from=(7, 9)))
     engine.start(_received(8, 4), _handoff(8), SamplingParams(max_tokens=5)).close()  # not left busy
 
 

@@ -4,6 +4,7 @@ cancellation and bad input. No vLLM here (see test_vllm_equivalence.py)."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -108,7 +109,7 @@ def test_seeded_sampling_is_reproducible_and_uses_drafts(tiny_model_dir, model, 
 def _sampled(engine: ReferenceEngine, model: MlaMoeModel, ids: list[int], params: SamplingParams,
              n: int) -> list[int]:
     """``n`` tokens of the engine after the prefill of ``ids``, the first chosen by the engine
-    too (``params`` with min_p: ``first_token_here``)."""
+    too (``params.first_token_here``: with min_p, or resumed)."""
     assert params.first_token_here
     kv, handoff, _ = prefilled(model, ids)
     session = engine.start(kv, handoff, params)
@@ -129,17 +130,30 @@ def test_seeded_sampling_does_not_depend_on_the_drafts(tiny_model_dir, model, to
     assert with_mtp == _sampled(_engine(tiny_model_dir, model, num_mtp=0), model, ids, params, 40)
 
 
+RESUMED = {  # sampling controls whose state a resumed sequence must carry over the cut
+    "seeded": {"temperature": 1.0, "top_k": 40, "min_p": 0.01, "seed": 1234},
+    "penalties": {"temperature": 0.9, "seed": 77, "presence_penalty": 0.8, "frequency_penalty": 0.6,
+                  "repetition_penalty": 1.3},
+    "greedy_penalties": {"temperature": 0.0, "frequency_penalty": 1.5, "repetition_penalty": 1.2},
+}
+
+
 @pytest.mark.parametrize("cut", [1, 9, 23])
-def test_seeded_sampling_resumed_from_the_tokens_so_far_goes_on_as_uninterrupted(
-        tiny_model_dir, model, tokenizer, cut) -> None:
+@pytest.mark.parametrize("controls", sorted(RESUMED))
+def test_a_sequence_resumed_from_its_tokens_so_far_goes_on_as_uninterrupted(
+        tiny_model_dir, model, tokenizer, controls, cut) -> None:
     """A sequence cut after ``cut`` tokens and prefilled again with them (as a migration to
-    another decode server does) draws the same tokens as the one never cut."""
+    another decode server does), resumed with those tokens (``resumed_from``: penalties, the
+    token at the cut chosen here), gives the tokens of the one never cut."""
     engine = _engine(tiny_model_dir, model, num_mtp=1)
     ids = tokenizer.encode(PROMPTS[5]).ids
-    params = SamplingParams(max_tokens=32, temperature=1.0, top_k=40, min_p=0.01, seed=1234)
+    params = SamplingParams(max_tokens=32, prompt_token_ids=tuple(ids), **RESUMED[controls])
+    if not params.first_token_here:  # the uninterrupted one chooses its first token here too
+        params = replace(params, logit_bias=((0, 0.0),))
     whole = _sampled(engine, model, ids, params, 32)
-    assert len(set(whole)) > 8  # sampled, not a greedy loop
-    assert _sampled(engine, model, ids + whole[:cut], params, 32 - cut) == whole[cut:]
+    assert len(set(whole)) > 8  # not a loop: the penalties and the draws at work
+    resumed = replace(params, max_tokens=32 - cut, resumed_from=tuple(whole[:cut]))
+    assert _sampled(engine, model, ids + whole[:cut], resumed, 32 - cut) == whole[cut:]
 
 
 def test_slots_busy_and_close_frees(tiny_model_dir, model, tokenizer) -> None:

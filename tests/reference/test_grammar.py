@@ -151,3 +151,30 @@ def test_the_grammar_holds_with_logit_bias_and_penalties(tiny_model_dir, model, 
         assert tokens[0] != forbidden and _follows(compiler, "schema", tokens[:40]), tokenizer.decode(tokens)
         runs.append(tokens[:40])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("cut", [2, 7])
+def test_a_sequence_resumed_under_its_grammar_goes_on_as_uninterrupted(tiny_model_dir, model, compiler, cut):
+    """A sampled JSON answer cut after ``cut`` tokens, prefilled again with them and resumed
+    (``resumed_from``: the grammar advanced over them, the token at the cut drawn here) gives
+    the rest of the uninterrupted answer, and the whole follows the grammar."""
+    tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    engine = ReferenceEngine(tiny_model_dir, model=model, num_mtp=1)
+    ids = tokenizer.encode(PROMPTS[1]).ids
+
+    def run(prompt_ids: list[int], resumed_from: tuple[int, ...], n: int) -> list[int]:
+        params = SamplingParams(max_tokens=n, temperature=1.0, seed=21, logit_bias=((EOS, 0.0),),
+                                resumed_from=resumed_from, grammar=compiler.matcher(_spec("schema"), [EOS]))
+        out = prefill(model, prompt_ids)
+        session = engine.start(received("h", out.kv), handoff_for(prompt_ids, int(out.logits.argmax())), params)
+        try:
+            tokens = [session.first_token.token_id]
+            while len(tokens) < n and EOS not in tokens:
+                tokens += [t.token_id for t in session.step()]
+        finally:
+            session.close()
+        return tokens[:n]
+
+    whole = run(ids, (), 30)
+    assert _follows(compiler, "schema", whole) and len(whole) > cut + 5, tokenizer.decode(whole)
+    assert run(ids + whole[:cut], tuple(whole[:cut]), 30 - cut) == whole[cut:]
