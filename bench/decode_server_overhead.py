@@ -1,9 +1,11 @@
 """Decode server overhead per output token: a scripted engine with a fixed step time,
 driven (a) directly in a loop (baseline) and (b) through the real server on loopback
-(SSE streaming, C concurrent clients; the server runs in its own process). Prints
+(SSE streaming, C concurrent clients; the server runs in its own process, on uvloop and
+httptools as ``python -m decode_server`` runs it, or ``--loop asyncio``). Prints
 tokens/s of both and their ratio, measured in the same run.
 
-    python bench/decode_server_overhead.py [--step-ms 3.19] [--tokens 256] [--concurrency 1 4] [--timeline]
+    python bench/decode_server_overhead.py [--step-ms 3.19] [--tokens 256] [--concurrency 1 4]
+        [--timeline] [--loop asyncio]
 
 ``--timeline``: the server process also records, on each slot's worker thread, when each
 engine step starts and ends and how long the work between two steps takes by part (the
@@ -172,7 +174,8 @@ def serve(args: argparse.Namespace, cfg: FakeEngineConfig) -> None:
         timeline.wrap(Job, "_post", "post")
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model_dir(Path(tmp) / "m")
-        srv, server, thread = start_server(model, cfg, slots=max(args.concurrency), max_seq_len=args.tokens + 16)
+        srv, server, thread = start_server(model, cfg, slots=max(args.concurrency), max_seq_len=args.tokens + 16,
+                                           loop=args.loop)
         print(srv.url, flush=True)
         for line in sys.stdin:  # until the parent closes our stdin
             if line.strip() == "timeline" and timeline is not None:
@@ -188,6 +191,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--timeline", action="store_true", help="also the gaps between engine steps in the server, "
                     "and what fills them")
+    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                    help="the server's event loop (python -m decode_server runs uvloop)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     filler = 200  # one byte-level token: one character per token

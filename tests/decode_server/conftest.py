@@ -92,9 +92,11 @@ def start_server(model_dir: Path, engine_cfg: FakeEngineConfig, slots: int = 2, 
                  tools: bool = False, engine: Engine | None = None, engine_name: str = "reference",
                  kv_tokens: int = 4, api_key: str | None = None, receiver_factory=None,
                  drain_timeout: float | None = None, tracing: Tracing | None = None,
-                 write_timeout: float = 60.0) -> tuple[RunningServer, uvicorn.Server, threading.Thread]:
+                 write_timeout: float = 60.0, loop: str = "asyncio",
+                 ) -> tuple[RunningServer, uvicorn.Server, threading.Thread]:
     """``drain_timeout``: serve with the drain python -m decode_server runs (``server.begin_drain``);
-    ``tracing``: the app's tracer (default: tracing off)."""
+    ``tracing``: the app's tracer (default: tracing off); ``loop``: uvicorn's (``python -m
+    decode_server`` runs ``uvloop``)."""
     engine = engine or FakeEngine(engine_cfg)
     receivers: list[FakeReceiver] = []
 
@@ -110,7 +112,7 @@ def start_server(model_dir: Path, engine_cfg: FakeEngineConfig, slots: int = 2, 
                     write_timeout=write_timeout, reasoning_parser=reasoning, tool_call_parser=tools, api_key=api_key)
     app = create_app(cfg, lambda: engine, make_receiver, tracing=tracing)
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", http="httptools",
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, loop=loop, http="httptools",
                             log_level="warning", access_log=False)
     if drain_timeout is None:
         server = uvicorn.Server(config)
