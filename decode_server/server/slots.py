@@ -6,9 +6,10 @@ its wait for the KV, then its generation; the table keeps the job with its slot)
 the receiver holds for the slot's handoff. It is free once the last holder went, and then goes
 to the oldest waiting decode request at once.
 
-A decode request takes its slot now (:meth:`SlotTable.take_now`, synchronous), when one is free
-and nobody waits, or after a wait in the queue (:meth:`SlotTable.wait_for`; its
-``HandoffClaim.wait``: how long, its router and when the request came there). KV that comes
+A decode request takes its slot (:meth:`SlotTable.take`, synchronous) now, when one is free and
+nobody waits, or its place in the queue, then the slot after a wait there
+(:meth:`SlotTable.granted`; its ``HandoffClaim.wait``: how long, its router and when the request
+came there). KV that comes
 before any decode request (a client of this server's own API that prefilled elsewhere) takes a
 free slot nobody waits for (:meth:`take_for_kv`); its decode request then joins that slot.
 
@@ -94,7 +95,11 @@ class _Slot:
 
 
 @dataclass(order=True)
-class _Waiter:
+class Waiter:
+    """A decode request's place in the queue (:meth:`SlotTable.take`): ``future`` is its grant;
+    the caller awaits :meth:`SlotTable.granted`, or calls :meth:`SlotTable.leave` when it stops
+    waiting."""
+
     arrived: float  # on the server's clock: ``arrived_at`` + its router's offset
     seq: int
     handoff_id: str = field(compare=False)
@@ -102,6 +107,8 @@ class _Waiter:
     future: asyncio.Future[_Slot] = field(compare=False, repr=False)
     router: str = field(default="", compare=False)
     arrived_at: float = field(default=0.0, compare=False)
+    wait_s: float = field(default=0.0, compare=False)
+    settled: bool = field(default=False, compare=False)  # its grant taken, or it left
 
 
 class SlotTable:
@@ -112,7 +119,7 @@ class SlotTable:
         self._free = list(range(slots - 1, -1, -1))
         self._held: dict[str, _Slot] = {}  # handoff id -> its slot
         self._requests: dict[str, str] = {}  # request id -> the handoff id of its job's slot
-        self._queue: list[_Waiter] = []
+        self._queue: list[Waiter] = []
         self._offsets: dict[str, float] = {}  # router -> smallest (receipt - sent_at) seen
         self._seq = itertools.count()
         self._idle = asyncio.Event()
@@ -180,22 +187,19 @@ class SlotTable:
 
     async def acquire(self, handoff_id: str, job: SlotJob, wait: SlotWait | None = None,
                       kv_first: bool = False) -> int:
-        """The slot of ``job``'s decode request (its index): :meth:`take_now`, else after a wait
-        in arrival order (:meth:`wait_for`). Raises :class:`SlotRefused`. Cancelling the caller
-        leaves the queue (a slot granted at that moment goes back)."""
-        now = self.take_now(handoff_id, job, wait, kv_first)
-        if now is not None:
-            return now
-        assert wait is not None  # take_now refuses a request without a wait that cannot take a slot now
-        return await self.wait_for(handoff_id, job, wait)
+        """The slot of ``job``'s decode request (its index): :meth:`take`, and when it queues,
+        :meth:`granted`. Raises :class:`SlotRefused`. Cancelling the caller leaves the queue (a
+        slot granted at that moment goes back)."""
+        taken = self.take(handoff_id, job, wait, kv_first)
+        return taken if isinstance(taken, int) else await self.granted(taken)
 
-    def take_now(self, handoff_id: str, job: SlotJob, wait: SlotWait | None = None,
-                 kv_first: bool = False) -> int | None:
-        """The slot now, without a task or a wait (the common case: a free slot, nobody
-        waiting): a free one nobody waits for, or, with ``kv_first`` (the request's KV came
-        first: a client that prefilled elsewhere), the slot that KV holds; its index. None when
-        the request waits for one in the queue (:meth:`wait_for`; only with a ``wait`` that allows
-        it). Raises :class:`SlotRefused`."""
+    def take(self, handoff_id: str, job: SlotJob, wait: SlotWait | None = None,
+             kv_first: bool = False) -> int | Waiter:
+        """The slot now (its index), without a task: a free one nobody waits for, or, with
+        ``kv_first`` (the request's KV came first: a client that prefilled elsewhere), the slot
+        that KV holds. Else, when its ``wait`` allows it, the request's place in the queue,
+        taken now (so no request that comes later can pass it): await :meth:`granted`, or
+        :meth:`leave`. Raises :class:`SlotRefused`."""
         replaces = wait.replaces if wait is not None else None
         now = self._take_now(handoff_id, job, replaces, kv_first)
         if now is not None:
@@ -206,38 +210,52 @@ class SlotTable:
                 raise self._refuse("timeout", f"all {self.capacity} decode slots are busy")
             raise self._refuse("queue_full", f"all {self.capacity} decode slots are busy and "
                                f"{len(self._queue)} requests wait for one")
-        return None
-
-    async def wait_for(self, handoff_id: str, job: SlotJob, wait: SlotWait) -> int:
-        """The slot after a wait in the queue, in arrival order, for a request :meth:`take_now`
-        found no slot for now. Raises :class:`SlotRefused`."""
-        replaces = wait.replaces
-        waiter = _Waiter(self.arrival(wait.holder, wait.arrived_at, wait.sent_at), next(self._seq), handoff_id, job,
-                         asyncio.get_running_loop().create_future(), wait.holder, wait.arrived_at)
+        waiter = Waiter(self.arrival(wait.holder, wait.arrived_at, wait.sent_at), next(self._seq), handoff_id, job,
+                        asyncio.get_running_loop().create_future(), wait.holder, wait.arrived_at, wait.wait_s)
         bisect.insort(self._queue, waiter)
         log.info("slot queued: %s arrived=%.6f", handoff_id, waiter.arrived)
         self._give_back(replaces)  # may grant this very request at once (its future is then done)
         if wait.wait_s <= 0:  # a swap without wait: the slot was this request's, or it went to an older one
             if waiter.future.done():
+                waiter.settled = True
                 return waiter.future.result().index
-            self._forget(waiter)
+            self.leave(waiter)
             raise self._refuse("timeout", f"the slot went to a request that waited longer; all {self.capacity} "
                                "decode slots are busy")
+        return waiter
+
+    async def granted(self, waiter: Waiter) -> int:
+        """The slot of a queued request (:meth:`take`) once granted, within its wait. Raises
+        :class:`SlotRefused`; cancelled, it leaves the queue (:meth:`leave`)."""
         try:
-            async with asyncio.timeout(wait.wait_s):
+            async with asyncio.timeout(waiter.wait_s):
                 slot = await waiter.future
-        except BaseException as exc:
-            self._forget(waiter)
+        except TimeoutError:
             fut = waiter.future
-            granted = fut.done() and not fut.cancelled() and fut.exception() is None
-            if isinstance(exc, TimeoutError):
-                if granted:
-                    return fut.result().index  # granted as the wait ran out
-                raise self._refuse("timeout", f"no decode slot became free within {wait.wait_s:g}s") from None
-            if granted:
-                self._drop(fut.result(), "job")  # granted as the caller went away
+            if fut.done() and not fut.cancelled() and fut.exception() is None:  # granted as the wait ran out
+                waiter.settled = True
+                return fut.result().index
+            self.leave(waiter)
+            raise self._refuse("timeout", f"no decode slot became free within {waiter.wait_s:g}s") from None
+        except BaseException:
+            self.leave(waiter)
             raise
+        waiter.settled = True
         return slot.index
+
+    def leave(self, waiter: Waiter) -> None:
+        """The caller of a queued request stops waiting (its client went, its wait ran out): out
+        of the queue, and a slot granted to it meanwhile goes back. Idempotent; nothing once its
+        grant was taken."""
+        if waiter.settled:
+            return
+        waiter.settled = True
+        self._forget(waiter)
+        fut = waiter.future
+        if not fut.done():
+            fut.cancel()
+        elif not fut.cancelled() and fut.exception() is None:
+            self._drop(fut.result(), "job")  # granted as the caller went away
 
     def _take_now(self, handoff_id: str, job: SlotJob, replaces: str | None, kv_first: bool) -> int | None:
         """The slot now (its index): the one its KV holds (``kv_first``), or a free one nobody
@@ -365,7 +383,7 @@ class SlotTable:
             self.grants += 1
             log.info("slot granted: %s arrived=%.6f", waiter.handoff_id, waiter.arrived)
 
-    def _forget(self, waiter: _Waiter) -> None:
+    def _forget(self, waiter: Waiter) -> None:
         try:
             self._queue.remove(waiter)
         except ValueError:

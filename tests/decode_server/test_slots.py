@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decode_server.server.slots import SlotRefused, SlotTable
+from decode_server.server.slots import SlotRefused, SlotTable, Waiter
 from pd_wire.handoff import SlotWait
 
 
@@ -51,14 +51,47 @@ async def _queued(table: SlotTable, n: int) -> None:
 
 def test_a_free_slot_is_taken_at_once_without_the_event_loop() -> None:
     """The common case (a free slot, nobody waiting) needs no task and no loop turn: the route
-    takes it synchronously; without a slot, a request without a wait is refused at once and one
-    with a wait is told to queue."""
+    takes it synchronously; without a slot, a request without a wait is refused at once."""
     table = SlotTable(1, max_queue=8)
-    assert table.take_now("a", Job("a")) == 0 and table.busy == 1
+    assert table.take("a", Job("a")) == 0 and table.busy == 1
     with pytest.raises(SlotRefused) as refused:
-        table.take_now("b", Job("b"))
+        table.take("b", Job("b"))
     assert refused.value.reason == "timeout" and table.queued == 0
-    assert table.take_now("c", Job("c"), wait(10)) is None and table.queued == 0
+
+
+def test_a_queued_request_has_its_place_before_it_awaits_its_grant() -> None:
+    """A request that must wait is in the queue when take returns: a slot freed before its
+    caller awaits the grant is its own, and a request that comes later cannot pass it (a place
+    taken only once the waiting task ran left a free slot to the later one, and the queued
+    request waited out its whole wait with a slot free)."""
+    async def main() -> None:
+        table = SlotTable(1, max_queue=8)
+        assert table.take("a", Job("a")) == 0
+        queued = table.take("b", Job("b"), wait(5))
+        assert isinstance(queued, Waiter) and table.queued == 1
+        table.release("a", "job")  # freed before b's caller awaits its grant
+        later = table.take("c", Job("c"), wait(5))
+        assert isinstance(later, Waiter)  # behind b, not given b's slot
+        assert await asyncio.wait_for(table.granted(queued), 1) == 0
+        table.leave(later)
+        assert table.queued == 0 and table.holders("b") == {"job"}
+
+    run(main())
+
+
+def test_a_request_that_leaves_after_its_grant_gives_the_slot_back() -> None:
+    async def main() -> None:
+        table = SlotTable(1, max_queue=8)
+        assert table.take("a", Job("a")) == 0
+        queued = table.take("b", Job("b"), wait(5))
+        assert isinstance(queued, Waiter)
+        table.release("a", "job")  # granted to b...
+        table.leave(queued)  # ...whose caller went away before it took the grant
+        table.leave(queued)  # (idempotent)
+        assert table.busy == 0 and table.queued == 0
+        assert table.take("c", Job("c")) == 0
+
+    run(main())
 
 
 def test_fifo_by_arrival_at_the_router() -> None:

@@ -160,16 +160,17 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             if wait.replaces is not None:
                 self.records.swaps.append(wait.replaces)
         job = _FakeJob(self, rid, handoff_id)
-        if table.take_now(handoff_id, job, wait, kv_first) is not None:  # as the real server: no task
+        taken = table.take(handoff_id, job, wait, kv_first)
+        if isinstance(taken, int):  # as the real server: no task
             return True
-        assert wait is not None
-        grant = asyncio.ensure_future(table.wait_for(handoff_id, job, wait))
+        grant = asyncio.ensure_future(table.granted(taken))
         gone = asyncio.ensure_future(receive())
         await asyncio.wait({grant, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
         if not grant.done():
             grant.cancel()
             await asyncio.gather(grant, return_exceptions=True)
+            table.leave(taken)
             return False
         grant.result()
         return True
