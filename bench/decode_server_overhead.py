@@ -5,7 +5,7 @@ httptools as ``python -m decode_server`` runs it, or ``--loop asyncio``). Prints
 tokens/s of both and their ratio, measured in the same run.
 
     python bench/decode_server_overhead.py [--step-ms 3.19] [--tokens 256] [--concurrency 1 4]
-        [--timeline] [--loop asyncio]
+        [--timeline] [--loop asyncio] [--gil-us 50]
 
 ``--timeline``: the server process also records, on each slot's worker thread, when each
 engine step starts and ends and how long the work between two steps takes by part (the
@@ -189,6 +189,9 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=3.19, help="engine step time (TileRT GLM-5.1 TPOT: 3.19 ms)")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--gil-us", type=float, default=0.0, help="of each step, the microseconds the engine holds "
+                    "the GIL (its own Python: launching the step, reading the tokens back), the rest released "
+                    "(the GPU's time)")
     ap.add_argument("--timeline", action="store_true", help="also the gaps between engine steps in the server, "
                     "and what fills them")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
@@ -196,7 +199,10 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     filler = 200  # one byte-level token: one character per token
-    cfg = FakeEngineConfig(script=[], filler_token=filler, step_delay=args.step_ms / 1000, slots=max(args.concurrency))
+    if not 0 <= args.gil_us <= args.step_ms * 1000:
+        ap.error("--gil-us must be within the step")
+    cfg = FakeEngineConfig(script=[], filler_token=filler, step_delay=args.step_ms / 1000, step_gil=args.gil_us / 1e6,
+                           slots=max(args.concurrency))
     if args.serve:
         serve(args, cfg)
         return

@@ -34,6 +34,7 @@ class FakeEngineConfig:
     script: list[int] = field(default_factory=list)  # tokens after the first one
     per_step: int = 1  # >1 emulates MTP (accepted drafts + bonus)
     step_delay: float = 0.0
+    step_gil: float = 0.0  # seconds of each step's delay spent holding the GIL (Python work), the rest released
     slots: int = 4
     supports_logprobs: bool = True
     fail_start: str | None = None  # EngineError message raised by start()
@@ -72,7 +73,11 @@ class FakeSession(DecodeSession):
             raise Cancelled("cancelled")
         self._steps += 1
         self._engine.steps += 1
-        self._sleep(cfg.step_delay)
+        if cfg.step_gil > 0:  # a Python busy loop: the GIL held, as an engine's own Python per step
+            end = time.perf_counter() + cfg.step_gil
+            while time.perf_counter() < end:
+                pass
+        self._sleep(cfg.step_delay - cfg.step_gil)
         if cfg.fail_at_step is not None and self._steps == cfg.fail_at_step:
             raise EngineError(f"scripted failure at step {self._steps}")
         out: list[TokenOut] = []
