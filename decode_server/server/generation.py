@@ -423,27 +423,16 @@ class Job:
 
     async def _take_slot(self, send: Any, headers: list[tuple[bytes, bytes]]) -> bool:
         """The request's slot (:meth:`SlotTable.take`: now, or its place in a claim's queue, then
-        :meth:`SlotTable.granted`; a request whose KV came first joins the slot its KV holds);
+        :meth:`SlotTable.granted_unless`; a request whose KV came first joins the slot its KV holds);
         False when it was refused (answered here: 429, 409 or 503) or its client went away first."""
         handoff = self.plan.handoff
         wait = handoff.wait if isinstance(handoff, HandoffClaim) else None
         slots = self.ctx.slots
         try:
             taken = slots.take(self.plan.handoff_id, self, wait, kv_first=not self.claim)
-            if not isinstance(taken, int):  # queued: until the grant, the wait's end, or the client's leaving
-                waiting = asyncio.ensure_future(slots.granted(taken))
-                aborted = asyncio.ensure_future(self._aborted.wait())
-                try:
-                    await asyncio.wait({waiting, aborted}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    aborted.cancel()
-                    if not waiting.done():
-                        waiting.cancel()
-                        await asyncio.gather(waiting, return_exceptions=True)
-                        slots.leave(taken)  # (cancelled before it ran) a slot granted at that moment goes back
-                if waiting.cancelled():
-                    return False
-                waiting.result()
+            # queued: until the grant, the wait's end, or the client's leaving
+            if not isinstance(taken, int) and not await slots.granted_unless(taken, self._aborted.wait()):
+                return False
         except SlotRefused as refused:
             if slots.job(self.plan.handoff_id) is not None:
                 self._kv_released = True  # the KV under that handoff is the job's that holds it

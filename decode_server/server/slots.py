@@ -41,9 +41,9 @@ import bisect
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from decode_server.server.api_errors import ApiError, Busy, Conflict, NotReady
 from pd_wire.handoff import SlotWait
@@ -185,14 +185,6 @@ class SlotTable:
                 self._queue.sort()
         return arrived_at + best
 
-    async def acquire(self, handoff_id: str, job: SlotJob, wait: SlotWait | None = None,
-                      kv_first: bool = False) -> int:
-        """The slot of ``job``'s decode request (its index): :meth:`take`, and when it queues,
-        :meth:`granted`. Raises :class:`SlotRefused`. Cancelling the caller leaves the queue (a
-        slot granted at that moment goes back)."""
-        taken = self.take(handoff_id, job, wait, kv_first)
-        return taken if isinstance(taken, int) else await self.granted(taken)
-
     def take(self, handoff_id: str, job: SlotJob, wait: SlotWait | None = None,
              kv_first: bool = False) -> int | Waiter:
         """The slot now (its index), without a task: a free one nobody waits for, or, with
@@ -242,6 +234,25 @@ class SlotTable:
             raise
         waiter.settled = True
         return slot.index
+
+    async def granted_unless(self, waiter: Waiter, gone: Awaitable[Any]) -> bool:
+        """The grant of a queued request (:meth:`granted`), unless ``gone`` (its client's leaving)
+        comes first: then it leaves the queue (a slot granted at that moment goes back) and
+        False. Raises :class:`SlotRefused`."""
+        waiting = asyncio.ensure_future(self.granted(waiter))
+        left = asyncio.ensure_future(gone)
+        try:
+            await asyncio.wait({waiting, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+            if not waiting.done():
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+                self.leave(waiter)  # (cancelled before it ran) a slot granted at that moment goes back
+        if waiting.cancelled():
+            return False
+        waiting.result()
+        return True
 
     def leave(self, waiter: Waiter) -> None:
         """The caller of a queued request stops waiting (its client went, its wait ran out): out

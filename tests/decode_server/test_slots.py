@@ -38,8 +38,15 @@ def wait(wait_s: float = 0.0, age: float = 0.0, replaces: str | None = None) -> 
     return SlotWait(wait_s=wait_s, arrived_at=-age, sent_at=0.0, replaces=replaces)
 
 
+async def acquire(table: SlotTable, handoff_id: str, job: Job, slot_wait: SlotWait | None = None,
+                  kv_first: bool = False) -> int:
+    """The slot of ``job``'s decode request, as a route takes it: now, or after its wait."""
+    taken = table.take(handoff_id, job, slot_wait, kv_first)
+    return taken if isinstance(taken, int) else await table.granted(taken)
+
+
 async def take(table: SlotTable, handoff_id: str, slot_wait: SlotWait | None = None) -> int:
-    return await table.acquire(handoff_id, Job(handoff_id), slot_wait)
+    return await acquire(table, handoff_id, Job(handoff_id), slot_wait)
 
 
 async def _queued(table: SlotTable, n: int) -> None:
@@ -178,7 +185,7 @@ def test_the_job_and_its_kv_hold_the_slot_until_both_gave_it_back() -> None:
     async def main() -> None:
         table = SlotTable(1, max_queue=4)
         job = Job("r")
-        assert await table.acquire("a", job) == 0 and table.job("a") is job and table.jobs() == [job]
+        assert await acquire(table, "a", job) == 0 and table.job("a") is job and table.jobs() == [job]
         assert table.take_for_kv("a") == 0  # the KV lands on its decode request's slot
         table.release("a", "job")
         assert table.busy == 1 and table.holders("a") == {"kv"} and table.job("a") is None
@@ -196,7 +203,7 @@ def test_kv_that_comes_first_takes_a_free_slot_nobody_waits_for_and_its_request_
         with pytest.raises(SlotRefused) as dup:  # a claim's handoff must be new
             await take(table, "x")
         assert dup.value.reason == "duplicate"
-        assert await table.acquire("x", Job("x"), kv_first=True) == 0  # the request of that KV joins it
+        assert await acquire(table, "x", Job("x"), kv_first=True) == 0  # the request of that KV joins it
         table.release("x", "job")
         waiter = asyncio.create_task(take(table, "b", wait(10)))
         await _queued(table, 1)
@@ -304,7 +311,7 @@ def test_a_swap_gives_the_stale_grants_slot_to_whoever_waits_longest(own_age: fl
     async def main() -> str:
         table = SlotTable(1, max_queue=8)
         stale = Job("stale")
-        assert await table.acquire("stale", stale) == 0
+        assert await acquire(table, "stale", stale) == 0
         other = asyncio.create_task(take(table, "other", wait(10, 1.0)))
         await _queued(table, 1)
         mine = asyncio.create_task(take(table, "mine", wait(10, own_age, replaces="stale")))
@@ -342,7 +349,7 @@ def test_a_swapped_slot_whose_kv_came_stays_held_by_the_kv() -> None:
     async def main() -> None:
         table = SlotTable(1, max_queue=8)
         stale = Job("stale")
-        await table.acquire("stale", stale)
+        await acquire(table, "stale", stale)
         assert table.take_for_kv("stale") == 0
         mine = asyncio.create_task(take(table, "mine", wait(10, replaces="stale")))
         await _queued(table, 1)

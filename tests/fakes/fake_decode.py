@@ -161,19 +161,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 self.records.swaps.append(wait.replaces)
         job = _FakeJob(self, rid, handoff_id)
         taken = table.take(handoff_id, job, wait, kv_first)
-        if isinstance(taken, int):  # as the real server: no task
-            return True
-        grant = asyncio.ensure_future(table.granted(taken))
-        gone = asyncio.ensure_future(receive())
-        await asyncio.wait({grant, gone}, return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if not grant.done():
-            grant.cancel()
-            await asyncio.gather(grant, return_exceptions=True)
-            table.leave(taken)
-            return False
-        grant.result()
-        return True
+        return isinstance(taken, int) or await table.granted_unless(taken, receive())  # as the real server
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         k, rec = self.knobs, self.records
