@@ -10,6 +10,8 @@ from pd_http.chunk_writer import ChunkWriter
 from pd_http.tracing import Span
 from pd_router.asgi import Send, respond
 from pd_router.errors import RouterError
+from pd_router.trail import Trail
+from pd_wire.handoff import ResumeFrom
 from pd_wire.requests import Endpoint
 
 if TYPE_CHECKING:
@@ -24,6 +26,19 @@ class DecodeLegFailed(Exception):
     def __init__(self, error: RouterError) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+class DecodeLost(Exception):
+    """The decode server failed after its answer began (its connection lost or reset, no token
+    for ``--stall-timeout``, an error event of its own failure): the request may go on on
+    another decode server from the tokens its client has (:mod:`pd_router.migration`).
+    ``reason``: the label of ``pd_router_migrations_total``."""
+
+    def __init__(self, error: RouterError, reason: str, server: str) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.reason = reason
+        self.server = server
 
 
 def attempt_handoff_id(request_id: str, attempt: int) -> str:
@@ -59,6 +74,15 @@ class RequestContext:
     echo_logprobs: Any = None  # a completion's echoed prompt's logprobs (before the generated tokens')
     span: Span | None = None  # the request's root span (tracing on)
     trace: Context | None = None  # its context: the parent of the stage spans
+    created: int = 0  # the answer's ``created`` (the same on every decode server it runs on)
+    trail: Trail | None = None  # the output tokens the client's answer holds (a decode server of ours)
+    prompt_ids: list[int] | None = None  # the prompt's token ids, once a migration needed them
+    resume: ResumeFrom | None = None  # the attempt continues a sequence cut on another decode server
+    migrations: int = 0  # decode servers this answer moved from
+    lost_at: float | None = None  # perf_counter() when its decode server was found lost, until the move's output
+    lost_from: str = ""  # that server
+    lost_error: RouterError | None = None  # what was seen of it
+    resume_reason: str = ""  # the loss's reason (pd_router_migrations_total)
 
     async def fail(self, err: RouterError) -> None:
         self.status, self.error_type = err.status, err.type

@@ -27,6 +27,7 @@ import hmac
 import json
 import logging
 import re
+import time
 import uuid
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -34,11 +35,12 @@ from typing import TYPE_CHECKING, Any
 from pd_grammar.spec import GrammarSpec, asks_for_grammar
 from pd_http.chunk_writer import chunk_writer
 from pd_http.tracing import SpanKind, Tracing
-from pd_router import decode_check, fanout, observe, overlap, prefill_leg, relay, responses_api
+from pd_router import decode_check, fanout, migration, observe, overlap, prefill_leg, relay, responses_api
 from pd_router.api import parse_request, structured_output
 from pd_router.asgi import Receive, Scope, Send, header, read_body
-from pd_router.context import DecodeLegFailed, RequestContext, attempt_handoff_id
+from pd_router.context import DecodeLegFailed, DecodeLost, RequestContext, attempt_handoff_id
 from pd_router.errors import (
+    BadUpstream,
     Conflict,
     InvalidRequest,
     ModelNotFound,
@@ -53,6 +55,7 @@ from pd_router.errors import (
 from pd_router.overlap import ClaimFirst
 from pd_router.prefill_leg import KVNotDelivered
 from pd_router.slots import Requeue, Slot, backoff
+from pd_router.trail import Trail
 from pd_wire.requests import Endpoint, OpenAIRequest
 
 if TYPE_CHECKING:
@@ -178,6 +181,22 @@ class CompletionHandler:
             await prefill_leg.prefill_alone(state, ctx, body, model)
             return
         decode_check.check_decode_view(ctx.endpoint, body, request)
+        ctx.created, ctx.trail = int(time.time()), Trail()
+        try:
+            await self._attempts(ctx, body, request, model, grammar)
+        except RouterError as err:
+            if ctx.resume is None or ctx.lost_at is None or ctx.lost_error is None:
+                raise
+            # the move failed before the new server's first output: the answer ends as it would have
+            state.metrics.child(state.metrics.migrations, ctx.resume_reason, "failed").inc()
+            ctx.lost_at = None
+            raise _said(ctx.lost_error, f"moving the answer to another decode server failed: {err.message}") from None
+
+    async def _attempts(self, ctx: RequestContext, body: dict[str, Any], request: OpenAIRequest, model: str,
+                        grammar: GrammarSpec | None) -> None:
+        """The request's attempts until one ends: retries before the first byte (bounded, by
+        reason), and the moves of an answer whose decode server was lost after it began."""
+        state = self.state
         t_start = perf_counter()
         attempt = busy = stale = 0
         failed_over = False
@@ -193,6 +212,10 @@ class CompletionHandler:
                                     Tracing.headers(span) if span is not None else None)
                 try:
                     slot = await state.pool.take(model, decode, timeout=remaining, first_try=attempt == 0)
+                    if ctx.resume is not None and ctx.lost_at is not None:
+                        log.warning("request_id=%s: decode server %s lost after %d tokens (%s); the answer goes "
+                                    "on on %s", ctx.request_id, ctx.lost_from, len(ctx.resume.output_token_ids),
+                                    ctx.resume_reason, slot.backend.url)
                 except Overloaded as err:
                     if not busy:
                         raise
@@ -210,6 +233,12 @@ class CompletionHandler:
             try:
                 await self._attempt(ctx, slot, body, request, handoff_id, grammar)
                 return
+            except DecodeLost as lost:
+                await self._move(ctx, body, request, grammar, lost)
+                t_start = perf_counter()  # the wait for a slot: from the loss
+                attempt += 1
+                busy = stale = 0
+                failed_over = False
             except DecodeLegFailed as failed:
                 state.upstream_failed("decode", slot.backend, failed.error, mark_down=True)
                 if failed_over or not state.backends.decode_available(model):
@@ -243,6 +272,43 @@ class CompletionHandler:
                     left = state.settings.queue_timeout - (perf_counter() - t_start)
                     await asyncio.sleep(max(0.0, min(backoff(busy), left)))
 
+    async def _move(self, ctx: RequestContext, body: dict[str, Any], request: OpenAIRequest,
+                    grammar: GrammarSpec | None, lost: DecodeLost) -> None:
+        """Prepare the attempt that resumes an answer whose decode server was lost
+        (:mod:`pd_router.migration`); raises the loss, said why, when the answer cannot move."""
+        state = self.state
+        metrics = state.metrics
+        if ctx.resume is not None and ctx.lost_at is not None:  # lost again before the move's first output
+            metrics.child(metrics.migrations, ctx.resume_reason, "failed").inc()
+        why = migration.not_resumable(state, ctx, request, grammar)
+        outcome = "not_resumable"
+        if why is None and ctx.migrations >= state.settings.max_migrations:
+            why, outcome = f"it moved {ctx.migrations} times already (--max-migrations)", "limit"
+        if why is not None:
+            metrics.child(metrics.migrations, lost.reason, outcome).inc()
+            ctx.lost_at = None
+            log.warning("request_id=%s: decode server %s lost mid-answer (%s): %s; not moved: %s", ctx.request_id,
+                        lost.server, lost.reason, lost.error.message, why)
+            raise _said(lost.error, f"the answer was not moved to another decode server: {why}") from None
+        ctx.lost_at = perf_counter()
+        ctx.migrations += 1
+        ctx.lost_from, ctx.lost_error, ctx.resume_reason = lost.server, lost.error, lost.reason
+        ctx.stage = "migrating"
+        try:
+            with observe.span(state, ctx, "migration") as span:
+                if span is not None:
+                    span.set_attributes({"pd.migration.from": lost.server, "pd.migration.reason": lost.reason,
+                                         "pd.migration.count": ctx.migrations})
+                if ctx.prompt_ids is None:
+                    ctx.prompt_ids = await migration.prompt_ids(state, ctx, body)
+                ctx.resume = migration.resume_from(ctx, body)
+                if span is not None:
+                    span.set_attribute("pd.migration.output_tokens", len(ctx.resume.output_token_ids))
+        except RouterError as err:
+            metrics.child(metrics.migrations, lost.reason, "failed").inc()
+            ctx.lost_at = None
+            raise _said(lost.error, f"moving the answer to another decode server failed: {err.message}") from None
+
     async def _attempt(
         self, ctx: RequestContext, slot: Slot, body: dict[str, Any], request: OpenAIRequest, handoff_id: str,
         grammar: GrammarSpec | None = None,
@@ -262,7 +328,7 @@ class CompletionHandler:
             body = {**body, **extra}
         try:
             ctx.stage = "prefill"
-            with_kv = decode_check.result_with_kv(body, request, caps)
+            with_kv = ctx.resume is not None or decode_check.result_with_kv(body, request, caps)
             kv_params: dict[str, Any] | None = None
             if not with_kv:  # the prefill's answer first: for a server the router counts, or to post it
                 kv_params = await prefill_leg.prefill(state, ctx, slot, body, request, handoff_id, grammar)
@@ -302,3 +368,11 @@ class CompletionHandler:
                 state.pool.release(slot)
             else:
                 state.abort(slot, ctx.request_id, handoff_id, busy=outcome == "busy")
+
+
+def _said(err: RouterError, why: str) -> RouterError:
+    """``err`` (a decode server's loss, of its kind: a timeout stays a 504) with ``why`` added."""
+    try:
+        return type(err)(f"{err.message}; {why}")
+    except TypeError:  # a kind whose constructor takes more than the message
+        return BadUpstream(f"{err.message}; {why}")

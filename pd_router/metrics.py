@@ -161,6 +161,17 @@ class RouterMetrics:
             "Requests run again on another decode server because theirs failed before the first byte",
             ("backend", "error_type"),
         )
+        self.migrations = self._counter(
+            "migrations", "Answers whose decode server was lost after the answer began (reason connection_lost, "
+            "stalled: no token for --stall-timeout, error_event: the server's own failure), by outcome (resumed: "
+            "on another decode server; failed: no server resumed it, the answer ended with an error event; "
+            "limit: --max-migrations reached; not_resumable: the request cannot move, docs/reliability.md)",
+            ("reason", "outcome"),
+        )
+        self.migration_seconds = self._histogram(
+            "migration_seconds", "Time a migration added: from the decode server found lost to the first output "
+            "of the one that resumed the answer",
+        )
         self.slot_rtt = self._histogram(
             "slot_rtt_seconds", "Round trip of a decode request given a free slot at once (its 200, without a "
             "wait in the server's queue)", buckets=TOKEN_BUCKETS,

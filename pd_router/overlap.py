@@ -102,8 +102,12 @@ class ClaimFirst:
         refused = decode_check.refusal(self.request, backend.capabilities)
         if refused is not None:  # what this server would refuse is refused here: no call
             return Answer(400, rejected=refused)
-        with_kv = decode_check.result_with_kv(self.body, self.request, backend.capabilities)
-        claim = HandoffClaim(handoff_id=self.handoff_id, result="with_kv" if with_kv else "posted", wait=wait)
+        ctx = self.ctx
+        # a resumed sequence's first token is the engine's (its logprobs too), its prompt's ids in the resume
+        with_kv = ctx.resume is not None or decode_check.result_with_kv(self.body, self.request,
+                                                                        backend.capabilities)
+        claim = HandoffClaim(handoff_id=self.handoff_id, result="with_kv" if with_kv else "posted", wait=wait,
+                             progress=True, created=ctx.created or None, resume=ctx.resume)
         return await relay.open_slot(self.state, self.ctx, backend, self.body, claim.model_dump(exclude_none=True),
                                      self.trace)
 

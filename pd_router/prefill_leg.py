@@ -15,14 +15,14 @@ from pydantic import ValidationError
 
 from pd_grammar.spec import GrammarSpec
 from pd_http.tracing import Span, SpanKind, Tracing
-from pd_router import decode_check, observe, upstream
+from pd_router import decode_check, migration, observe, upstream
 from pd_router.api import VLLM_REMOTE_DECODE_PARAMS, prefill_body
 from pd_router.asgi import respond
 from pd_router.context import RequestContext
 from pd_router.errors import BadUpstream, NoHealthyBackend, PromptTooLong, RouterError
 from pd_router.slots import Requeue, Slot
 from pd_wire.handoff import HandoffResult, HandoffTarget
-from pd_wire.requests import ChatCompletionRequest, OpenAIRequest
+from pd_wire.requests import ChatCompletionRequest, Endpoint, OpenAIRequest
 
 if TYPE_CHECKING:
     from pd_router.state import RouterState
@@ -39,7 +39,9 @@ async def prefill(
     handoff_id: str, grammar: GrammarSpec | None = None, result_with_kv: bool = False,
 ) -> dict[str, Any]:
     """The prefill leg; the ``kv_transfer_params`` its answer carries for decode.
-    ``result_with_kv``: the connector also sends them to the decode server with the KV."""
+    ``result_with_kv``: the connector also sends them to the decode server with the KV. An
+    attempt that resumes a cut sequence (``ctx.resume``) prefills the prompt's and the output's
+    token ids so far instead (:func:`pd_router.migration.prefill_body`)."""
     decode = slot.backend
     if decode.capabilities is None:
         target: Mapping[str, Any] = VLLM_REMOTE_DECODE_PARAMS
@@ -48,6 +50,11 @@ async def prefill(
                                result_with_kv=result_with_kv).model_dump(exclude_defaults=True)
     # asked of a prefill server apart, at the same time: the prompt's logprobs, and those of a
     # completion's echoed prompt
+    if ctx.resume is not None:
+        data = migration.prefill_body(ctx, body, target)
+        answer = await prefill_leg(state, ctx, data, Endpoint.COMPLETIONS.path, handoff_id)
+        with observe.span(state, ctx, "handoff") as span:
+            return read_handoff(state, slot, answer, request, handoff_id, span)
     sides: dict[str, asyncio.Future[dict[str, Any]]] = {}
     if body.get("prompt_logprobs") is not None:
         sides["prompt"] = asyncio.ensure_future(prompt_logprobs(state, ctx, body, ctx.model))
@@ -56,7 +63,8 @@ async def prefill(
         sides["echo"] = asyncio.ensure_future(plain_prefill(
             state, ctx, ctx.model, decode_check.echo_logprobs_body(body), f"{ctx.request_id[:240]}~echo"))
     try:
-        answer = await prefill_leg(state, ctx, body, request, handoff_id, target, grammar)
+        answer = await prefill_leg(state, ctx, prefill_body(ctx.endpoint, body, target, grammar), ctx.endpoint.path,
+                                   handoff_id)
         if "prompt" in sides:
             ctx.prompt_logprobs = decode_check.prompt_logprobs_of(await sides["prompt"])
         if "echo" in sides:
@@ -112,11 +120,10 @@ async def prefill_alone(state: RouterState, ctx: RequestContext, body: dict[str,
                   [(b"x-request-id", ctx.request_id.encode())])
 
 
-async def prefill_leg(
-    state: RouterState, ctx: RequestContext, body: dict[str, Any], request: OpenAIRequest, handoff_id: str,
-    target: Mapping[str, Any], grammar: GrammarSpec | None,
-) -> dict[str, Any]:
-    data = prefill_body(ctx.endpoint, body, target, grammar)
+async def prefill_leg(state: RouterState, ctx: RequestContext, data: bytes, path: str,
+                      handoff_id: str) -> dict[str, Any]:
+    """``data`` POSTed to ``path`` of the least-loaded healthy prefill server (once more on
+    another when the first is unreachable); its JSON answer."""
     t0 = perf_counter()
     failed: upstream.Unreachable | None = None
     failed_backend = None
@@ -137,7 +144,7 @@ async def prefill_leg(
                 span.set_attributes({"pd.prefill.backend": backend.url, "pd.prefill.tries": attempt + 1})
             backend.sent()
             try:
-                answer = await upstream.prefill(state.upstream, backend.target, ctx.endpoint.path, data,
+                answer = await upstream.prefill(state.upstream, backend.target, path, data,
                                                 ctx.request_id, state.settings.prefill_timeout, trace)
                 break
             except upstream.Unreachable as err:

@@ -174,8 +174,12 @@ class Response:
 
     @read_timeout.setter
     def read_timeout(self, seconds: float | None) -> None:
-        """(The watchdog running takes the new value at its next look.)"""
+        """(A watchdog running looks again at once when the new value is shorter, else at its next look.)"""
+        shorter = seconds is not None and (self._timeout is None or seconds < self._timeout)
         self._timeout = seconds
+        if shorter and self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = self._conn.loop.call_later(0, self._watch)
 
     def unread(self, chunk: bytes) -> None:
         """Put a chunk the reader took back in front of the body (read first again)."""

@@ -16,12 +16,13 @@ from pd_router import decode_check, upstream
 from pd_router.api import decode_body
 from pd_router.asgi import SSE, respond
 from pd_router.backends import DecodeBackend
-from pd_router.context import RequestContext
+from pd_router.context import DecodeLost, RequestContext
 from pd_router.errors import BadUpstream, RouterError, UpstreamRejected
-from pd_router.rawhttp import Response, UpstreamError
+from pd_router.rawhttp import ReadTimeout, Response, UpstreamError
 from pd_router.slots import Answer, Requeue, Slot
+from pd_router.trail import Trail, server_error
 from pd_router.upstream import Unavailable, Unreachable
-from pd_wire.decode import FREE_SLOTS_FIELD, REQUEST_ID_HEADER, RESULT_PATH
+from pd_wire.decode import FREE_SLOTS_FIELD, REQUEST_ID_HEADER, RESULT_PATH, DecodeRefusal
 from pd_wire.requests import OpenAIRequest
 
 if TYPE_CHECKING:
@@ -114,20 +115,33 @@ def _busy_is_requeue(backend: DecodeBackend) -> Iterator[None]:
 
 async def relay(state: RouterState, ctx: RequestContext, slot: Slot, resp: Response, body: dict[str, Any],
                 request: OpenAIRequest) -> bool:
-    """Relay an open decode answer to the client (and give its connection back); True when it ended cleanly."""
+    """Relay an open decode answer to the client (and give its connection back); True when it ended
+    cleanly. An answer with progress lines (a decode server of ours: ``ctx.trail``) is watched for
+    a stall from its first event on (``--stall-timeout``), and its loss after that raises
+    :class:`DecodeLost`."""
     backend = slot.backend
+    trail = ctx.trail if backend.capabilities is not None else None
+    if trail is not None:  # a step's progress line at the engine's pace
+        resp.read_timeout = min(state.settings.stall_timeout, state.settings.decode_timeout)
     try:
         if request.stream:
-            return await relay_stream(state, ctx, resp, backend)
+            return await relay_stream(state, ctx, resp, backend, trail)
         try:
-            data = await resp.read()
+            data = await resp.read() if trail is None else await _read_tracked(resp, trail)
         except UpstreamError as exc:  # nothing reached the client: the caller may fail over
-            raise mid_answer_error(state, backend, exc) from None
+            err = mid_answer_error(state, backend, exc, trail is not None)
+            if trail is not None and trail.steps:  # tokens came: resume from them
+                state.upstream_failed("decode", backend, err, mark_down=True)
+                raise DecodeLost(err, _loss_reason(exc), backend.url) from None
+            raise err from None
+        if trail is not None:
+            data = _unrefused(state, backend, trail, data)
         if ctx.prompt_logprobs is not None or body.get("echo"):
             data = decode_check.merged(ctx.endpoint, data, body, ctx.prompt_logprobs, ctx.echo_logprobs)
         ctx.status, ctx.finished = 200, True
         ctx.ttft = perf_counter() - ctx.start
         state.metrics.child(state.metrics.ttft, ctx.endpoint.label, ctx.model).observe(ctx.ttft)
+        _resumed(state, ctx)
         await respond(
             ctx.send,
             200,
@@ -140,34 +154,81 @@ async def relay(state: RouterState, ctx: RequestContext, slot: Slot, resp: Respo
         resp.release()
 
 
-async def relay_stream(state: RouterState, ctx: RequestContext, resp: Response, backend: DecodeBackend) -> bool:
+async def _read_tracked(resp: Response, trail: Trail) -> bytes:
+    """An answer not streamed: its progress lines, then its JSON body (returned)."""
+    async for chunk in resp:
+        trail.feed(chunk)
+    return trail.rest()
+
+
+def _unrefused(state: RouterState, backend: DecodeBackend, trail: Trail, data: bytes) -> bytes:
+    """The JSON body of a tracked answer not streamed; a refusal the server ended it with after
+    its first token raised: its own failure (5xx) as :class:`DecodeLost`, the request's as the
+    status it stands for."""
+    try:
+        refusal = DecodeRefusal.of_event(data)
+    except ValueError:
+        refusal = None
+    if refusal is None:
+        return data
+    err = upstream.status_error("decode", backend.target, refusal.status, refusal.error_body(),
+                                b"application/json")
+    if refusal.status >= 500 and trail.steps:
+        state.upstream_failed("decode", backend, err)
+        raise DecodeLost(err, "error_event", backend.url)
+    raise err
+
+
+def _loss_reason(exc: UpstreamError) -> str:
+    return "stalled" if isinstance(exc, ReadTimeout) else "connection_lost"
+
+
+def _resumed(state: RouterState, ctx: RequestContext) -> None:
+    """A migrated answer's first output from its new decode server: the time the move cost."""
+    if ctx.lost_at is not None:
+        metrics = state.metrics
+        metrics.migration_seconds.observe(perf_counter() - ctx.lost_at)
+        metrics.child(metrics.migrations, ctx.resume_reason, "resumed").inc()
+        ctx.lost_at = None
+
+
+async def relay_stream(state: RouterState, ctx: RequestContext, resp: Response, backend: DecodeBackend,
+                       trail: Trail | None = None) -> bool:
     """Relay the SSE stream. The response starts with the decode server's first chunk, so
     that a server failing before it costs the client nothing but a failover; a failure
-    after it ends the stream with an error event and marks the server down at once.
+    after it marks the server down at once and ends the stream with an error event, or, for
+    an answer with a ``trail``, raises :class:`DecodeLost` (the handler may resume it
+    elsewhere; a resumed answer's stream goes on here without a second start).
     After the first chunk, each chunk goes to the client from the upstream connection's
     callback through the request's :class:`ChunkWriter` where the server gives one (no
     task switch per token); what it declines comes here and goes through ``send``."""
     send = ctx.send
-    tally = Tally(state.metrics.itl, ctx.writer)
+    tally = Tally(state.metrics.itl, ctx.writer, trail)
     try:
         async for chunk in resp:
+            if trail is not None:
+                chunk = trail.feed(chunk)
+                if not chunk:
+                    continue
             now = perf_counter()
             if not tally.chunks:
                 tally.t_first = now
-                ctx.ttft = now - ctx.start
-                state.metrics.child(state.metrics.ttft, ctx.endpoint.label, ctx.model).observe(ctx.ttft)
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 200,
-                        "headers": [
-                            (b"content-type", resp.headers.get(b"content-type", SSE)),
-                            (b"cache-control", b"no-cache"),
-                            (b"x-request-id", ctx.request_id.encode()),
-                        ],
-                    }
-                )
-                ctx.started, ctx.status = True, 200
+                if not ctx.started:
+                    ctx.ttft = now - ctx.start
+                    state.metrics.child(state.metrics.ttft, ctx.endpoint.label, ctx.model).observe(ctx.ttft)
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": 200,
+                            "headers": [
+                                (b"content-type", resp.headers.get(b"content-type", SSE)),
+                                (b"cache-control", b"no-cache"),
+                                (b"x-request-id", ctx.request_id.encode()),
+                            ],
+                        }
+                    )
+                    ctx.started, ctx.status = True, 200
+                _resumed(state, ctx)
             tally.note(chunk, now)
             tally.sending = True  # until this chunk is written, later ones wait behind it
             try:
@@ -177,14 +238,26 @@ async def relay_stream(state: RouterState, ctx: RequestContext, resp: Response, 
             if tally.writer is not None:
                 resp.sink = tally
     except UpstreamError as exc:
-        err = mid_answer_error(state, backend, exc)
+        err = mid_answer_error(state, backend, exc, trail is not None)
         if not ctx.started:
             raise err from None
         state.upstream_failed("decode", backend, err, mark_down=True)
+        if trail is not None:
+            raise DecodeLost(err, _loss_reason(exc), backend.url) from None
         await ctx.fail(err)
         return False
     finally:
         resp.sink = None
+    if trail is not None:
+        rest = trail.rest()
+        failed = server_error(rest) if rest else None
+        if failed is not None and ctx.started:  # the server's own failure, in its last event
+            err3 = BadUpstream(f"decode server {backend.url} failed mid-answer: {failed}")
+            state.upstream_failed("decode", backend, err3)
+            raise DecodeLost(err3, "error_event", backend.url)
+        if rest:
+            tally.note(rest, perf_counter())
+            await send({"type": "http.response.body", "body": rest, "more_body": True})
     if not (tally.prev[-16:] + tally.last).rstrip().endswith(_DONE):
         err2 = BadUpstream(f"decode server {backend.url} ended the stream without data: [DONE]")
         if not ctx.started:
@@ -200,22 +273,28 @@ async def relay_stream(state: RouterState, ctx: RequestContext, resp: Response, 
     return True
 
 
-def mid_answer_error(state: RouterState, backend: DecodeBackend, exc: UpstreamError) -> RouterError:
-    return upstream.map_error(
-        "decode", backend.target, exc, f"--decode-timeout {state.settings.decode_timeout:g}s"
-    )
+def mid_answer_error(state: RouterState, backend: DecodeBackend, exc: UpstreamError,
+                     stall: bool = False) -> RouterError:
+    """``stall``: the answer reports its progress: its read timeout was ``--stall-timeout`` where
+    that is the shorter."""
+    settings = state.settings
+    limit = (f"--stall-timeout {settings.stall_timeout:g}s (no token)"
+             if stall and settings.stall_timeout < settings.decode_timeout
+             else f"--decode-timeout {settings.decode_timeout:g}s")
+    return upstream.map_error("decode", backend.target, exc, limit)
 
 
 
 class Tally:
     """A relayed stream's chunks (their count, times and last bytes, for the ``[DONE]`` check
     and the metrics) and, with a writer, the upstream's :class:`~pd_router.rawhttp.Sink`: the
-    chunks of one upstream read go to the client as one write, from the connection's callback."""
+    chunks of one upstream read go to the client as one write, from the connection's callback
+    (their progress lines taken out first, with a ``trail``)."""
 
-    __slots__ = ("itl", "writer", "chunks", "t_first", "t_prev", "prev", "last", "sending", "_pending")
+    __slots__ = ("itl", "writer", "trail", "chunks", "t_first", "t_prev", "prev", "last", "sending", "_pending")
 
-    def __init__(self, itl: TokenHistogram, writer: ChunkWriter | None) -> None:
-        self.itl, self.writer = itl, writer
+    def __init__(self, itl: TokenHistogram, writer: ChunkWriter | None, trail: Trail | None = None) -> None:
+        self.itl, self.writer, self.trail = itl, writer, trail
         self.chunks = 0
         # the relay task is in ``send`` with a chunk: uvicorn may be waiting for the client to
         # drain before writing it, and a chunk written past it now would overtake it
@@ -236,6 +315,10 @@ class Tally:
         :meth:`flush`: both run in one callback of the event loop)."""
         if not self._pending and (self.sending or self.writer is None or not self.writer.writable()):
             return False
+        if self.trail is not None:
+            chunk = self.trail.feed(chunk)
+            if not chunk:
+                return True
         self._pending.append(chunk)
         self.note(chunk, perf_counter())
         return True

@@ -92,6 +92,16 @@ class RouterSettings(EntrySettings):
         gt=0,
         description="seconds allowed until decode answers and between two decode chunks (then 504)",
     )
+    stall_timeout: float = Field(
+        5.0, gt=0, le=600, description="seconds without a token after a decode server's answer began (its "
+        "progress lines come once per engine step: TileRT's 3.19 ms, the reference engine's tens of ms) before "
+        "the router takes the server for lost and moves the answer to another (--max-migrations)",
+    )
+    max_migrations: int = Field(
+        2, ge=0, le=16, description="decode servers one answer may move from when its server is lost after the "
+        "answer began (the rest goes on on another, resumed from the tokens the client has; 0: the answer ends "
+        "with an error event)",
+    )
     max_body_bytes: int = Field(
         32 * 1024 * 1024, ge=1024, description="largest accepted request body (then 413)"
     )

@@ -75,10 +75,10 @@ async def _check_status(resp: Response, role: str, target: Target) -> None:
         data = await resp.read()
     finally:
         resp.release()
-    raise _status_error(role, target, resp.status, data, resp.headers.get(b"content-type", b"application/json"))
+    raise status_error(role, target, resp.status, data, resp.headers.get(b"content-type", b"application/json"))
 
 
-def _status_error(role: str, target: Target, status: int, data: bytes, content_type: bytes) -> RouterError:
+def status_error(role: str, target: Target, status: int, data: bytes, content_type: bytes) -> RouterError:
     """The error of an answer with a status other than 200: 4xx relayed as is; a decode server's
     504 (the request's KV did not come in time: a failure of that request's handoff, not of the
     server) an :class:`UpstreamTimeout`; anything else a 502."""
@@ -193,4 +193,4 @@ async def _check_refusal(resp: Response, target: Target) -> None:
         refusal = None
     if refusal is None:
         raise BadUpstream(f"decode server {target.origin} answered 200 and then {_short(data) or 'nothing'}")
-    raise _status_error("decode", target, refusal.status, refusal.error_body(), b"application/json")
+    raise status_error("decode", target, refusal.status, refusal.error_body(), b"application/json")

@@ -115,6 +115,27 @@ FREE_SLOTS_HEADER = "X-PD-Free-Slots"
 FREE_SLOTS_FIELD = FREE_SLOTS_HEADER.lower().encode()  # as raw HTTP headers (ASGI, httptools) carry its name
 
 
+# A decode request whose claim asks for ``progress`` ends each write of its answer with an SSE
+# comment line naming the output token ids that write's text and events stand for, one write
+# per engine step at least (a step whose tokens add no text, or whose tokens were all past the
+# end, still gets its line): ``: pd-tokens 12,345\n``. Bytes after the last line are a write
+# not yet whole, or the end of the answer (an error event). In a JSON answer (not streamed)
+# the lines come before the JSON body. The caller strips them (pd_router.trail).
+PROGRESS_PREFIX = b": pd-tokens "
+
+
+def progress_line(token_ids: list[int]) -> bytes:
+    return PROGRESS_PREFIX + ",".join(map(str, token_ids)).encode() + b"\n"
+
+
+def progress_ids(line: bytes) -> list[int]:
+    """The token ids of one progress line (its prefix and newline included or not); ValueError
+    for a malformed one."""
+    body = line[len(PROGRESS_PREFIX):] if line.startswith(PROGRESS_PREFIX) else line
+    body = body.strip()
+    return [int(t) for t in body.split(b",")] if body else []
+
+
 class DecodeRefusal(BaseModel):
     """A refusal after the 200 of a decode request holding its slot (see above)."""
 

@@ -26,12 +26,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# Version 8: every decode request holds its slot itself (a HandoffClaim; it may wait in the
+# Version 9: every decode request holds its slot itself (a HandoffClaim; it may wait in the
 # server's queue, HandoffClaim.wait) and is the only way to hold one; its result comes with the
-# KV (Prefilled) or is posted by the router (RESULT_PATH). A router and a decode server of other
-# versions refuse to pair (the router's probe, the decode server's 400). The versions before
-# are in git's history of this line.
-PROTOCOL_VERSION = 8
+# KV (Prefilled) or is posted by the router (RESULT_PATH); its answer may report its tokens
+# (HandoffClaim.progress) and continue a sequence cut elsewhere (HandoffClaim.resume). A router
+# and a decode server of other versions refuse to pair (the router's probe, the decode server's
+# 400). The versions before are in git's history of this line.
+PROTOCOL_VERSION = 9
 
 # "pending": admitted, the KV is on its way (the decode server waits for its last layer);
 # "sent": every layer had landed when vLLM answered; "failed": see ``reason`` and ``error``.
@@ -82,6 +83,26 @@ class SlotWait(BaseModel):
                                  "this request is granted that slot at once or refused at once, never queued)")
 
 
+class ResumeFrom(BaseModel):
+    """A decode request that continues a sequence cut on another decode server (a migration):
+    its KV is the prompt's and ``output_token_ids``' (prefilled again), and its answer goes on
+    where the lost one's stopped, as one answer with it: the tokens so far run through the
+    server's stop conditions, detokenizer and output parsers without being sent again, the
+    engine chooses the token at the cut as the uninterrupted sequence would have, and ``usage``
+    counts the original prompt and every output token once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    output_token_ids: list[int] = Field(default_factory=list, description="the output tokens the client's "
+                                        "answer holds so far, in order (progress lines, "
+                                        "pd_wire.decode.PROGRESS_PREFIX); may be empty")
+    prompt_tokens: int = Field(ge=1, description="the original prompt's length")
+    context_token_id: int = Field(ge=0, description="the original prompt's last token (the detokenizer's "
+                                  "left context)")
+    prompt_token_ids: list[int] | None = Field(default=None, description="the original prompt's ids, for a "
+                                               "repetition_penalty")
+
+
 class HandoffClaim(BaseModel):
     """A decode request's ``kv_transfer_params`` when it goes before its prefill: it holds its
     slot itself (the decode server answers 200 as soon as the slot is the request's, before the
@@ -100,6 +121,13 @@ class HandoffClaim(BaseModel):
     wait: SlotWait | None = Field(default=None, description="no free slot: the request waits in the server's "
                                   "queue (429 when the wait runs out or the queue is full); its 200 comes at "
                                   "the grant. None: a free slot now or 429")
+    progress: bool = Field(default=False, description="the answer reports its output tokens: a progress line "
+                           "(pd_wire.decode.progress_line) before every write from the first token on, and one "
+                           "for every engine step, so that the caller knows the tokens its client has and "
+                           "hears from the server at the engine's pace")
+    created: int | None = Field(default=None, ge=0, description="the answer's ``created`` (the caller's, so "
+                                "that a migrated answer keeps it); None: the server's clock")
+    resume: ResumeFrom | None = None
 
 
 class HandoffResult(BaseModel):

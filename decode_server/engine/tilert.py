@@ -268,8 +268,8 @@ class TileRTEngine(Engine):
             raise EngineError(f"{n} prompt + {params.max_tokens} new tokens exceed max_seq_len {self._max_seq_len}")
         if params.logprobs is not None:
             raise EngineError("the tilert engine has no logprobs")
-        if params.resumed_from:
-            raise EngineError("the tilert engine does not resume a cut sequence")
+        if params.resumed_from and params.grammar is not None:  # its token at the cut is prefill's, unconstrained
+            raise EngineError("the tilert engine resumes a cut sequence only without a grammar")
         with self._lock:
             if self._busy:
                 raise EngineError("the tilert engine decodes one sequence at a time and is busy")

@@ -42,6 +42,7 @@ from decode_server.server.slots import SlotRefused, SlotTable
 from decode_server.server.text import TextTokenizer
 from decode_server.structured import GrammarCompiler
 from pd_http.tracing import Span, Tracing, fail
+from pd_wire.decode import progress_line
 from pd_wire.handoff import HandoffClaim, HandoffResult
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,14 @@ class GenerationContext:
 
 class _Started:
     pass
+
+
+@dataclass(frozen=True)
+class _Replayed:
+    """The output before a cut, run through the sequence processor again (a resumed sequence):
+    the renderer takes it, the client had it already."""
+
+    delta: Delta
 
 
 _ABORTED = object()
@@ -326,8 +335,14 @@ class Job:
 
     def _decode(self, session: DecodeSession, handoff: HandoffResult, span: Span | None = None) -> None:
         plan = self.plan
-        proc = SequenceProcessor(self.ctx.tokenizer, plan.stop, [handoff.last_prompt_token_id],
-                                 plan.logprobs, plan.tokens_as_ids)
+        resume = plan.resume
+        context = resume.context_token_id if resume is not None else handoff.last_prompt_token_id
+        proc = SequenceProcessor(self.ctx.tokenizer, plan.stop, [context], plan.logprobs, plan.tokens_as_ids)
+        if resume is not None:  # the processor (stop strings, detokenizer) where the lost server's was
+            self._post(_Replayed(proc.feed([TokenOut(t) for t in resume.output_token_ids])))
+            if proc.finished:  # the output so far had ended the sequence: its end is all that is left
+                self._post(Delta(finish_reason=proc.finish_reason))
+                return
         if session.first_token is not None:  # the engine chose it (SamplingParams.first_token_here)
             delta = proc.feed([session.first_token])
         else:
@@ -451,41 +466,52 @@ class Job:
             return False
         return True
 
-    async def _next_delta(self) -> Delta:
-        item = await self._queue.get()
-        if item is _ABORTED:
-            raise Cancelled(f"request {self.request_id!r} was cancelled ({self.abort_reason})")
-        if isinstance(item, ApiError):
-            raise item
-        return item
+    async def _next_delta(self, renderer: Any) -> Delta:
+        """The next delta to send; a replayed output (a resumed sequence's) goes to ``renderer``
+        on the way, unsent."""
+        while True:
+            item = await self._queue.get()
+            if item is _ABORTED:
+                raise Cancelled(f"request {self.request_id!r} was cancelled ({self.abort_reason})")
+            if isinstance(item, ApiError):
+                raise item
+            if not isinstance(item, _Replayed):
+                return item
+            renderer.add(item.delta)
 
     async def _stream(self, send: Any, renderer: Any) -> None:
-        out = [sse(c) for c in renderer.start()]
+        progress = self.plan.progress
+        out = [] if self.plan.resume is not None else [sse(c) for c in renderer.start()]
         while True:
-            delta = await self._next_delta()
+            delta = await self._next_delta(renderer)
             out.extend(sse(c) for c in renderer.add(delta))
             if delta.finish_reason:
                 break
+            if progress:  # ends the write: what it holds stands for these tokens (none: a step all the same)
+                out.append(progress_line(delta.token_ids))
             if out:
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
                 out = []
         out.extend(sse(c) for c in renderer.end())
         out.append(DONE)
+        if progress:
+            out.append(progress_line(delta.token_ids))
         await send({"type": "http.response.body", "body": b"".join(out)})
 
     async def _full(self, send: Any, renderer: Any, headers: list[tuple[bytes, bytes]]) -> None:
-        while not (await self._next_delta_into(renderer)).finish_reason:
-            pass
+        progress = self.plan.progress  # a claim's answer: its 200 went out at the grant, unsized
+        while True:
+            delta = await self._next_delta(renderer)
+            renderer.add(delta)
+            if progress:
+                await send({"type": "http.response.body", "body": progress_line(delta.token_ids), "more_body": True})
+            if delta.finish_reason:
+                break
         body = dumps(renderer.full())
         self._count(200)
         await send({"type": "http.response.start", "status": 200,
                     "headers": JSON_HEADERS + [(b"content-length", str(len(body)).encode())] + headers})
         await send({"type": "http.response.body", "body": body})
-
-    async def _next_delta_into(self, renderer: Any) -> Delta:
-        delta = await self._next_delta()
-        renderer.add(delta)
-        return delta
 
     def _count(self, status: int, err: ApiError | None = None) -> None:
         self.obs.answered(status, err.error_type if err is not None else None)

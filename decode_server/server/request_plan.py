@@ -16,7 +16,7 @@ from decode_server.server.sequence import MIN_LOGPROB, StopSpec, TokenLogprob
 from decode_server.server.text import GenerationDefaults
 from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, grammar_param, grammar_spec
 from pd_wire.decode import EngineFeatures
-from pd_wire.handoff import PROTOCOL_VERSION, HandoffClaim, HandoffResult
+from pd_wire.handoff import PROTOCOL_VERSION, HandoffClaim, HandoffResult, ResumeFrom
 from pd_wire.requests import ChatCompletionRequest, CompletionRequest, Endpoint, logit_bias, unsupported
 
 
@@ -50,6 +50,15 @@ class Plan:
     first_logprob: TokenLogprob | None
     grammar: GrammarSpec | None = None  # structured output (the engine gets its matcher)
     asked_max_tokens: tuple[int | None, str, int] = (None, "max_tokens", 0)  # (asked, its param, max_seq_len)
+    progress: bool = False  # progress lines before each write (HandoffClaim.progress)
+    created: int | None = None  # the answer's ``created`` (None: now)
+    resume: ResumeFrom | None = None  # continues a sequence cut elsewhere (HandoffClaim.resume)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length as the client's usage counts it (a resumed sequence's KV also
+        holds the output before the cut)."""
+        return self.resume.prompt_tokens if self.resume is not None else self.result.num_prompt_tokens
 
     @property
     def handoff_id(self) -> str:
@@ -113,6 +122,9 @@ def with_result(plan: Plan, result: HandoffResult) -> Plan:
                              "prompt_token_ids (the router asks prefill for them)",
                              "kv_transfer_params.prompt_token_ids")
     asked, param, max_seq_len = plan.asked_max_tokens
+    resume = plan.resume
+    if resume is not None:
+        return _resumed(plan, result, resume)
     max_tokens = _max_tokens(asked, param, result.num_prompt_tokens, max_seq_len)
     # a posted result (the router's, from vLLM's answer) carries what such a request needs
     prompt_ids = tuple(result.prompt_token_ids or ()) if plan.sampling.repetition_penalty != 1.0 else ()
@@ -120,6 +132,28 @@ def with_result(plan: Plan, result: HandoffResult) -> Plan:
                      else None)
     return replace(plan, handoff=result, first_logprob=first_logprob,
                    sampling=replace(plan.sampling, max_tokens=max_tokens, prompt_token_ids=prompt_ids),
+                   stop=replace(plan.stop, max_tokens=max_tokens))
+
+
+def _resumed(plan: Plan, result: HandoffResult, resume: ResumeFrom) -> Plan:
+    """:func:`with_result` for a sequence resumed from a cut: the KV holds the original prompt and
+    the output so far; the bounds are the original request's (the output so far runs through the
+    stop conditions again, :class:`~decode_server.server.sequence.SequenceProcessor`), the engine
+    decodes what remains of them."""
+    done = len(resume.output_token_ids)
+    if result.num_prompt_tokens != resume.prompt_tokens + done:
+        raise KVHandoffFailed(f"the KV of resumed handoff {result.handoff_id!r} holds {result.num_prompt_tokens} "
+                              f"tokens, not the prompt's {resume.prompt_tokens} and the {done} output tokens",
+                              "kv_transfer_params.resume")
+    if plan.sampling.repetition_penalty != 1.0 and resume.prompt_token_ids is None:
+        raise InvalidRequest("repetition_penalty needs the prompt's token ids: kv_transfer_params.resume."
+                             "prompt_token_ids", "kv_transfer_params.resume.prompt_token_ids")
+    asked, param, max_seq_len = plan.asked_max_tokens
+    max_tokens = _max_tokens(asked, param, resume.prompt_tokens, max_seq_len)
+    prompt_ids = tuple(resume.prompt_token_ids or ()) if plan.sampling.repetition_penalty != 1.0 else ()
+    return replace(plan, handoff=result, first_logprob=None,
+                   sampling=replace(plan.sampling, max_tokens=max(1, max_tokens - done), prompt_token_ids=prompt_ids,
+                                    resumed_from=tuple(resume.output_token_ids)),
                    stop=replace(plan.stop, max_tokens=max_tokens))
 
 
@@ -165,7 +199,9 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
     temperature = req.temperature if req.temperature is not None else dflt.temperature
     top_k = req.top_k if req.top_k is not None else dflt.top_k
     repetition = _or(req.repetition_penalty, dflt.repetition_penalty, 1.0)
-    if isinstance(handoff, HandoffClaim) and handoff.result == "with_kv" and (k is not None or repetition != 1.0):
+    claim = handoff if isinstance(handoff, HandoffClaim) else None
+    needs_answer = k is not None or repetition != 1.0
+    if claim is not None and claim.resume is None and claim.result == "with_kv" and needs_answer:
         needs = "logprobs" if k is not None else "repetition_penalty"
         raise InvalidRequest(f"{needs} needs the prefill's answer (the first token's logprobs, the prompt's token "
                              "ids): send kv_transfer_params as the HandoffResult, or a claim whose result is "
@@ -226,6 +262,9 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
                        if k is not None and isinstance(handoff, HandoffResult) else None),
         grammar=grammar,
         asked_max_tokens=(asked, param, limits.max_seq_len),
+        progress=claim is not None and claim.progress,
+        created=claim.created if claim is not None else None,
+        resume=claim.resume if claim is not None else None,
     )
 
 

@@ -45,7 +45,7 @@ class _Renderer:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.id = f"{self.id_prefix}{plan.request_id}"
-        self.created = int(time.time())
+        self.created = plan.created if plan.created is not None else int(time.time())
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.completion_tokens = 0
@@ -63,7 +63,7 @@ class _Renderer:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
     def usage(self) -> dict[str, int]:
-        return usage(self.plan.result.num_prompt_tokens, self.completion_tokens)
+        return usage(self.plan.prompt_tokens, self.completion_tokens)
 
     def start(self) -> list[dict[str, Any]]:
         return []

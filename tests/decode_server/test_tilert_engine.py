@@ -164,7 +164,7 @@ def test_ar_steps_bounded_by_budget_and_plain_decode(tmp_path):
     s.close()
 
 
-def test_start_rejects_bad_kv_logprobs_and_a_resumed_sequence(tmp_path):
+def test_start_rejects_bad_kv_logprobs_and_a_resumed_sequence_with_a_grammar(tmp_path):
     engine, _ = _engine(tmp_path)
     with pytest.raises(EngineError, match="layers"):
         engine.start(_received(8, 3), _handoff(8), SamplingParams(max_tokens=5))
@@ -176,9 +176,19 @@ def test_start_rejects_bad_kv_logprobs_and_a_resumed_sequence(tmp_path):
         engine.start(bad, _handoff(8), SamplingParams(max_tokens=5))
     with pytest.raises(EngineError, match="logprobs"):
         engine.start(_received(8, 4), _handoff(8), SamplingParams(max_tokens=5, logprobs=1))
-    with pytest.raises(EngineError, match="does not resume a cut sequence"):
-        engine.start(_received(8, 4), _handoff(8), SamplingParams(max_tokens=5, resumed_from=(7, 9)))
+    with pytest.raises(EngineError, match="only without a grammar"):
+        engine.start(_received(8, 4), _handoff(8), SamplingParams(max_tokens=5, resumed_from=(7, 9), grammar=object()))
     engine.start(_received(8, 4), _handoff(8), SamplingParams(max_tokens=5)).close()  # not left busy
+
+
+def test_a_resumed_sequence_goes_on_from_the_prefill_token_at_the_cut(tmp_path):
+    """TileRT's sampler cannot be positioned: a resumed sequence's token at the cut is prefill's
+    (greedy: the uninterrupted one), and the engine decodes on from it as from any first token."""
+    engine, _ = _engine(tmp_path)
+    s = engine.start(_received(8, 4), _handoff(8, first=11), SamplingParams(max_tokens=5, resumed_from=(7, 9)))
+    assert s.first_token is None  # the server emits prefill's first token
+    assert s.step()
+    s.close()
 
 
 def test_tiny_temperatures_are_greedy_in_tilert(tmp_path):

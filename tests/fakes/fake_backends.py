@@ -30,6 +30,8 @@ from pd_wire.handoff import HandoffResult, HandoffTarget
 from tests.fakes.fake_common import FakeBase, error_body, wait_or_disconnect, wait_or_event
 from tests.fakes.fake_decode import DecodeKnobs, FakeDecode
 
+FAKE_PROMPT_IDS = [11, 12, 13, 14, 3]  # what the fake prefill's /tokenize answers (5 tokens, the last 3)
+
 __all__ = ["DecodeKnobs", "FakeDecode", "FakePrefill", "PrefillKnobs", "ServerThread", "main"]
 
 
@@ -73,6 +75,10 @@ class FakePrefill(FakeBase[PrefillKnobs]):
             return await respond(send, 200, self._models())
         if path == "/metrics" and k.running is not None:
             return await respond(send, 200, self._load_metrics(), b"text/plain; version=0.0.4")
+        if path == "/tokenize":  # every prompt is FAKE_PROMPT_IDS (its 5 tokens; the last is the handoff's)
+            self.records.requests.append({"request_id": self._rid(scope), "path": path, "t": time.monotonic(),
+                                          "body": json.loads(await read_body(scope, receive, 1 << 26))})
+            return await respond(send, 200, json.dumps({"count": 5, "tokens": FAKE_PROMPT_IDS}).encode())
         if path not in ("/v1/completions", "/v1/chat/completions"):
             return await respond(send, 404, error_body("not found", 404))
         rid = self._rid(scope)
@@ -172,10 +178,12 @@ class FakePrefill(FakeBase[PrefillKnobs]):
             }
         else:
             target = HandoffTarget.model_validate(params)
+            prompt = body.get("prompt")  # a resumed prefill's: the prompt's ids and the output's
+            ids = prompt if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt) else ()
             kv = HandoffResult(
                 handoff_id=target.handoff_id,
                 kv_endpoint=target.kv_endpoint,
-                num_prompt_tokens=5,
+                num_prompt_tokens=len(ids) or 5,
                 first_token_id=7,
                 last_prompt_token_id=3,
                 status="failed" if fail == "handoff_failed" else "sent",

@@ -26,9 +26,12 @@ from pd_wire.decode import (
     CancelResponse,
     DecodeCapabilities,
     EngineFeatures,
+    progress_line,
 )
 from pd_wire.handoff import PROTOCOL_VERSION, HandoffClaim, HandoffResult, PeerStatus, SlotWait
 from tests.fakes.fake_common import FakeBase, error_body
+
+FAKE_TOKEN_BASE = 1000  # the fake's output token i is this id + i (its progress lines)
 
 
 class DecodeKnobs(BaseModel):
@@ -47,7 +50,8 @@ class DecodeKnobs(BaseModel):
     tokens: int = 8  # when the body has no max_tokens
     token_delay: float = 0.0
     hold: bool = False  # each request waits for POST /fake/release before streaming
-    fail: str | None = None  # "status" | "mid_stream" | "no_done"
+    # "status" | "mid_stream" (after fail_after tokens; an answer resumed here does not) | "no_done"
+    fail: str | None = None
     fail_status: int = 500
     fail_after: int = 2
     max_tokens: int | None = None  # larger max tokens are a 400 before any slot, as the real server's context
@@ -358,6 +362,32 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         n = body.get("max_completion_tokens") or body.get("max_tokens") or k.tokens
         chat = path == "/v1/chat/completions"
         stream = bool(body.get("stream"))
+        params = body.get("kv_transfer_params") or {}
+        # a claim asking for progress: token i is id FAKE_TOKEN_BASE + i, its line ends its write; a
+        # resumed one goes on after the output it was given
+        progress = bool(params.get("progress"))
+        first = len((params.get("resume") or {}).get("output_token_ids") or ())
+        if not stream and progress:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            for i in range(first, n):
+                if k.fail == "mid_stream" and i == k.fail_after and not first:  # (a resumed answer goes on)
+                    raise ConnectionAbortedError("fake decode: dying mid-answer")
+                if i > first and k.token_delay:
+                    await asyncio.wait([watch], timeout=k.token_delay)
+                if watch.done():
+                    self.records.disconnects.append(rid)
+                    return
+                await send({"type": "http.response.body", "body": progress_line([FAKE_TOKEN_BASE + i]),
+                            "more_body": True})
+            text = "".join(f"t{i} " for i in range(n))
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, **({"message": message} if chat else {"text": text}), "finish_reason": "length"}
+            out = {"id": f"cmpl-{rid}", "object": "chat.completion" if chat else "text_completion", "created": 0,
+                   "model": k.model, "choices": [choice],
+                   "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}}
+            await send({"type": "http.response.body", "body": json.dumps(out).encode(), "more_body": False})
+            return
         if not stream:
             if k.fail == "mid_stream":  # the answer's head, then the connection drops
                 await send({"type": "http.response.start", "status": 200,
@@ -400,8 +430,8 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             else '{{"index": 0, "text": "t{} ", "finish_reason": {}}}]}}\n\n'
         )
         t0 = time.monotonic()
-        for i in range(n):
-            if k.fail == "mid_stream" and i == k.fail_after:
+        for i in range(first, n):
+            if k.fail == "mid_stream" and i == k.fail_after and not first:  # (a resumed answer goes on)
                 raise ConnectionAbortedError("fake decode: dying mid-stream")
             wait = t0 + i * k.token_delay - time.monotonic()
             if wait > 0:
@@ -413,8 +443,10 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 return
             if cancel.is_set():
                 return
-            chunk = head + piece.format(i, '"length"' if i == n - 1 else "null")
-            await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            chunk = (head + piece.format(i, '"length"' if i == n - 1 else "null")).encode()
+            if progress and i < n - 1:
+                chunk += progress_line([FAKE_TOKEN_BASE + i])
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
         tail = b""
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
@@ -434,6 +466,8 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             )
         if k.fail != "no_done":
             tail += b"data: [DONE]\n\n"
+        if progress and n > first:
+            tail += progress_line([FAKE_TOKEN_BASE + n - 1])
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 

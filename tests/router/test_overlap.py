@@ -38,8 +38,9 @@ def test_the_first_token_does_not_wait_for_the_prefills_answer(make_rig, stream)
     assert (b"data: [DONE]" in rest) if stream else b'"choices"' in rest
     assert _kv_params(rig, rig.prefills[0]) == [{"handoff_id": "early", "kv_endpoint": _kv_endpoint(rig),
                                                  "result_with_kv": True}]
-    assert _kv_params(rig, rig.decodes[0]) == [{"protocol_version": PROTOCOL_VERSION, "handoff_id": "early",
-                                                 "result": "with_kv"}]
+    [claim] = _kv_params(rig, rig.decodes[0])
+    assert claim == {"protocol_version": PROTOCOL_VERSION, "handoff_id": "early", "result": "with_kv",
+                     "progress": True, "created": claim["created"]}
     rig.wait(lambda: rig.records(rig.prefills[0])["active"] == [], what="the prefill's answer read")
     rig.assert_no_leaks()
 
@@ -58,8 +59,9 @@ def test_what_needs_the_prefills_answer_is_posted_to_the_decode_request_holding_
                       timeout=20)
     assert resp.status_code == 200, resp.text
     assert "result_with_kv" not in _kv_params(rig, rig.prefills[0])[0]
-    assert _kv_params(rig, rig.decodes[0]) == [{"protocol_version": PROTOCOL_VERSION, "handoff_id": "seq",
-                                                 "result": "posted"}]
+    [claim] = _kv_params(rig, rig.decodes[0])
+    assert claim == {"protocol_version": PROTOCOL_VERSION, "handoff_id": "seq", "result": "posted",
+                     "progress": True, "created": claim["created"]}
     decode = rig.records(rig.decodes[0])
     assert decode["requests"][0]["t"] < rig.records(rig.prefills[0])["requests"][0]["t"]
     [posted] = decode["posted"]
