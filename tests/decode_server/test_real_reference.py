@@ -5,6 +5,7 @@ on the same KV."""
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from pathlib import Path
@@ -20,7 +21,7 @@ from decode_server.engine.base import SamplingParams
 from decode_server.engine.reference import ReferenceEngine
 from decode_server.reference import load_model, prefill
 from pd_deploy.commands import VLLM_CPU_ENV, DecodeSpec, decode_server_argv
-from pd_wire.decode import CAPABILITIES_PATH
+from pd_wire.decode import CAPABILITIES_PATH, PROGRESS_PREFIX, RESULT_PATH, progress_ids
 from pd_wire.handoff import HandoffResult
 from tests.decode_server.helpers import client
 from tests.procs import free_port, server
@@ -133,3 +134,91 @@ def test_kv_timeout_then_slot_reusable(stack):
                       json={"prompt": "x", "max_tokens": 4, "kv_transfer_params": kv_params.model_dump()})
     assert resp.status_code == 504 and resp.json()["error"]["type"] == "kv_timeout"
     assert httpx.get(stack["url"] + CAPABILITIES_PATH).json()["busy_slots"] == 0
+
+
+# ---- a sequence resumed from a cut (issue 49) -----------------------------------------------------
+def _claim_writes(stack: dict, path: str, body: dict, claim: dict, ids: list[int], first: int,
+                  kv: list[torch.Tensor], seen: dict | None = None) -> list[tuple[list[int], str, dict | None]]:
+    """A streamed request holding its slot with ``claim`` (result posted, progress lines): its KV
+    sent and its result posted once the slot is its; its writes as (token ids, text, the last
+    event's choice). ``seen``: gets the answer's role chunks (counted) and its usage."""
+    hid = claim["handoff_id"]
+    opened, raw = threading.Event(), []
+
+    def read() -> None:
+        with httpx.stream("POST", stack["url"] + path, json={**body, "stream": True, "kv_transfer_params": claim},
+                          timeout=60) as resp:
+            assert resp.status_code == 200
+            opened.set()
+            raw.append(resp.read())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert opened.wait(30), "the claim was not granted"
+    _send_kv(stack, hid, kv)
+    result = handoff_for(ids, first, hid).model_copy(update={"kv_endpoint": stack["caps"]["kv_endpoint"]})
+    assert httpx.post(stack["url"] + RESULT_PATH, json=result.model_dump(), timeout=10).status_code == 204
+    reader.join(60)
+    writes: list[tuple[list[int], str, dict | None]] = []
+    text, last = "", None
+    for line in raw[0].split(b"\n"):
+        if line.startswith(PROGRESS_PREFIX):
+            writes.append((progress_ids(line), text, last))
+            text, last = "", None
+        elif line.startswith(b"data: {"):
+            event = json.loads(line[6:])
+            if seen is not None:
+                seen["roles"] = seen.get("roles", 0) + sum(
+                    1 for c in event.get("choices") or () if (c.get("delta") or {}).get("role"))
+                seen["usage"] = event.get("usage") or seen.get("usage")
+            for choice in event.get("choices") or ():
+                text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                last = choice
+    return writes
+
+
+def _finish(writes: list[tuple[list[int], str, dict | None]]) -> tuple[str, str]:
+    last = [c for _, _, c in writes if c is not None][-1]
+    return last["finish_reason"], last["stop_reason"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 11, "presence_penalty": 0.5}])
+def test_a_sequence_resumed_at_each_cut_goes_on_as_the_uninterrupted_one(stack, sampling, chat):
+    """The uninterrupted answer's writes (each with its tokens, the progress lines), then the same
+    request resumed after each write (its KV the prompt's and the output's so far): the resumed
+    answer's writes are the uninterrupted one's after the cut, token for token and text for text
+    (a stop string that spans writes, held text, the detokenizer's offsets); seeded sampling and
+    penalties included; no second role chunk; usage counts the original prompt and every token once."""
+    tok = stack["tok"]
+    prompt = "Once upon a time"
+    ids = tok.encode(prompt).ids
+    out = prefill(stack["model"], ids)
+    first = int(out.logits.argmax())
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base = {"model": stack["dir"].name, "max_tokens": 40, "ignore_eos": True, **sampling,
+            **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})}
+    whole = _claim_writes(stack, path, base, {"handoff_id": f"u-{uuid.uuid4().hex[:8]}", "result": "posted",
+                                              "progress": True}, ids, first, out.kv)
+    text = "".join(t for _, t, _ in whole)
+    stop = text[len(text) // 2:len(text) // 2 + 3]  # ends the answer about half way, once it spans a cut
+    body = {**base, "stop": [stop], "stream_options": {"include_usage": True}}
+    seen: dict = {}
+    whole = _claim_writes(stack, path, body, {"handoff_id": f"s-{uuid.uuid4().hex[:8]}", "result": "posted",
+                                              "progress": True}, ids, first, out.kv, seen)
+    assert seen["roles"] == (1 if chat else 0) and seen["usage"]["prompt_tokens"] == len(ids)
+    tokens = [t for w, _, _ in whole for t in w]
+    for cut in range(1, len(whole) - 1):
+        done = [t for w, _, _ in whole[:cut] for t in w]
+        resumed_ids = ids + done
+        again = prefill(stack["model"], resumed_ids)
+        claim = {"handoff_id": f"r-{uuid.uuid4().hex[:8]}", "result": "posted", "progress": True,
+                 "resume": {"output_token_ids": done, "prompt_tokens": len(ids), "context_token_id": ids[-1]}}
+        seen_again: dict = {}
+        rest = _claim_writes(stack, path, body, claim, resumed_ids, int(again.logits.argmax()), again.kv, seen_again)
+        assert seen_again["roles"] == 0 and seen_again["usage"] == seen["usage"], f"cut after write {cut}"
+        assert _finish(rest) == _finish(whole) == ("stop", stop), f"cut after write {cut}"
+        # (the writes may split otherwise: MTP starts afresh at the cut)
+        assert [t for w, _, _ in rest for t in w] == tokens[len(done):], f"cut after write {cut}"
+        assert "".join(t for _, t, _ in rest) == "".join(t for _, t, _ in whole[cut:]), f"cut after write {cut}"
+    assert tokens and stop in text

@@ -85,9 +85,10 @@ def cluster() -> Iterator[Cluster]:
 
 
 def test_a_decode_host_whose_link_goes_down_mid_stream(cluster: Cluster) -> None:
-    """The stream ends with an OpenAI error event within the bound (no hang), nothing is
-    left in the router, /ready says the decode server is unreachable, and once the cable
-    is back the next request is served without a restart."""
+    """The only decode host: the stream ends with an OpenAI error event within the bound (no
+    hang; no other host to move the answer to), nothing is left in the router, /ready says the
+    decode server is unreachable, and once the cable is back the next request is served
+    without a restart."""
     record = StreamRecord()
     events, ended = record.events, record.ended
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 5000, "stream": True}
@@ -120,9 +121,9 @@ def test_a_decode_host_whose_link_goes_down_mid_stream(cluster: Cluster) -> None
 
 def test_a_decode_host_gone_while_requests_queue(cluster_of_two: Cluster) -> None:
     """Two decode hosts of one slot, six streams: two served, four queued. The host serving
-    one of them drops off the network: that stream ends with an error event within the
-    dead-peer bound, and the queued four are all served by the other host, none of them
-    waiting out a timeout (the queue's would be a 429 after 20 s)."""
+    one of them drops off the network: that stream moves to the other host, ahead of the four
+    queued (it came first), and all six are whole, none of them waiting out a timeout (the
+    queue's would be a 429 after 20 s)."""
     c = cluster_of_two
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 100, "stream": True}  # ~1 s each
     records = [StreamRecord() for _ in range(6)]
@@ -142,10 +143,9 @@ def test_a_decode_host_gone_while_requests_queue(cluster_of_two: Cluster) -> Non
             thread.join(QUEUE_TIMEOUT_S + 20)
         assert all(r.ended for r in records), "a client still waits"
         outcomes = sorted("error" if "error" in r.events[-1] else "ok" for r in records)
-        assert outcomes == ["error"] + ["ok"] * 5, [r.events[-1] for r in records]
-        texts = {"".join(e["choices"][0]["text"] for e in r.events if e.get("choices")) for r in records
-                 if "error" not in r.events[-1]}
-        assert texts == {"".join(f"t{k} " for k in range(100))}
+        assert outcomes == ["ok"] * 6, [r.events[-1] for r in records]
+        texts = ["".join(e["choices"][0]["text"] for e in r.events if e.get("choices")) for r in records]
+        assert texts == ["".join(f"t{k} " for k in range(100))] * 6
     finally:
         c.nodes[1].cable(up=True)
         for thread in clients:

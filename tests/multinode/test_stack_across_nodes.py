@@ -3,7 +3,8 @@ TileRTConnector and the router on node 0, reference decode servers on nodes 1 an
 role on its node's address, API key and KV secret on, UCX choosing its transport; node 2's
 cable is the link emulator's (tests/link_emulator.py), node 1's a veth pair. One stack for
 the module: greedy output as vLLM alone's, both decode nodes serving; the KV across a
-lossy, slow link; then a decode node's link pulled mid-stream and mid-transfer."""
+lossy, slow link; then a decode node's link pulled mid-stream (the answer goes on on the other
+node) and mid-transfer."""
 
 from __future__ import annotations
 
@@ -120,10 +121,11 @@ def _carried(stack: NodeStack) -> dict[str, float]:
     return {t: n for t, n in found.items() if n}
 
 
-def _serving(stack: NodeStack) -> Node:
-    """The decode node whose slot is busy (asked on each node itself)."""
+def _serving(stack: NodeStack, several: bool = False) -> Node:
+    """The decode node whose slot is busy (asked on each node itself); ``several``: the first of
+    those busy."""
     busy = [n for n in stack.decode_nodes if stack.capabilities(n, from_node=n).busy_slots]
-    assert len(busy) == 1, f"{len(busy)} decode nodes busy"
+    assert busy and (several or len(busy) == 1), f"{len(busy)} decode nodes busy"
     return busy[0]
 
 
@@ -137,36 +139,70 @@ def _report(stack: NodeStack) -> ReadinessReport:
         stack.from_head(lambda: httpx.get(stack.router_url + "/ready", timeout=5)).content)
 
 
-def test_a_decode_nodes_link_down_mid_stream(stack3: NodeStack) -> None:
-    """The stream ends with an OpenAI error event within the dead-peer bound, the decode
-    node frees its slot and KV slot (seen from the node itself, its cable still out), the
-    prefill's KV blocks are free, /ready names the node unreachable; with the cable back,
-    the same node serves again without a restart."""
+def _choices(events: list[dict]) -> dict[int, dict]:
+    """Per choice of a stream: its text and logprobs' tokens, finish reason; an error under -1."""
+    out: dict[int, dict] = {}
+    for e in events:
+        if "error" in e or "client_error" in e or "status" in e:
+            out[-1] = e
+        for c in e.get("choices") or ():
+            got = out.setdefault(c["index"], {"text": "", "lp": [], "finish": None})
+            got["text"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
+            lp = c.get("logprobs") or {}
+            got["lp"] += lp.get("tokens") or [t["token"] for t in lp.get("content") or ()]
+            got["finish"] = c.get("finish_reason") or got["finish"]
+    return out
+
+
+MID_STREAM = {
+    "completion": ("/v1/completions", {"prompt": "Count: one, two, three,", "max_tokens": 400}),
+    "chat, n = 2, logprobs": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 400, "n": 2,
+        "logprobs": True, "top_logprobs": 1}),
+}
+
+
+@pytest.mark.parametrize("case", MID_STREAM)
+def test_a_decode_nodes_link_down_mid_stream(stack3: NodeStack, vllm_alone: str, case: str) -> None:
+    """The serving decode node's cable pulled mid-stream: the stream completes on the other node,
+    greedy as the same request uninterrupted and as vLLM alone (with n = 2, one choice per node:
+    only the lost choice moves, once the other's slot is free); the lost node, on its own, frees
+    its slots, vLLM its KV blocks, /ready names the node unreachable; with the cable back the same
+    node serves again without a restart."""
+    path, extra = MID_STREAM[case]
+    body = {"model": stack3.model_name, **extra, "stream": True, "ignore_eos": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    whole = StreamRecord()
+    stack3.from_head(read_stream, stack3.router_url + path, body, headers, whole)
+    expected = _choices(whole.events)
+    assert -1 not in expected, expected[-1]
+    # (vLLM refuses greedy n > 1: its one choice is each of ours)
+    alone = poster(vllm_alone)(path, {k: v for k, v in body.items() if k != "n"} | {"stream": False})
+    assert alone.status_code == 200, alone.text
+    [c] = alone.json()["choices"]
+    assert all((c.get("text") or c["message"]["content"]) == e["text"] for i, e in expected.items())
     record = StreamRecord()
     events, ended = record.events, record.ended
-    body = {"model": stack3.model_name, "prompt": "Count: one, two, three,", "max_tokens": 2000, "stream": True,
-            "ignore_eos": True, "temperature": 0}
-    client = threading.Thread(target=stack3.from_head, args=(
-        read_stream, stack3.router_url + "/v1/completions", body, {"Authorization": f"Bearer {API_KEY}"}, record))
+    client = threading.Thread(target=stack3.from_head, args=(read_stream, stack3.router_url + path, body, headers,
+                                                             record))
     client.start()
     node: Node | None = None
     try:
         try:
-            wait_until(lambda: len(events) >= 5 or ended, 120, "the first tokens")
+            wait_until(lambda: len(events) >= 6 or ended, 120, "the first tokens")
         except AssertionError as exc:
             raise AssertionError(f"{exc}; events so far: {events}\n{_logs(stack3)}") from None
-        assert len(events) >= 5, f"the stream ended after {len(events)} events: {events}\n{_logs(stack3)}"
-        node = _serving(stack3)
-        served = _served(stack3, node)
-        pulled = time.monotonic()
+        assert len(events) >= 6 and not ended, f"the stream ended after {len(events)} events\n{_logs(stack3)}"
+        node = _serving(stack3, several=True)
+        other = next(n for n in stack3.decode_nodes if n is not node)
+        served = _served(stack3, other)
+        moved = stack3.metric(stack3.router_url, "pd_router_migration_seconds_count")
         node.cable(up=False)
-        client.join(60)
-        assert ended, "the client still waits, 60 s after the decode node's link went down"
-        took = ended[0] - pulled
-        assert "error" in events[-1], f"the stream did not end with an error event: {events[-1]}"
-        bound = DEAD_PEER_S + 2.0
-        assert took <= bound, f"the error event came {took:.1f}s after the link went down (bound {bound:g}s)"
-        print(f"\nlink down mid-stream: error event after {took:.2f}s: {events[-1]['error']['message']}")
+        client.join(120)
+        assert ended, "the client still waits, 120 s after the decode node's link went down"
+        assert _choices(events) == expected, f"{_choices(events).get(-1)}\n{_logs(stack3)}"
+        assert stack3.metric(stack3.router_url, "pd_router_migration_seconds_count") == moved + 1
+        assert _served(stack3, other) >= served + 1  # the rest of the answer (n = 2: and its own choice)
         # the decode node, on its own: its generation ended and both its slots are free
         wait_until(lambda: (c := stack3.capabilities(node, from_node=node)).busy_slots == 0 and
                    c.kv_busy_slots == 0, DEAD_PEER_S + 5, "the decode node to free its slots")
@@ -179,6 +215,7 @@ def test_a_decode_nodes_link_down_mid_stream(stack3: NodeStack) -> None:
             node.cable(up=True)
         client.join(30)
     wait_until(lambda: all(d.healthy for d in _report(stack3).decode), 30, "/ready once the link is back")
+    served = _served(stack3, node)
     deadline = time.monotonic() + 60
     while _served(stack3, node) == served:  # least-loaded: within a few requests it is the node's turn
         assert time.monotonic() < deadline, "the node never served again after its link came back"
