@@ -8,8 +8,9 @@ SIGKILL (its connection closes: found lost at once) or SIGSTOP (silent: found lo
 
 Reported per signal, over ``--runs`` runs (p50 / p90):
 
-* **cut -> next token**: from the signal to the next token at the client (what the client
-  sees); ITL before the cut beside it;
+* **longest wait after the cut**: the client's longest wait between two tokens after the
+  signal (the tokens already on their way come first, then the lost server's silence, the
+  move and the new server's first token: what the client sees); ITL before the cut beside it;
 * **migration**: the router's ``pd_router_migration_seconds`` (from the server found lost to
   the first output of the one that resumed the answer: tokenize, slot, prefill, KV, first token);
 * **prefill of the tokens so far**: the prompt and the output up to the cut prefilled alone on
@@ -65,7 +66,8 @@ def busy(stack: Stack) -> str:
 
 def healthy(stack: Stack) -> None:
     deadline = time.monotonic() + 120
-    while not all(d["healthy"] for d in httpx.get(stack.config.router_url + "/ready", timeout=5).json()["decode"]):
+    while not all(d["healthy"] and d["compatible"]
+                  for d in httpx.get(stack.config.router_url + "/ready", timeout=5).json()["decode"]):
         if time.monotonic() > deadline:
             raise RuntimeError("decode servers not healthy again within 120 s")
         time.sleep(0.2)  # polling the router's view, not synchronising with it
@@ -81,7 +83,10 @@ def stream(url: str, body: dict, cut_after: int, on_cut) -> tuple[list[int], lis
         for line in resp.iter_lines():
             if not line.startswith("data: {"):
                 continue
-            choice = json.loads(line[6:])["choices"][0]
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"the answer ended with an error: {event['error']}")
+            choice = event["choices"][0]
             now = time.perf_counter()
             for token in (choice.get("logprobs") or {}).get("tokens") or ():
                 ids.append(int(token.removeprefix("token_id:")))
@@ -153,8 +158,10 @@ def main() -> None:
                     if ids != whole:
                         raise RuntimeError(f"the migrated answer differs from the uninterrupted one ({sig_name})")
                     assert cut_at is not None
-                    after = next(t for t in times if t > cut_at)
-                    cut_next.append((after - cut_at) * 1e3)
+                    # the client's longest wait after the cut: the tokens already on their way came
+                    # first, then the lost server's silence, the move, and the new server's first token
+                    after = [t for t in times if t > cut_at]
+                    cut_next.append(max(b - a for a, b in zip([cut_at, *after], after, strict=False)) * 1e3)
                     before = [b - a for a, b in zip(times, times[1:], strict=False) if b <= cut_at]
                     itl.append(pct(before, 0.5) * 1e3)
                     n1, s1 = (metric(url, "pd_router_migration_seconds_count"),
@@ -167,7 +174,7 @@ def main() -> None:
     print(f"migration, commit {commit}, {args.runs} runs per signal, cut after {args.cut_after} of {args.tokens} "
           f"greedy tokens, --stall-timeout {args.stall_timeout:g}s, 2 reference decode servers x 1 slot, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
-    print("| signal | cut -> next token p50 / p90 (ms) | migration p50 / p90 (ms) | ITL before the cut p50 (ms) "
+    print("| signal | longest wait after the cut p50 / p90 (ms) | migration p50 / p90 (ms) | ITL before the cut p50 (ms) "
           "| prefill of prompt + tokens so far p50 (ms) |")
     print("|---|---|---|---|---|")
     for sig_name, cut_next, moves, itl, prefills in rows:

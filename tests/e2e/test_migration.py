@@ -100,8 +100,8 @@ def _all_free(stack: Stack) -> None:
 
 
 def _healthy(stack: Stack) -> None:
-    wait_until(lambda: all(d["healthy"] for d in httpx.get(stack.config.router_url + "/ready", timeout=5)
-                           .json()["decode"]), 60, "both decode servers healthy again")
+    wait_until(lambda: all(d["healthy"] and d["compatible"] for d in httpx.get(
+        stack.config.router_url + "/ready", timeout=5).json()["decode"]), 60, "both decode servers usable again")
 
 
 def _cut(stack: Stack, path: str, body: dict[str, Any], sig: signal.Signals, rid: str,
