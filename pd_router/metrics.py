@@ -29,6 +29,9 @@ TOKEN_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.0035, 0.004, 0.0
 
 
 M = TypeVar("M", bound=MetricWrapperBase)
+# pd_router_migrations_total's labels (docs/reliability.md, "A decode server lost mid-answer")
+MIGRATION_REASONS = ("connection_lost", "stalled", "error_event")
+MIGRATION_OUTCOMES = ("resumed", "failed", "limit", "not_resumable")
 
 
 class TokenHistogram(Collector):
@@ -168,6 +171,9 @@ class RouterMetrics:
             "limit: --max-migrations reached; not_resumable: the request cannot move, docs/reliability.md)",
             ("reason", "outcome"),
         )
+        for reason in MIGRATION_REASONS:  # every series from the start: a dashboard's rate() has them at 0
+            for outcome in MIGRATION_OUTCOMES:
+                self.child(self.migrations, reason, outcome)
         self.migration_seconds = self._histogram(
             "migration_seconds", "Time a migration added: from the decode server found lost to the first output "
             "of the one that resumed the answer",
