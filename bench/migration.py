@@ -174,8 +174,8 @@ def main() -> None:
     print(f"migration, commit {commit}, {args.runs} runs per signal, cut after {args.cut_after} of {args.tokens} "
           f"greedy tokens, --stall-timeout {args.stall_timeout:g}s, 2 reference decode servers x 1 slot, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
-    print("| signal | longest wait after the cut p50 / p90 (ms) | migration p50 / p90 (ms) | ITL before the cut p50 (ms) "
-          "| prefill of prompt + tokens so far p50 (ms) |")
+    print("| signal | longest wait after the cut p50 / p90 (ms) | migration p50 / p90 (ms) "
+          "| ITL before the cut p50 (ms) | prefill of prompt + tokens so far p50 (ms) |")
     print("|---|---|---|---|---|")
     for sig_name, cut_next, moves, itl, prefills in rows:
         print(f"| {sig_name} | {pct(cut_next, 0.5):.0f} / {pct(cut_next, 0.9):.0f} | {pct(moves, 0.5):.0f} / "
