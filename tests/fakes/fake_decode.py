@@ -25,9 +25,11 @@ from pd_wire.decode import (
     CancelRequest,
     CancelResponse,
     DecodeCapabilities,
+    DecodeRefusal,
     EngineFeatures,
     progress_line,
 )
+from pd_wire.errors import ErrorDetail
 from pd_wire.handoff import PROTOCOL_VERSION, HandoffClaim, HandoffResult, PeerStatus, SlotWait
 from tests.fakes.fake_common import FakeBase, error_body
 
@@ -50,7 +52,8 @@ class DecodeKnobs(BaseModel):
     tokens: int = 8  # when the body has no max_tokens
     token_delay: float = 0.0
     hold: bool = False  # each request waits for POST /fake/release before streaming
-    # "status" | "mid_stream" (after fail_after tokens; an answer resumed here does not) | "no_done"
+    # "status" | "mid_stream" (after fail_after tokens; an answer resumed here does not) | "no_done" |
+    # "error_event" (after fail_after tokens, its error event or refusal with fail_status; not resumed ones)
     fail: str | None = None
     fail_status: int = 500
     fail_after: int = 2
@@ -373,6 +376,11 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             for i in range(first, n):
                 if k.fail == "mid_stream" and i == k.fail_after and not first:  # (a resumed answer goes on)
                     raise ConnectionAbortedError("fake decode: dying mid-answer")
+                if k.fail == "error_event" and i == k.fail_after and not first:  # the server's own refusal
+                    refusal = DecodeRefusal(status=k.fail_status, error=ErrorDetail(
+                        message="fake decode: engine failure", type="engine_error", code=k.fail_status))
+                    await send({"type": "http.response.body", "body": refusal.event(), "more_body": False})
+                    return
                 if i > first and k.token_delay:
                     await asyncio.wait([watch], timeout=k.token_delay)
                 if watch.done():
@@ -433,6 +441,12 @@ class FakeDecode(FakeBase[DecodeKnobs]):
         for i in range(first, n):
             if k.fail == "mid_stream" and i == k.fail_after and not first:  # (a resumed answer goes on)
                 raise ConnectionAbortedError("fake decode: dying mid-stream")
+            if k.fail == "error_event" and i == k.fail_after and not first:  # its own failure, as the real one
+                error = {"error": {"message": "fake decode: engine failure", "type": "engine_error", "param": None,
+                                   "code": k.fail_status}}
+                await send({"type": "http.response.body", "body": b"data: " + json.dumps(error).encode()
+                            + b"\n\ndata: [DONE]\n\n", "more_body": False})
+                return
             wait = t0 + i * k.token_delay - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)

@@ -154,3 +154,24 @@ def test_with_no_server_to_move_to_or_no_move_allowed_the_stream_ends_with_its_e
         outcome = "limit" if settings else "failed"
         assert _metric(rig, f'pd_router_migrations_total{{outcome="{outcome}",reason="connection_lost"}}') == 1
         rig.assert_no_leaks()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("status", [500, 400])
+def test_a_decode_servers_own_failure_moves_the_answer_and_the_requests_does_not(make_rig, stream, status):
+    """The server ends the answer with its own failure (a 5xx error event, or the refusal of an
+    answer not streamed): the answer moves; a 4xx is the request's own: relayed as it is."""
+    rig = make_rig(n_decode=2, decode={"fail": "error_event", "fail_after": 3, "fail_status": status})
+    resp = httpx.post(rig.url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=20)
+    moved = _metric(rig, 'pd_router_migrations_total{outcome="resumed",reason="error_event"}')
+    if status >= 500:
+        assert resp.status_code == 200, resp.text
+        text = "".join(_texts(_events(resp.text), False)) if stream else resp.json()["choices"][0]["text"]
+        assert text == "".join(f"t{i} " for i in range(TOKENS)) and moved == 1
+    else:
+        assert moved == 0
+        if stream:
+            assert json.loads(_events(resp.text)[-2])["error"]["code"] == 400
+        else:
+            assert resp.status_code == 400, resp.text
+    rig.assert_no_leaks()
