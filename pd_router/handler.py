@@ -301,7 +301,7 @@ class CompletionHandler:
                                          "pd.migration.count": ctx.migrations})
                 if ctx.prompt_ids is None:
                     ctx.prompt_ids = await migration.prompt_ids(state, ctx, body)
-                ctx.resume = migration.resume_from(ctx, body)
+                ctx.resume = migration.resume_from(ctx)
                 if span is not None:
                     span.set_attribute("pd.migration.output_tokens", len(ctx.resume.output_token_ids))
         except RouterError as err:

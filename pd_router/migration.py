@@ -91,13 +91,12 @@ async def prompt_ids(state: RouterState, ctx: RequestContext, body: Mapping[str,
     return tokens
 
 
-def resume_from(ctx: RequestContext, body: Mapping[str, Any]) -> ResumeFrom:
+def resume_from(ctx: RequestContext) -> ResumeFrom:
     """What the resuming decode server needs of the answer so far."""
     assert ctx.prompt_ids is not None and ctx.trail is not None
-    repetition = body.get("repetition_penalty")
+    # the prompt's ids always: a repetition penalty may come from the checkpoint's defaults
     return ResumeFrom(output_token_ids=list(ctx.trail.tokens), prompt_tokens=len(ctx.prompt_ids),
-                      context_token_id=ctx.prompt_ids[-1],
-                      prompt_token_ids=ctx.prompt_ids if repetition not in (None, 1, 1.0) else None)
+                      context_token_id=ctx.prompt_ids[-1], prompt_token_ids=ctx.prompt_ids)
 
 
 def prefill_body(ctx: RequestContext, body: Mapping[str, Any], target: Mapping[str, Any]) -> bytes:

@@ -99,8 +99,8 @@ class ResumeFrom(BaseModel):
     prompt_tokens: int = Field(ge=1, description="the original prompt's length")
     context_token_id: int = Field(ge=0, description="the original prompt's last token (the detokenizer's "
                                   "left context)")
-    prompt_token_ids: list[int] | None = Field(default=None, description="the original prompt's ids, for a "
-                                               "repetition_penalty")
+    prompt_token_ids: list[int] | None = Field(default=None, description="the original prompt's ids (a "
+                                               "repetition_penalty counts them)")
 
 
 class HandoffClaim(BaseModel):

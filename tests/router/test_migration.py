@@ -94,7 +94,8 @@ def test_a_stream_whose_decode_server_dies_goes_on_on_another(make_rig, chat):
     claims = _claims(rig)
     assert len(claims) == 2 and "resume" not in claims[0] and claims[0]["progress"]
     assert claims[1]["resume"] == {"output_token_ids": [FAKE_TOKEN_BASE + i for i in range(3)],
-                                   "prompt_tokens": len(FAKE_PROMPT_IDS), "context_token_id": FAKE_PROMPT_IDS[-1]}
+                                   "prompt_tokens": len(FAKE_PROMPT_IDS), "context_token_id": FAKE_PROMPT_IDS[-1],
+                                   "prompt_token_ids": FAKE_PROMPT_IDS}
     assert claims[1]["created"] == claims[0]["created"] and claims[1]["handoff_id"] != claims[0]["handoff_id"]
     prefill = rig.records(rig.prefills[0])["requests"]
     assert [r["path"] for r in prefill] == [path, "/tokenize", "/v1/completions"]
