@@ -5,13 +5,17 @@ httptools as ``python -m decode_server`` runs it, or ``--loop asyncio``). Prints
 tokens/s of both and their ratio, measured in the same run.
 
     python bench/decode_server_overhead.py [--step-ms 3.19] [--tokens 256] [--concurrency 1 4]
-        [--timeline] [--loop asyncio] [--gil-us 50]
+        [--timeline] [--loop asyncio] [--gil-us 50] [--load]
+
+Two ratios per concurrency: tokens/s per user (the TTFT included) and the *pace*, tokens/s
+from each stream's first chunk to its last (the TPOT the user sees), both against the engine
+alone. ``--load`` runs the measured streams beside a realistic load (:func:`realistic_load`).
 
 ``--timeline``: the server process also records, on each slot's worker thread, when each
 engine step starts and ends and how long the work between two steps takes by part (the
-sequence processor's ``feed``: detokenizing and stop strings; the metrics; the post of the
-delta to the event loop); the rest of a gap is the thread waiting for the GIL and the loop's
-own work. Printed per concurrency: the gap between one step's end and the next one's start,
+sequence processor's ``cut``: the token-level stop conditions; the metrics; the post of the
+step's tokens to the event loop); the rest of a gap is the thread waiting for the GIL and the
+loop's own work. Printed per concurrency: the gap between one step's end and the next one's start,
 p50 / p90 / mean, and its mean by part. The wrappers cost ~1 us per call, counted in the gap.
 """
 
@@ -36,7 +40,8 @@ sys.path.insert(0, str(REPO))
 
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import SamplingParams
-from pd_wire.handoff import HandoffResult
+from pd_wire.decode import CAPABILITIES_PATH
+from pd_wire.handoff import HandoffClaim, HandoffResult, SlotWait
 from tests.decode_server.conftest import build_model_dir, start_server
 from tests.fakes.fake_engine import FakeEngine, FakeEngineConfig
 
@@ -56,11 +61,15 @@ def baseline(cfg: FakeEngineConfig, tokens: int) -> float:
 
 
 async def through_server(url: str, tokens: int, concurrency: int, on_warm: Callable[[], None] | None = None,
-                         on_measured: Callable[[], None] | None = None) -> tuple[float, float, float]:
-    """Tokens/s of ``concurrency`` streams at once, mean chunks per response, and the median
-    time to the first chunk of 20 sequential requests; ``on_warm`` runs after the warm-up
-    request, ``on_measured`` after the concurrent streams."""
+                         on_measured: Callable[[], None] | None = None,
+                         load: bool = False) -> tuple[float, float, float, float]:
+    """Tokens/s of ``concurrency`` streams at once, their pace (tokens/s from the first chunk
+    to the last, per stream: the TPOT the user sees, without the TTFT), mean chunks per
+    response, and the median time to the first chunk of 20 sequential requests; ``on_warm``
+    runs after the warm-up request, ``on_measured`` after the concurrent streams. ``load``:
+    the concurrent streams run beside :func:`realistic_load`."""
     ttfts: list[float] = []
+    paces: list[float] = []
 
     async def one(client: httpx.AsyncClient, i: int) -> int:
         body = {"prompt": "x", "max_tokens": tokens, "ignore_eos": True, "stream": True,
@@ -69,32 +78,102 @@ async def through_server(url: str, tokens: int, concurrency: int, on_warm: Calla
                                        "status": "sent"}}
         n = 0
         t0 = time.perf_counter()
+        first = last = 0.0
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
-                if not n and line.startswith("data: {"):
-                    ttfts.append(time.perf_counter() - t0)
-                n += line.startswith("data: {")
+                if line.startswith("data: {"):
+                    last = time.perf_counter()
+                    if not n:
+                        first = last
+                        ttfts.append(first - t0)
+                    n += 1
+        if n > 1:
+            paces.append((n - 1) / (last - first))
         return n
 
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as client:
         await one(client, -1)  # warm-up (first request imports torch in the fake receiver)
         if on_warm is not None:
             on_warm()
+        paces.clear()
+        loader = asyncio.ensure_future(realistic_load(url, concurrency, tokens)) if load else None
         t0 = time.perf_counter()
         chunks = await asyncio.gather(*(one(client, i) for i in range(concurrency)))
         dt = time.perf_counter() - t0
+        if loader is not None:
+            loader.cancel()
+            await asyncio.gather(loader, return_exceptions=True)
         if on_measured is not None:
             on_measured()
+        pace = statistics.fmean(paces)
         ttfts.clear()
         for i in range(20):  # time to first chunk, sequential requests
             await one(client, 1000 + i)
-    return concurrency * tokens / dt, statistics.mean(chunks), statistics.median(ttfts)
+    return concurrency * tokens / dt, pace, statistics.mean(chunks), statistics.median(ttfts)
+
+
+ROUTERS = 4  # --load: routers sharing the server, each with a standing decode request and probes
+PROBE_S = 2.0  # a router's probe interval
+SCRAPE_S = 5.0  # Prometheus's scrape interval
+
+
+async def realistic_load(url: str, concurrency: int, tokens: int) -> None:
+    """What a decode server meets while it decodes, beside the measured streams (until cancelled):
+    a client reading its own stream slowly (its slot is the one the server has beside the
+    measured ones), and, once every slot is busy, one standing decode request per router in the
+    queue (a claim with a wait, as each router keeps one), each router's probe every
+    ``PROBE_S`` and a Prometheus scrape every ``SCRAPE_S``."""
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=2 * ROUTERS + 4)) as client:
+        tasks = [asyncio.ensure_future(_slow_reader(client, url, tokens))]
+        try:
+            for _ in range(2000):  # the server's state polled (at most 10 s), not the load timed
+                if (await client.get(url + CAPABILITIES_PATH)).json()["busy_slots"] >= concurrency + 1:
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                raise RuntimeError("the measured streams and the slow reader never held every slot")
+            tasks += [asyncio.ensure_future(_standing(client, url, r)) for r in range(ROUTERS)]
+            tasks += [asyncio.ensure_future(_every(client, url + CAPABILITIES_PATH, PROBE_S, r / ROUTERS))
+                      for r in range(ROUTERS)]
+            tasks.append(asyncio.ensure_future(_every(client, url + "/metrics", SCRAPE_S, 0.0)))
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _slow_reader(client: httpx.AsyncClient, url: str, tokens: int) -> None:
+    body = {"prompt": "x", "max_tokens": tokens * 16, "ignore_eos": True, "stream": True,
+            "kv_transfer_params": {"handoff_id": f"slow-{time.monotonic_ns()}", "kv_endpoint": "x:1",
+                                   "num_prompt_tokens": 4, "first_token_id": 5, "last_prompt_token_id": 1,
+                                   "status": "sent"}}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        async for _ in r.aiter_raw(1024):
+            await asyncio.sleep(0.1)  # the slow client's reading pace (load, not synchronisation)
+
+
+async def _standing(client: httpx.AsyncClient, url: str, router: int) -> None:
+    now = time.monotonic()
+    claim = HandoffClaim(handoff_id=f"standing-{router}-{time.monotonic_ns()}", result="with_kv",
+                         wait=SlotWait(wait_s=600, holder=f"router-{router}", arrived_at=now, sent_at=now))
+    body = {"prompt": "x", "max_tokens": 4, "stream": True, "kv_transfer_params": claim.model_dump()}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        async for _ in r.aiter_raw():
+            pass
+
+
+async def _every(client: httpx.AsyncClient, url: str, period: float, phase: float) -> None:
+    await asyncio.sleep(phase * period)
+    while True:
+        await client.get(url)
+        await asyncio.sleep(period)  # the prober's own interval
 
 
 class Timeline:
     """Per worker thread, the steps' (start, end) and the parts of the work between them."""
 
-    PARTS = ("feed", "metrics", "post")
+    PARTS = ("cut", "metrics", "post")
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -168,14 +247,15 @@ def serve(args: argparse.Namespace, cfg: FakeEngineConfig) -> None:
 
         timeline = Timeline()
         timeline.wrap(FakeSession, "step", None)
-        timeline.wrap(SequenceProcessor, "feed", "feed")
+        timeline.wrap(SequenceProcessor, "cut", "cut")
         timeline.wrap(DecodeMetrics, "step", "metrics")
         timeline.wrap(DecodeMetrics, "spec", "metrics")
         timeline.wrap(Job, "_post", "post")
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model_dir(Path(tmp) / "m")
-        srv, server, thread = start_server(model, cfg, slots=max(args.concurrency), max_seq_len=args.tokens + 16,
-                                           loop=args.loop)
+        # --load: a slot for the slow reader beside the measured streams
+        srv, server, thread = start_server(model, cfg, slots=max(args.concurrency) + args.load,
+                                           max_seq_len=16 * args.tokens + 16, loop=args.loop)
         print(srv.url, flush=True)
         for line in sys.stdin:  # until the parent closes our stdin
             if line.strip() == "timeline" and timeline is not None:
@@ -196,13 +276,16 @@ def main() -> None:
                     "and what fills them")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                     help="the server's event loop (python -m decode_server runs uvloop)")
+    ap.add_argument("--load", action="store_true", help="the measured streams beside a realistic load: a slow "
+                    f"reader's stream, {ROUTERS} routers' standing decode requests and probes every {PROBE_S:g} s, "
+                    f"a Prometheus scrape every {SCRAPE_S:g} s")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     filler = 200  # one byte-level token: one character per token
     if not 0 <= args.gil_us <= args.step_ms * 1000:
         ap.error("--gil-us must be within the step")
     cfg = FakeEngineConfig(script=[], filler_token=filler, step_delay=args.step_ms / 1000, step_gil=args.gil_us / 1e6,
-                           slots=max(args.concurrency))
+                           slots=max(args.concurrency) + args.load)
     if args.serve:
         serve(args, cfg)
         return
@@ -221,10 +304,11 @@ def main() -> None:
 
         for c in args.concurrency:
             hooks = (lambda: ask(), lambda: measured.update(ask())) if args.timeline else (None, None)
-            rate, chunks, ttft = asyncio.run(through_server(url, args.tokens, c, *hooks))
+            rate, pace, chunks, ttft = asyncio.run(through_server(url, args.tokens, c, *hooks, load=args.load))
             print(f"server C={c:<3} {rate:8.1f} tok/s total, {rate / c:8.1f} tok/s/user, "
-                  f"ratio per user vs engine alone {rate / c / base:.3f} ({chunks:.0f} chunks/response); "
-                  f"time to first chunk p50 {ttft * 1000:.2f} ms")
+                  f"ratio per user vs engine alone {rate / c / base:.3f}, pace ratio {pace / base:.3f} "
+                  f"({chunks:.0f} chunks/response); time to first chunk p50 {ttft * 1000:.2f} ms"
+                  + (" [load]" if args.load else ""))
             if measured:
                 print(f"  gap between steps (us, {measured['n']:.0f} gaps): p50 {measured['p50']:.0f}, "
                       f"p90 {measured['p90']:.0f}, mean {measured['mean']:.0f} = "

@@ -37,7 +37,7 @@ from decode_server.server.metrics import DecodeMetrics
 from decode_server.server.observe import RequestObservation
 from decode_server.server.request_plan import Plan, with_result
 from decode_server.server.responses import DONE, dumps, renderer_for, sse
-from decode_server.server.sequence import Delta, SequenceProcessor
+from decode_server.server.sequence import Cut, Delta, SequenceProcessor, TokenLogprob
 from decode_server.server.slots import SlotRefused, SlotTable
 from decode_server.server.text import TextTokenizer
 from decode_server.structured import GrammarCompiler
@@ -81,10 +81,22 @@ class _Started:
 
 @dataclass(frozen=True)
 class _Replayed:
-    """The output before a cut, run through the sequence processor again (a resumed sequence):
-    the renderer takes it, the client had it already."""
+    """The output before a cut, through the token-level stop conditions again (a resumed
+    sequence): the loop runs its text for the renderer; the client had it already."""
 
-    delta: Delta
+    cut: Cut
+
+
+@dataclass(frozen=True)
+class _Stepped:
+    """One engine step's tokens as the worker cut them, for the loop's half of the processing
+    (:meth:`SequenceProcessor.text`), with the step's time and MTP counts for the metrics."""
+
+    cut: Cut
+    seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    first_logprob: TokenLogprob | None = None
 
 
 _ABORTED = object()
@@ -117,6 +129,7 @@ class Job:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._session: DecodeSession | None = None
+        self._proc: SequenceProcessor | None = None  # the worker's, once it decodes
         self._worker_started = False
         self._worker_done = asyncio.Event()  # set on the loop once the worker gave the slot back
         self._given_back = asyncio.Event()  # slot and KV handoff are free again
@@ -334,47 +347,47 @@ class Job:
                         SLOT_RETURN_WAIT_S)
 
     def _decode(self, session: DecodeSession, handoff: HandoffResult, span: Span | None = None) -> None:
+        """The worker's loop: a step, its token-level stop conditions, the tokens posted to the
+        loop (which detokenizes, matches stop strings and renders beside the next step), the
+        next step. A stop string the loop finds ends the steps (``_stop``)."""
         plan = self.plan
         resume = plan.resume
         context = resume.context_token_id if resume is not None else handoff.last_prompt_token_id
-        proc = SequenceProcessor(self.ctx.tokenizer, plan.stop, [context], plan.logprobs, plan.tokens_as_ids)
+        self._proc = proc = SequenceProcessor(self.ctx.tokenizer, plan.stop, [context], plan.logprobs,
+                                              plan.tokens_as_ids)
         if resume is not None:  # the processor (stop strings, detokenizer) where the lost server's was
-            self._post(_Replayed(proc.feed([TokenOut(t) for t in resume.output_token_ids])))
-            if proc.finished:  # the output so far had ended the sequence: its end is all that is left
-                self._post(Delta(finish_reason=proc.finish_reason))
+            replayed = proc.cut([TokenOut(t) for t in resume.output_token_ids])
+            self._post(_Replayed(replayed))
+            if replayed.finish_reason:  # the output so far had ended the sequence
                 return
         if session.first_token is not None:  # the engine chose it (SamplingParams.first_token_here)
-            delta = proc.feed([session.first_token])
+            cut = proc.cut([session.first_token])
+            self._post(_Stepped(cut))
         else:
-            delta = proc.feed([TokenOut(handoff.first_token_id)], plan.first_logprob)
+            cut = proc.cut([TokenOut(handoff.first_token_id)])
+            self._post(_Stepped(cut, first_logprob=plan.first_logprob))
         self.ctx.metrics.first_token(handoff.num_prompt_tokens)
-        self._post(delta)
         drafted = accepted = steps = 0
         try:
-            while not proc.finished and not self._stop.is_set():
-                drafted, accepted = self._step(session, proc, drafted, accepted)
+            while not proc.cut_finished and not self._stop.is_set():
+                t0 = time.perf_counter()
+                tokens = session.step()
+                dt = time.perf_counter() - t0
+                if not tokens:
+                    raise EngineError("the engine step produced no token")
+                stats = session.stats
+                cut = proc.cut(tokens)
+                self._post(_Stepped(cut, dt, stats.drafted - drafted, stats.accepted - accepted))
+                drafted, accepted = stats.drafted, stats.accepted
                 steps += 1
         finally:
             if span is not None:  # however the loop ended
-                span.set_attributes({"pd.completion_tokens": proc.num_generated, "pd.steps": steps,
+                span.set_attributes({"pd.completion_tokens": proc.num_cut, "pd.steps": steps,
                                      "pd.mtp.drafted": drafted, "pd.mtp.accepted": accepted})
-                if proc.finish_reason is not None:
-                    span.set_attribute("pd.finish_reason", proc.finish_reason)
-
-    def _step(self, session: DecodeSession, proc: SequenceProcessor, drafted: int, accepted: int) -> tuple[int, int]:
-        """One engine step; the session's (drafted, accepted) totals after it."""
-        metrics = self.ctx.metrics
-        t0 = time.perf_counter()
-        tokens = session.step()
-        dt = time.perf_counter() - t0
-        if not tokens:
-            raise EngineError("the engine step produced no token")
-        delta = proc.feed(tokens)
-        metrics.step(len(delta.token_ids), dt)
-        stats = session.stats
-        metrics.spec(stats.drafted - drafted, stats.accepted - accepted)
-        self._post(delta)
-        return stats.drafted, stats.accepted
+                # a stop string's end is the loop's (it stopped the steps), the others the cut's
+                reason = proc.finish_reason or cut.finish_reason
+                if reason is not None:
+                    span.set_attribute("pd.finish_reason", reason)
 
     # ---- the response -------------------------------------------------------------------
     async def _first_event(self) -> None:
@@ -467,17 +480,34 @@ class Job:
         return True
 
     async def _next_delta(self, renderer: Any) -> Delta:
-        """The next delta to send; a replayed output (a resumed sequence's) goes to ``renderer``
-        on the way, unsent."""
+        """The next delta to send: a step's tokens through the text half of the processing; a
+        replayed output (a resumed sequence's) goes to ``renderer`` on the way, unsent."""
         while True:
             item = await self._queue.get()
             if item is _ABORTED:
                 raise Cancelled(f"request {self.request_id!r} was cancelled ({self.abort_reason})")
             if isinstance(item, ApiError):
                 raise item
-            if not isinstance(item, _Replayed):
-                return item
-            renderer.add(item.delta)
+            proc = self._proc
+            assert proc is not None  # set by the worker before it posts a step
+            if isinstance(item, _Replayed):
+                delta = proc.text(item.cut)
+                end = Delta(finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                delta.finish_reason = delta.stop_reason = None
+                renderer.add(delta)
+                if end.finish_reason:  # the output so far had ended the sequence: its end is left to send
+                    return end
+                continue
+            if proc.finished:  # a step the engine ran before it heard of a stop string
+                continue
+            delta = proc.text(item.cut, item.first_logprob)
+            metrics = self.ctx.metrics
+            if item.seconds:
+                metrics.step(len(delta.token_ids), item.seconds)
+                metrics.spec(item.drafted, item.accepted)
+            if delta.finish_reason and not item.cut.finish_reason:  # a stop string: no more steps
+                self._stop.set()
+            return delta
 
     async def _stream(self, send: Any, renderer: Any) -> None:
         progress = self.plan.progress
