@@ -3,6 +3,8 @@ the official openai SDK and by raw HTTP: output shape and content."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -248,3 +250,32 @@ def test_continuous_usage_stats(make_server, tokenizer):
     assert counts == sorted(counts) and counts[-1] == len(rest) + 1
     assert all(e["usage"]["prompt_tokens"] == 5 for e in events)
     srv.wait_idle()
+
+
+def test_the_text_of_a_step_is_made_beside_the_next_step_not_between_steps(make_server, tokenizer, monkeypatch):
+    """Issue 50: between two engine steps the slot's worker only cuts the tokens (EOS, stop
+    tokens, max_tokens); detokenizing and stop strings run on the event loop's thread. A stop
+    string found there ends the steps: what the engine ran meanwhile is dropped, the client
+    gets what it got when the worker did it all (the answer up to the stop string)."""
+    from decode_server.server.sequence import SequenceProcessor
+
+    on_loop: dict[str, set[bool]] = {"cut": set(), "text": set()}  # called on the event loop's thread?
+    for name in on_loop:
+        inner = getattr(SequenceProcessor, name)
+
+        def recorded(self, *a, _inner=inner, _name=name, **kw):
+            try:
+                asyncio.get_running_loop()
+                on_loop[_name].add(True)
+            except RuntimeError:
+                on_loop[_name].add(False)
+            return _inner(self, *a, **kw)
+
+        monkeypatch.setattr(SequenceProcessor, name, recorded)
+    first, rest = script_for(tokenizer, TEXT)
+    srv = make_server(FakeEngineConfig(script=rest))
+    out = client(srv.url).completions.create(model="fake-model", prompt="x", max_tokens=100, stop=["wörld"],
+                                             extra_body={"kv_transfer_params": handoff(first)})
+    assert out.choices[0].text == TEXT[:TEXT.index("wörld")] and out.choices[0].finish_reason == "stop"
+    srv.wait_idle()
+    assert on_loop == {"cut": {False}, "text": {True}}, on_loop
