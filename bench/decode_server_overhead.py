@@ -13,8 +13,9 @@ alone. ``--load`` runs the measured streams beside a realistic load (:func:`real
 
 ``--timeline``: the server process also records, on each slot's worker thread, when each
 engine step starts and ends and how long the work between two steps takes by part (the
-sequence processor's ``cut``: the token-level stop conditions; the metrics; the post of the
-step's tokens to the event loop); the rest of a gap is the thread waiting for the GIL and the
+sequence processor's work there, ``proc``: its ``cut``, the token-level stop conditions, or
+before issue 50 its whole ``feed``; the metrics; the post of the step's tokens to the event
+loop); the rest of a gap is the thread waiting for the GIL and the
 loop's own work. Printed per concurrency: the gap between one step's end and the next one's start,
 p50 / p90 / mean, and its mean by part. The wrappers cost ~1 us per call, counted in the gap.
 """
@@ -173,7 +174,7 @@ async def _every(client: httpx.AsyncClient, url: str, period: float, phase: floa
 class Timeline:
     """Per worker thread, the steps' (start, end) and the parts of the work between them."""
 
-    PARTS = ("cut", "metrics", "post")
+    PARTS = ("proc", "metrics", "post")
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -247,7 +248,8 @@ def serve(args: argparse.Namespace, cfg: FakeEngineConfig) -> None:
 
         timeline = Timeline()
         timeline.wrap(FakeSession, "step", None)
-        timeline.wrap(SequenceProcessor, "cut", "cut")
+        # the sequence processor's work on the worker: its token-level half (before issue 50: all of it)
+        timeline.wrap(SequenceProcessor, "cut" if hasattr(SequenceProcessor, "cut") else "feed", "proc")
         timeline.wrap(DecodeMetrics, "step", "metrics")
         timeline.wrap(DecodeMetrics, "spec", "metrics")
         timeline.wrap(Job, "_post", "post")
