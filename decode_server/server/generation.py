@@ -8,9 +8,11 @@ KV timeout, engine error, server shutdown, a swap that took its slot).
 disconnect aborts the job at once.
 
 Threads: the engine runs on the slot's worker thread (``engine.start`` then
-``session.step`` until a stop condition); stop conditions, detokenization and
-stop strings run there too (:class:`SequenceProcessor`). Results come back to the
-loop through ``call_soon_threadsafe``; the loop only renders and sends.
+``session.step`` until a stop condition); between two steps the worker only cuts the
+step's tokens at the token-level stop conditions (:meth:`SequenceProcessor.cut`) and posts
+them to the loop through ``call_soon_threadsafe``. The loop detokenizes, matches stop strings
+(:meth:`SequenceProcessor.text`: a match stops the steps), renders and sends, beside the
+worker's next step.
 """
 
 from __future__ import annotations
