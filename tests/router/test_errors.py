@@ -214,6 +214,8 @@ def test_504_prefill_and_decode_timeouts(make_rig):
     err = _error(
         httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=10), 504, "upstream_timeout"
     )
+    # silent mid-answer (its first token came): the server is taken for lost, marked down until the next probe
+    rig.wait(lambda: rig.ready_status() == 200, 5, "the decode server back after a probe")
     resp = httpx.post(rig.url + "/v1/completions", json={**COMPLETION, "stream": True}, timeout=10)
     events = [e[6:] for e in resp.text.split("\n\n") if e.startswith("data: ")]
     assert resp.status_code == 200 and events[-1] == "[DONE]"
