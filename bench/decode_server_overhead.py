@@ -97,13 +97,16 @@ async def through_server(url: str, tokens: int, concurrency: int, on_warm: Calla
         if on_warm is not None:
             on_warm()
         paces.clear()
-        loader = asyncio.ensure_future(realistic_load(url, concurrency, tokens)) if load else None
+        # the load from a process of its own: its work competes with the server, not with this client
+        loader = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--load-gen", url, str(concurrency), str(tokens), stdin=subprocess.PIPE,
+            cwd=REPO) if load else None
         t0 = time.perf_counter()
         chunks = await asyncio.gather(*(one(client, i) for i in range(concurrency)))
         dt = time.perf_counter() - t0
-        if loader is not None:
-            loader.cancel()
-            await asyncio.gather(loader, return_exceptions=True)
+        if loader is not None and loader.stdin is not None:
+            loader.stdin.close()  # it stops
+            await asyncio.wait_for(loader.wait(), 30)
         if on_measured is not None:
             on_measured()
         pace = statistics.fmean(paces)
@@ -142,6 +145,14 @@ async def realistic_load(url: str, concurrency: int, tokens: int) -> None:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def load_until_stdin_closes(url: str, concurrency: int, tokens: int) -> None:
+    """``--load-gen``: :func:`realistic_load` until the parent closes this process's stdin."""
+    load = asyncio.ensure_future(realistic_load(url, concurrency, tokens))
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    load.cancel()
+    await asyncio.gather(load, return_exceptions=True)
 
 
 async def _slow_reader(client: httpx.AsyncClient, url: str, tokens: int) -> None:
@@ -282,7 +293,12 @@ def main() -> None:
                     f"reader's stream, {ROUTERS} routers' standing decode requests and probes every {PROBE_S:g} s, "
                     f"a Prometheus scrape every {SCRAPE_S:g} s")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--load-gen", nargs=3, metavar=("URL", "C", "TOKENS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.load_gen:
+        url, c, tokens = args.load_gen
+        asyncio.run(load_until_stdin_closes(url, int(c), int(tokens)))
+        return
     filler = 200  # one byte-level token: one character per token
     if not 0 <= args.gil_us <= args.step_ms * 1000:
         ap.error("--gil-us must be within the step")
@@ -292,20 +308,23 @@ def main() -> None:
         serve(args, cfg)
         return
     base = baseline(cfg, args.tokens)
-    child = subprocess.Popen([sys.executable, __file__, "--serve", *sys.argv[1:]], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, cwd=REPO)
-    try:
-        url = child.stdout.readline().strip()
-        print(f"engine alone: {base:8.1f} tok/s (step {args.step_ms} ms, 1 sequence)")
-        measured: dict[str, float] = {}
+    print(f"engine alone: {base:8.1f} tok/s (step {args.step_ms} ms, 1 sequence)")
+    for c in args.concurrency:  # a server per concurrency: its slots are the measured streams (+ the slow reader)
+        argv = ["--step-ms", str(args.step_ms), "--tokens", str(args.tokens), "--gil-us", str(args.gil_us),
+                "--loop", args.loop, "--concurrency", str(c), *(["--timeline"] if args.timeline else []),
+                *(["--load"] if args.load else [])]
+        child = subprocess.Popen([sys.executable, __file__, "--serve", *argv],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+        try:
+            url = child.stdout.readline().strip()
+            measured: dict[str, float] = {}
 
-        def ask() -> dict[str, float]:
-            child.stdin.write("timeline\n")
-            child.stdin.flush()
-            return json.loads(child.stdout.readline())
+            def ask(child: subprocess.Popen = child) -> dict[str, float]:
+                child.stdin.write("timeline\n")
+                child.stdin.flush()
+                return json.loads(child.stdout.readline())
 
-        for c in args.concurrency:
-            hooks = (lambda: ask(), lambda: measured.update(ask())) if args.timeline else (None, None)
+            hooks = (lambda: ask(), lambda m=measured: m.update(ask())) if args.timeline else (None, None)
             rate, pace, chunks, ttft = asyncio.run(through_server(url, args.tokens, c, *hooks, load=args.load))
             print(f"server C={c:<3} {rate:8.1f} tok/s total, {rate / c:8.1f} tok/s/user, "
                   f"ratio per user vs engine alone {rate / c / base:.3f}, pace ratio {pace / base:.3f} "
@@ -315,14 +334,13 @@ def main() -> None:
                 print(f"  gap between steps (us, {measured['n']:.0f} gaps): p50 {measured['p50']:.0f}, "
                       f"p90 {measured['p90']:.0f}, mean {measured['mean']:.0f} = "
                       + ", ".join(f"{p} {measured[p]:.0f}" for p in (*Timeline.PARTS, "other")))
-                measured.clear()
-    finally:
-        child.stdin.close()
-        try:
-            child.wait(15)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait(5)
+        finally:
+            child.stdin.close()
+            try:
+                child.wait(15)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(5)
 
 
 if __name__ == "__main__":
