@@ -19,7 +19,8 @@ mid-answer"):
 
 At most ``--max-migrations`` per request. What cannot move (an answer not streamed with logprobs:
 the logprobs of its tokens so far are lost with their server; a grammar on a TileRT decode
-server) ends as before: an error event (a 502 when not streamed) saying why.
+server; a model a plain vLLM decode server also serves) ends as before: an error event (a 502
+when not streamed) saying why.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ def not_resumable(state: RouterState, ctx: RequestContext, request: OpenAIReques
         return "its decode server reports no progress"
     if not request.stream and request.wants_logprobs():
         return "an answer not streamed with logprobs cannot move (the logprobs of its tokens so far were lost)"
-    if grammar is not None and any(d.capabilities is not None and d.capabilities.engine == "tilert"
-                                   for d in state.backends.decode if d.serves(ctx.model)):
+    servers = [d for d in state.backends.decode if d.serves(ctx.model)]
+    if any(d.capabilities is None for d in servers):
+        return "a plain vLLM decode server serves the model (it resumes nothing)"
+    if grammar is not None and any(d.capabilities is not None and d.capabilities.engine == "tilert" for d in servers):
         return "a TileRT decode server resumes no grammar (its token at the cut would be unconstrained)"
     return None
 
