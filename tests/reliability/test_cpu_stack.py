@@ -150,7 +150,8 @@ def test_a_decode_server_killed_before_its_first_token_costs_only_latency(stack2
 def _stream_events(url: str, model: str, rid: str, max_tokens: int, first_token: threading.Event) -> list[str]:
     """A streamed completion's SSE data payloads; ``first_token`` is set when the first one with
     text has reached this client (the decode server is then generating, not just holding the slot)."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # (a freshly trained tiny model may end its greedy answer early)
     events: list[str] = []
     with httpx.stream("POST", url + "/v1/completions", json=body, headers={"X-Request-Id": rid},
                       timeout=120) as resp:
