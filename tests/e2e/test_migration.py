@@ -26,6 +26,7 @@ from pd_wire.decode import CAPABILITIES_PATH
 from tests.e2e.conftest import make_stack_config, running_stack, vllm_kv_usage
 from tests.e2e.test_tools import CALL_WEATHER, WEATHER
 from tests.held_slot import held_slot
+from tests.stream_choices import choices_of
 from tests.waits import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(600)]
@@ -65,26 +66,6 @@ def _stream(url: str, path: str, body: dict[str, Any], events: list[dict[str, An
             if line.startswith("data: "):
                 events.append({"done": True} if line == "data: [DONE]" else json.loads(line[6:]))
     return time.monotonic()
-
-
-def _answer(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Per choice: its text (content or text), reasoning, tool calls' names and arguments,
-    logprobs' tokens and finish reason, from its stream; an error event under -1."""
-    out: dict[int, dict[str, Any]] = {}
-    for e in events:
-        if "error" in e:
-            out[-1] = e["error"]
-        for c in e.get("choices") or ():
-            got = out.setdefault(c["index"], {"text": "", "reasoning": "", "calls": "", "lp": [], "finish": None})
-            delta = c.get("delta") or {}
-            got["text"] += c.get("text") or delta.get("content") or ""
-            got["reasoning"] += delta.get("reasoning_content") or ""
-            for call in delta.get("tool_calls") or ():
-                got["calls"] += (call["function"].get("name") or "") + (call["function"].get("arguments") or "")
-            lp = c.get("logprobs") or {}
-            got["lp"] += lp.get("tokens") or [t["token"] for t in lp.get("content") or ()]
-            got["finish"] = c.get("finish_reason") or got["finish"]
-    return out
 
 
 def _all_free(stack: Stack) -> None:
@@ -161,9 +142,9 @@ def test_a_decode_server_killed_mid_stream(stack, vllm_alone):
     alone = httpx.post(vllm_alone + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
     before = _metric(cfg.router_url, 'pd_router_migrations_total{outcome="resumed",reason="connection_lost"}')
     events, lost = _cut(stack, "/v1/completions", body, signal.SIGKILL, "kill")
-    got = _answer(events)
+    got = choices_of(events)
     assert -1 not in got, got[-1]
-    assert got[0]["text"] == _answer(whole)[0]["text"] == alone
+    assert got[0]["text"] == choices_of(whole)[0]["text"] == alone
     assert got[0]["finish"] == "length" and len({e["id"] for e in events if "id" in e}) == 1
     assert _metric(cfg.router_url, 'pd_router_migrations_total{outcome="resumed",reason="connection_lost"}') \
         == before + 1
@@ -195,16 +176,16 @@ def test_a_decode_server_stopped_mid_stream(stack, case):
     body = {"model": cfg.model_name, **extra}
     whole: list[dict[str, Any]] = []
     _stream(cfg.router_url, path, body, whole, f"stop-baseline-{len(case)}")
-    expected = _answer(whole)
+    expected = choices_of(whole)
     if "stop string" in case:  # a stop string past the cut: the answer ends there, both ways
         body["stop"] = [_first_met_at(expected[0]["text"], 2 / 3)]
         whole = []
         _stream(cfg.router_url, path, body, whole, "stop-baseline-stop")
-        expected = _answer(whole)
+        expected = choices_of(whole)
         assert expected[0]["finish"] == "stop"
     before = _metric(cfg.router_url, 'pd_router_migrations_total{outcome="resumed",reason="stalled"}')
     events, _ = _cut(stack, path, body, signal.SIGSTOP, f"stop-{len(case)}")
-    got = _answer(events)
+    got = choices_of(events)
     assert got == expected
     if "tool call" in case:
         assert got[0]["calls"].startswith("get_weather") and got[0]["finish"] == "tool_calls"
@@ -242,10 +223,10 @@ def test_a_moved_answer_is_served_before_what_came_after_it(stack):
             later_end = after.result(120)
         finally:
             os.killpg(proc.pid, signal.SIGCONT)
-    got = _answer(events)
+    got = choices_of(events)
     assert -1 not in got and got[0]["finish"] == "length", got.get(-1)
     assert later_end > victim_end, "the request that came later was served first"
-    assert _answer(later)[0]["finish"] == "length"
+    assert choices_of(later)[0]["finish"] == "length"
     _healthy(stack)
     _all_free(stack)
 
@@ -266,7 +247,7 @@ def test_both_decode_servers_lost_ends_the_stream_with_its_reason(stack):
         finally:
             for p in procs:
                 os.killpg(p.pid, signal.SIGCONT)
-    error = _answer(events)[-1]
+    error = choices_of(events)[-1]
     assert error["type"] == "upstream_timeout" and "moving the answer to another decode server failed" in \
         error["message"], error
     assert took < 30, f"the error event came {took:.1f}s after both servers stopped"

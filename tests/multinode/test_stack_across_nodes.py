@@ -23,6 +23,7 @@ from tests.e2e.test_tools import CALL_WEATHER, WEATHER
 from tests.multinode.stack import API_KEY, NodeStack, node_stack
 from tests.multinode.streams import StreamRecord, read_stream
 from tests.nodes import Node
+from tests.stream_choices import choices_of
 from tests.waits import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -140,25 +141,6 @@ def _report(stack: NodeStack) -> ReadinessReport:
         stack.from_head(lambda: httpx.get(stack.router_url + "/ready", timeout=5)).content)
 
 
-def _choices(events: list[dict]) -> dict[int, dict]:
-    """Per choice of a stream: its text, tool calls and logprobs' tokens, finish reason; an error
-    under -1."""
-    out: dict[int, dict] = {}
-    for e in events:
-        if "error" in e or "client_error" in e or "status" in e:
-            out[-1] = e
-        for c in e.get("choices") or ():
-            got = out.setdefault(c["index"], {"text": "", "calls": "", "lp": [], "finish": None})
-            delta = c.get("delta") or {}
-            got["text"] += c.get("text") or delta.get("content") or ""
-            for call in delta.get("tool_calls") or ():
-                got["calls"] += (call["function"].get("name") or "") + (call["function"].get("arguments") or "")
-            lp = c.get("logprobs") or {}
-            got["lp"] += lp.get("tokens") or [t["token"] for t in lp.get("content") or ()]
-            got["finish"] = c.get("finish_reason") or got["finish"]
-    return out
-
-
 MID_STREAM = {
     # long enough to be cut mid-way: the pull comes after a few events and the nodes' own answers
     "completion": ("/v1/completions", {"prompt": "Count: one, two, three,", "max_tokens": 1000}),
@@ -184,7 +166,7 @@ def test_a_decode_nodes_link_down_mid_stream(stack3: NodeStack, vllm_alone: str,
     headers = {"Authorization": f"Bearer {API_KEY}"}
     whole = StreamRecord()
     stack3.from_head(read_stream, stack3.router_url + path, body, headers, whole)
-    expected = _choices(whole.events)
+    expected = choices_of(whole.events)
     assert -1 not in expected, expected[-1]
     if "tools" not in body:  # (vLLM refuses greedy n > 1: its one choice is each of ours)
         alone = poster(vllm_alone)(path, {k: v for k, v in body.items() if k != "n"} | {"stream": False})
@@ -212,7 +194,7 @@ def test_a_decode_nodes_link_down_mid_stream(stack3: NodeStack, vllm_alone: str,
         node.cable(up=False)
         client.join(120)
         assert ended, "the client still waits, 120 s after the decode node's link went down"
-        assert _choices(events) == expected, f"{_choices(events).get(-1)}\n{_logs(stack3)}"
+        assert choices_of(events) == expected, f"{choices_of(events).get(-1)}\n{_logs(stack3)}"
         assert stack3.metric(stack3.router_url, "pd_router_migration_seconds_count") == moved + 1
         assert _served(stack3, other) >= served[other.index] + 1  # the rest of the answer (n = 2: and its own)
         # the decode node, on its own: its generation ended and both its slots are free
