@@ -204,18 +204,25 @@ def test_vllm_killed_mid_prefill_then_restarted(stack2):
         _wait_until(lambda: running() > 0, 60, "a prefill under way in vLLM")
         os.killpg(prefill.pid, signal.SIGKILL)
         answers = [c.result(120) for c in calls]
-    failed = [a for a in answers if a.status_code != 200]
-    assert failed, "every request finished: vLLM was killed too late"
-    for a in failed:
-        assert a.status_code == 502 and set(a.json()["error"]) == {"message", "type", "param", "code"}, a.text
-    assert httpx.get(url + "/ready", timeout=5).status_code == 503  # marked down by the lost connection
-    t0 = time.monotonic()
-    proc = stack2.restart("prefill")
+    try:
+        failed = [a for a in answers if a.status_code != 200]
+        assert failed, "every request finished: vLLM was killed too late"
+        for a in failed:
+            assert set(a.json()["error"]) == {"message", "type", "param", "code"}, a.text
+            # 502: its prefill was under way in vLLM; 503 + Retry-After: it reached the router's
+            # pick of a prefill server after the lost connection had marked vLLM down
+            assert a.status_code == 502 or (a.status_code == 503 and a.headers["retry-after"]
+                                            and a.json()["error"]["type"] == "no_healthy_backend"), a.text
+        assert any(a.status_code == 502 for a in failed), [a.text for a in failed]
+        assert httpx.get(url + "/ready", timeout=5).status_code == 503  # marked down by the lost connection
+    finally:  # the module's later tests need vLLM whatever failed above
+        t0 = time.monotonic()
+        proc = stack2.restart("prefill")
     proc.wait_http(cfg.prefill_url + "/health", 300)
     _wait_until(lambda: httpx.get(url + "/ready", timeout=5).status_code == 200, 120, "the router ready again")
     resp = _completion(url, model, "after-vllm-restart")
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"], resp.text
-    print(f"vLLM killed mid-prefill ({len(failed)} of 4 requests failed with 502); serving again "
+    print(f"vLLM killed mid-prefill (of 4 requests: {sorted(a.status_code for a in answers)}); serving again "
           f"{time.monotonic() - t0:.1f}s after the restart")
 
 
