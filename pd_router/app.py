@@ -10,7 +10,6 @@ FastAPI app.
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pd_router import tokens
 from pd_router.admin import add_admin_routes
 from pd_router.asgi import Receive, Scope, Send
-from pd_router.errors import InvalidRequest, MethodNotAllowed, NotFound, RouterError, Unauthorized
+from pd_router.errors import InvalidRequest, MethodNotAllowed, NotFound, RouterError
 from pd_router.handler import CompletionHandler
 from pd_router.settings import RouterSettings
 from pd_router.state import RouterState
@@ -60,7 +59,9 @@ def _control_app(state: RouterState) -> FastAPI:
             await state.stop()
 
     app = FastAPI(title="pd_router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    expected = f"Bearer {state.settings.api_key}" if state.settings.api_key else None
+
+    def authorized(request: Request) -> None:  # a key of --api-key or --api-keys-file, when one is set
+        state.tenants.tenant(request.headers.get("authorization", "").encode("latin-1"))
 
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, err: RouterError) -> Response:
@@ -103,10 +104,7 @@ def _control_app(state: RouterState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
-        if expected is not None and not hmac.compare_digest(
-            request.headers.get("authorization", ""), expected
-        ):
-            raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
+        authorized(request)
         builds = [b for backend in (await version_report(state)).backends for b in backend.build]
         return ModelList(data=[ModelCard(id=m, build=[b for b in builds if b.model == m])
                                for m in sorted(state.backends.prefill_models())])
@@ -114,8 +112,7 @@ def _control_app(state: RouterState) -> FastAPI:
     add_admin_routes(app, state.settings, state.discovery)
 
     async def tokens_route(request: Request) -> Response:
-        if expected is not None and not hmac.compare_digest(request.headers.get("authorization", ""), expected):
-            raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
+        authorized(request)
         answer = await tokens.forward(state, request.url.path, await request.body())
         return Response(json.dumps(answer), media_type="application/json")
 

@@ -10,6 +10,8 @@ from pd_http.chunk_writer import ChunkWriter
 from pd_http.tracing import Span
 from pd_router.asgi import Send, respond
 from pd_router.errors import RouterError
+from pd_router.fair import Place
+from pd_router.tenants import DEFAULT_TENANT, Tenant
 from pd_router.trail import Trail
 from pd_wire.handoff import ResumeFrom
 from pd_wire.requests import Endpoint
@@ -39,6 +41,9 @@ class DecodeLost(Exception):
         self.error = error
         self.reason = reason
         self.server = server
+
+
+DEFAULT = Tenant(DEFAULT_TENANT, DEFAULT_TENANT)
 
 
 def attempt_handoff_id(request_id: str, attempt: int) -> str:
@@ -83,6 +88,9 @@ class RequestContext:
     lost_from: str = ""  # that server
     lost_error: RouterError | None = None  # what was seen of it
     resume_reason: str = ""  # the loss's reason (pd_router_migrations_total)
+    tenant: Tenant = DEFAULT  # whose request it is (pd_router.tenants)
+    priority: int = 0  # the client's (vLLM's field: lower is served sooner)
+    place: Place | None = None  # its place in the decode queues, from its first wait on (pd_router.fair)
 
     async def fail(self, err: RouterError) -> None:
         self.status, self.error_type = err.status, err.type

@@ -202,7 +202,7 @@ async def serve(state: RouterState, ctx: RequestContext, body: dict[str, Any], r
         raw = json.dumps(sub_dict).encode()
         sub_dict, sub_request = parse_request(ctx.endpoint, raw)
         sub = RequestContext(ctx.endpoint, f"{ctx.request_id[:240]}~n{i}", ctx.start, merge.send_for(i), raw=raw,
-                   trace=ctx.trace)
+                             trace=ctx.trace, tenant=ctx.tenant, priority=ctx.priority)
         subs.append((sub, sub_dict, sub_request))
     tasks = [asyncio.ensure_future(serve_one(sub, sub_dict, sub_request)) for sub, sub_dict, sub_request in subs]
     try:

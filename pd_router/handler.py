@@ -23,7 +23,6 @@ The rooms around it: the request's context (:mod:`pd_router.context`), its obser
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import re
@@ -48,10 +47,10 @@ from pd_router.errors import (
     Overloaded,
     RouterError,
     ShuttingDown,
-    Unauthorized,
     UpstreamRejected,
     UpstreamTimeout,
 )
+from pd_router.metrics import priority_label
 from pd_router.overlap import ClaimFirst
 from pd_router.prefill_leg import KVNotDelivered
 from pd_router.slots import Requeue, Slot, backoff
@@ -74,15 +73,16 @@ _REQUEST_ID = re.compile(rb"[\x21-\x7e]+")  # visible ASCII: it goes into header
 class CompletionHandler:
     def __init__(self, state: RouterState) -> None:
         self.state = state
-        self._api_key = f"Bearer {state.settings.api_key}".encode() if state.settings.api_key else None
+        settings = state.settings
+        self._tenant_header = settings.tenant_header.lower().encode() if settings.tenant_header else None
 
-    def _check_request(self, scope: Scope, rid_raw: bytes | None) -> None:
-        """Before anything else: the API key (constant time, so that neither its value nor
-        which ids are in flight leak to a caller without it), then the drain, then the id."""
-        if self._api_key is not None and not hmac.compare_digest(
-            header(scope, b"authorization") or b"", self._api_key
-        ):
-            raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
+    def _check_request(self, scope: Scope, rid_raw: bytes | None, ctx: RequestContext) -> None:
+        """Before anything else: the API key and the tenant (:mod:`pd_router.tenants`: so that
+        which ids are in flight does not leak to a caller without a key), then the drain, then
+        the id."""
+        ctx.tenant = self.state.tenants.tenant(
+            header(scope, b"authorization"),
+            header(scope, self._tenant_header) if self._tenant_header is not None else None)
         if self.state.draining:
             raise ShuttingDown("the router is shutting down; retry (another router replica)", retry_after=1)
         if rid_raw is not None and not _REQUEST_ID.fullmatch(rid_raw):
@@ -103,7 +103,7 @@ class CompletionHandler:
         if me is not None:
             state.live[me] = lambda: self._cut_off(ctx, me)
         try:
-            self._check_request(scope, rid_raw)
+            self._check_request(scope, rid_raw, ctx)
             if rid in in_flight:  # the id names the KV handoff on the decode server: it must be unique
                 raise InvalidRequest(f"X-Request-Id {rid!r} is already in flight", param="X-Request-Id")
             in_flight.add(rid)
@@ -117,6 +117,7 @@ class CompletionHandler:
                 ctx.writer = chunk_writer(scope)
             body, request = parse_request(endpoint, raw)
             ctx.raw = raw
+            self._check_priority(ctx, request, body)
             watcher = asyncio.get_running_loop().create_task(self._watch(receive, ctx, me))
             legs = fanout.legs(endpoint, body)
             if legs is not None:
@@ -146,6 +147,18 @@ class CompletionHandler:
             if me is not None:
                 state.request_ended(me)
             observe.finish(state, ctx)
+
+    @staticmethod
+    def _check_priority(ctx: RequestContext, request: OpenAIRequest, body: dict[str, Any]) -> None:
+        """The request's ``priority`` (vLLM's field) orders its wait for a decode slot here; it is
+        not forwarded (vLLM refuses one other than 0 unless it schedules by priority itself)."""
+        body.pop("priority", None)
+        floor = ctx.tenant.min_priority
+        if request.priority < floor:
+            raise InvalidRequest(f"priority {request.priority} is below {floor}, the lowest this request may ask "
+                                 "for (lower is served sooner; --min-priority, or its key's min_priority)",
+                                 param="priority")
+        ctx.priority = request.priority
 
     @staticmethod
     def _cut_off(ctx: RequestContext, task: asyncio.Task[Any]) -> None:
@@ -200,6 +213,9 @@ class CompletionHandler:
         t_start = perf_counter()
         attempt = busy = stale = 0
         failed_over = False
+        if ctx.place is None:  # its place in the queues, kept by its retries and moves
+            tenant = ctx.tenant
+            ctx.place = state.pool.shares.place(ctx.priority, tenant.name, tenant.weight, ctx.start)
         while True:
             ctx.stage = "queued"
             t_queue = perf_counter()
@@ -211,7 +227,8 @@ class CompletionHandler:
                 decode = ClaimFirst(state, ctx, body, request, handoff_id,
                                     Tracing.headers(span) if span is not None else None)
                 try:
-                    slot = await state.pool.take(model, decode, timeout=remaining, first_try=attempt == 0)
+                    slot = await state.pool.take(model, decode, timeout=remaining, first_try=attempt == 0,
+                                                 max_queued=ctx.tenant.max_queued)
                     if ctx.resume is not None and ctx.lost_at is not None:
                         log.warning("request_id=%s: decode server %s lost after %d tokens (%s); the answer goes "
                                     "on on %s", ctx.request_id, ctx.lost_from, len(ctx.resume.output_token_ids),
@@ -230,6 +247,8 @@ class CompletionHandler:
             state.metrics.queue_wait.observe(now - t_queue)
             if ctx.slot_wait is None:
                 ctx.slot_wait = now - ctx.start
+                state.metrics.child(state.metrics.tenant_queue_wait, state.tenants.label(ctx.tenant.name),
+                                    priority_label(ctx.priority)).observe(ctx.slot_wait)
             try:
                 await self._attempt(ctx, slot, body, request, handoff_id, grammar)
                 return

@@ -32,6 +32,7 @@ M = TypeVar("M", bound=MetricWrapperBase)
 # pd_router_migrations_total's labels (docs/reliability.md, "A decode server lost mid-answer")
 MIGRATION_REASONS = ("connection_lost", "stalled", "error_event")
 MIGRATION_OUTCOMES = ("resumed", "failed", "limit", "not_resumable")
+PRIORITY_LABELS = 16  # priorities beyond +-16 share a label (lt-16, gt16)
 
 
 class TokenHistogram(Collector):
@@ -64,6 +65,15 @@ class TokenHistogram(Collector):
         return [family]
 
 
+def priority_label(priority: int) -> str:
+    """A priority as a metrics label: bounded in number."""
+    if priority < -PRIORITY_LABELS:
+        return f"lt-{PRIORITY_LABELS}"
+    if priority > PRIORITY_LABELS:
+        return f"gt{PRIORITY_LABELS}"
+    return str(priority)
+
+
 @dataclass(frozen=True)
 class ServerView:
     """What the router's server gauges report: its state when ``/metrics`` is read."""
@@ -72,6 +82,7 @@ class ServerView:
     decode_free: dict[str, float] = field(default_factory=dict)  # decode server -> free slots (+Inf: unlimited)
     healthy: dict[tuple[str, str], bool] = field(default_factory=dict)  # (role, server) -> usable
     servers: dict[tuple[str, str], int] = field(default_factory=dict)  # (role, state) -> how many
+    tenant_depth: dict[tuple[str, str], int] = field(default_factory=dict)  # (tenant, priority) -> waiting
 
 
 class ServerGauges(Collector):
@@ -95,6 +106,10 @@ class ServerGauges(Collector):
             GaugeMetricFamily(PREFIX + "backends",
                               "Servers in the router's lists by role and state (ready, unhealthy, draining)",
                               labels=("role", "state")),
+            GaugeMetricFamily(PREFIX + "tenant_queue_depth",
+                              "Requests waiting for a decode slot by tenant (the keys file's names, default, "
+                              "other) and priority (-16..16, else lt-16 / gt16); each tenant's priority 0 always",
+                              labels=("tenant", "priority")),
         )
 
     def describe(self) -> list[GaugeMetricFamily]:
@@ -102,7 +117,7 @@ class ServerGauges(Collector):
 
     def collect(self) -> list[GaugeMetricFamily]:
         view = self._read()
-        depth, free, healthy, servers = self._families()
+        depth, free, healthy, servers, tenant_depth = self._families()
         depth.add_metric([], float(view.queue_depth))
         for url, n in view.decode_free.items():
             free.add_metric([url], float(n))
@@ -110,7 +125,9 @@ class ServerGauges(Collector):
             healthy.add_metric([role, url], 1.0 if ok else 0.0)
         for (role, state), n in view.servers.items():
             servers.add_metric([role, state], float(n))
-        return [depth, free, healthy, servers]
+        for (tenant, priority), n in view.tenant_depth.items():
+            tenant_depth.add_metric([tenant, priority], float(n))
+        return [depth, free, healthy, servers, tenant_depth]
 
 
 class RouterMetrics:
@@ -138,6 +155,9 @@ class RouterMetrics:
             em,
         )
         self.queue_wait = self._histogram("queue_wait_seconds", "Time waiting for a decode slot")
+        self.tenant_queue_wait = self._histogram(
+            "tenant_queue_wait_seconds", "A request's wait for its first decode slot by tenant (the keys file's "
+            "names, default, other) and priority (-16..16, else lt-16 / gt16)", ("tenant", "priority"))
         self.prefill_latency = self._histogram("prefill_latency_seconds", "Prefill request round trip")
         self.in_flight = self._gauge("in_flight_requests", "Requests being served")
         ServerGauges(servers, self.registry)

@@ -46,17 +46,20 @@ def finish(state: RouterState, ctx: RequestContext) -> None:
     ttft_ms = None if ctx.ttft is None else round(ctx.ttft * 1e3, 3)
     slot_ms = None if ctx.slot_wait is None else round(ctx.slot_wait * 1e3, 3)
     log.info(
-        "request_id=%s %s status=%d%s stage=%s %.1fms%s%s",
+        "request_id=%s %s status=%d%s tenant=%s priority=%d stage=%s %.1fms%s%s",
         rid,
         endpoint.path,
         ctx.status,
         f" error={ctx.error_type}" if ctx.error_type else "",
+        ctx.tenant.name,
+        ctx.priority,
         ctx.stage,
         latency * 1e3,
         "" if slot_ms is None else f" slot={slot_ms:.1f}ms",
         "" if ttft_ms is None else f" ttft={ttft_ms:.1f}ms",
         extra={"fields": {"event": "access", "endpoint": endpoint.path, "status": ctx.status,
-                          "error_type": ctx.error_type or None, "stage": ctx.stage,
+                          "error_type": ctx.error_type or None, "tenant": ctx.tenant.name,
+                          "priority": ctx.priority, "stage": ctx.stage,
                           "latency_ms": round(latency * 1e3, 3), "slot_ms": slot_ms,
                           "ttft_ms": ttft_ms}},
     )

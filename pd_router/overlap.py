@@ -31,6 +31,7 @@ from pd_router import decode_check, prefill_leg, relay
 from pd_router.backends import DecodeBackend
 from pd_router.context import RequestContext
 from pd_router.errors import RouterError, UpstreamRejected
+from pd_router.fair import Place
 from pd_router.slots import Answer, Slot
 from pd_wire.handoff import HandoffClaim, SlotWait
 from pd_wire.requests import OpenAIRequest
@@ -95,8 +96,14 @@ class ClaimFirst:
     trace: Mapping[str, str] | None = None  # the ``traceparent`` of the router's queue span, where it waits
 
     @property
-    def arrived(self) -> float:
-        return self.ctx.start
+    def place(self) -> Place:
+        place = self.ctx.place
+        assert place is not None  # set before its first wait (CompletionHandler._attempts)
+        return place
+
+    @property
+    def tenant(self) -> str:
+        return self.ctx.tenant.name
 
     async def open(self, backend: DecodeBackend, wait: SlotWait | None) -> Answer:
         refused = decode_check.refusal(self.request, backend.capabilities)

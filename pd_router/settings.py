@@ -15,6 +15,7 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 from pd_grammar.spec import DEFAULT_MAX_SCHEMA_BYTES, DEFAULT_MAX_SCHEMA_DEPTH, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH
 from pd_http.logs import LogFormat
 from pd_http.tracing import OtlpProtocol, check_endpoint
+from pd_router.tenants import read_keys
 from pd_settings.loader import EntrySettings, load, split_list, validate
 from pd_settings.problems import SettingsError
 from pd_settings.secrets import is_loopback, read_secret
@@ -65,6 +66,26 @@ class RouterSettings(EntrySettings):
     port: int = Field(8000, ge=1, le=65535, description="port to listen on")
     api_key: str | None = Field(
         None, min_length=1, description="require 'Authorization: Bearer KEY' on /v1/*"
+    )
+    api_keys_file: Path | None = Field(
+        None, description="TOML file of named API keys, stored as SHA-256 (docs/router.md, 'Tenants and keys'): a "
+        "request's tenant is its key's name; re-read when it changes"
+    )
+    tenant_header: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9-]{1,64}$", description="behind a trusted gateway: the header whose value names "
+        "the request's tenant (off by default: a client's header names nothing)"
+    )
+    min_priority: int = Field(
+        0, ge=-(2**63), le=2**63 - 1, description="the lowest (soonest served) priority a request may ask for, "
+        "unless its key allows lower (its min_priority); lower gets 400"
+    )
+    max_queued_per_tenant: int | None = Field(
+        None, ge=0, description="requests of one tenant that may wait for a decode slot at this router (a key's "
+        "max_queued overrides it); more get 429 (default: only --max-queue)"
+    )
+    priority_aging: float = Field(
+        60.0, ge=0, le=86400, description="seconds after which a request waiting for a decode slot goes ahead of "
+        "every priority class (the aged by arrival): the longest a low class waits behind later requests (0: off)"
     )
     max_queue: int = Field(1024, ge=0, description="requests that may wait for a decode slot; more get 429")
     max_choices: int = Field(
@@ -206,6 +227,13 @@ class RouterSettings(EntrySettings):
     @classmethod
     def _otlp(cls, value: str | None) -> str | None:
         return None if value is None else check_endpoint(value)
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _keys_file(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            read_keys(value)  # ValueError names what is wrong, never a key's hash
+        return value
 
     @field_validator("decode_api_key_file")
     @classmethod

@@ -1,14 +1,18 @@
 """This router's queue for decode slots, and its standing decode requests.
 
-A request that finds no free slot waits here, in order of arrival at this router (a request
-sent back keeps its first arrival, so it waits ahead of later ones). A server the router counts
-(a plain vLLM decode: :attr:`DecodeBackend.owns_slots` false) gives a slot freed there to the
-oldest request it serves. For the servers of ours, which hold their slots for decode requests,
-the router keeps at most one **standing decode request** per server: the decode request of the
-oldest request here that the server serves, waiting in that server's queue under its handoff
-id and arrival (``HandoffClaim.wait``). So a queued request costs O(1) calls, not one at every
-server (docs/router.md, "Decode slots"). The standing request's 200 is the grant, and the open
-request holds the slot: closing it gives the slot back.
+A request that finds no free slot waits here, in the order of its place
+(:class:`pd_router.fair.Place`: priority class, fair share between tenants, arrival; a request
+sent back keeps its place, so it waits ahead of later ones; one that waited ``--priority-aging``
+seconds moves ahead of every class). A server the router counts (a plain vLLM decode:
+:attr:`DecodeBackend.owns_slots` false) gives a slot freed there to the first request here it
+serves. For the servers of ours, which hold their slots for decode requests, the router keeps
+at most one **standing decode request** per server: the decode request of the first request
+here that the server serves (its *head*), waiting in that server's queue under its handoff id
+and place (``HandoffClaim.wait``). A request that comes ahead of the head (a better class, a
+tenant's fair share, aged) takes the standing request's place: that one is closed and the new
+head's sent, one close and one call per server. So a queued request costs O(1) calls, not one
+at every server (docs/router.md, "Decode slots"). The standing request's 200 is the grant, and
+the open request holds the slot: closing it gives the slot back.
 
 When a server grants a standing decode request:
 
@@ -19,10 +23,10 @@ When a server grants a standing decode request:
   server queues the head, then takes the stale request's slot (its answer ends), which goes to
   whoever waits longest there: the head, granted at once, or an older request (the swap is then
   refused at once and a standing request for the head is sent again). A stale request stands
-  for an arrival earlier than the head's, so it never loses a slot its router should have had,
-  and the swap hands on any slot it should not have had: the grants stay in arrival order
-  across routers, at the price of one round trip per stale grant. While its swap is in flight
-  the head is reserved for it: another server's grant goes to the next request (a swap that
+  for a place no later than the head's, so it never loses a slot its router should have had,
+  and the swap hands on any slot it should not have had: the grants stay in the order of the
+  places across routers, at the price of one round trip per stale grant. While its swap is in
+  flight the head is reserved for it: another server's grant goes to the next request (a swap that
   waited, or one for a head that other servers kept serving, would chase the head from grant to
   grant, holding the slot: measured, ten swaps per request at 72 servers);
 - nobody here waits for that server any more: the grant is closed (the slot is free there).
@@ -48,6 +52,7 @@ from typing import Any, Protocol
 
 from pd_router.backends import Backends, DecodeBackend
 from pd_router.errors import NoHealthyBackend, Overloaded, RouterError
+from pd_router.fair import AGED, Place
 from pd_router.rawhttp import Response
 from pd_wire.handoff import SlotWait
 
@@ -106,8 +111,13 @@ class DecodeRequest(Protocol):
     handoff_id: str
 
     @property
-    def arrived(self) -> float:
-        """When the request came to this router (``perf_counter``): its place in the queues."""
+    def place(self) -> Place:
+        """Its place in the queues (its arrival: this router's ``perf_counter``)."""
+        ...
+
+    @property
+    def tenant(self) -> str:
+        """Whose request it is (:mod:`pd_router.tenants`)."""
         ...
 
     async def open(self, backend: DecodeBackend, wait: SlotWait | None) -> Answer:
@@ -123,16 +133,23 @@ class _Waiter:
     request: DecodeRequest
     future: asyncio.Future[Slot] = field(repr=False)
     reserved: bool = False  # a swap for it is in flight
+    aged: bool = False  # it waited --priority-aging: ahead of every class
+    place: Place = field(init=False)
 
-    @property
-    def arrived(self) -> float:
-        return self.request.arrived
+    def __post_init__(self) -> None:
+        self.place = self.request.place
+
+    def age(self) -> None:
+        self.aged = True
+        self.place = Place(AGED, 0.0, self.request.place.arrived)
 
 
 @dataclass(eq=False)
 class _Standing:
     backend: DecodeBackend
     handoff_id: str
+    place: Place
+    swap: bool = False  # a swap (it replaces a stale grant): never dropped for a better head
     dropped: bool = False
     task: asyncio.Future[None] | None = None  # its call: dropped by cancelling it (closing the request)
 
@@ -145,15 +162,17 @@ Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Future[None]"]
 
 class SlotQueue:
     def __init__(self, backends: Backends, holder: str, queue_timeout: float, took: Took, counted: Counted,
-                 release: Release, spawn: Spawn) -> None:
+                 release: Release, spawn: Spawn, aging: float | None = None) -> None:
         self.backends = backends
         self.holder = holder  # this router's name in the servers' queues (its clock's)
         self.queue_timeout = queue_timeout
+        self.aging = aging  # --priority-aging (None: off)
         self._took = took  # a server's answer: counted and reported; the slot of a grant
         self._counted = counted  # a slot of a server the router counts, taken for a head
         self._release = release  # a slot given back (as its request would have)
         self._spawn = spawn
-        self._waiters: list[_Waiter] = []  # by arrival
+        self._waiters: list[_Waiter] = []  # by place
+        self._tenants: dict[str, int] = {}  # tenant -> its requests waiting here
         self._standing: dict[str, _Standing] = {}  # backend url -> its standing request
         self._retry_at: dict[str, float] = {}  # backend url -> no standing request there before (loop time)
         self._retry_timer: asyncio.TimerHandle | None = None
@@ -166,13 +185,26 @@ class SlotQueue:
     def standing(self) -> int:
         return len(self._standing)
 
+    def queued(self, tenant: str) -> int:
+        """``tenant``'s requests waiting here."""
+        return self._tenants.get(tenant, 0)
+
+    def depths(self) -> list[tuple[str, int]]:
+        """(tenant, priority) of every waiting request (the metrics' gauges)."""
+        return [(w.request.tenant, w.request.place.priority) for w in self._waiters]
+
     async def wait(self, model: str, request: DecodeRequest, wait: float) -> Slot:
         """A slot for ``request`` when its turn comes, within ``wait`` seconds."""
         loop = asyncio.get_running_loop()
         waiter = _Waiter(model, request, loop.create_future())
-        bisect.insort(self._waiters, waiter, key=lambda w: w.arrived)
+        self._insert(waiter)
+        tenant = request.tenant
+        self._tenants[tenant] = self._tenants.get(tenant, 0) + 1
         t0 = perf_counter()
         timer = loop.call_later(wait, self._expire, waiter, t0)
+        aging = None
+        if self.aging is not None and waiter.place.priority != AGED:
+            aging = loop.call_later(max(0.0, self.aging - (t0 - waiter.place.arrived)), self._age, waiter)
         self.refresh()
         try:
             return await waiter.future
@@ -184,6 +216,13 @@ class SlotQueue:
             raise
         finally:
             timer.cancel()
+            if aging is not None:
+                aging.cancel()
+            left = self._tenants.get(tenant, 0) - 1
+            if left > 0:
+                self._tenants[tenant] = left
+            else:
+                self._tenants.pop(tenant, None)
 
     def fail_unservable(self) -> None:
         """Fail the waits of models no usable server serves any more; stand where one now can."""
@@ -203,6 +242,8 @@ class SlotQueue:
         for url, ask in list(self._standing.items()):
             if url not in usable or self._head(ask.backend, reserved_too=True) is None:
                 self._drop(ask)
+            elif not ask.swap and (head := self._head(ask.backend)) is not None and head.place < ask.place:
+                self._drop(ask)  # a request came ahead of the one it stands for: it stands for that one
         for url, d in usable.items():
             if not d.owns_slots:
                 while d.free > 0 and (head := self._head(d)) is not None:
@@ -234,6 +275,18 @@ class SlotQueue:
         return next((w for w in self._waiters if backend.serves(w.model) and not w.future.done()
                      and (reserved_too or not w.reserved)), None)
 
+    def _insert(self, waiter: _Waiter) -> None:
+        bisect.insort(self._waiters, waiter, key=lambda w: w.place)
+
+    def _age(self, waiter: _Waiter) -> None:
+        """``waiter`` waited --priority-aging: ahead of every class, by arrival among the aged."""
+        if waiter.future.done() or waiter not in self._waiters:
+            return
+        self._waiters.remove(waiter)
+        waiter.age()
+        self._insert(waiter)
+        self.refresh()
+
     def _open(self, backend: DecodeBackend, head: _Waiter, replaces: str | None = None,
               stale: Response | None = None) -> None:
         """A standing decode request at ``backend`` for ``head``; with ``replaces`` a swap
@@ -241,7 +294,7 @@ class SlotQueue:
         waits for nothing (the server answers at once: the slot is the head's if the head waits
         longest there, else it went to whoever does). ``stale``: the replaced grant's open
         decode request, closed once the swap answered."""
-        ask = _Standing(backend, head.request.handoff_id)
+        ask = _Standing(backend, head.request.handoff_id, head.place, swap=replaces is not None)
         self._standing[backend.url] = ask
         if replaces is not None:
             head.reserved = True
@@ -256,8 +309,10 @@ class SlotQueue:
             ask.task.cancel()
 
     async def _run(self, ask: _Standing, head: _Waiter, replaces: str | None, stale: Response | None) -> None:
+        place = head.place
         wait = SlotWait(wait_s=0.0 if replaces is not None else self.queue_timeout, holder=self.holder,
-                        arrived_at=head.arrived, sent_at=perf_counter(), replaces=replaces)
+                        arrived_at=place.arrived, sent_at=perf_counter(), replaces=replaces,
+                        priority=place.priority, share=place.share, tenant=head.request.tenant[:64])
         try:
             answer = await head.request.open(ask.backend, wait)
         except asyncio.CancelledError:  # dropped (:meth:`_drop`)

@@ -8,9 +8,10 @@ its queue, and the prefill goes out on that 200. :meth:`SlotPool.take` hands the
 1. a server this router counts free, nobody waiting here: the request's decode request without
    wait (one round trip); refused (the slot taken meanwhile, draining) or unanswered, one more
    server counted free, then the queue;
-2. the queue (:mod:`pd_router.slot_queue`): in arrival order, behind at most one standing
-   decode request per server; ``--max-queue`` bounds this router's waiters, ``--queue-timeout``
-   the wait.
+2. the queue (:mod:`pd_router.slot_queue`): in the order of the requests' places
+   (:mod:`pd_router.fair`), behind at most one standing decode request per server;
+   ``--max-queue`` bounds this router's waiters, a tenant's ``max_queued`` its own
+   (:mod:`pd_router.tenants`), ``--queue-timeout`` the wait.
 
 The count of free slots per server (``DecodeBackend.free_slots``, from the servers' answers and
 the probes) only chooses where to ask first: the server is the authority. A server without a
@@ -29,6 +30,7 @@ from typing import Any
 
 from pd_router.backends import Backends, DecodeBackend
 from pd_router.errors import NoHealthyBackend, Overloaded
+from pd_router.fair import FairShares
 from pd_router.slot_queue import Answer, DecodeRequest, Slot, SlotQueue, backoff
 
 __all__ = ["Answer", "DecodeRequest", "Requeue", "Slot", "SlotHooks", "SlotPool", "backoff"]
@@ -64,13 +66,14 @@ class SlotHooks:
 
 class SlotPool:
     def __init__(self, backends: Backends, max_queue: int, queue_timeout: float, holder: str,
-                 hooks: SlotHooks | None = None) -> None:
+                 hooks: SlotHooks | None = None, aging: float | None = None) -> None:
         self.backends = backends
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.hooks = hooks or SlotHooks()
+        self.shares = FairShares()  # the places of this router's requests (pd_router.fair)
         self.queue = SlotQueue(backends, holder, queue_timeout, self._took, self._count, self.release,
-                               self.hooks.spawn)
+                               self.hooks.spawn, aging)
 
     @property
     def queue_depth(self) -> int:
@@ -81,15 +84,22 @@ class SlotPool:
         return sum(d.in_use for d in self.backends.decode)
 
     async def take(self, model: str, request: DecodeRequest, timeout: float | None = None,
-                   first_try: bool = True) -> Slot:
+                   first_try: bool = True, max_queued: int | None = None) -> Slot:
         """A slot for ``request`` on a usable decode server for ``model``, within ``timeout``
         seconds (default ``--queue-timeout``). ``first_try``: a request's first attempt asks the
         servers counted free at once when nobody here waits; a later attempt (after a busy,
-        stale or failed one) waits in the queue, where it keeps its place by its arrival.
+        stale or failed one) waits in the queue, where it keeps its place.
 
         Raises :class:`NoHealthyBackend` (503) when no usable server serves the model,
-        :class:`Overloaded` (429) when the queue is full or the wait times out, and the decode
-        server's own refusal of the request (:class:`~pd_router.errors.UpstreamRejected`)."""
+        :class:`Overloaded` (429) when the queue is full, its tenant has ``max_queued`` requests
+        waiting here or the wait times out, and the decode server's own refusal of the request
+        (:class:`~pd_router.errors.UpstreamRejected`)."""
+        slot = await self._take(model, request, timeout, first_try, max_queued)
+        self.shares.granted(request.place)
+        return slot
+
+    async def _take(self, model: str, request: DecodeRequest, timeout: float | None, first_try: bool,
+                    max_queued: int | None) -> Slot:
         if not self.backends.decode_available(model):
             raise NoHealthyBackend.for_decode(model)
         wait = self.queue_timeout if timeout is None else max(0.0, timeout)
@@ -111,6 +121,10 @@ class SlotPool:
                     raise answer.rejected
         if first_try and self.queue.waiting >= self.max_queue:
             raise Overloaded(f"all decode slots are busy and {self.queue.waiting} requests are queued", retry_after=1)
+        if first_try and max_queued is not None and (mine := self.queue.queued(request.tenant)) >= max_queued:
+            raise Overloaded(f"all decode slots are busy and tenant {request.tenant!r} has {mine} requests queued at "
+                             f"this router, its bound (max_queued / --max-queued-per-tenant: {max_queued})",
+                             retry_after=2, code="tenant_queue_full")
         return await self.queue.wait(model, request, wait)
 
     # ---- a server's answer, and giving back ------------------------------------------------

@@ -22,10 +22,11 @@ from pd_router.discovery import Discovery
 from pd_router.errors import RouterError, UpstreamRejected
 from pd_router.http_pool import ConnectionPool
 from pd_router.load import LoadScraper
-from pd_router.metrics import RouterMetrics, ServerView
+from pd_router.metrics import RouterMetrics, ServerView, priority_label
 from pd_router.probes import Prober
 from pd_router.settings import RouterSettings
 from pd_router.slots import Slot, SlotHooks, SlotPool
+from pd_router.tenants import Tenants
 from pd_router.upstream import Unreachable
 from pd_settings.servers import Resolver, system_resolver
 from pd_wire.decode import CANCEL_PATH, CancelRequest
@@ -52,10 +53,13 @@ class RouterState:
         self.backends.policy = settings.prefill_policy
         self.discovery = Discovery(settings, self.backends, self._added, self._on_probe,
                                    resolver if resolver is not None else system_resolver)
+        self.tenants = Tenants(settings.api_key, settings.api_keys_file, settings.tenant_header,
+                               settings.min_priority, settings.max_queued_per_tenant)
         self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout,
                              f"pd-router-{uuid.uuid4().hex[:8]}",
                              SlotHooks(self.spawn, self.metrics.slot_rtt.observe, self._slot_answered,
-                                       self._decode_unreachable))
+                                       self._decode_unreachable),
+                             aging=settings.priority_aging or None)
         self._pool: ConnectionPool | None = None
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -91,7 +95,7 @@ class RouterState:
         # checks grammars without compiling them (pd_grammar.spec), and stays free of torch
         await asyncio.to_thread(warm_up, False)
         await prober.probe_all()
-        loops = [prober.run(), self.discovery.run()]
+        loops = [prober.run(), self.discovery.run(), self._reload_keys()]
         if self.settings.prefill_policy == "least-loaded":
             loops.append(LoadScraper(self.backends, self._client, self.settings.prefill_load_interval).run())
         self._loops = {self.spawn(loop) for loop in loops}
@@ -214,7 +218,18 @@ class RouterState:
     def _on_probe(self) -> None:
         self.backends.sweep()  # drop what drained since the last look
         self.backends.refresh()
+        for d in self.backends.decode:  # the virtual clock of the queues' fair shares (pd_router.fair)
+            if d.capabilities is not None and d.capabilities.share_clock:
+                self.pool.shares.observe(d.capabilities.share_clock)
         self.pool.dispatch()
+
+    async def _reload_keys(self) -> None:
+        """The keys file, read again when it changed (every --discovery-interval)."""
+        if self.tenants.keys_file is None:
+            return
+        while True:
+            await asyncio.sleep(self.settings.discovery_interval)
+            self.tenants.reload()
 
     def _server_view(self) -> ServerView:
         """The queue and the servers as the ``/metrics`` gauges report them."""
@@ -227,7 +242,11 @@ class RouterState:
         for p in self.backends.prefill:
             healthy["prefill", p.url] = p.healthy
             counts["prefill", "draining" if p.draining else "ready" if p.healthy else "unhealthy"] += 1
-        return ServerView(self.pool.queue_depth, free, healthy, counts)
+        depths = {(label, "0"): 0 for label in self.tenants.labels()}  # every tenant's series, from the start
+        for tenant, priority in self.pool.queue.depths():
+            key = (self.tenants.label(tenant), priority_label(priority))
+            depths[key] = depths.get(key, 0) + 1
+        return ServerView(self.pool.queue_depth, free, healthy, counts, depths)
 
     def leaks(self) -> dict[str, int]:
         """Non-zero counts of things that should be zero when the router is idle."""

@@ -90,6 +90,9 @@ class DecodeCapabilities(BaseModel):
     peers: list[PeerStatus] = Field(default_factory=list)
     features: EngineFeatures = Field(default_factory=EngineFeatures)
     sampling_defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    share_clock: dict[int, float] = Field(default_factory=dict, description="per priority class, the largest "
+                                          "fair-share tag this server granted a slot to (SlotWait.share): the "
+                                          "routers' common virtual clock")
 
 
 # ---- slots ----------------------------------------------------------------------------------

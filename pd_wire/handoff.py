@@ -26,13 +26,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# Version 9: every decode request holds its slot itself (a HandoffClaim; it may wait in the
-# server's queue, HandoffClaim.wait) and is the only way to hold one; its result comes with the
-# KV (Prefilled) or is posted by the router (RESULT_PATH); its answer may report its tokens
-# (HandoffClaim.progress) and continue a sequence cut elsewhere (HandoffClaim.resume). A router
-# and a decode server of other versions refuse to pair (the router's probe, the decode server's
-# 400). The versions before are in git's history of this line.
-PROTOCOL_VERSION = 9
+# Version 10: every decode request holds its slot itself (a HandoffClaim; it may wait in the
+# server's queue, HandoffClaim.wait, in the order of SlotWait.place: priority, fair share, arrival)
+# and is the only way to hold one; its result comes with the KV (Prefilled) or is posted by the
+# router (RESULT_PATH); its answer may report its tokens (HandoffClaim.progress) and continue a
+# sequence cut elsewhere (HandoffClaim.resume). A router and a decode server of other versions
+# refuse to pair (the router's probe, the decode server's 400). The versions before are in git's
+# history of this line.
+PROTOCOL_VERSION = 10
 
 # "pending": admitted, the KV is on its way (the decode server waits for its last layer);
 # "sent": every layer had landed when vLLM answered; "failed": see ``reason`` and ``error``.
@@ -63,9 +64,11 @@ class HandoffTarget(BaseModel):
 
 class SlotWait(BaseModel):
     """How a decode request waits for its slot in the decode server's queue when no slot is
-    free: ordered by its arrival at its router, ``arrived_at`` on the router's monotonic clock
-    put on the server's clock with the smallest ``receipt - sent_at`` seen from that ``holder``;
-    closing the connection leaves the queue."""
+    free: ordered by ``priority`` (lower first), then ``share`` (its fair-share tag: lower
+    first), then its arrival at its router, ``arrived_at`` on the router's monotonic clock put on
+    the server's clock with the smallest ``receipt - sent_at`` seen from that ``holder``; closing
+    the connection leaves the queue. The router chooses ``priority`` and ``share``
+    (docs/router.md, "Who waits for a decode slot"); the server only orders by them."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -76,6 +79,13 @@ class SlotWait(BaseModel):
     arrived_at: float = Field(default=0.0, description="when the request came to its router (the holder's "
                               "monotonic clock, seconds): its place in the queue")
     sent_at: float = Field(default=0.0, description="when this request left the router (same clock)")
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1, description="the request's class in the queue: "
+                          "lower is served sooner (the router's: the client's priority, or the class of a "
+                          "request that waited past the router's aging bound)")
+    share: float = Field(default=0.0, allow_inf_nan=False, description="the request's fair-share tag within its "
+                         "class (start-time fair queuing over tenants, on the routers' common virtual clock): "
+                         "lower is served sooner; equal tags go by arrival")
+    tenant: str = Field(default="", max_length=64, description="whose request it is (the queue log's)")
     replaces: str | None = Field(default=None, min_length=1, max_length=256, description="the handoff id of "
                                  "another decode request of the caller's holding a slot on this server, given "
                                  "back once this request is queued: a swap (that request's answer ends, the "

@@ -138,6 +138,7 @@ async def capabilities(request: Request) -> Response:
         num_mtp=cfg.num_mtp, kv_endpoint=receiver.endpoint, layout_fingerprint=receiver.fingerprint,
         peers=receiver.peers(),
         features=state.limits.features, sampling_defaults=state.defaults.sampling,
+        share_clock=dict(state.slots.share_clock),
     )
     return Response(caps.model_dump_json(), media_type="application/json")
 

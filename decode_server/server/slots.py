@@ -19,18 +19,23 @@ that slot is taken from its job (told through ``job.replaced()``: its answer end
 at once when only that job held it (no KV came for it). Without a wait, the request leaves the
 queue at once unless that slot came to it.
 
-Waiting decode requests are granted in order of arrival at their router, so several routers
-sharing this server are served as one queue: a router says when the request came
+Waiting decode requests are granted in the order their routers give them: by ``priority``
+(lower first), then ``share`` (the request's fair-share tag, lower first), then arrival at their
+router (``SlotWait``; docs/decode_server.md, "The slot queue's order"), so several routers sharing
+this server are served as one queue. For the arrival, a router says when the request came
 (``arrived_at``) and when it sent the decode request (``sent_at``), on its own monotonic clock;
 the server puts them on its clock with the smallest ``receipt - sent_at`` seen from that router
 (the fastest transit observed, as NTP's minimum-delay filter), so the requests of one router keep
 their exact order and those of two routers are ordered to within the difference of their fastest
-transits. Bounded: ``max_queue`` waiters, each at most its ``wait_s``. Loop thread only.
+transits. The server keeps, per priority class, the largest ``share`` it granted
+(:attr:`SlotTable.share_clock`, in its capabilities): the routers' common virtual clock.
+Bounded: ``max_queue`` waiters, each at most its ``wait_s``. Loop thread only.
 
 The queue's events are logged (INFO, logger ``decode_server.server.slots``; only requests that
-wait: an immediate grant finds the queue empty): ``slot queued: ID arrived=T`` (T on this server's
-clock; again when a faster transit moves it), ``slot granted: ID arrived=T`` and ``slot request left
-the queue: ID`` (timed out, cancelled or gone). The order of the grants is this server's to answer
+wait: an immediate grant finds the queue empty): ``slot queued: ID arrived=T priority=P share=S
+tenant=N`` (T on this server's clock; again when a faster transit moves it), ``slot granted: ID
+arrived=T priority=P share=S tenant=N`` and ``slot request left the queue: ID`` (timed out,
+cancelled or gone). The order of the grants is this server's to answer
 for, and its log shows it (tests/reliability/test_shared_slots.py replays it).
 """
 
@@ -52,6 +57,7 @@ log = logging.getLogger(__name__)
 
 Holder = Literal["kv", "job"]
 MAX_ROUTERS = 1024  # routers whose clock offset is remembered
+MAX_CLASSES = 64  # priority classes whose share clock is remembered (the most recently granted)
 
 
 class SlotJob(Protocol):
@@ -100,6 +106,8 @@ class Waiter:
     the caller awaits :meth:`SlotTable.granted`, or calls :meth:`SlotTable.leave` when it stops
     waiting."""
 
+    priority: int
+    share: float
     arrived: float  # on the server's clock: ``arrived_at`` + its router's offset
     seq: int
     handoff_id: str = field(compare=False)
@@ -109,6 +117,11 @@ class Waiter:
     arrived_at: float = field(default=0.0, compare=False)
     wait_s: float = field(default=0.0, compare=False)
     settled: bool = field(default=False, compare=False)  # its grant taken, or it left
+    tenant: str = field(default="", compare=False)
+
+    def place(self) -> str:
+        """Its place, as the queue log writes it."""
+        return f"arrived={self.arrived:.6f} priority={self.priority} share={self.share:.6g} tenant={self.tenant or '-'}"
 
 
 class SlotTable:
@@ -121,6 +134,7 @@ class SlotTable:
         self._requests: dict[str, str] = {}  # request id -> the handoff id of its job's slot
         self._queue: list[Waiter] = []
         self._offsets: dict[str, float] = {}  # router -> smallest (receipt - sent_at) seen
+        self.share_clock: dict[int, float] = {}  # priority class -> largest share granted
         self._seq = itertools.count()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -180,7 +194,7 @@ class SlotTable:
             for waiter in self._queue:
                 if waiter.router == router:
                     waiter.arrived, moved = waiter.arrived_at + best, True
-                    log.info("slot queued: %s arrived=%.6f", waiter.handoff_id, waiter.arrived)
+                    log.info("slot queued: %s %s", waiter.handoff_id, waiter.place())
             if moved:
                 self._queue.sort()
         return arrived_at + best
@@ -202,10 +216,11 @@ class SlotTable:
                 raise self._refuse("timeout", f"all {self.capacity} decode slots are busy")
             raise self._refuse("queue_full", f"all {self.capacity} decode slots are busy and "
                                f"{len(self._queue)} requests wait for one")
-        waiter = Waiter(self.arrival(wait.holder, wait.arrived_at, wait.sent_at), next(self._seq), handoff_id, job,
-                        asyncio.get_running_loop().create_future(), wait.holder, wait.arrived_at, wait.wait_s)
+        waiter = Waiter(wait.priority, wait.share, self.arrival(wait.holder, wait.arrived_at, wait.sent_at),
+                        next(self._seq), handoff_id, job, asyncio.get_running_loop().create_future(), wait.holder,
+                        wait.arrived_at, wait.wait_s, tenant=wait.tenant)
         bisect.insort(self._queue, waiter)
-        log.info("slot queued: %s arrived=%.6f", handoff_id, waiter.arrived)
+        log.info("slot queued: %s %s", handoff_id, waiter.place())
         self._give_back(replaces)  # may grant this very request at once (its future is then done)
         if wait.wait_s <= 0:  # a swap without wait: the slot was this request's, or it went to an older one
             if waiter.future.done():
@@ -392,7 +407,16 @@ class SlotTable:
                 continue
             waiter.future.set_result(self._grant(waiter.handoff_id, waiter.job))
             self.grants += 1
-            log.info("slot granted: %s arrived=%.6f", waiter.handoff_id, waiter.arrived)
+            self._clock_share(waiter.priority, waiter.share)
+            log.info("slot granted: %s %s", waiter.handoff_id, waiter.place())
+
+    def _clock_share(self, priority: int, share: float) -> None:
+        clock = self.share_clock
+        if share > clock.get(priority, 0.0):  # (a router's first tags of a class are below 0)
+            clock.pop(priority, None)  # the most recently advanced class last: the first to forget
+            clock[priority] = share
+            if len(clock) > MAX_CLASSES:
+                del clock[next(iter(clock))]
 
     def _forget(self, waiter: Waiter) -> None:
         try:

@@ -382,3 +382,34 @@ def test_a_swap_without_wait_is_granted_or_refused_at_once(own_age: float, grant
         assert table.free == 1
 
     run(main())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(-2, 2), st.sampled_from([0.0, 0.5, 1.5]), st.integers(0, 5)),
+                min_size=1, max_size=12))
+def test_waiters_are_granted_by_priority_then_share_then_arrival(places: list) -> None:
+    """The routers' places: lower priority first, then the lower fair-share tag, then arrival;
+    the share clock of each class is the largest share granted."""
+
+    async def body() -> None:
+        table = SlotTable(1, 64)
+        held = table.take("held", Job("held"))
+        assert held == 0
+        waiters = []
+        for i, (priority, share, age) in enumerate(places):
+            w = table.take(f"w{i}", Job(f"w{i}"), SlotWait(wait_s=10, arrived_at=-age, sent_at=0.0,
+                                                          priority=priority, share=share, tenant=f"t{i % 3}"))
+            assert isinstance(w, Waiter)
+            waiters.append(w)
+        order = []
+        table.release("held", "job")
+        for _ in places:
+            granted = next(w for w in waiters if w.future.done() and w.handoff_id not in order)
+            order.append(granted.handoff_id)
+            table.release(granted.handoff_id, "job")
+        expected = sorted(range(len(places)), key=lambda i: (places[i][0], places[i][1], -places[i][2], i))
+        assert order == [f"w{i}" for i in expected]
+        assert table.share_clock == {p: max(s for q, s, _ in places if q == p) for p, s, _ in places
+                                     if max(s for q, s, _ in places if q == p) > 0}
+
+    run(body())

@@ -104,6 +104,25 @@ GREEDY_CONTROLS = {
 }
 
 
+def test_a_priority_orders_the_wait_and_changes_no_answer(pd_stack, vllm_alone):
+    """vLLM's ``priority`` field, as its clients send it (``extra_body``): the router orders the
+    decode queues by it and does not forward it (vLLM without its priority scheduler refuses one
+    other than 0, as vLLM alone shows); the answer is vLLM's own, streamed or not."""
+    import openai
+
+    url = pd_stack.config.router_url
+    alone = _completion_text(vllm_alone, temperature=0.0)
+    with pytest.raises(openai.BadRequestError):
+        _completion_text(vllm_alone, temperature=0.0, extra_body={"priority": 5})
+    assert _completion_text(url, temperature=0.0, extra_body={"priority": 5}) == alone
+    stream = _sdk(url).chat.completions.create(model=MODEL_NAME, messages=SAMPLING_MESSAGES, max_tokens=4,
+                                               temperature=0.0, stream=True, extra_body={"priority": 7})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    with pytest.raises(openai.BadRequestError) as ahead:  # ahead of the default class: not without a key
+        _completion_text(url, temperature=0.0, extra_body={"priority": -1})
+    assert ahead.value.body["param"] == "priority"
+
+
 @pytest.mark.parametrize("control", sorted(GREEDY_CONTROLS))
 def test_greedy_sampling_controls_match_vllm_alone(pd_stack, vllm_alone, control):
     fields = {"temperature": 0.0, **GREEDY_CONTROLS[control]}

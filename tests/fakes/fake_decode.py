@@ -121,6 +121,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 layout_fingerprint="fake",
                 peers=k.peers,
                 features=k.features,
+                share_clock=dict(self.slots.share_clock) if self.slots is not None else {},
             )
             return await respond(send, 200, caps.model_dump_json().encode())
         if path == CANCEL_PATH and not k.plain:

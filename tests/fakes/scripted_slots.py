@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from pd_router.backends import DecodeBackend
+from pd_router.fair import Place
 from pd_router.slots import Answer
 from pd_wire.handoff import SlotWait
 
@@ -30,6 +31,7 @@ class Call:
     replaces: str | None
     answer: asyncio.Future[Answer] = field(repr=False)
     opened: Opened | None = None
+    wait: SlotWait | None = None  # as sent
 
     def grant(self, free: int = 0) -> None:
         self.opened = Opened()
@@ -62,13 +64,15 @@ class ScriptedServers:
 class ScriptedRequest:
     """A request's decode request (pd_router.slots.DecodeRequest) sent to the scripted servers."""
 
-    def __init__(self, servers: ScriptedServers, handoff_id: str, arrived: float) -> None:
+    def __init__(self, servers: ScriptedServers, handoff_id: str, arrived: float, priority: int = 0,
+                 share: float = 0.0, tenant: str = "") -> None:
         self.servers = servers
         self.handoff_id = handoff_id
-        self.arrived = arrived
+        self.place = Place(priority, share, arrived)
+        self.tenant = tenant
 
     async def open(self, backend: DecodeBackend, wait: SlotWait | None) -> Answer:
         call = Call(backend.target.origin.host, self.handoff_id, wait.wait_s if wait else 0.0,
-                    wait.replaces if wait else None, asyncio.get_running_loop().create_future())
+                    wait.replaces if wait else None, asyncio.get_running_loop().create_future(), wait=wait)
         self.servers.calls.append(call)
         return await call.answer

@@ -211,3 +211,29 @@ async def test_a_decode_swap_dropped_in_flight_gives_its_head_back_to_the_other_
     r.call("d2", "r0").grant()  # stale (r0 served at d0): r1, no longer reserved, is swapped in here
     await _turns()
     assert ("d2", "r1", 0.0, "r0") in r.open()
+
+
+async def test_a_request_ahead_of_the_head_takes_its_standing_requests_place(rig) -> None:
+    """A request with a better place (here its class) than the head's: the head's standing
+    request is closed at each server and the newcomer's sent with its place, one close and one
+    call per server; a later request behind it changes nothing."""
+    r: Rig = rig(3)
+    r.servers.calls.clear()
+    r.waits["low"] = asyncio.ensure_future(r.pool.take("m", ScriptedRequest(r.servers, "low", 0.0, priority=10), WAIT))
+    await _turns()
+    assert sorted(r.open()) == [(f"d{i}", "low", WAIT, None) for i in range(3)]
+    assert {c.wait.priority for c in r.servers.open()} == {10}
+    r.waits["high"] = asyncio.ensure_future(r.pool.take("m", ScriptedRequest(r.servers, "high", 1.0, tenant="t"),
+                                                        WAIT))
+    await _turns()
+    assert sorted(r.open()) == [(f"d{i}", "high", WAIT, None) for i in range(3)]
+    assert [(c.wait.priority, c.wait.tenant) for c in r.servers.open()] == [(0, "t")] * 3
+    assert sum(c.closed for c in r.servers.calls) == 3 and len(r.servers.calls) == 6
+    r.waits["later"] = asyncio.ensure_future(r.pool.take("m", ScriptedRequest(r.servers, "later", 2.0), WAIT))
+    await _turns()
+    assert len(r.servers.calls) == 6  # behind the head: no call
+    r.call("d0", "high").grant()
+    await _turns()
+    assert r.served() == {"high": "http://d0"}
+    # d0 stands for the next: "later" (class 0) before "low" (class 10)
+    assert ("d0", "later", WAIT, None) in r.open()

@@ -11,6 +11,7 @@ import pytest
 from pd_router.api import decode_body, parse_request, prefill_body
 from pd_router.backends import Backends
 from pd_router.errors import InvalidRequest, NoHealthyBackend, Overloaded
+from pd_router.fair import Place
 from pd_router.slots import SlotPool
 from pd_wire.requests import Endpoint
 
@@ -82,7 +83,8 @@ class _Request:
 
     def __init__(self) -> None:
         self.handoff_id = "h"
-        self.arrived = time.perf_counter()
+        self.place = Place(0, 0.0, time.perf_counter())
+        self.tenant = "default"
 
     async def open(self, backend, wait):
         raise AssertionError("a counted server is not asked")
