@@ -18,7 +18,10 @@ router's queue and in every decode server's (``SlotWait``):
 
 Each router keeps its own ``F`` per tenant: a tenant sending through several routers at once
 gets up to one share at each (clients spread over routers by a load balancer spread every tenant
-alike). The clock is shared through the decode servers, so the tags of two routers compare.
+alike), and its requests are in arrival order at each router, in the order of their shares
+across routers. The clock is shared through the decode servers, so the tags of two routers
+compare. Without tenants (no keys file, no tenant header) there are no shares (all 0): each
+class is served in exact arrival order across routers.
 Bounded: past :data:`MAX_TENANTS` tenants, the finish tags behind the clock are dropped (those
 tenants tag as new ones), then the least recently used.
 """
@@ -43,14 +46,19 @@ class Place:
 
 
 class FairShares:
-    """The router's fair-share tags (its tenants' finish tags) and each class's virtual clock."""
+    """The router's fair-share tags (its tenants' finish tags) and each class's virtual clock.
+    ``enabled`` false (no tenants configured: every request is the default tenant's): every
+    share is 0, so that a class is served in exact arrival order across routers."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self._clock: dict[int, float] = {}  # class -> largest share granted (known here)
         self._finish: dict[tuple[int, str], float] = {}  # (class, tenant) -> its last request's finish tag
 
     def place(self, priority: int, tenant: str, weight: float, arrived: float) -> Place:
         """A new request's place (it takes its tenant's next share)."""
+        if not self.enabled:
+            return Place(priority, 0.0, arrived)
         v = self._clock.get(priority, 0.0)
         key = (priority, tenant)
         start = max(self._finish.pop(key, float("-inf")), v - 0.5 / weight)

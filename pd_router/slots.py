@@ -66,12 +66,12 @@ class SlotHooks:
 
 class SlotPool:
     def __init__(self, backends: Backends, max_queue: int, queue_timeout: float, holder: str,
-                 hooks: SlotHooks | None = None, aging: float | None = None) -> None:
+                 hooks: SlotHooks | None = None, aging: float | None = None, fair: bool = True) -> None:
         self.backends = backends
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.hooks = hooks or SlotHooks()
-        self.shares = FairShares()  # the places of this router's requests (pd_router.fair)
+        self.shares = FairShares(fair)  # the places of this router's requests (pd_router.fair)
         self.queue = SlotQueue(backends, holder, queue_timeout, self._took, self._count, self.release,
                                self.hooks.spawn, aging)
 

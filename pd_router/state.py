@@ -59,7 +59,7 @@ class RouterState:
                              f"pd-router-{uuid.uuid4().hex[:8]}",
                              SlotHooks(self.spawn, self.metrics.slot_rtt.observe, self._slot_answered,
                                        self._decode_unreachable),
-                             aging=settings.priority_aging or None)
+                             aging=settings.priority_aging or None, fair=self.tenants.named)
         self._pool: ConnectionPool | None = None
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -131,6 +131,12 @@ class Tenants:
             self._load(read_keys(keys_file), self._stat())  # at start, a bad file is a settings error
 
     @property
+    def named(self) -> bool:
+        """Whether requests may have tenants other than the default one (a keys file or a
+        tenant header): the queues' fair shares are on (:mod:`pd_router.fair`)."""
+        return self.keys_file is not None or self._header is not None
+
+    @property
     def required(self) -> bool:
         """Whether a request must bring a key."""
         return self._api_key is not None or self.keys_file is not None

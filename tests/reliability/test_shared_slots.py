@@ -25,6 +25,7 @@ from pd_deploy.stack.process import ManagedProcess
 from tests.e2e.conftest import MODEL_NAME, make_stack_config, running_stack
 from tests.metrics import metric_sum
 from tests.procs import free_port
+from tests.queue_log import replay
 from tests.waits import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(600)]
@@ -63,31 +64,6 @@ ACCESS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO pd_router\.re
 def _slot_ids(log: Path) -> set[str]:
     """The request ids a router's access log shows served with a decode slot."""
     return {m[2] for line in log.read_text().splitlines() if (m := ACCESS.match(line))}
-
-
-# a decode server's queue events (decode_server/server/slots.py)
-QUEUE_EVENT = re.compile(r"slot (queued|granted|request left the queue): (\S+)(?: arrived=([\d.]+))?$")
-
-
-def _replay_queue(log: Path) -> tuple[int, list[tuple[str, list[str]]]]:
-    """A decode server's slot queue replayed from its log: how many waiters it granted, and
-    each grant made while a waiter that arrived earlier was still queued."""
-    queued: dict[str, float] = {}
-    grants, overtaken = 0, []
-    for line in log.read_text().splitlines():
-        if (m := QUEUE_EVENT.search(line)) is None:
-            continue
-        kind, handoff_id = m[1], m[2]
-        if kind == "queued":
-            queued[handoff_id] = float(m[3])
-            continue
-        arrived = queued.pop(handoff_id, None)
-        if kind == "granted":
-            grants += 1
-            earlier = [other for other, t in queued.items() if t < float(m[3] if arrived is None else arrived)]
-            if earlier:
-                overtaken.append((handoff_id, earlier))
-    return grants, overtaken
 
 
 class Sampler(threading.Thread):
@@ -158,7 +134,7 @@ def test_two_routers_serve_64_clients_as_one_queue(shared: TwoRouters) -> None:
     # could not be granted before it (a router's loop behind on a loaded machine: measured 0.11 s)
     grants = 0
     for proc in (p for p in stack.processes if p.name.startswith("decode")):
-        granted, overtaken = _replay_queue(proc.log_path)
+        granted, overtaken = replay(proc.log_path.read_text().splitlines())
         assert not overtaken, (proc.name, overtaken[:5])  # (granted, [earlier waiters still queued])
         grants += granted
     assert grants >= 1, "no request waited in a decode server's queue: FIFO was not exercised"

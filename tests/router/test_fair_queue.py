@@ -21,6 +21,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from tests.queue_log import replay
 from tests.router.conftest import MODEL, Rig
 from tests.waits import eventually, wait_until
 
@@ -119,36 +120,10 @@ class Pool:
         await asyncio.to_thread(self.b.assert_no_leaks)
 
 
-QUEUE_EVENT = re.compile(r"slot (queued|granted|request left the queue): (\S+)(?: arrived=([\d.]+) "
-                         r"priority=(-?\d+) share=(\S+) tenant=(\S+))?$")
-
-
-def replay(records: list[logging.LogRecord], thread: str) -> tuple[int, list[tuple[str, list[str]]]]:
-    """One decode server's slot queue replayed from its log lines: how many waiters it granted, and
-    each grant made while a waiter with an earlier place (priority, share, arrival) was queued."""
-    queued: dict[str, tuple[int, float, float]] = {}
-    grants, overtaken = 0, []
-    for rec in records:
-        if rec.threadName != thread or (m := QUEUE_EVENT.search(rec.getMessage())) is None:
-            continue
-        kind, handoff_id = m[1], m[2]
-        if kind == "queued":
-            queued[handoff_id] = (int(m[4]), float(m[5]), float(m[3]))
-            continue
-        place = queued.pop(handoff_id, None)
-        if kind == "granted":
-            grants += 1
-            place = place or (int(m[4]), float(m[5]), float(m[3]))
-            earlier = [other for other, p in queued.items() if p < place]
-            if earlier:
-                overtaken.append((handoff_id, earlier))
-    return grants, overtaken
-
-
 def assert_replayed(pool: Pool, caplog: pytest.LogCaptureFixture) -> None:
     total = 0
     for d in pool.a.decodes:
-        grants, overtaken = replay(caplog.records, d.thread.name)
+        grants, overtaken = replay(r.getMessage() for r in caplog.records if r.threadName == d.thread.name)
         assert not overtaken, (d.url, overtaken[:5])
         total += grants
     assert total >= 1, "no request waited in a decode server's queue"
