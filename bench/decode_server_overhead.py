@@ -264,6 +264,8 @@ def serve(args: argparse.Namespace, cfg: FakeEngineConfig) -> None:
         timeline.wrap(DecodeMetrics, "step", "metrics")
         timeline.wrap(DecodeMetrics, "spec", "metrics")
         timeline.wrap(Job, "_post", "post")
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model_dir(Path(tmp) / "m")
         # --load: a slot for the slow reader beside the measured streams
@@ -292,6 +294,9 @@ def main() -> None:
     ap.add_argument("--load", action="store_true", help="the measured streams beside a realistic load: a slow "
                     f"reader's stream, {ROUTERS} routers' standing decode requests and probes every {PROBE_S:g} s, "
                     f"a Prometheus scrape every {SCRAPE_S:g} s")
+    ap.add_argument("--switch-interval", type=float, help="the server process's sys.setswitchinterval (s): how "
+                    "long a thread waiting for the GIL lets its holder run before asking it to let go "
+                    "(Python's default 0.005)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--load-gen", nargs=3, metavar=("URL", "C", "TOKENS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -312,7 +317,8 @@ def main() -> None:
     for c in args.concurrency:  # a server per concurrency: its slots are the measured streams (+ the slow reader)
         argv = ["--step-ms", str(args.step_ms), "--tokens", str(args.tokens), "--gil-us", str(args.gil_us),
                 "--loop", args.loop, "--concurrency", str(c), *(["--timeline"] if args.timeline else []),
-                *(["--load"] if args.load else [])]
+                *(["--load"] if args.load else []),
+                *(["--switch-interval", str(args.switch_interval)] if args.switch_interval is not None else [])]
         child = subprocess.Popen([sys.executable, __file__, "--serve", *argv],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
         try:

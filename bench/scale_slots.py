@@ -20,7 +20,7 @@ decode requests standing in the servers' queues per request served, requests sen
 busy (must be 0); and each phase against the first.
 
     .venv/bin/python bench/scale_slots.py [--decodes 72] [--routers 1,2] [--clients 96] [--requests 4]
-        [--tokens 16] [--token-delay 0.05] [--no-write]
+        [--tokens 16] [--token-delay 0.05] [--tenants N] [--no-write]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -102,10 +103,23 @@ class Phase:
     errors: int = 0
 
 
-async def _one(session: aiohttp.ClientSession, url: str, phase: Phase, max_tokens: int) -> None:
+def _key(tenant: int) -> str:
+    return f"scale-bench-tenant-{tenant}-key"
+
+
+def _keys_file(path: Path, tenants: int) -> Path:
+    """``--tenants``: the routers' keys file, one named key per tenant."""
+    path.write_text("".join(f'[[key]]\nname = "tenant-{t}"\nsha256 = "{hashlib.sha256(_key(t).encode()).hexdigest()}"\n'
+                            for t in range(tenants)))
+    return path
+
+
+async def _one(session: aiohttp.ClientSession, url: str, phase: Phase, max_tokens: int,
+               tenant: int | None = None) -> None:
     body = {"model": "tiny", "prompt": "hello " * 200, "max_tokens": max_tokens, "stream": True}
+    headers = {"Authorization": f"Bearer {_key(tenant)}"} if tenant is not None else None
     t0 = time.perf_counter()
-    async with session.post(url + "/v1/completions", json=body) as resp:
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
         if resp.status != 200:
             phase.errors += 1
             await resp.read()
@@ -120,18 +134,18 @@ async def _one(session: aiohttp.ClientSession, url: str, phase: Phase, max_token
 
 
 async def _run_phase(urls: list[str], pids: list[int], clients: int, requests: int, tokens: int,
-                     token_delay: float, stats_url: str) -> Phase:
+                     token_delay: float, stats_url: str, tenants: int = 0) -> Phase:
     phase = Phase(len(urls))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
         for url in urls:  # warm: connections to every mock
-            await asyncio.gather(*(_one(session, url, Phase(0), 2) for _ in range(8)))
+            await asyncio.gather(*(_one(session, url, Phase(0), 2, 0 if tenants else None) for _ in range(8)))
         await _stats(stats_url, "/reset")  # the mocks' numbers from here: the measured requests only
 
         async def client(c: int) -> None:
             await asyncio.sleep(c * tokens * token_delay / clients)  # spread the starts over one request
             for _ in range(requests):
-                await _one(session, urls[c % len(urls)], phase, tokens)
+                await _one(session, urls[c % len(urls)], phase, tokens, c % tenants if tenants else None)
 
         cpu0 = sum(_cpu_seconds(p) for p in pids)
         t0 = time.perf_counter()
@@ -163,10 +177,11 @@ async def _stats(stats_url: str, path: str) -> dict:
         return await resp.json()
 
 
-def _start_router(port: int, prefills: list[str], decodes: list[str], log: Path):
+def _start_router(port: int, prefills: list[str], decodes: list[str], log: Path, keys: Path | None = None):
     spec = RouterSpec(prefill_urls=tuple(prefills), decode_urls=tuple(decodes), port=port,
                       extra_args=("--log-level", "warning", "--max-queue", "4096", "--queue-timeout", "300",
-                                  "--probe-interval", "10"))
+                                  "--probe-interval", "10",
+                                  *(("--api-keys-file", str(keys)) if keys is not None else ())))
     return server(router_argv(spec), log, f"http://127.0.0.1:{port}/ready", 60)
 
 
@@ -210,7 +225,8 @@ def _table(rows: list[dict]) -> str:
 
 async def _phase(stats_url: str, urls: list[str], pids: list[int], args: argparse.Namespace, decodes: int,
                  clients: int) -> dict:
-    result = await _run_phase(urls, pids, clients, args.requests, args.tokens, args.token_delay, stats_url)
+    result = await _run_phase(urls, pids, clients, args.requests, args.tokens, args.token_delay, stats_url,
+                              args.tenants)
     result.decodes, result.clients = decodes, clients
     return _row(result, await _router_numbers(urls), await _stats(stats_url, "/stats"))
 
@@ -222,6 +238,7 @@ def _bench(args: argparse.Namespace) -> list[dict]:
         decode_ports, prefill_ports, (stats_port,) = _ports(n_decodes, PREFILLS, 1)
         stats_url = f"http://127.0.0.1:{stats_port}"
         logs = Path(tempfile.mkdtemp(prefix="scale-slots-"))
+        keys = _keys_file(logs / "keys.toml", args.tenants) if args.tenants else None
         spec = json.dumps([decode_ports, prefill_ports, stats_port, args.tokens, args.token_delay])
         prefills = [f"http://127.0.0.1:{p}" for p in prefill_ports]
         decodes = [f"http://127.0.0.1:{p}" for p in decode_ports]
@@ -231,7 +248,7 @@ def _bench(args: argparse.Namespace) -> list[dict]:
                 (ports,) = _ports(n)
                 urls = [f"http://127.0.0.1:{p}" for p in ports]
                 with contextlib.ExitStack() as routers:
-                    procs = [routers.enter_context(_start_router(p, prefills, decodes, logs / f"r{n}-{i}.log"))
+                    procs = [routers.enter_context(_start_router(p, prefills, decodes, logs / f"r{n}-{i}.log", keys))
                              for i, p in enumerate(ports)]
                     rows.append(asyncio.run(_phase(stats_url, urls, [p.pid for p in procs], args, n_decodes,
                                                    clients)))
@@ -265,6 +282,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="requests per client, one after the other")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--token-delay", type=float, default=0.05, help="seconds between a mock's tokens")
+    parser.add_argument("--tenants", type=int, default=0, help="clients of this many tenants (named keys: the "
+                        "queues' fair shares on), client c of tenant c mod N; 0: no keys")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--mocks", help=argparse.SUPPRESS)
     args = parser.parse_args()
