@@ -173,6 +173,7 @@ class SlotQueue:
         self._spawn = spawn
         self._waiters: list[_Waiter] = []  # by place
         self._tenants: dict[str, int] = {}  # tenant -> its requests waiting here
+        self._ahead = False  # a request was placed ahead of another since the last refresh
         self._standing: dict[str, _Standing] = {}  # backend url -> its standing request
         self._retry_at: dict[str, float] = {}  # backend url -> no standing request there before (loop time)
         self._retry_timer: asyncio.TimerHandle | None = None
@@ -239,10 +240,11 @@ class SlotQueue:
         loop = asyncio.get_running_loop()
         now = loop.time()
         usable = {d.url: d for d in self.backends.decode if d.accepting}
+        ahead, self._ahead = self._ahead, False
         for url, ask in list(self._standing.items()):
             if url not in usable or self._head(ask.backend, reserved_too=True) is None:
                 self._drop(ask)
-            elif not ask.swap and (head := self._head(ask.backend)) is not None and head.place < ask.place:
+            elif ahead and not ask.swap and (head := self._head(ask.backend)) is not None and head.place < ask.place:
                 self._drop(ask)  # a request came ahead of the one it stands for: it stands for that one
         for url, d in usable.items():
             if not d.owns_slots:
@@ -276,7 +278,12 @@ class SlotQueue:
                      and (reserved_too or not w.reserved)), None)
 
     def _insert(self, waiter: _Waiter) -> None:
-        bisect.insort(self._waiters, waiter, key=lambda w: w.place)
+        waiters = self._waiters
+        if not waiters or not waiter.place < waiters[-1].place:  # (arrivals in order: the common case)
+            waiters.append(waiter)
+            return
+        bisect.insort(waiters, waiter, key=lambda w: w.place)
+        self._ahead = True  # it may come before a standing request's: refresh() looks
 
     def _age(self, waiter: _Waiter) -> None:
         """``waiter`` waited --priority-aging: ahead of every class, by arrival among the aged."""
