@@ -117,7 +117,7 @@ class CompletionHandler:
                 ctx.writer = chunk_writer(scope)
             body, request = parse_request(endpoint, raw)
             ctx.raw = raw
-            self._check_priority(ctx, request, body)
+            self._check_priority(ctx, request)
             watcher = asyncio.get_running_loop().create_task(self._watch(receive, ctx, me))
             legs = fanout.legs(endpoint, body)
             if legs is not None:
@@ -149,10 +149,10 @@ class CompletionHandler:
             observe.finish(state, ctx)
 
     @staticmethod
-    def _check_priority(ctx: RequestContext, request: OpenAIRequest, body: dict[str, Any]) -> None:
-        """The request's ``priority`` (vLLM's field) orders its wait for a decode slot here; it is
-        not forwarded (vLLM refuses one other than 0 unless it schedules by priority itself)."""
-        body.pop("priority", None)
+    def _check_priority(ctx: RequestContext, request: OpenAIRequest) -> None:
+        """The request's ``priority`` (vLLM's field) orders its wait for a decode slot here (and is
+        forwarded: a vLLM prefill server running ``--scheduling-policy priority`` orders its
+        prefills by it, one running first-come-first-served ignores it)."""
         floor = ctx.tenant.min_priority
         if request.priority < floor:
             raise InvalidRequest(f"priority {request.priority} is below {floor}, the lowest this request may ask "

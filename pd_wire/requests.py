@@ -80,8 +80,8 @@ class _Common(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # vLLM's: lower is served sooner; the router orders the decode queues by it and does not
-    # forward it (docs/router.md, "Who waits for a decode slot")
+    # vLLM's: lower is served sooner; the router orders the decode queues by it (docs/router.md,
+    # "Who waits for a decode slot"); the decode server, one sequence per slot, has no use for it
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
 
     def stop_list(self) -> list[str]:

@@ -106,14 +106,12 @@ GREEDY_CONTROLS = {
 
 def test_a_priority_orders_the_wait_and_changes_no_answer(pd_stack, vllm_alone):
     """vLLM's ``priority`` field, as its clients send it (``extra_body``): the router orders the
-    decode queues by it and does not forward it (vLLM without its priority scheduler refuses one
-    other than 0, as vLLM alone shows); the answer is vLLM's own, streamed or not."""
+    decode queues by it and forwards it (vLLM's first-come-first-served prefill ignores it); the
+    answer is vLLM's own, streamed or not."""
     import openai
 
     url = pd_stack.config.router_url
-    alone = _completion_text(vllm_alone, temperature=0.0)
-    with pytest.raises(openai.BadRequestError):
-        _completion_text(vllm_alone, temperature=0.0, extra_body={"priority": 5})
+    alone = _completion_text(vllm_alone, temperature=0.0, extra_body={"priority": 5})
     assert _completion_text(url, temperature=0.0, extra_body={"priority": 5}) == alone
     stream = _sdk(url).chat.completions.create(model=MODEL_NAME, messages=SAMPLING_MESSAGES, max_tokens=4,
                                                temperature=0.0, stream=True, extra_body={"priority": 7})

@@ -262,9 +262,9 @@ def test_keys_tenants_and_priority_floors(make_rig, tmp_path, caplog):
     assert post(rig, KEYS["ops"], priority=-10).status_code == 200
     assert post(rig, KEYS["ops"], priority=-11).status_code == 400
     assert post(rig, KEYS["team-a"], priority=3).status_code == 200
-    # vLLM (prefill) never sees the field: it refuses one other than 0 unless it schedules by priority
-    sent = [r["body"] for p in rig.prefills for r in rig.records(p)["requests"]]
-    assert sent and not any("priority" in b for b in sent), sent
+    # forwarded to prefill as it came (vLLM orders its prefills by it with its priority policy)
+    sent = [r["body"].get("priority") for p in rig.prefills for r in rig.records(p)["requests"]]
+    assert sorted(p for p in sent if p is not None) == [-10, 3], sent
     # the keys file, changed, is read again: a new key works, a removed one no longer does
     new_key = "key-of-newcomer-0123456789"
     keys.write_text(keys.read_text().replace(hashlib.sha256(KEYS["team-b"].encode()).hexdigest(),
