@@ -5,7 +5,8 @@ Decode: ``GET CAPABILITIES_PATH``; 200 -> our decode server, then ``GET /ready``
 404 -> a plain OpenAI server (e.g. vLLM), then ``GET /health`` and ``GET /v1/models``.
 
 An answer that says "not ready", a refused connection or a malformed answer marks a backend
-down at once. A probe that times out is a miss: a healthy backend is marked down only after
+down at once (a kept-alive connection the server closed as the probe reused it is not one: the
+request goes once more on a new connection). A probe that times out is a miss: a healthy backend is marked down only after
 ``misses`` of them in a row (a starved machine answers late now and then; one late ``/health``
 must not turn every client away until the next round). A request that fails on the hot path
 still marks its backend down at once (``RouterState.mark_down``).
@@ -70,7 +71,12 @@ class Prober:
         self.on_change()
 
     async def _get(self, url: str, headers: dict[str, str] | None = None) -> httpx.Response:
-        return await self.client.get(url, headers=headers)
+        """``GET url``; once more, on a new connection, when the server closed the kept-alive one
+        as the probe reused it (its idle timeout, met when probes come late on a starved machine)."""
+        try:
+            return await self.client.get(url, headers=headers)
+        except httpx.RemoteProtocolError:
+            return await self.client.get(url, headers=headers)
 
     async def _health_and_models(self, b: PrefillBackend | DecodeBackend) -> bool:
         """``GET /health`` then ``GET /v1/models``; False (and the reason set) if either fails."""

@@ -168,3 +168,44 @@ def test_one_probe_without_an_answer_does_not_mark_a_backend_down(make_rig, capl
         _wait_status(rig, 200)
     assert httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=5).status_code == 200
     rig.assert_no_leaks()
+
+
+async def test_a_kept_alive_connection_closed_as_the_probe_reuses_it_marks_nothing_down():
+    """A server closing an idle kept-alive connection just as a probe sends on it (its idle
+    timeout, met when probes come late on a starved machine): the probe asks again on a new
+    connection; a server that drops every request is still marked down."""
+    import asyncio as aio
+
+    from pd_router.backends import Backends
+    from pd_router.probes import Prober
+
+    answered = {"n": 0}
+
+    async def serve(reader: aio.StreamReader, writer: aio.StreamWriter, drop_all: bool) -> None:
+        served_here = 0
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if drop_all or served_here == 1:  # the second request on a connection: closed unanswered
+                writer.close()
+                return
+            path = head.split(b" ", 2)[1]
+            body = b'{"data": [{"id": "m"}]}' if path == b"/v1/models" else b"{}"
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+            served_here += 1
+            answered["n"] += 1
+
+    servers = [await aio.start_server(lambda r, w, d=d: serve(r, w, d), "127.0.0.1", 0) for d in (False, True)]
+    urls = [f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers]
+    backends = Backends.from_urls(tuple(urls), (), None, True)
+    async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
+        prober = Prober(backends, client, 1.0, lambda: None)
+        for _ in range(3):  # each probe: /health, then /v1/models on the same kept-alive connection
+            await prober.probe_all()
+    flaky, dead = backends.prefill
+    assert flaky.healthy and flaky.models == frozenset({"m"}), flaky.reason
+    assert answered["n"] == 6
+    assert not dead.healthy and "RemoteProtocolError" in dead.reason, dead.reason
+    for s in servers:
+        s.close()
