@@ -8,8 +8,9 @@ An answer that says "not ready", a refused connection or a malformed answer mark
 down at once (a kept-alive connection the server closed as the probe reused it is not one: the
 request goes once more on a new connection). A probe that times out is a miss: a healthy
 backend is marked down only after ``misses`` of them in a row (a starved machine answers late
-now and then; one late ``/health`` must not turn every client away until the next round). A request that fails on the hot path
-still marks its backend down at once (``RouterState.mark_down``).
+now and then; one late ``/health`` must not turn every client away until the next round). A
+request that fails on the hot path still marks its backend down at once
+(``RouterState.mark_down``).
 """
 
 from __future__ import annotations
