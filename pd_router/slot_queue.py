@@ -21,7 +21,7 @@ When a server grants a standing decode request:
 - it is stale (its request was served elsewhere, or left): the router sends the head's decode
   request with ``replaces`` naming the stale one and no wait, in one call (a *swap*); the
   server queues the head, then takes the stale request's slot (its answer ends), which goes to
-  whoever waits longest there: the head, granted at once, or an older request (the swap is then
+  the first place there: the head, granted at once, or an earlier one (the swap is then
   refused at once and a standing request for the head is sent again). A stale request stands
   for a place no later than the head's, so it never loses a slot its router should have had,
   and the swap hands on any slot it should not have had: the grants stay in the order of the
@@ -359,7 +359,7 @@ class SlotQueue:
         d.refusals = 0
         self._retry_at.pop(d.url, None)
         # the grant is the head's: the request it was asked for, if none here that this
-        # server serves waits longer (one reserved by a swap elsewhere included: that swap's
+        # server serves has an earlier place (one reserved by a swap elsewhere included: that swap's
         # grant, if it comes, is then the stale one)
         if not ask.dropped and not head.future.done() and (swap or head is self._head(d, reserved_too=True)):
             slot = self._took(d, head.model, answer)
