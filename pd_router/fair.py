@@ -31,9 +31,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pd_wire.handoff import advance_share_clock
+
 AGED = -(2**63)  # the class of a request that waited --priority-aging: ahead of all
 MAX_TENANTS = 4096  # finish tags kept before those behind the clock are dropped
-MAX_CLASSES = 64  # classes whose virtual clock is kept
 
 
 @dataclass(frozen=True, order=True)
@@ -52,7 +53,7 @@ class FairShares:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self._clock: dict[int, float] = {}  # class -> largest share granted (known here)
+        self._clock: dict[int, float] = {}  # class -> largest share granted (known here: pd_wire's share clock)
         self._finish: dict[tuple[int, str], float] = {}  # (class, tenant) -> its last request's finish tag
 
     def place(self, priority: int, tenant: str, weight: float, arrived: float) -> Place:
@@ -73,21 +74,14 @@ class FairShares:
     def granted(self, place: Place) -> None:
         """A request of this router got its slot: the clock of its class moves to its tag."""
         if place.priority != AGED:
-            self._advance(place.priority, place.share)
+            advance_share_clock(self._clock, place.priority, place.share)
 
     def observe(self, clock: Mapping[int, float]) -> None:
         """A decode server's ``share_clock``."""
         for priority, share in clock.items():
             if priority != AGED:
-                self._advance(priority, share)
+                advance_share_clock(self._clock, priority, share)
 
     def clock(self, priority: int) -> float:
         return self._clock.get(priority, 0.0)
 
-    def _advance(self, priority: int, share: float) -> None:
-        clock = self._clock
-        if share > clock.get(priority, 0.0):  # (the first tags of a class are below its clock's 0)
-            clock.pop(priority, None)
-            clock[priority] = share
-            if len(clock) > MAX_CLASSES:
-                del clock[next(iter(clock))]

@@ -73,16 +73,14 @@ _REQUEST_ID = re.compile(rb"[\x21-\x7e]+")  # visible ASCII: it goes into header
 class CompletionHandler:
     def __init__(self, state: RouterState) -> None:
         self.state = state
-        settings = state.settings
-        self._tenant_header = settings.tenant_header.lower().encode() if settings.tenant_header else None
 
     def _check_request(self, scope: Scope, rid_raw: bytes | None, ctx: RequestContext) -> None:
         """Before anything else: the API key and the tenant (:mod:`pd_router.tenants`: so that
         which ids are in flight does not leak to a caller without a key), then the drain, then
         the id."""
-        ctx.tenant = self.state.tenants.tenant(
-            header(scope, b"authorization"),
-            header(scope, self._tenant_header) if self._tenant_header is not None else None)
+        tenants = self.state.tenants
+        ctx.tenant = tenants.tenant(header(scope, b"authorization"),
+                                    header(scope, tenants.header) if tenants.header is not None else None)
         if self.state.draining:
             raise ShuttingDown("the router is shutting down; retry (another router replica)", retry_after=1)
         if rid_raw is not None and not _REQUEST_ID.fullmatch(rid_raw):
@@ -247,7 +245,7 @@ class CompletionHandler:
             state.metrics.queue_wait.observe(now - t_queue)
             if ctx.slot_wait is None:
                 ctx.slot_wait = now - ctx.start
-                state.metrics.child(state.metrics.tenant_queue_wait, state.tenants.label(ctx.tenant.name),
+                state.metrics.child(state.metrics.tenant_queue_wait, ctx.tenant.label,
                                     priority_label(ctx.priority)).observe(ctx.slot_wait)
             try:
                 await self._attempt(ctx, slot, body, request, handoff_id, grammar)

@@ -131,6 +131,11 @@ class Tenants:
             self._load(read_keys(keys_file), self._stat())  # at start, a bad file is a settings error
 
     @property
+    def header(self) -> bytes | None:
+        """The tenant header's name as ASGI carries it (lower case), None when off."""
+        return self._header
+
+    @property
     def named(self) -> bool:
         """Whether requests may have tenants other than the default one (a keys file or a
         tenant header): the queues' fair shares are on (:mod:`pd_router.fair`)."""

@@ -93,6 +93,21 @@ class SlotWait(BaseModel):
                                  "this request is granted that slot at once or refused at once, never queued)")
 
 
+SHARE_CLOCK_CLASSES = 64  # priority classes whose share clock is kept (the most recently advanced)
+
+
+def advance_share_clock(clock: dict[int, float], priority: int, share: float) -> None:
+    """Move ``clock`` (per priority class, the largest :attr:`SlotWait.share` granted a slot: the
+    routers' common virtual clock, ``DecodeCapabilities.share_clock``) to ``share`` if it is
+    larger. A class starts at 0 (a router's first tags of a class are below it); only the
+    :data:`SHARE_CLOCK_CLASSES` most recently advanced classes are kept."""
+    if share > clock.get(priority, 0.0):
+        clock.pop(priority, None)  # the most recently advanced class last: the first kept
+        clock[priority] = share
+        if len(clock) > SHARE_CLOCK_CLASSES:
+            del clock[next(iter(clock))]
+
+
 class ResumeFrom(BaseModel):
     """A decode request that continues a sequence cut on another decode server (a migration):
     its KV is the prompt's and ``output_token_ids``' (prefilled again), and its answer goes on

@@ -51,13 +51,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from decode_server.server.api_errors import ApiError, Busy, Conflict, NotReady
-from pd_wire.handoff import SlotWait
+from pd_wire.handoff import SlotWait, advance_share_clock
 
 log = logging.getLogger(__name__)
 
 Holder = Literal["kv", "job"]
 MAX_ROUTERS = 1024  # routers whose clock offset is remembered
-MAX_CLASSES = 64  # priority classes whose share clock is remembered (the most recently granted)
 
 
 class SlotJob(Protocol):
@@ -407,16 +406,8 @@ class SlotTable:
                 continue
             waiter.future.set_result(self._grant(waiter.handoff_id, waiter.job))
             self.grants += 1
-            self._clock_share(waiter.priority, waiter.share)
+            advance_share_clock(self.share_clock, waiter.priority, waiter.share)
             log.info("slot granted: %s %s", waiter.handoff_id, waiter.place())
-
-    def _clock_share(self, priority: int, share: float) -> None:
-        clock = self.share_clock
-        if share > clock.get(priority, 0.0):  # (a router's first tags of a class are below 0)
-            clock.pop(priority, None)  # the most recently advanced class last: the first to forget
-            clock[priority] = share
-            if len(clock) > MAX_CLASSES:
-                del clock[next(iter(clock))]
 
     def _forget(self, waiter: Waiter) -> None:
         try:
