@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import subprocess
@@ -41,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import SamplingParams
+from decode_server.engine_process import ProcessEngine
 from pd_wire.decode import CAPABILITIES_PATH
 from pd_wire.handoff import HandoffClaim, HandoffResult, SlotWait
 from tests.decode_server.conftest import build_model_dir, start_server
@@ -51,7 +53,8 @@ def baseline(cfg: FakeEngineConfig, tokens: int) -> float:
     engine = FakeEngine(cfg)
     h = HandoffResult(handoff_id="b", kv_endpoint="x:1", num_prompt_tokens=4, first_token_id=5,
                       last_prompt_token_id=1, status="sent")
-    session = engine.start(ReceivedKV("b", 4, []), h, SamplingParams(max_tokens=tokens))
+    session = engine.start(ReceivedKV("b", 4, []), h, SamplingParams(max_tokens=tokens + 1))
+    session.step()  # warm (the spinning wait compiles on its first use)
     t0 = time.perf_counter()
     produced = 1
     while produced < tokens:
@@ -65,12 +68,14 @@ async def through_server(url: str, tokens: int, concurrency: int, on_warm: Calla
                          on_measured: Callable[[], None] | None = None,
                          load: bool = False) -> tuple[float, float, float, float]:
     """Tokens/s of ``concurrency`` streams at once, their pace (tokens/s from the first chunk
-    to the last, per stream: the TPOT the user sees, without the TTFT), mean chunks per
-    response, and the median time to the first chunk of 20 sequential requests; ``on_warm``
+    to the last, per stream: the TPOT the user sees, without the TTFT), each stream's own
+    tokens/s (from its request to its last chunk, mean over the streams), and the median time
+    to the first chunk of 20 sequential requests; ``on_warm``
     runs after the warm-up request, ``on_measured`` after the concurrent streams. ``load``:
     the concurrent streams run beside :func:`realistic_load`."""
     ttfts: list[float] = []
     paces: list[float] = []
+    users: list[float] = []  # per stream: its tokens over its own time, its TTFT included
 
     async def one(client: httpx.AsyncClient, i: int) -> int:
         body = {"prompt": "x", "max_tokens": tokens, "ignore_eos": True, "stream": True,
@@ -81,6 +86,8 @@ async def through_server(url: str, tokens: int, concurrency: int, on_warm: Calla
         t0 = time.perf_counter()
         first = last = 0.0
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
                     last = time.perf_counter()
@@ -88,9 +95,20 @@ async def through_server(url: str, tokens: int, concurrency: int, on_warm: Calla
                         first = last
                         ttfts.append(first - t0)
                     n += 1
-        if n > 1:
-            paces.append((n - 1) / (last - first))
+        if n != tokens:
+            raise RuntimeError(f"a stream had {n} chunks of {tokens}")
+        paces.append((n - 1) / (last - first))
+        users.append(n / (last - t0))
         return n
+
+    async def settled(client: httpx.AsyncClient, busy: int) -> None:
+        """Until the server holds ``busy`` slots (an answer's slot is given back just after its
+        last byte: a request sent at once could find it still taken)."""
+        for _ in range(2000):  # the server's state polled (at most 10 s)
+            if (await client.get(url + CAPABILITIES_PATH)).json()["busy_slots"] <= busy:
+                return
+            await asyncio.sleep(0.005)
+        raise RuntimeError(f"the server never came down to {busy} busy slots")
 
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as client:
         await one(client, -1)  # warm-up (first request imports torch in the fake receiver)
@@ -100,20 +118,25 @@ async def through_server(url: str, tokens: int, concurrency: int, on_warm: Calla
         # the load from a process of its own: its work competes with the server, not with this client
         loader = await asyncio.create_subprocess_exec(
             sys.executable, __file__, "--load-gen", url, str(concurrency), str(tokens), stdin=subprocess.PIPE,
-            cwd=REPO) if load else None
+            stdout=subprocess.PIPE, cwd=REPO) if load else None
+        if loader is not None and loader.stdout is not None:  # started, its slow reader reading: the steady load
+            await asyncio.wait_for(loader.stdout.readline(), 60)
+        await settled(client, 1 if load else 0)
+        users.clear()
         t0 = time.perf_counter()
-        chunks = await asyncio.gather(*(one(client, i) for i in range(concurrency)))
+        await asyncio.gather(*(one(client, i) for i in range(concurrency)))
         dt = time.perf_counter() - t0
         if loader is not None and loader.stdin is not None:
             loader.stdin.close()  # it stops
             await asyncio.wait_for(loader.wait(), 30)
         if on_measured is not None:
             on_measured()
-        pace = statistics.fmean(paces)
+        pace, user = statistics.fmean(paces), statistics.fmean(users)
         ttfts.clear()
         for i in range(20):  # time to first chunk, sequential requests
+            await settled(client, 0)
             await one(client, 1000 + i)
-    return concurrency * tokens / dt, pace, statistics.mean(chunks), statistics.median(ttfts)
+    return concurrency * tokens / dt, pace, user, statistics.median(ttfts)
 
 
 ROUTERS = 4  # --load: routers sharing the server, each with a standing decode request and probes
@@ -121,14 +144,15 @@ PROBE_S = 2.0  # a router's probe interval
 SCRAPE_S = 5.0  # Prometheus's scrape interval
 
 
-async def realistic_load(url: str, concurrency: int, tokens: int) -> None:
+async def realistic_load(url: str, concurrency: int, tokens: int, reading: asyncio.Event | None = None) -> None:
     """What a decode server meets while it decodes, beside the measured streams (until cancelled):
     a client reading its own stream slowly (its slot is the one the server has beside the
     measured ones), and, once every slot is busy, one standing decode request per router in the
     queue (a claim with a wait, as each router keeps one), each router's probe every
-    ``PROBE_S`` and a Prometheus scrape every ``SCRAPE_S``."""
+    ``PROBE_S`` and a Prometheus scrape every ``SCRAPE_S``. ``reading`` is set once the slow
+    reader has its first bytes."""
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=2 * ROUTERS + 4)) as client:
-        tasks = [asyncio.ensure_future(_slow_reader(client, url, tokens))]
+        tasks = [asyncio.ensure_future(_slow_reader(client, url, tokens, reading or asyncio.Event()))]
         try:
             for _ in range(2000):  # the server's state polled (at most 10 s), not the load timed
                 if (await client.get(url + CAPABILITIES_PATH)).json()["busy_slots"] >= concurrency + 1:
@@ -148,20 +172,25 @@ async def realistic_load(url: str, concurrency: int, tokens: int) -> None:
 
 
 async def load_until_stdin_closes(url: str, concurrency: int, tokens: int) -> None:
-    """``--load-gen``: :func:`realistic_load` until the parent closes this process's stdin."""
-    load = asyncio.ensure_future(realistic_load(url, concurrency, tokens))
+    """``--load-gen``: :func:`realistic_load` until the parent closes this process's stdin;
+    prints a line once the slow reader reads."""
+    reading = asyncio.Event()
+    load = asyncio.ensure_future(realistic_load(url, concurrency, tokens, reading))
+    await reading.wait()
+    print("reading", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     load.cancel()
     await asyncio.gather(load, return_exceptions=True)
 
 
-async def _slow_reader(client: httpx.AsyncClient, url: str, tokens: int) -> None:
+async def _slow_reader(client: httpx.AsyncClient, url: str, tokens: int, reading: asyncio.Event) -> None:
     body = {"prompt": "x", "max_tokens": tokens * 16, "ignore_eos": True, "stream": True,
             "kv_transfer_params": {"handoff_id": f"slow-{time.monotonic_ns()}", "kv_endpoint": "x:1",
                                    "num_prompt_tokens": 4, "first_token_id": 5, "last_prompt_token_id": 1,
                                    "status": "sent"}}
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         async for _ in r.aiter_raw(1024):
+            reading.set()
             await asyncio.sleep(0.1)  # the slow client's reading pace (load, not synchronisation)
 
 
@@ -230,9 +259,11 @@ class Timeline:
 def gaps(records: list[dict[str, list]]) -> dict[str, float]:
     """Between consecutive steps of one worker thread: the gap and its parts, in microseconds."""
     gap: list[float] = []
+    step: list[float] = []
     parts: dict[str, float] = {p: 0.0 for p in Timeline.PARTS}
     for rec in records:
         steps = rec["steps"]
+        step.extend((end - begin) * 1e6 for begin, end in steps)
         for k in range(1, len(steps)):
             gap.append((steps[k][0] - steps[k - 1][1]) * 1e6)
         for p in Timeline.PARTS:  # only what falls between two steps of the same thread
@@ -240,7 +271,8 @@ def gaps(records: list[dict[str, list]]) -> dict[str, float]:
     if not gap:
         return {}
     q = statistics.quantiles(gap, n=10)
-    out = {"n": len(gap), "p50": statistics.median(gap), "p90": q[8], "mean": statistics.fmean(gap)}
+    out = {"n": len(gap), "p50": statistics.median(gap), "p90": q[8], "mean": statistics.fmean(gap),
+           "step": statistics.fmean(step)}
     out.update({p: parts[p] / len(gap) for p in Timeline.PARTS})
     out["other"] = out["mean"] - sum(out[p] for p in Timeline.PARTS)
     return out
@@ -269,14 +301,19 @@ def serve(args: argparse.Namespace, cfg: FakeEngineConfig) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model_dir(Path(tmp) / "m")
         # --load: a slot for the slow reader beside the measured streams
+        engine = None
+        if args.engine_in == ["process"]:  # the design python -m decode_server runs by default
+            engine = ProcessEngine(functools.partial(FakeEngine, cfg), log_level="warning")
         srv, server, thread = start_server(model, cfg, slots=max(args.concurrency) + args.load,
-                                           max_seq_len=16 * args.tokens + 16, loop=args.loop)
+                                           max_seq_len=16 * args.tokens + 16, loop=args.loop, engine=engine)
         print(srv.url, flush=True)
         for line in sys.stdin:  # until the parent closes our stdin
             if line.strip() == "timeline" and timeline is not None:
                 print(json.dumps(gaps(timeline.take())), flush=True)
         server.should_exit = True
         thread.join(10)
+        if engine is not None:
+            engine.shutdown()
 
 
 def main() -> None:
@@ -287,6 +324,10 @@ def main() -> None:
     ap.add_argument("--gil-us", type=float, default=0.0, help="of each step, the microseconds the engine holds "
                     "the GIL (its own Python: launching the step, reading the tokens back), the rest released "
                     "(the GPU's time)")
+    ap.add_argument("--gpu-wait", choices=("sleep", "spin"), default="sleep",
+                    help="how the engine waits for the rest of its step (the GPU's time): sleeping, or spinning "
+                    "with the GIL released, as CUDA waits by default on a host with more cores than GPUs (a core "
+                    "per spinning sequence: on a small machine, use it at C=1)")
     ap.add_argument("--timeline", action="store_true", help="also the gaps between engine steps in the server, "
                     "and what fills them")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
@@ -297,6 +338,10 @@ def main() -> None:
     ap.add_argument("--switch-interval", type=float, help="the server process's sys.setswitchinterval (s): how "
                     "long a thread waiting for the GIL lets its holder run before asking it to let go "
                     "(Python's default 0.005)")
+    ap.add_argument("--engine-in", nargs="+", choices=("thread", "process"), default=["thread", "process"],
+                    help="where the server runs the engine: on a worker thread of its own process, or in a process "
+                    "of its own (decode_server/engine_process.py; python -m decode_server's default); each is "
+                    "measured, in this order, against the same baseline")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--load-gen", nargs=3, metavar=("URL", "C", "TOKENS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -308,14 +353,19 @@ def main() -> None:
     if not 0 <= args.gil_us <= args.step_ms * 1000:
         ap.error("--gil-us must be within the step")
     cfg = FakeEngineConfig(script=[], filler_token=filler, step_delay=args.step_ms / 1000, step_gil=args.gil_us / 1e6,
+                           gpu_wait=args.gpu_wait,
                            slots=max(args.concurrency) + args.load)
     if args.serve:
         serve(args, cfg)
         return
     base = baseline(cfg, args.tokens)
     print(f"engine alone: {base:8.1f} tok/s (step {args.step_ms} ms, 1 sequence)")
-    for c in args.concurrency:  # a server per concurrency: its slots are the measured streams (+ the slow reader)
+    base_step = args.tokens / ((args.tokens - 1) * base)  # seconds per step alone (the first token is free)
+    runs = [(c, where) for c in args.concurrency for where in args.engine_in]
+    for c, where in runs:  # a server per run: its slots are the measured streams (+ the slow reader)
         argv = ["--step-ms", str(args.step_ms), "--tokens", str(args.tokens), "--gil-us", str(args.gil_us),
+                "--gpu-wait", args.gpu_wait,
+                "--engine-in", where,
                 "--loop", args.loop, "--concurrency", str(c), *(["--timeline"] if args.timeline else []),
                 *(["--load"] if args.load else []),
                 *(["--switch-interval", str(args.switch_interval)] if args.switch_interval is not None else [])]
@@ -331,15 +381,16 @@ def main() -> None:
                 return json.loads(child.stdout.readline())
 
             hooks = (lambda: ask(), lambda m=measured: m.update(ask())) if args.timeline else (None, None)
-            rate, pace, chunks, ttft = asyncio.run(through_server(url, args.tokens, c, *hooks, load=args.load))
-            print(f"server C={c:<3} {rate:8.1f} tok/s total, {rate / c:8.1f} tok/s/user, "
+            rate, pace, user, ttft = asyncio.run(through_server(url, args.tokens, c, *hooks, load=args.load))
+            print(f"server C={c:<3} engine in {where:<7} {rate:8.1f} tok/s total, {rate / c:8.1f} tok/s/user, "
                   f"ratio per user vs engine alone {rate / c / base:.3f}, pace ratio {pace / base:.3f} "
-                  f"({chunks:.0f} chunks/response); time to first chunk p50 {ttft * 1000:.2f} ms"
+                  f"(each stream's own {user / base:.3f}); time to first chunk p50 {ttft * 1000:.2f} ms"
                   + (" [load]" if args.load else ""))
             if measured:
                 print(f"  gap between steps (us, {measured['n']:.0f} gaps): p50 {measured['p50']:.0f}, "
                       f"p90 {measured['p90']:.0f}, mean {measured['mean']:.0f} = "
-                      + ", ".join(f"{p} {measured[p]:.0f}" for p in (*Timeline.PARTS, "other")))
+                      + ", ".join(f"{p} {measured[p]:.0f}" for p in (*Timeline.PARTS, "other"))
+                      + f"; step mean {measured['step']:.0f} (alone {base_step * 1e6:.0f})")
         finally:
             child.stdin.close()
             try:

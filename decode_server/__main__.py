@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from connector.layout import KVLayout
 from decode_server.engine.base import Engine
+from decode_server.engine_build import EngineBuild
 from decode_server.server import AppConfig, create_app
 from decode_server.settings import DecodeServerSettings, SettingsError, load_settings
 from pd_grammar.spec import SchemaLimits
@@ -17,18 +18,19 @@ from pd_http.tracing import Tracing, otlp_tracing
 from pd_net.tcp import DeadPeer, dead_peer_protocol
 
 
-def engine_factory(settings: DecodeServerSettings):
-    def build() -> Engine:
-        if settings.engine == "tilert":
-            from decode_server.engine.tilert import TileRTEngine
+def engine_factory(settings: DecodeServerSettings) -> Callable[[], Engine]:
+    build = EngineBuild(engine=settings.engine, model=settings.model, slots=settings.effective_slots,
+                        max_seq_len=settings.max_seq_len, num_mtp=settings.num_mtp, kv_dtype=settings.kv_dtype,
+                        attention_kernel=settings.attention_kernel)
+    if not settings.engine_process:
+        return build
 
-            return TileRTEngine(settings.model, max_seq_len=settings.max_seq_len, num_mtp=settings.num_mtp)
-        from decode_server.engine.reference import ReferenceEngine
+    def in_own_process() -> Engine:
+        from decode_server.engine_process import ProcessEngine
 
-        return ReferenceEngine(settings.model, slots=settings.effective_slots, max_seq_len=settings.max_seq_len,
-                               num_mtp=settings.num_mtp, kv_dtype=settings.kv_dtype,
-                               attention_kernel=None if settings.attention_kernel else False)  # None: where it applies
-    return build
+        return ProcessEngine(build, (settings.model, settings.json_whitespace), settings.log_level,
+                             settings.log_format)
+    return in_own_process
 
 
 def receiver_factory(settings: DecodeServerSettings):

@@ -92,6 +92,11 @@ class DecodeServerSettings(EntrySettings):
         True, description="reference engine: attention over the cache as a compiled loop (numba; "
         "decode_server/reference/latent_kernel.py) where it applies (numba installed, a float32 model on the CPU): "
         "1.1-1.5x faster decode; --no-attention-kernel: PyTorch's products")
+    engine_process: bool = Field(
+        False, description="run the engine in a process of its own, which steps each sequence back to back while "
+        "this one serves HTTP (the two never wait for one interpreter lock; vLLM's EngineCore process); default: "
+        "on a worker thread of this process, which measured as fast or faster on a 2-core host "
+        "(docs/benchmarks.md)")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
     log_format: LogFormat = Field(
         "text", description="text, or json: one JSON object per line, request lines with request_id and trace_id")

@@ -161,5 +161,9 @@ class Engine(ABC):
     @abstractmethod
     def start(self, kv: ReceivedKV, handoff: HandoffResult, params: SamplingParams) -> DecodeSession: ...
 
+    def failure(self) -> str | None:
+        """Why this engine can take no more sequences (its process is gone); None while it can."""
+        return None
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Free engine resources at server exit."""

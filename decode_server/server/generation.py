@@ -33,6 +33,7 @@ from connector.kv_errors import HandoffTimeout, ReceiverError, TransferFailed
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import Cancelled as EngineCancelled
 from decode_server.engine.base import DecodeSession, Engine, EngineError, SamplingParams, TokenOut
+from decode_server.engine_process import GrammarRequests
 from decode_server.server.api_errors import ApiError, Cancelled, EngineFailure, KVHandoffFailed, KVTimeout
 from decode_server.server.granted import GrantedSend
 from decode_server.server.metrics import DecodeMetrics
@@ -74,7 +75,7 @@ class GenerationContext:
     kv_timeout: float
     write_timeout: float = 60.0  # an answer's wait for its client to take the next bytes
     tracing: Tracing | None = None  # None: tracing off
-    grammars: GrammarCompiler | None = None  # structured output (None: the engine cannot)
+    grammars: GrammarCompiler | GrammarRequests | None = None  # structured output (None: the engine cannot)
 
 
 class _Started:

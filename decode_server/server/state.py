@@ -16,6 +16,7 @@ from connector.layout import KVLayout
 from connector.receiver import SlotSource
 from connector.receiver_state import ReceiverStats
 from decode_server.engine.base import Engine
+from decode_server.engine_process import GrammarRequests, ProcessEngine
 from decode_server.server.generation import GenerationContext, Receiver
 from decode_server.server.metrics import DecodeMetrics
 from decode_server.server.request_plan import ServerLimits
@@ -106,7 +107,7 @@ class DecodeState:
     @property
     def ready(self) -> bool:
         return (self.context is not None and self.receiver is not None and self.receiver.listening
-                and not self.draining)
+                and not self.draining and (self.engine is None or self.engine.failure() is None))
 
     def not_ready_reason(self) -> str:
         if self.draining:
@@ -115,6 +116,8 @@ class DecodeState:
             return f"engine or KV receiver failed to start: {self.load_error}"
         if self.engine is None:
             return "engine is loading"
+        if (failure := self.engine.failure()) is not None:
+            return f"engine failed: {failure}"
         if self.receiver is None or not self.receiver.listening:
             return "KV receiver is not listening"
         return "starting"
@@ -140,8 +143,9 @@ class DecodeState:
                                    reasoning_parser=cfg.reasoning_parser, tool_call_parser=cfg.tool_call_parser,
                                    schema_limits=cfg.schema_limits)
         grammars = None
-        if caps.features.structured_output:
-            grammars = GrammarCompiler(cfg.model_dir, cfg.json_whitespace)
+        if caps.features.structured_output:  # compiled where the engine runs
+            grammars = GrammarRequests() if isinstance(self.engine, ProcessEngine) else \
+                GrammarCompiler(cfg.model_dir, cfg.json_whitespace)
         # the schema checks' imports before the first request plans one (xgrammar only with an engine using it)
         await asyncio.to_thread(warm_up, caps.features.structured_output)
         self.context = GenerationContext(engine=self.engine, receiver=receiver, tokenizer=self.tokenizer,

@@ -8,9 +8,11 @@ counts live sessions, so tests can check that nothing leaks.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from connector.layout import KVLayout, cpu_mla_layout
 from decode_server.engine.base import (
@@ -35,6 +37,9 @@ class FakeEngineConfig:
     per_step: int = 1  # >1 emulates MTP (accepted drafts + bonus)
     step_delay: float = 0.0
     step_gil: float = 0.0  # seconds of each step's delay spent holding the GIL (Python work), the rest released
+    # how the rest is waited for: "sleep" (in slices: cancel interrupts at once), or "spin": a busy wait with the
+    # GIL released, in one piece, as CUDA waits for a GPU by default on a host with more cores than GPUs
+    gpu_wait: str = "sleep"
     slots: int = 4
     supports_logprobs: bool = True
     fail_start: str | None = None  # EngineError message raised by start()
@@ -42,6 +47,37 @@ class FakeEngineConfig:
     filler_token: int = 0  # emitted once the script is exhausted
     hold_start: bool = False  # start() (KV injection) waits for engine.release_start; engine.in_start says it began
     close_delay: float = 0.0  # seconds close() takes (engine state reset)
+
+
+def spin_for(seconds: float) -> None:
+    """Busy-wait ``seconds`` without the GIL (a compiled loop reading the monotonic clock)."""
+    if seconds > 0:
+        spin_until, clock = _spinner()
+        spin_until(time.monotonic_ns() + int(seconds * 1e9), clock)
+
+
+@functools.cache
+def _spinner() -> tuple[Any, Any]:
+    import ctypes
+
+    import numba
+    import numpy as np
+
+    clock_gettime = ctypes.CDLL(None).clock_gettime
+    clock_gettime.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    clock_gettime.restype = ctypes.c_int
+    monotonic = time.CLOCK_MONOTONIC
+
+    @numba.njit(nogil=True)
+    def spin_until(deadline_ns: int, ts: Any) -> None:
+        while True:
+            clock_gettime(monotonic, ts.ctypes.data)
+            if ts[0] * 1_000_000_000 + ts[1] >= deadline_ns:
+                return
+
+    ts = np.zeros(2, dtype=np.int64)  # struct timespec
+    spin_until(0, ts)  # compiled here, not in the first step
+    return spin_until, ts
 
 
 class FakeSession(DecodeSession):
@@ -77,7 +113,10 @@ class FakeSession(DecodeSession):
             end = time.perf_counter() + cfg.step_gil
             while time.perf_counter() < end:
                 pass
-        self._sleep(cfg.step_delay - cfg.step_gil)
+        if cfg.gpu_wait == "spin":
+            spin_for(cfg.step_delay - cfg.step_gil)
+        else:
+            self._sleep(cfg.step_delay - cfg.step_gil)
         if cfg.fail_at_step is not None and self._steps == cfg.fail_at_step:
             raise EngineError(f"scripted failure at step {self._steps}")
         out: list[TokenOut] = []
