@@ -42,26 +42,30 @@ sys.path.insert(0, str(REPO))
 
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import SamplingParams
-from decode_server.engine_process import ProcessEngine
 from pd_wire.decode import CAPABILITIES_PATH
 from pd_wire.handoff import HandoffClaim, HandoffResult, SlotWait
 from tests.decode_server.conftest import build_model_dir, start_server
 from tests.fakes.fake_engine import FakeEngine, FakeEngineConfig
 
 
-def baseline(cfg: FakeEngineConfig, tokens: int) -> float:
+def baseline(cfg: FakeEngineConfig, tokens: int) -> tuple[float, float]:
+    """The engine alone, a sequence of ``tokens`` (the first, prefill's, free): tokens/s and
+    seconds per call."""
     engine = FakeEngine(cfg)
     h = HandoffResult(handoff_id="b", kv_endpoint="x:1", num_prompt_tokens=4, first_token_id=5,
                       last_prompt_token_id=1, status="sent")
-    session = engine.start(ReceivedKV("b", 4, []), h, SamplingParams(max_tokens=tokens + 1))
-    session.step()  # warm (the spinning wait compiles on its first use)
+    warm = engine.start(ReceivedKV("b", 4, []), h, SamplingParams(max_tokens=2))
+    warm.step()  # the spinning wait compiles on its first use
+    warm.close()
+    session = engine.start(ReceivedKV("b", 4, []), h, SamplingParams(max_tokens=tokens))
     t0 = time.perf_counter()
-    produced = 1
+    produced = calls = 1
     while produced < tokens:
         produced += len(session.step())
+        calls += 1
     dt = time.perf_counter() - t0
     session.close()
-    return produced / dt
+    return tokens / dt, dt / (calls - 1)
 
 
 async def through_server(url: str, tokens: int, concurrency: int, on_warm: Callable[[], None] | None = None,
@@ -85,19 +89,20 @@ async def through_server(url: str, tokens: int, concurrency: int, on_warm: Calla
         n = 0
         t0 = time.perf_counter()
         first = last = 0.0
+        first_n = 0
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
                     last = time.perf_counter()
-                    if not n:
-                        first = last
+                    n += len(json.loads(line[6:])["choices"][0]["text"])  # a character per token
+                    if not first_n:
+                        first, first_n = last, n
                         ttfts.append(first - t0)
-                    n += 1
         if n != tokens:
-            raise RuntimeError(f"a stream had {n} chunks of {tokens}")
-        paces.append((n - 1) / (last - first))
+            raise RuntimeError(f"a stream had {n} tokens of {tokens}")
+        paces.append((n - first_n) / (last - first))
         users.append(n / (last - t0))
         return n
 
@@ -302,7 +307,9 @@ def serve(args: argparse.Namespace, cfg: FakeEngineConfig) -> None:
         model = build_model_dir(Path(tmp) / "m")
         # --load: a slot for the slow reader beside the measured streams
         engine = None
-        if args.engine_in == ["process"]:  # the design python -m decode_server runs by default
+        if args.engine_in == ["process"]:  # python -m decode_server --engine-process
+            from decode_server.engine_process import ProcessEngine
+
             engine = ProcessEngine(functools.partial(FakeEngine, cfg), log_level="warning")
         srv, server, thread = start_server(model, cfg, slots=max(args.concurrency) + args.load,
                                            max_seq_len=16 * args.tokens + 16, loop=args.loop, engine=engine)
@@ -318,12 +325,18 @@ def serve(args: argparse.Namespace, cfg: FakeEngineConfig) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--step-ms", type=float, default=3.19, help="engine step time (TileRT GLM-5.1 TPOT: 3.19 ms)")
+    ap.add_argument("--step-ms", type=float, default=3.19, help="GPU step time (TileRT GLM-5.1's TPOT, 3.19 ms; "
+                    "with --mtp, a step's time is its tokens' time)")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--gil-us", type=float, default=0.0, help="of each step, the microseconds the engine holds "
-                    "the GIL (its own Python: launching the step, reading the tokens back), the rest released "
+    ap.add_argument("--gil-us", type=float, default=0.0, help="of each call, the microseconds the engine holds "
+                    "the GIL (its own Python: launching the steps, reading the tokens back), the rest released "
                     "(the GPU's time)")
+    ap.add_argument("--steps-per-call", type=int, default=1, help="GPU steps per engine call (the TileRT adapter's "
+                    "ar_steps: 8, 1 under structured output), fewer when max_tokens is near")
+    ap.add_argument("--mtp", type=int, default=0, help="MTP drafts per GPU step (TileRT GLM-5.1: 3)")
+    ap.add_argument("--accept", type=float, help="each draft accepted (after the one before it) with this "
+                    "probability, a seeded draw the same for the engine alone and the server (default: all)")
     ap.add_argument("--gpu-wait", choices=("sleep", "spin"), default="sleep",
                     help="how the engine waits for the rest of its step (the GPU's time): sleeping, or spinning "
                     "with the GIL released, as CUDA waits by default on a host with more cores than GPUs (a core "
@@ -340,7 +353,7 @@ def main() -> None:
                     "(Python's default 0.005)")
     ap.add_argument("--engine-in", nargs="+", choices=("thread", "process"), default=["thread", "process"],
                     help="where the server runs the engine: on a worker thread of its own process, or in a process "
-                    "of its own (decode_server/engine_process.py; python -m decode_server's default); each is "
+                    "of its own (decode_server/engine_process.py: python -m decode_server --engine-process); each is "
                     "measured, in this order, against the same baseline")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--load-gen", nargs=3, metavar=("URL", "C", "TOKENS"), help=argparse.SUPPRESS)
@@ -352,19 +365,24 @@ def main() -> None:
     filler = 200  # one byte-level token: one character per token
     if not 0 <= args.gil_us <= args.step_ms * 1000:
         ap.error("--gil-us must be within the step")
+    if args.steps_per_call < 1 or args.mtp < 0 or (args.accept is not None and not 0 <= args.accept <= 1):
+        ap.error("--steps-per-call >= 1, --mtp >= 0, --accept in [0, 1]")
     cfg = FakeEngineConfig(script=[], filler_token=filler, step_delay=args.step_ms / 1000, step_gil=args.gil_us / 1e6,
+                           per_step=args.mtp + 1, accept=args.accept, steps_per_call=args.steps_per_call,
                            gpu_wait=args.gpu_wait,
                            slots=max(args.concurrency) + args.load)
     if args.serve:
         serve(args, cfg)
         return
-    base = baseline(cfg, args.tokens)
-    print(f"engine alone: {base:8.1f} tok/s (step {args.step_ms} ms, 1 sequence)")
-    base_step = args.tokens / ((args.tokens - 1) * base)  # seconds per step alone (the first token is free)
+    base, base_step = baseline(cfg, args.tokens)
+    print(f"engine alone: {base:8.1f} tok/s ({1000 / base:.2f} ms/token, {base_step * 1000:.2f} ms/call; "
+          f"GPU step {args.step_ms} ms, {args.steps_per_call} per call, {args.mtp} MTP drafts"
+          + (f" accepted at {args.accept:g}" if args.accept is not None else "") + "; 1 sequence)")
     runs = [(c, where) for c in args.concurrency for where in args.engine_in]
     for c, where in runs:  # a server per run: its slots are the measured streams (+ the slow reader)
         argv = ["--step-ms", str(args.step_ms), "--tokens", str(args.tokens), "--gil-us", str(args.gil_us),
-                "--gpu-wait", args.gpu_wait,
+                "--gpu-wait", args.gpu_wait, "--steps-per-call", str(args.steps_per_call), "--mtp", str(args.mtp),
+                *(["--accept", str(args.accept)] if args.accept is not None else []),
                 "--engine-in", where,
                 "--loop", args.loop, "--concurrency", str(c), *(["--timeline"] if args.timeline else []),
                 *(["--load"] if args.load else []),
@@ -390,7 +408,7 @@ def main() -> None:
                 print(f"  gap between steps (us, {measured['n']:.0f} gaps): p50 {measured['p50']:.0f}, "
                       f"p90 {measured['p90']:.0f}, mean {measured['mean']:.0f} = "
                       + ", ".join(f"{p} {measured[p]:.0f}" for p in (*Timeline.PARTS, "other"))
-                      + f"; step mean {measured['step']:.0f} (alone {base_step * 1e6:.0f})")
+                      + f"; a call's mean {measured['step']:.0f} (alone {base_step * 1e6:.0f})")
         finally:
             child.stdin.close()
             try:

@@ -1,14 +1,16 @@
 """A scripted decode engine implementing decode_server.engine.base.Engine, for unit tests.
 
 Each session replays a token script (after the handoff's first token) ``per_step``
-tokens at a time, optionally sleeping ``step_delay`` seconds per step (in small
-slices, so that ``cancel`` interrupts it at once). It records every start/close and
-counts live sessions, so tests can check that nothing leaks.
+tokens per GPU step (or a seeded draw of MTP's accepted drafts), ``steps_per_call`` GPU
+steps per ``step()``, optionally waiting ``step_delay`` seconds per GPU step (sleeping in
+small slices, so that ``cancel`` interrupts it at once, or spinning without the GIL). It
+records every start/close and counts live sessions, so tests can check that nothing leaks.
 """
 
 from __future__ import annotations
 
 import functools
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,8 +37,12 @@ def fake_logprob(token_id: int) -> float:
 class FakeEngineConfig:
     script: list[int] = field(default_factory=list)  # tokens after the first one
     per_step: int = 1  # >1 emulates MTP (accepted drafts + bonus)
-    step_delay: float = 0.0
-    step_gil: float = 0.0  # seconds of each step's delay spent holding the GIL (Python work), the rest released
+    # None: every GPU step emits per_step tokens; p: 1 + the drafts accepted in a row, each with probability p
+    # (a seeded draw, the same in every session), as MTP's verify
+    accept: float | None = None
+    steps_per_call: int = 1  # GPU steps per step() call, fewer when max_tokens is near (TileRT's ar_steps)
+    step_delay: float = 0.0  # seconds per GPU step
+    step_gil: float = 0.0  # seconds of each call's delay spent holding the GIL (Python work), the rest released
     # how the rest is waited for: "sleep" (in slices: cancel interrupts at once), or "spin": a busy wait with the
     # GIL released, in one piece, as CUDA waits for a GPU by default on a host with more cores than GPUs
     gpu_wait: str = "sleep"
@@ -87,6 +93,8 @@ class FakeSession(DecodeSession):
         self._script = script
         self._pos = 0
         self._steps = 0
+        self._produced = 1  # the first token (prefill's) counts toward max_tokens
+        self._draws = random.Random(0)  # MTP acceptance: the same tokens per step in every session
         super().__init__()
         self.closed = False
 
@@ -103,35 +111,55 @@ class FakeSession(DecodeSession):
                 raise Cancelled("cancelled")
             time.sleep(min(0.002, max(0.0, end - time.monotonic())))
 
+    def _gpu_steps(self) -> int:
+        """This call's GPU steps: ``steps_per_call``, fewer when ``max_tokens`` is near (as
+        the TileRT adapter limits ``ar_steps``)."""
+        cfg = self._engine.config
+        left = self._params.max_tokens - self._produced
+        return max(1, min(cfg.steps_per_call, -(-left // cfg.per_step)))
+
+    def _step_tokens(self) -> int:
+        cfg = self._engine.config
+        if cfg.accept is None:
+            return cfg.per_step
+        n = 1
+        while n < cfg.per_step and self._draws.random() < cfg.accept:
+            n += 1
+        return n
+
     def step(self) -> list[TokenOut]:
         cfg = self._engine.config
         if self._cancel.is_set():
             raise Cancelled("cancelled")
         self._steps += 1
         self._engine.steps += 1
-        if cfg.step_gil > 0:  # a Python busy loop: the GIL held, as an engine's own Python per step
+        gpu_steps = self._gpu_steps()
+        if cfg.step_gil > 0:  # a Python busy loop: the GIL held, as an engine's own Python per call
             end = time.perf_counter() + cfg.step_gil
             while time.perf_counter() < end:
                 pass
         if cfg.gpu_wait == "spin":
-            spin_for(cfg.step_delay - cfg.step_gil)
+            spin_for(cfg.step_delay * gpu_steps - cfg.step_gil)
         else:
-            self._sleep(cfg.step_delay - cfg.step_gil)
+            self._sleep(cfg.step_delay * gpu_steps - cfg.step_gil)
         if cfg.fail_at_step is not None and self._steps == cfg.fail_at_step:
             raise EngineError(f"scripted failure at step {self._steps}")
         out: list[TokenOut] = []
-        for _ in range(cfg.per_step):
-            tok = self._script[self._pos] if self._pos < len(self._script) else cfg.filler_token
-            self._pos += 1
-            if self._params.logprobs is not None:
-                top = tuple((tok + k, fake_logprob(tok) - 0.5 * k) for k in range(max(self._params.logprobs, 0)))
-                out.append(TokenOut(tok, fake_logprob(tok), top))
-            else:
-                out.append(TokenOut(tok))
-        if cfg.per_step > 1:
-            self._stats.steps += 1
-            self._stats.drafted += cfg.per_step - 1
-            self._stats.accepted += cfg.per_step - 1
+        for _ in range(gpu_steps):
+            n = self._step_tokens()
+            for _ in range(n):
+                tok = self._script[self._pos] if self._pos < len(self._script) else cfg.filler_token
+                self._pos += 1
+                if self._params.logprobs is not None:
+                    top = tuple((tok + k, fake_logprob(tok) - 0.5 * k) for k in range(max(self._params.logprobs, 0)))
+                    out.append(TokenOut(tok, fake_logprob(tok), top))
+                else:
+                    out.append(TokenOut(tok))
+            if cfg.per_step > 1:
+                self._stats.steps += 1
+                self._stats.drafted += cfg.per_step - 1
+                self._stats.accepted += n - 1
+        self._produced += len(out)
         return out
 
 
