@@ -1,23 +1,33 @@
-"""Decode server overhead per output token: a scripted engine with a fixed step time,
+"""Decode server overhead per output token: a scripted engine (tests/fakes/fake_engine.py)
 driven (a) directly in a loop (baseline) and (b) through the real server on loopback
 (SSE streaming, C concurrent clients; the server runs in its own process, on uvloop and
 httptools as ``python -m decode_server`` runs it, or ``--loop asyncio``). Prints
-tokens/s of both and their ratio, measured in the same run.
+tokens/s of both and their ratios, measured in the same run.
 
     python bench/decode_server_overhead.py [--step-ms 3.19] [--tokens 256] [--concurrency 1 4]
-        [--timeline] [--loop asyncio] [--gil-us 50] [--load]
+        [--steps-per-call 8 --mtp 3 --accept 0.8] [--gil-us 100] [--gpu-wait spin] [--load]
+        [--engine-in thread process] [--timeline] [--loop asyncio]
 
-Two ratios per concurrency: tokens/s per user (the TTFT included) and the *pace*, tokens/s
-from each stream's first chunk to its last (the TPOT the user sees), both against the engine
-alone. ``--load`` runs the measured streams beside a realistic load (:func:`realistic_load`).
+An engine call is ``--steps-per-call`` GPU steps of ``--step-ms`` (the TileRT adapter's
+``ar_steps``: 8, 1 under structured output), each emitting 1 + the MTP drafts accepted (a
+seeded draw, the same alone and through the server); ``--gil-us`` of each call hold the GIL,
+the rest is waited for sleeping or, ``--gpu-wait spin``, spinning without the GIL (as CUDA).
 
-``--timeline``: the server process also records, on each slot's worker thread, when each
-engine step starts and ends and how long the work between two steps takes by part (the
-sequence processor's work there, ``proc``: its ``cut``, the token-level stop conditions, or
-before issue 50 its whole ``feed``; the metrics; the post of the step's tokens to the event
-loop); the rest of a gap is the thread waiting for the GIL and the
-loop's own work. Printed per concurrency: the gap between one step's end and the next one's start,
-p50 / p90 / mean, and its mean by part. The wrappers cost ~1 us per call, counted in the gap.
+Three ratios per run against the engine alone: tokens/s per user (C streams' tokens over
+the time to the last one's end, TTFT included, over C), each stream's own tokens/s, and the
+*pace*, tokens/s from each stream's first chunk to its last (the TPOT the user sees).
+``--load`` runs the measured streams beside a realistic load (:func:`realistic_load`).
+``--engine-in``: the server's engine on the slot's worker thread, or in a process of its
+own (``--engine-process``), each against the same baseline.
+
+``--timeline`` (engine on a thread): the server process also records, on each slot's worker
+thread, when each engine call starts and ends and how long the work between two calls takes
+by part (the sequence processor's work there, ``proc``: its ``cut``, the token-level stop
+conditions, or before issue 50 its whole ``feed``; the metrics; the post of the tokens to the
+event loop); the rest of a gap is the thread waiting for the GIL and the loop's own work.
+Printed per run: the gap between one call's end and the next one's start, p50 / p90 / mean,
+its mean by part, and a call's mean time against the engine alone. The wrappers cost ~1 us
+per call, counted in the gap.
 """
 
 from __future__ import annotations
