@@ -18,7 +18,9 @@ the time to the last one's end, TTFT included, over C), each stream's own tokens
 *pace*, tokens/s from each stream's first chunk to its last (the TPOT the user sees).
 ``--load`` runs the measured streams beside a realistic load (:func:`realistic_load`).
 ``--engine-in``: the server's engine on the slot's worker thread, or in a process of its
-own (``--engine-process``), each against the same baseline.
+own (``--engine-process``), each against the same baseline. ``--engine reference``: the
+reference engine decoding the tiny model on this CPU (after ``--context`` tokens of zero KV,
+``--mtp`` drafts) instead of the scripted engine.
 
 ``--timeline`` (engine on a thread): the server process also records, on each slot's worker
 thread, when each engine call starts and ends and how long the work between two calls takes
@@ -50,24 +52,37 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from connector.layout import KVLayout
 from connector.receiver import ReceivedKV
-from decode_server.engine.base import SamplingParams
+from decode_server.engine.base import Engine, SamplingParams
+from decode_server.engine_build import EngineBuild
 from pd_wire.decode import CAPABILITIES_PATH
 from pd_wire.handoff import HandoffClaim, HandoffResult, SlotWait
 from tests.decode_server.conftest import build_model_dir, start_server
 from tests.fakes.fake_engine import FakeEngine, FakeEngineConfig
 
 
-def baseline(cfg: FakeEngineConfig, tokens: int) -> tuple[float, float]:
-    """The engine alone, a sequence of ``tokens`` (the first, prefill's, free): tokens/s and
-    seconds per call."""
-    engine = FakeEngine(cfg)
-    h = HandoffResult(handoff_id="b", kv_endpoint="x:1", num_prompt_tokens=4, first_token_id=5,
+def zero_kv(layout: KVLayout, tokens: int) -> ReceivedKV:
+    """A prompt's KV of zeros, as the server's receiver in this bench hands it over
+    (tests/fakes/fake_receiver.py): the engine's work per token is the same as over real KV."""
+    import torch
+
+    layers = [{p.name: torch.zeros(-(-tokens // p.page_tokens) if p.page_tokens else tokens, p.width,
+                                   dtype=getattr(torch, p.dtype)) for p in layout.planes}
+              for _ in range(layout.num_layers)]
+    return ReceivedKV("b", tokens, layers)
+
+
+def baseline(engine: Engine, tokens: int, prompt_tokens: int) -> tuple[float, float]:
+    """The engine alone, a sequence of ``tokens`` (the first, prefill's, free) after a prompt of
+    ``prompt_tokens``: tokens/s and seconds per call."""
+    h = HandoffResult(handoff_id="b", kv_endpoint="x:1", num_prompt_tokens=prompt_tokens, first_token_id=5,
                       last_prompt_token_id=1, status="sent")
-    warm = engine.start(ReceivedKV("b", 4, []), h, SamplingParams(max_tokens=2))
-    warm.step()  # the spinning wait compiles on its first use
+    kv = zero_kv(engine.kv_layout, prompt_tokens)
+    warm = engine.start(kv, h, SamplingParams(max_tokens=8))
+    warm.step()  # the spinning wait, the reference engine's attention loop: compiled on their first use
     warm.close()
-    session = engine.start(ReceivedKV("b", 4, []), h, SamplingParams(max_tokens=tokens))
+    session = engine.start(kv, h, SamplingParams(max_tokens=tokens))
     t0 = time.perf_counter()
     produced = calls = 1
     while produced < tokens:
@@ -79,40 +94,45 @@ def baseline(cfg: FakeEngineConfig, tokens: int) -> tuple[float, float]:
 
 
 async def through_server(url: str, tokens: int, concurrency: int, on_warm: Callable[[], None] | None = None,
-                         on_measured: Callable[[], None] | None = None,
-                         load: bool = False) -> tuple[float, float, float, float]:
+                         on_measured: Callable[[], None] | None = None, load: bool = False,
+                         prompt_tokens: int = 4, slow_tokens: int | None = None) -> tuple[float, float, float, float]:
     """Tokens/s of ``concurrency`` streams at once, their pace (tokens/s from the first chunk
     to the last, per stream: the TPOT the user sees, without the TTFT), each stream's own
     tokens/s (from its request to its last chunk, mean over the streams), and the median time
     to the first chunk of 20 sequential requests; ``on_warm``
     runs after the warm-up request, ``on_measured`` after the concurrent streams. ``load``:
-    the concurrent streams run beside :func:`realistic_load`."""
+    the concurrent streams run beside :func:`realistic_load` (its slow reader's stream:
+    ``slow_tokens``, default 16 times ``tokens``). Tokens are counted from the
+    final usage; the first chunk is the first token alone."""
     ttfts: list[float] = []
     paces: list[float] = []
     users: list[float] = []  # per stream: its tokens over its own time, its TTFT included
 
     async def one(client: httpx.AsyncClient, i: int) -> int:
         body = {"prompt": "x", "max_tokens": tokens, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True},
                 "kv_transfer_params": {"handoff_id": f"b{i}-{time.monotonic_ns()}", "kv_endpoint": "x:1",
-                                       "num_prompt_tokens": 4, "first_token_id": 5, "last_prompt_token_id": 1,
-                                       "status": "sent"}}
+                                       "num_prompt_tokens": prompt_tokens, "first_token_id": 5,
+                                       "last_prompt_token_id": 1, "status": "sent"}}
         n = 0
         t0 = time.perf_counter()
         first = last = 0.0
-        first_n = 0
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
-                    last = time.perf_counter()
-                    n += len(json.loads(line[6:])["choices"][0]["text"])  # a character per token
-                    if not first_n:
-                        first, first_n = last, n
-                        ttfts.append(first - t0)
+                    event = json.loads(line[6:])
+                    if event["choices"]:
+                        last = time.perf_counter()
+                        if not first:
+                            first = last
+                            ttfts.append(first - t0)
+                    if event.get("usage"):
+                        n = event["usage"]["completion_tokens"]
         if n != tokens:
             raise RuntimeError(f"a stream had {n} tokens of {tokens}")
-        paces.append((n - first_n) / (last - first))
+        paces.append((n - 1) / (last - first))
         users.append(n / (last - t0))
         return n
 
@@ -132,7 +152,9 @@ async def through_server(url: str, tokens: int, concurrency: int, on_warm: Calla
         paces.clear()
         # the load from a process of its own: its work competes with the server, not with this client
         loader = await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--load-gen", url, str(concurrency), str(tokens), stdin=subprocess.PIPE,
+            sys.executable, __file__, "--load-gen", url, str(concurrency), str(slow_tokens or 16 * tokens),
+            str(prompt_tokens),
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, cwd=REPO) if load else None
         if loader is not None and loader.stdout is not None:  # started, its slow reader reading: the steady load
             await asyncio.wait_for(loader.stdout.readline(), 60)
@@ -159,15 +181,16 @@ PROBE_S = 2.0  # a router's probe interval
 SCRAPE_S = 5.0  # Prometheus's scrape interval
 
 
-async def realistic_load(url: str, concurrency: int, tokens: int, reading: asyncio.Event | None = None) -> None:
+async def realistic_load(url: str, concurrency: int, tokens: int, prompt_tokens: int,
+                         reading: asyncio.Event | None = None) -> None:
     """What a decode server meets while it decodes, beside the measured streams (until cancelled):
     a client reading its own stream slowly (its slot is the one the server has beside the
     measured ones), and, once every slot is busy, one standing decode request per router in the
     queue (a claim with a wait, as each router keeps one), each router's probe every
-    ``PROBE_S`` and a Prometheus scrape every ``SCRAPE_S``. ``reading`` is set once the slow
-    reader has its first bytes."""
+    ``PROBE_S`` and a Prometheus scrape every ``SCRAPE_S``. The slow reader's answer is
+    ``tokens`` long; ``reading`` is set once it has its first bytes."""
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=2 * ROUTERS + 4)) as client:
-        tasks = [asyncio.ensure_future(_slow_reader(client, url, tokens, reading or asyncio.Event()))]
+        tasks = [asyncio.ensure_future(_slow_reader(client, url, tokens, prompt_tokens, reading or asyncio.Event()))]
         try:
             for _ in range(2000):  # the server's state polled (at most 10 s), not the load timed
                 if (await client.get(url + CAPABILITIES_PATH)).json()["busy_slots"] >= concurrency + 1:
@@ -186,11 +209,11 @@ async def realistic_load(url: str, concurrency: int, tokens: int, reading: async
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def load_until_stdin_closes(url: str, concurrency: int, tokens: int) -> None:
+async def load_until_stdin_closes(url: str, concurrency: int, tokens: int, prompt_tokens: int) -> None:
     """``--load-gen``: :func:`realistic_load` until the parent closes this process's stdin;
     prints a line once the slow reader reads."""
     reading = asyncio.Event()
-    load = asyncio.ensure_future(realistic_load(url, concurrency, tokens, reading))
+    load = asyncio.ensure_future(realistic_load(url, concurrency, tokens, prompt_tokens, reading))
     await reading.wait()
     print("reading", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -198,11 +221,12 @@ async def load_until_stdin_closes(url: str, concurrency: int, tokens: int) -> No
     await asyncio.gather(load, return_exceptions=True)
 
 
-async def _slow_reader(client: httpx.AsyncClient, url: str, tokens: int, reading: asyncio.Event) -> None:
-    body = {"prompt": "x", "max_tokens": tokens * 16, "ignore_eos": True, "stream": True,
+async def _slow_reader(client: httpx.AsyncClient, url: str, tokens: int, prompt_tokens: int,
+                       reading: asyncio.Event) -> None:
+    body = {"prompt": "x", "max_tokens": tokens, "ignore_eos": True, "stream": True,
             "kv_transfer_params": {"handoff_id": f"slow-{time.monotonic_ns()}", "kv_endpoint": "x:1",
-                                   "num_prompt_tokens": 4, "first_token_id": 5, "last_prompt_token_id": 1,
-                                   "status": "sent"}}
+                                   "num_prompt_tokens": prompt_tokens, "first_token_id": 5,
+                                   "last_prompt_token_id": 1, "status": "sent"}}
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         async for _ in r.aiter_raw(1024):
             reading.set()
@@ -293,19 +317,49 @@ def gaps(records: list[dict[str, list]]) -> dict[str, float]:
     return out
 
 
+def engine_build(args: argparse.Namespace, cfg: FakeEngineConfig) -> Callable[[], Engine]:
+    """The engine under test, as a picklable callable (the engine process builds it too)."""
+    if args.engine == "scripted":
+        return functools.partial(FakeEngine, cfg)
+    return EngineBuild("reference", reference_model(), slots=cfg.slots, max_seq_len=max_seq_len(args),
+                       num_mtp=args.mtp)
+
+
+def reference_model() -> Path:
+    """The tiny GLM-family model the tests use (generated once per host)."""
+    from decode_server.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model(REPO / ".cache" / "tiny-model", seed=0)
+
+
+def max_seq_len(args: argparse.Namespace) -> int:
+    """Room for the prompt and the slow reader's long answer (the tiny model: 4096 positions)."""
+    room = prompt_tokens(args) + 16 * args.tokens + 16
+    return room if args.engine == "scripted" else min(room, 4096)
+
+
+def slow_tokens(args: argparse.Namespace) -> int:
+    return max_seq_len(args) - prompt_tokens(args) - 16
+
+
+def prompt_tokens(args: argparse.Namespace) -> int:
+    return args.context if args.engine == "reference" else 4
+
+
 def serve(args: argparse.Namespace, cfg: FakeEngineConfig) -> None:
-    """Child process: the real server app with the scripted engine; prints its URL. With
+    """Child process: the real server app with the engine under test; prints its URL. With
     ``--timeline``, a line of the timeline's gaps (JSON) on stdout after each ``timeline``
     line on stdin."""
     timeline = None
     if args.timeline:
+        from decode_server.engine.reference import ReferenceSession
         from decode_server.server.generation import Job
         from decode_server.server.metrics import DecodeMetrics
         from decode_server.server.sequence import SequenceProcessor
         from tests.fakes.fake_engine import FakeSession
 
         timeline = Timeline()
-        timeline.wrap(FakeSession, "step", None)
+        timeline.wrap(FakeSession if args.engine == "scripted" else ReferenceSession, "step", None)
         # the sequence processor's work on the worker: its token-level half (before issue 50: all of it)
         timeline.wrap(SequenceProcessor, "cut" if hasattr(SequenceProcessor, "cut") else "feed", "proc")
         timeline.wrap(DecodeMetrics, "step", "metrics")
@@ -314,15 +368,18 @@ def serve(args: argparse.Namespace, cfg: FakeEngineConfig) -> None:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model_dir(Path(tmp) / "m")
-        # --load: a slot for the slow reader beside the measured streams
-        engine = None
+        model = build_model_dir(Path(tmp) / "m") if args.engine == "scripted" else reference_model()
+        build = engine_build(args, cfg)
         if args.engine_in == ["process"]:  # python -m decode_server --engine-process
             from decode_server.engine_process import ProcessEngine
 
-            engine = ProcessEngine(functools.partial(FakeEngine, cfg), log_level="warning")
+            engine = ProcessEngine(build, log_level="warning")
+        else:
+            engine = build()
+        # --load: a slot for the slow reader beside the measured streams
         srv, server, thread = start_server(model, cfg, slots=max(args.concurrency) + args.load,
-                                           max_seq_len=16 * args.tokens + 16, loop=args.loop, engine=engine)
+                                           max_seq_len=max_seq_len(args), loop=args.loop, engine=engine,
+                                           kv_tokens=prompt_tokens(args))
         print(srv.url, flush=True)
         for line in sys.stdin:  # until the parent closes our stdin
             if line.strip() == "timeline" and timeline is not None:
@@ -365,12 +422,17 @@ def main() -> None:
                     help="where the server runs the engine: on a worker thread of its own process, or in a process "
                     "of its own (decode_server/engine_process.py: python -m decode_server --engine-process); each is "
                     "measured, in this order, against the same baseline")
+    ap.add_argument("--engine", choices=("scripted", "reference"), default="scripted",
+                    help="the engine under test: the scripted one (tests/fakes/fake_engine.py), or the reference "
+                    "engine decoding the tiny model on this CPU (--mtp drafts, after a prompt of --context tokens of "
+                    "zero KV; the step options do not apply)")
+    ap.add_argument("--context", type=int, default=1024, help="the reference engine's prompt, in tokens")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--load-gen", nargs=3, metavar=("URL", "C", "TOKENS"), help=argparse.SUPPRESS)
+    ap.add_argument("--load-gen", nargs=4, metavar=("URL", "C", "TOKENS", "PROMPT_TOKENS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.load_gen:
-        url, c, tokens = args.load_gen
-        asyncio.run(load_until_stdin_closes(url, int(c), int(tokens)))
+        url, c, tokens, prompt = args.load_gen
+        asyncio.run(load_until_stdin_closes(url, int(c), int(tokens), int(prompt)))
         return
     filler = 200  # one byte-level token: one character per token
     if not 0 <= args.gil_us <= args.step_ms * 1000:
@@ -384,13 +446,18 @@ def main() -> None:
     if args.serve:
         serve(args, cfg)
         return
-    base, base_step = baseline(cfg, args.tokens)
+    alone = engine_build(args, cfg)()
+    base, base_step = baseline(alone, args.tokens, prompt_tokens(args))
+    alone.shutdown()
+    what = (f"GPU step {args.step_ms} ms, {args.steps_per_call} per call, {args.mtp} MTP drafts"
+            + (f" accepted at {args.accept:g}" if args.accept is not None else "") if args.engine == "scripted"
+            else f"the reference engine, tiny model, {args.context}-token prompt, {args.mtp} MTP drafts")
     print(f"engine alone: {base:8.1f} tok/s ({1000 / base:.2f} ms/token, {base_step * 1000:.2f} ms/call; "
-          f"GPU step {args.step_ms} ms, {args.steps_per_call} per call, {args.mtp} MTP drafts"
-          + (f" accepted at {args.accept:g}" if args.accept is not None else "") + "; 1 sequence)")
+          f"{what}; 1 sequence)")
     runs = [(c, where) for c in args.concurrency for where in args.engine_in]
     for c, where in runs:  # a server per run: its slots are the measured streams (+ the slow reader)
-        argv = ["--step-ms", str(args.step_ms), "--tokens", str(args.tokens), "--gil-us", str(args.gil_us),
+        argv = ["--engine", args.engine, "--context", str(args.context),
+                "--step-ms", str(args.step_ms), "--tokens", str(args.tokens), "--gil-us", str(args.gil_us),
                 "--gpu-wait", args.gpu_wait, "--steps-per-call", str(args.steps_per_call), "--mtp", str(args.mtp),
                 *(["--accept", str(args.accept)] if args.accept is not None else []),
                 "--engine-in", where,
@@ -409,7 +476,9 @@ def main() -> None:
                 return json.loads(child.stdout.readline())
 
             hooks = (lambda: ask(), lambda m=measured: m.update(ask())) if args.timeline else (None, None)
-            rate, pace, user, ttft = asyncio.run(through_server(url, args.tokens, c, *hooks, load=args.load))
+            rate, pace, user, ttft = asyncio.run(through_server(url, args.tokens, c, *hooks, load=args.load,
+                                                                prompt_tokens=prompt_tokens(args),
+                                                                slow_tokens=slow_tokens(args)))
             print(f"server C={c:<3} engine in {where:<7} {rate:8.1f} tok/s total, {rate / c:8.1f} tok/s/user, "
                   f"ratio per user vs engine alone {rate / c / base:.3f}, pace ratio {pace / base:.3f} "
                   f"(each stream's own {user / base:.3f}); time to first chunk p50 {ttft * 1000:.2f} ms"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -9,6 +10,7 @@ from collections.abc import Callable, Sequence
 from connector.layout import KVLayout
 from decode_server.engine.base import Engine
 from decode_server.engine_build import EngineBuild
+from decode_server.engine_process import ProcessEngine
 from decode_server.server import AppConfig, create_app
 from decode_server.settings import DecodeServerSettings, SettingsError, load_settings
 from pd_grammar.spec import SchemaLimits
@@ -19,18 +21,16 @@ from pd_net.tcp import DeadPeer, dead_peer_protocol
 
 
 def engine_factory(settings: DecodeServerSettings) -> Callable[[], Engine]:
+    """The engine the settings name: built here (on the server's thread), or by a
+    :class:`ProcessEngine` in a process of its own (``--engine-process``, the reference
+    engine's default)."""
     build = EngineBuild(engine=settings.engine, model=settings.model, slots=settings.effective_slots,
                         max_seq_len=settings.max_seq_len, num_mtp=settings.num_mtp, kv_dtype=settings.kv_dtype,
                         attention_kernel=settings.attention_kernel)
-    if not settings.engine_process:
+    if not settings.engine_in_process:
         return build
-
-    def in_own_process() -> Engine:
-        from decode_server.engine_process import ProcessEngine
-
-        return ProcessEngine(build, (settings.model, settings.json_whitespace), settings.log_level,
+    return functools.partial(ProcessEngine, build, (settings.model, settings.json_whitespace), settings.log_level,
                              settings.log_format)
-    return in_own_process
 
 
 def receiver_factory(settings: DecodeServerSettings):

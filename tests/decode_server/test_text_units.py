@@ -188,8 +188,26 @@ def test_the_attention_kernel_flag_reaches_the_engine(model_dir, monkeypatch, fl
 
     seen = {}
     monkeypatch.setattr(reference, "ReferenceEngine", lambda *a, **kw: seen.update(kw))
-    engine_factory(load_settings(["--engine", "reference", "--model", str(model_dir), *flag], env={}))()
+    engine_factory(load_settings(["--engine", "reference", "--model", str(model_dir), "--no-engine-process", *flag],
+                                 env={}))()
     assert seen["attention_kernel"] is asked
+
+
+@pytest.mark.parametrize(("flag", "in_process"), [((), True), (("--no-engine-process",), False)])
+def test_the_reference_engine_runs_in_a_process_of_its_own_by_default(model_dir, flag, in_process):
+    """The same engine build either way (the child builds it), the placement from the flag."""
+    import functools
+
+    from decode_server.__main__ import engine_factory
+    from decode_server.engine_build import EngineBuild
+    from decode_server.engine_process import ProcessEngine
+
+    factory = engine_factory(load_settings(["--engine", "reference", "--model", str(model_dir), "--no-attention-kernel",
+                                            *flag], env={}))
+    if in_process:
+        assert isinstance(factory, functools.partial) and factory.func is ProcessEngine
+        factory = factory.args[0]
+    assert factory == EngineBuild("reference", model_dir, slots=1, max_seq_len=4096, num_mtp=1, attention_kernel=False)
 
 
 def test_settings_cli_env_and_errors(model_dir, tmp_path):
