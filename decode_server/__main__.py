@@ -22,12 +22,11 @@ from pd_net.tcp import DeadPeer, dead_peer_protocol
 
 def engine_factory(settings: DecodeServerSettings) -> Callable[[], Engine]:
     """The engine the settings name: built here (on the server's thread), or by a
-    :class:`ProcessEngine` in a process of its own (``--engine-process``, the reference
-    engine's default)."""
+    :class:`ProcessEngine` in a process of its own (``--engine-process``)."""
     build = EngineBuild(engine=settings.engine, model=settings.model, slots=settings.effective_slots,
                         max_seq_len=settings.max_seq_len, num_mtp=settings.num_mtp, kv_dtype=settings.kv_dtype,
                         attention_kernel=settings.attention_kernel)
-    if not settings.engine_in_process:
+    if not settings.engine_process:
         return build
     return functools.partial(ProcessEngine, build, (settings.model, settings.json_whitespace), settings.log_level,
                              settings.log_format)

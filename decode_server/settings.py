@@ -92,12 +92,10 @@ class DecodeServerSettings(EntrySettings):
         True, description="reference engine: attention over the cache as a compiled loop (numba; "
         "decode_server/reference/latent_kernel.py) where it applies (numba installed, a float32 model on the CPU): "
         "1.1-1.5x faster decode; --no-attention-kernel: PyTorch's products")
-    engine_process: bool | None = Field(
-        None, description="run the engine in a process of its own, which steps each sequence back to back while "
-        "this one serves HTTP (the two never wait for one interpreter lock; vLLM's EngineCore process), or "
-        "--no-engine-process on the slot's worker thread in this process; default: its own process for the "
-        "reference engine (a step of CPU work under the GIL: 1.00 of its pace alone against 0.76 on the thread), "
-        "the thread for tilert (a step waiting for the GPU: as fast on the thread, docs/benchmarks.md)")
+    engine_process: bool = Field(
+        False, description="run the engine in a process of its own, which steps each sequence back to back while "
+        "this one serves HTTP (the two never wait for one interpreter lock; vLLM's EngineCore process); default: "
+        "on the slot's worker thread in this process (docs/decode_server.md, \"Where the engine runs\")")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
     log_format: LogFormat = Field(
         "text", description="text, or json: one JSON object per line, request lines with request_id and trace_id")
@@ -186,11 +184,6 @@ class DecodeServerSettings(EntrySettings):
     @property
     def effective_slots(self) -> int:
         return 1 if self.engine == "tilert" else self.slots
-
-    @property
-    def engine_in_process(self) -> bool:
-        """Whether the engine runs in a process of its own (``--engine-process``, or its default)."""
-        return self.engine == "reference" if self.engine_process is None else self.engine_process
 
     @property
     def model_name(self) -> str:

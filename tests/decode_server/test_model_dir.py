@@ -90,7 +90,7 @@ def test_tilert_settings_refuse_an_incomplete_model_dir(tmp_path: Path) -> None:
     src = write_fake_glm51_checkpoint(tmp_path / "ckpt")
     settings = load_settings(["--engine", "tilert", "--model", str(src), "--num-mtp", "3"], env={})
     assert settings.model == src
-    assert not settings.engine_in_process  # tilert's engine on the slot's worker thread by default
+    assert not settings.engine_process  # the engine on the slot's worker thread by default
     shutil.copytree(src, tmp_path / "partial")
     (tmp_path / "partial" / "chat_template.jinja").unlink()
     (tmp_path / "partial" / "generation_config.json").unlink()

@@ -1,8 +1,8 @@
 """The real decode server process (``python -m decode_server`` exactly as the stack starts
 it) with the reference engine on the tiny model, fed by a real KVSender over NIXL with
 KV from the reference prefill; the output must equal the reference engine run in-process
-on the same KV. Each test runs against the server with its engine on a thread
-(``--no-engine-process``), then in a process of its own (the reference engine's default)."""
+on the same KV. Each test runs against the server with its engine on a thread (the
+default), then in a process of its own (``--engine-process``)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module", params=["thread", "process"])
 def stack(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """The server with its engine on a worker thread, then in a process of its own (the default)."""
+    """The server with its engine on a worker thread (the default), then in a process of its own."""
     port, kv_port = free_port(), free_port()
     spec = DecodeSpec(model=tiny_model_dir, port=port, kv_port=kv_port, slots=2, max_seq_len=256, num_mtp=1,
                       extra_args=("--kv-timeout", "3", "--engine-process" if request.param == "process"

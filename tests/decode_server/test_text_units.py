@@ -193,8 +193,8 @@ def test_the_attention_kernel_flag_reaches_the_engine(model_dir, monkeypatch, fl
     assert seen["attention_kernel"] is asked
 
 
-@pytest.mark.parametrize(("flag", "in_process"), [((), True), (("--no-engine-process",), False)])
-def test_the_reference_engine_runs_in_a_process_of_its_own_by_default(model_dir, flag, in_process):
+@pytest.mark.parametrize(("flag", "in_process"), [((), False), (("--engine-process",), True)])
+def test_the_engine_runs_in_a_process_of_its_own_with_the_flag(model_dir, flag, in_process):
     """The same engine build either way (the child builds it), the placement from the flag."""
     import functools
 
