@@ -184,6 +184,40 @@ def _dump_kv(kv: ReceivedKV) -> bytes:
     return buf.getvalue()
 
 
+class _Sender:
+    """One end's sending half: ``send`` queues a message for the writer thread (the caller
+    never blocks on the socket: a session's next step runs while its tokens are pickled and
+    sent), ``send_now`` sends from the calling thread (one thread hop less), in order with
+    what the writer sent before it."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._writer = threading.Thread(target=self._write, name="engine-process-writer", daemon=True)
+        self._writer.start()
+
+    def send(self, message: Any) -> None:
+        self._outbox.put(message)
+
+    def send_now(self, message: Any) -> None:
+        """Raises OSError when the other end is gone."""
+        with self._lock:
+            self._conn.send(message)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the writer once it sent what was queued before."""
+        self._outbox.put(None)
+        self._writer.join(timeout)
+
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.send_now(message)
+            except OSError:  # the other end is gone: its reader says so
+                return
+
+
 # ---- the server's side ------------------------------------------------------------------------------
 class ProcessSession(DecodeSession):
     def __init__(self, engine: ProcessEngine, sid: int, inbox: queue.SimpleQueue) -> None:
@@ -245,8 +279,6 @@ class ProcessEngine(Engine):
         self._sessions: dict[int, queue.SimpleQueue] = {}
         self._next_sid = 0
         self._lost: str | None = None
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._send_lock = threading.Lock()
         try:
             self._conn.send(Boot(build, log_level, log_format, grammar))
             if not self._conn.poll(LOAD_TIMEOUT_S):
@@ -262,10 +294,9 @@ class ProcessEngine(Engine):
             self._stop_child()
             raise EngineError(f"the engine process could not load its engine: {ready.error}")
         self._ready: Ready = ready
+        self._sender = _Sender(self._conn)
         self._reader = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
-        self._writer = threading.Thread(target=self._write, name="engine-process-writer", daemon=True)
         self._reader.start()
-        self._writer.start()
         log.info("engine %s runs in its own process (pid %d)", ready.capabilities.engine, self._proc.pid)
 
     @property
@@ -285,12 +316,7 @@ class ProcessEngine(Engine):
 
     def send(self, message: Any) -> None:
         """Queue ``message`` for the child (any thread; never blocks)."""
-        self._outbox.put(message)
-
-    def _send_now(self, message: Any) -> None:
-        """Send ``message`` from this thread (a session's start: one thread hop less)."""
-        with self._send_lock:
-            self._conn.send(message)
+        self._sender.send(message)
 
     def forget(self, sid: int) -> None:
         with self._lock:
@@ -306,7 +332,7 @@ class ProcessEngine(Engine):
             self._sessions[sid] = inbox
         session = ProcessSession(self, sid, inbox)
         try:
-            self._send_now(Start(sid, handoff, params, _dump_kv(kv)))
+            self._sender.send_now(Start(sid, handoff, params, _dump_kv(kv)))
             first = inbox.get()  # the child's engine.start copied the KV (or failed)
         except OSError as exc:  # the child is gone
             session.close()
@@ -321,17 +347,6 @@ class ProcessEngine(Engine):
         if isinstance(first, Failed):
             raise Cancelled(first.error) if first.cancelled else EngineError(first.error)
         raise EngineError(self._lost or "the engine process is gone")
-
-    def _write(self) -> None:
-        while True:
-            message = self._outbox.get()
-            if message is None:
-                return
-            try:
-                with self._send_lock:
-                    self._conn.send(message)
-            except OSError:  # the child is gone: the reader says so
-                return
 
     def _read(self) -> None:
         while True:
@@ -356,8 +371,8 @@ class ProcessEngine(Engine):
         with self._lock:
             if self._lost is None:
                 self._lost = "the engine process was shut down"
-        self._outbox.put(Shutdown())
-        self._outbox.put(None)
+        self._sender.send(Shutdown())
+        self._sender.close(EXIT_WAIT_S)
         self._stop_child(close_first=False)
         self._reader.join(EXIT_WAIT_S)  # it saw the child's end
         self._conn.close()
@@ -410,7 +425,7 @@ class _Running:
             self.done.set()
 
     def _run(self) -> None:
-        start, send = self._start, self.host.send
+        start, send = self._start, self.host.sender.send
         session: DecodeSession | None = None
         try:
             kv: ReceivedKV = pickle.loads(start.kv)
@@ -422,7 +437,10 @@ class _Running:
                 stopped = self._stop
             if stopped:
                 session.cancel()
-            self.host.send_now(Started(self.sid, session.first_token))
+            try:
+                self.host.sender.send_now(Started(self.sid, session.first_token))
+            except OSError:  # the server is gone: the command loop ends on its own
+                return
             produced, stepped = 1, 0
             while produced < params.max_tokens:
                 with self._cond:
@@ -456,10 +474,7 @@ class _Host:
     def __init__(self, engine: Engine, conn: Connection, grammar: tuple[Path, JsonWhitespace] | None) -> None:
         self.engine = engine
         self._conn = conn
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._send_lock = threading.Lock()
-        self._writer = threading.Thread(target=self._write, name="engine-process-writer", daemon=True)
-        self._writer.start()
+        self.sender = _Sender(conn)  # its writer pickles and sends a step's tokens while the next step runs
         self._grammar = grammar
         self._compiler: Any = None
         self._running: dict[int, _Running] = {}
@@ -472,27 +487,6 @@ class _Host:
     def _work(self) -> None:
         while (running := self._starts.get()) is not None:
             running.run()
-
-    def send(self, message: Any) -> None:
-        """Queue ``message`` for the server: the writer thread pickles and sends it while the
-        session's next step runs."""
-        self._outbox.put(message)
-
-    def send_now(self, message: Any) -> None:
-        """Send ``message`` from this thread (a session's start: one thread hop less)."""
-        try:
-            with self._send_lock:
-                self._conn.send(message)
-        except OSError:  # the server is gone: the command loop ends on its own
-            pass
-
-    def _write(self) -> None:
-        while (message := self._outbox.get()) is not None:
-            try:
-                with self._send_lock:
-                    self._conn.send(message)
-            except OSError:  # the server is gone: the command loop ends on its own
-                return
 
     def with_matcher(self, params: SamplingParams) -> SamplingParams:
         request = params.grammar
@@ -537,8 +531,7 @@ class _Host:
             running.done.wait(EXIT_WAIT_S)
         for _ in self._threads:
             self._starts.put(None)
-        self._outbox.put(None)
-        self._writer.join(EXIT_WAIT_S)
+        self.sender.close(EXIT_WAIT_S)
         self.engine.shutdown()
 
 
