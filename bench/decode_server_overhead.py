@@ -16,6 +16,8 @@ the rest is waited for sleeping or, ``--gpu-wait spin``, spinning without the GI
 Three ratios per run against the engine alone: tokens/s per user (C streams' tokens over
 the time to the last one's end, TTFT included, over C), each stream's own tokens/s, and the
 *pace*, tokens/s from each stream's first chunk to its last (the TPOT the user sees).
+The measured client is aiohttp (as vLLM's benchmark and AIPerf), its C connections open
+before the streams start (as a router's pool holds them).
 ``--load`` runs the measured streams beside a realistic load (:func:`realistic_load`).
 ``--engine-in``: the server's engine on the slot's worker thread, or in a process of its
 own (``--engine-process``), each against the same baseline. ``--engine reference``: the
@@ -47,6 +49,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,20 +111,21 @@ async def through_server(url: str, tokens: int, concurrency: int, on_warm: Calla
     paces: list[float] = []
     users: list[float] = []  # per stream: its tokens over its own time, its TTFT included
 
-    async def one(client: httpx.AsyncClient, i: int) -> int:
+    async def one(client: aiohttp.ClientSession, i: int) -> int:
         body = {"prompt": "x", "max_tokens": tokens, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True},
                 "kv_transfer_params": {"handoff_id": f"b{i}-{time.monotonic_ns()}", "kv_endpoint": "x:1",
                                        "num_prompt_tokens": prompt_tokens, "first_token_id": 5,
                                        "last_prompt_token_id": 1, "status": "sent"}}
         n = 0
+        data = json.dumps(body).encode()
         t0 = time.perf_counter()
         first = last = 0.0
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
+        async with client.post(url + "/v1/completions", data=data, headers=JSON) as r:
+            if r.status != 200:
+                raise RuntimeError(f"the server answered {r.status}: {(await r.read())[:300]!r}")
+            async for line in r.content:  # the SSE lines
+                if line.startswith(b"data: {"):
                     event = json.loads(line[6:])
                     if event["choices"]:
                         last = time.perf_counter()
@@ -136,16 +140,23 @@ async def through_server(url: str, tokens: int, concurrency: int, on_warm: Calla
         users.append(n / (last - t0))
         return n
 
-    async def settled(client: httpx.AsyncClient, busy: int) -> None:
+    async def capabilities(client: aiohttp.ClientSession) -> dict:
+        async with client.get(url + CAPABILITIES_PATH) as r:
+            return await r.json()
+
+    async def settled(client: aiohttp.ClientSession, busy: int) -> None:
         """Until the server holds ``busy`` slots (an answer's slot is given back just after its
         last byte: a request sent at once could find it still taken)."""
         for _ in range(2000):  # the server's state polled (at most 10 s)
-            if (await client.get(url + CAPABILITIES_PATH)).json()["busy_slots"] <= busy:
+            if (await capabilities(client))["busy_slots"] <= busy:
                 return
             await asyncio.sleep(0.005)
         raise RuntimeError(f"the server never came down to {busy} busy slots")
 
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as client:
+    # the measured client: aiohttp (vLLM's benchmark and AIPerf's), its ``concurrency``
+    # connections opened before the streams, as a router's pool holds its connections open
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as client:
         await one(client, -1)  # warm-up (first request imports torch in the fake receiver)
         if on_warm is not None:
             on_warm()
@@ -159,6 +170,7 @@ async def through_server(url: str, tokens: int, concurrency: int, on_warm: Calla
         if loader is not None and loader.stdout is not None:  # started, its slow reader reading: the steady load
             await asyncio.wait_for(loader.stdout.readline(), 60)
         await settled(client, 1 if load else 0)
+        await asyncio.gather(*(capabilities(client) for _ in range(concurrency)))  # the connections, open
         users.clear()
         t0 = time.perf_counter()
         await asyncio.gather(*(one(client, i) for i in range(concurrency)))
@@ -176,6 +188,7 @@ async def through_server(url: str, tokens: int, concurrency: int, on_warm: Calla
     return concurrency * tokens / dt, pace, user, statistics.median(ttfts)
 
 
+JSON = {"content-type": "application/json"}
 ROUTERS = 4  # --load: routers sharing the server, each with a standing decode request and probes
 PROBE_S = 2.0  # a router's probe interval
 SCRAPE_S = 5.0  # Prometheus's scrape interval
