@@ -25,7 +25,7 @@ from tests.procs import free_port
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 GOOD = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 8,
-        "temperature": 0}
+        "temperature": 0, "ignore_eos": True}
 # refused by the router before prefill with the decode server's 400 (json_schema, top_logprobs: the
 # decode server's own checks, pd_wire/requests.py), or by the decode server after vLLM
 # prefilled and pushed the KV (too_long: the prompt's length is known only after prefill)
