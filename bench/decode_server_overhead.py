@@ -55,25 +55,13 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from connector.layout import KVLayout
-from connector.receiver import ReceivedKV
 from decode_server.engine.base import Engine, SamplingParams
 from decode_server.engine_build import EngineBuild
 from pd_wire.decode import CAPABILITIES_PATH
 from pd_wire.handoff import HandoffClaim, HandoffResult, SlotWait
 from tests.decode_server.conftest import build_model_dir, start_server
 from tests.fakes.fake_engine import FakeEngine, FakeEngineConfig
-
-
-def zero_kv(layout: KVLayout, tokens: int) -> ReceivedKV:
-    """A prompt's KV of zeros, as the server's receiver in this bench hands it over
-    (tests/fakes/fake_receiver.py): the engine's work per token is the same as over real KV."""
-    import torch
-
-    layers = [{p.name: torch.zeros(-(-tokens // p.page_tokens) if p.page_tokens else tokens, p.width,
-                                   dtype=getattr(torch, p.dtype)) for p in layout.planes}
-              for _ in range(layout.num_layers)]
-    return ReceivedKV("b", tokens, layers)
+from tests.fakes.fake_receiver import zero_kv
 
 
 def baseline(engine: Engine, tokens: int, prompt_tokens: int) -> tuple[float, float]:
@@ -81,7 +69,7 @@ def baseline(engine: Engine, tokens: int, prompt_tokens: int) -> tuple[float, fl
     ``prompt_tokens``: tokens/s and seconds per call."""
     h = HandoffResult(handoff_id="b", kv_endpoint="x:1", num_prompt_tokens=prompt_tokens, first_token_id=5,
                       last_prompt_token_id=1, status="sent")
-    kv = zero_kv(engine.kv_layout, prompt_tokens)
+    kv = zero_kv(engine.kv_layout, prompt_tokens, "b")  # as the server's (fake) receiver hands it over
     warm = engine.start(kv, h, SamplingParams(max_tokens=8))
     warm.step()  # the spinning wait, the reference engine's attention loop: compiled on their first use
     warm.close()

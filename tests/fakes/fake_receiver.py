@@ -13,9 +13,21 @@ import threading
 import time
 
 from connector.kv_errors import HandoffTimeout, TransferFailed
-from connector.layout import KVLayout
+from connector.layout import KVLayout, plane_rows, torch_dtype
 from connector.receiver import ReceivedKV, ReceiverStats
 from pd_wire.handoff import HandoffResult, PeerStatus
+
+
+def zero_kv(layout: KVLayout, num_tokens: int, handoff_id: str) -> ReceivedKV:
+    """A prompt's KV of zeros in ``layout`` (a plane per layer, its rows as the receiver's
+    views); without torch (the server tests also run on a torch-less Python 3.12), no planes."""
+    try:
+        import torch
+    except ImportError:
+        return ReceivedKV(handoff_id=handoff_id, num_tokens=num_tokens, layers=[{} for _ in range(layout.num_layers)])
+    layers = [{p.name: torch.zeros(plane_rows(p, num_tokens), p.width, dtype=torch_dtype(p.dtype))
+               for p in layout.planes} for _ in range(layout.num_layers)]
+    return ReceivedKV(handoff_id=handoff_id, num_tokens=num_tokens, layers=layers)
 
 
 class FakeReceiver:
@@ -101,18 +113,7 @@ class FakeReceiver:
 
     # receiver API ---------------------------------------------------------------
     def _kv(self, handoff_id: str) -> ReceivedKV:
-        try:
-            import torch
-        except ImportError:  # the server tests also run on a torch-less Python 3.12 (no planes then)
-            return ReceivedKV(handoff_id=handoff_id, num_tokens=self.num_tokens,
-                              layers=[{} for _ in range(self.layout.num_layers)])
-
-        def rows(plane) -> int:
-            return -(-self.num_tokens // plane.page_tokens) if plane.page_tokens else self.num_tokens
-
-        layers = [{p.name: torch.zeros(rows(p), p.width, dtype=getattr(torch, p.dtype))
-                   for p in self.layout.planes} for _ in range(self.layout.num_layers)]
-        return ReceivedKV(handoff_id=handoff_id, num_tokens=self.num_tokens, layers=layers)
+        return zero_kv(self.layout, self.num_tokens, handoff_id)
 
     async def wait_for(self, handoff_id: str, timeout: float, with_result: bool = False) -> ReceivedKV:
         with self._lock:
