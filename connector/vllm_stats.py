@@ -19,7 +19,9 @@ server's ``/metrics`` next to ``vllm:*``:
   ``decode_server_kv_wait_seconds``);
 * ``vllm:tilert_kv_transport_bytes_total{transport}``: KV bytes of the handoffs that landed,
   by what carried their WRITEs (the UCX transport UCX chose, e.g. ``rc_mlx5/mlx5_0:1``,
-  ``tcp/eth0``, ``cma/memory``; ``unknown`` when UCX did not say: ``connector.transport.ucx_proto``);
+  ``tcp/eth0``, ``cma/memory``; ``unknown`` when UCX did not say: ``connector.transport.ucx_proto``),
+  counted at the first step vLLM runs after they landed (a handoff's WRITEs usually land after
+  the step that computed its prompt: an idle server counts them at its next request);
 * ``vllm:tilert_kv_write_seconds{transport}``: histogram, per handoff and rank, from its first
   WRITE posted to its last landed; a handoff's bandwidth is its bytes over this, the mean
   ``rate(..._transport_bytes_total) / rate(..._write_seconds_sum)`` (on the early path the

@@ -159,6 +159,9 @@ class ConnectorWorker:
         self._my_layers: frozenset[int] = frozenset()
         self._sends: dict[str, _Send] = {}
         self._active: list[_Send] = []
+        # handoffs reported "pending" (their WRITEs in flight after their last step): their
+        # WRITEs are counted in the stats of the step that finds them landed
+        self._landing: list[Handoff] = []
         self._keeper: HandshakeKeeper | None = None
         self._layout: KVLayout | None = None
         self._stats = empty_stats()
@@ -294,6 +297,7 @@ class ConnectorWorker:
             if not send.last_bound:
                 self._abort(send, "the request finished before its prompt was computed")
         self._progress_deferred()
+        self._count_landed()
         done = {req_id for req_id, send in self._sends.items()
                 if send.finished and (send.error is not None or send.gathered)}
         for req_id in done:
@@ -307,6 +311,7 @@ class ConnectorWorker:
         for send in list(self._sends.values()):
             self._abort(send, "the prefill connector is shutting down")
         self._sends.clear()
+        self._landing.clear()
         if self._sender is not None:
             try:
                 self._sender.close()
@@ -350,6 +355,18 @@ class ConnectorWorker:
             self._fail(send, f"{type(exc).__name__}: {exc}", "unreachable")
         except Exception as exc:  # noqa: BLE001 - a broken handoff must not stop vLLM
             self._fail(send, f"{type(exc).__name__}: {exc}", "internal")
+
+    def _count_landed(self) -> None:
+        """The WRITEs of handoffs reported pending that have landed since: counted now (vLLM
+        takes the stats at the end of this step); failed or landed, they are not watched again."""
+        still: list[Handoff] = []
+        for handoff in self._landing:
+            status = handoff.status()
+            if status == "pending":
+                still.append(handoff)
+            elif status == "sent" and handoff.write_seconds is not None:
+                self._stats[WRITES].append([handoff.carrier, handoff.nbytes, handoff.write_seconds])
+        self._landing = still
 
     def _gather_late(self, send: _Send) -> None:
         if send.error is not None or send.handoff is None or send.gathered:
@@ -433,6 +450,8 @@ class ConnectorWorker:
         handoff = send.handoff
         if status == "sent" and handoff is not None and handoff.write_seconds is not None:
             self._stats[WRITES].append([handoff.carrier, handoff.nbytes, handoff.write_seconds])
+        elif status == "pending" and handoff is not None and not send.reported:
+            self._landing.append(handoff)
         send.reported = status
         self._reports.send(
             SendReport(

@@ -21,7 +21,7 @@ from pd_router.errors import BadUpstream, RouterError, UpstreamRejected
 from pd_router.rawhttp import ReadTimeout, Response, UpstreamError
 from pd_router.slots import Answer, Requeue, Slot
 from pd_router.trail import Trail, server_error
-from pd_router.upstream import Unavailable, Unreachable
+from pd_router.upstream import Hung, Unavailable, Unreachable
 from pd_wire.decode import FREE_SLOTS_FIELD, REQUEST_ID_HEADER, RESULT_PATH, DecodeRefusal
 from pd_wire.requests import OpenAIRequest
 
@@ -85,12 +85,17 @@ async def open_slot(state: RouterState, ctx: RequestContext, backend: DecodeBack
 async def post_result(state: RouterState, ctx: RequestContext, slot: Slot, params: dict[str, Any]) -> None:
     """The handoff's result, read from vLLM's answer, to the decode request waiting for it
     (``HandoffClaim.result == "posted"``). Not there (404: the request or its KV ended) is for the
-    open answer to say; no answer at all is the decode leg's failure."""
+    open answer to say; no answer at all is the decode leg's failure, and silence past
+    :data:`CALL_TIMEOUT_S` (a live server answers at once) a lost server's (:class:`Hung`): the
+    request runs again on another decode server."""
     target = slot.backend.target
     try:
         await upstream.call(state.upstream, target, RESULT_PATH, json.dumps(params).encode(), CALL_TIMEOUT_S,
                             {REQUEST_ID_HEADER: ctx.request_id})
-    except (UpstreamError, TimeoutError) as exc:
+    except (ReadTimeout, TimeoutError):
+        raise Hung(f"decode server {target.origin} did not answer within {CALL_TIMEOUT_S:g}s (posting the result): "
+                   "stopped or cut off") from None
+    except UpstreamError as exc:
         raise upstream.map_error("decode", target, exc, f"{CALL_TIMEOUT_S:g}s (posting the result)") from None
 
 

@@ -29,6 +29,11 @@ class ConnectionLost(BadUpstream):
     """The connection broke after the request was sent (the upstream process died or reset it)."""
 
 
+class Hung(BadUpstream):
+    """The upstream took a call a live server answers at once and answered nothing in time (a
+    stopped process, a cut link): the server is lost, not slow."""
+
+
 class Unavailable(BadUpstream):
     """The upstream answered 503: not ready, or draining."""
 

@@ -25,3 +25,14 @@ def choices_of(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
             got["lp"] += lp.get("tokens") or [t["token"] for t in lp.get("content") or ()]
             got["finish"] = c.get("finish_reason") or got["finish"]
     return out
+
+
+def each_choice_streams(events: list[dict[str, Any]], n: int, at_least: int = 3) -> bool:
+    """Every one of the ``n`` choices has had ``at_least`` events: each is mid-answer on its
+    decode server (with n > 1, a choice may still wait for its KV while another streams)."""
+    seen = [0] * n
+    for e in list(events):  # (appended to by the client's thread)
+        for c in e.get("choices") or ():
+            if 0 <= c["index"] < n:
+                seen[c["index"]] += 1
+    return min(seen) >= at_least

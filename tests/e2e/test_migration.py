@@ -26,7 +26,7 @@ from pd_wire.decode import CAPABILITIES_PATH
 from tests.e2e.conftest import make_stack_config, running_stack, vllm_kv_usage
 from tests.e2e.test_tools import CALL_WEATHER, WEATHER
 from tests.held_slot import held_slot
-from tests.stream_choices import choices_of
+from tests.stream_choices import choices_of, each_choice_streams
 from tests.waits import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(600)]
@@ -94,7 +94,8 @@ def _cut(stack: Stack, path: str, body: dict[str, Any], sig: signal.Signals, rid
     cfg = stack.config
     with ThreadPoolExecutor(1) as pool:
         ended = pool.submit(_stream, cfg.router_url, path, body, events, rid)
-        wait_until(lambda: len(events) >= after_events or ended.done(), 60, "the first events")
+        wait_until(lambda: len(events) >= after_events and each_choice_streams(events, body.get("n", 1))
+                   or ended.done(), 60, "the first events of each choice")
         assert not ended.done(), f"the answer ended before the cut: {events[-3:]}"
         busy = _busy(stack)  # (n = 2: a choice on each; the first one's is cut)
         assert busy, "no decode server busy"
@@ -129,6 +130,14 @@ def _first_met_at(text: str, share: float) -> str:
     raise AssertionError(f"no piece of the text first met at {at}: {text!r}")
 
 
+def _token_id(model_dir: Path, token: str) -> int:
+    from tokenizers import Tokenizer
+
+    got = Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(token)
+    assert got is not None, token
+    return got
+
+
 COMPLETION = {"prompt": PROMPT, "max_tokens": 600, "ignore_eos": True, "temperature": 0}
 
 
@@ -161,7 +170,7 @@ CASES = {
     "chat, reasoning, logprobs": ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}),
     "chat, structured output and a tool call": ("/v1/chat/completions", {
         **CHAT, "tools": [WEATHER], "ignore_eos": False,
-        "structured_outputs": {"regex": "[a-z ]{400,500}" + CALL_WEATHER}}),
+        "structured_outputs": {"regex": "([a-z]{1,8} ){50,60}" + CALL_WEATHER}}),
     "chat, n = 2": ("/v1/chat/completions", {**CHAT, "n": 2}),
 }
 
@@ -174,6 +183,8 @@ def test_a_decode_server_stopped_mid_stream(stack, case):
     cfg = stack.config
     path, extra = CASES[case]
     body = {"model": cfg.model_name, **extra}
+    if "reasoning" in case:  # the answer reasons throughout, whatever this host's model would choose
+        body["logit_bias"] = {str(_token_id(cfg.model_dir, "</think>")): -100}
     whole: list[dict[str, Any]] = []
     _stream(cfg.router_url, path, body, whole, f"stop-baseline-{len(case)}")
     expected = choices_of(whole)

@@ -60,6 +60,9 @@ class DecodeKnobs(BaseModel):
     max_tokens: int | None = None  # larger max tokens are a 400 before any slot, as the real server's context
     release_lag: float = 0.0  # seconds between the end of a sequence and its slot being free again
     busy: bool = False  # answer 429 to every request (slots taken outside the router's count)
+    # a posted result is read and never answered (as a decode node whose link went down after
+    # its slot was granted); the claim waiting for it runs into its KV timeout
+    result_silent: bool = False
     engine: str = "reference"
     # what /v1/pd/capabilities advertises (by default what the reference engine does)
     features: EngineFeatures = EngineFeatures(logprobs=True, penalties=True, logit_bias=True, min_p=True, seed=True,
@@ -141,6 +144,10 @@ class FakeDecode(FakeBase[DecodeKnobs]):
             raw = await read_body(scope, receive, 1 << 24)
             result = HandoffResult.model_validate_json(raw)
             self.records.posted.append(json.loads(raw))
+            if k.result_silent:
+                while (await receive())["type"] != "http.disconnect":  # until the router gives up on the call
+                    pass
+                return
             if result.handoff_id not in self._by_handoff:
                 return await respond(send, 404, error_body(f"no request waits for {result.handoff_id}", 404))
             self._result_event(result.handoff_id).set()

@@ -9,6 +9,8 @@ its plan is posted (the fake WRITE lands at once). Behaviour knobs:
   ``open`` answers None (not handshaken: try later);
 * ``no_staging``: ``open`` answers None (no staging buffer free) this many times;
 * ``fail_transfer``: handoff ids whose WRITEs fail (receiver gone);
+* ``in_flight``: handoff ids whose WRITEs land only when the test calls ``land`` (after
+  the step that posted them: a WRITE slower than vLLM's step);
 * ``explode``: Handoff method names ("staging", "abort") that raise RuntimeError.
 """
 
@@ -68,9 +70,15 @@ class FakeHandoff:
         if self.handoff_id in self.sender.fail_transfer:
             self._status, self.error = "failed", "nixlRemoteDisconnectError: receiver gone"
             self.sender.settle(self)
-        elif sorted(self.posted) == sorted(self.layers):
-            self._status, self.carrier, self.write_seconds = "sent", "fake", 0.001
-            self.sender.settle(self)
+        elif sorted(self.posted) == sorted(self.layers) and self.handoff_id not in self.sender.in_flight:
+            self.land()
+
+    def land(self) -> None:
+        """Every layer posted has landed."""
+        if self._status != "pending" or sorted(self.posted) != sorted(self.layers):
+            raise AssertionError(f"handoff {self.handoff_id} ({self._status}): not all of {self.layers} posted")
+        self._status, self.carrier, self.write_seconds = "sent", "fake", 0.001
+        self.sender.settle(self)
 
     def status(self) -> Literal["pending", "sent", "failed"]:
         return self._status
@@ -101,6 +109,7 @@ class FakeKVSender:
         self.unreachable: set[str] = set()
         self.no_staging = 0
         self.fail_transfer: set[str] = set()
+        self.in_flight: set[str] = set()
         self.explode: set[str] = set()
         self.device = "cpu"  # where the worker asked for staging
         self.closed = False

@@ -23,7 +23,7 @@ from tests.e2e.test_tools import CALL_WEATHER, WEATHER
 from tests.multinode.stack import API_KEY, NodeStack, node_stack
 from tests.multinode.streams import StreamRecord, read_stream
 from tests.nodes import Node
-from tests.stream_choices import choices_of
+from tests.stream_choices import choices_of, each_choice_streams
 from tests.waits import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -150,7 +150,7 @@ MID_STREAM = {
     # (vLLM alone, without GLM's tool parser, would answer the call as text: the uninterrupted answer only)
     "chat, structured output and a tool call": ("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 1600, "tools": [WEATHER],
-        "ignore_eos": False, "structured_outputs": {"regex": "[a-z ]{1000,1200}" + CALL_WEATHER}}),
+        "ignore_eos": False, "structured_outputs": {"regex": "([a-z]{1,8} ){120,140}" + CALL_WEATHER}}),
 }
 
 
@@ -185,7 +185,8 @@ def test_a_decode_nodes_link_down_mid_stream(stack3: NodeStack, vllm_alone: str,
     node: Node | None = None
     try:
         try:
-            wait_until(lambda: len(events) >= 6 or ended, 120, "the first tokens")
+            wait_until(lambda: len(events) >= 6 and each_choice_streams(events, body.get("n", 1)) or ended, 120,
+                       "the first tokens of each choice")
         except AssertionError as exc:
             raise AssertionError(f"{exc}; events so far: {events}\n{_logs(stack3)}") from None
         assert len(events) >= 6 and not ended, f"the stream ended after {len(events)} events\n{_logs(stack3)}"

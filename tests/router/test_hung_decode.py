@@ -60,3 +60,24 @@ def test_after_the_first_sign_of_a_hung_decode_server_no_request_waits_on_it(mak
         released.set()
     rig.wait(lambda: rig.ready_status() == 200, 40, "the hung server back after its loop resumed")
     rig.assert_no_leaks()
+
+
+def test_a_decode_server_silent_when_its_result_is_posted_is_failed_over(make_rig):
+    """A decode server that granted the slot, then says nothing when the prefill's result is
+    posted (its link went down meanwhile) is lost, not slow: after the call's timeout the
+    request runs on the other decode server and the client gets its whole answer; the silent
+    one is marked down and nothing is left held."""
+    rig = make_rig(n_decode=2, decode={"slots": 1}, probe_interval=30.0)
+    silent, _ = rig.decodes
+    rig.config(silent, result_silent=True)
+    body = {**COMPLETION, "logprobs": 1}  # the first token's logprobs: the result is posted, not sent with the KV
+    for _ in range(4):  # until one lands on the silent server (the router's choice among two idle ones)
+        resp = httpx.post(rig.url + "/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 4, resp.json()
+        if rig.records(silent)["posted"]:
+            break
+    assert rig.records(silent)["posted"], "no request went to the silent decode server"
+    assert _unanswered_calls(rig, silent.url) == 1
+    assert httpx.get(rig.url + "/ready", timeout=5).json()["decode"][0]["healthy"] is False
+    rig.assert_no_leaks()

@@ -19,7 +19,7 @@ from connector.kv_errors import HandshakeRejected
 from connector.metadata import ReportOutbox, report_address
 from connector.profiles import MTP_FLAG, ProfileMismatch, tiny_profile
 from connector.scheduler import ConnectorScheduler
-from connector.worker import ConnectorWorker
+from connector.worker import ConnectorWorker, empty_stats
 from tests.fakes.fake_admissions import FakeAdmissions
 from tests.fakes.fake_sender import FakeKVSender, make_factory
 from tests.fakes.fake_vllm import FakeRequest, MiniEngine, kv_value
@@ -357,6 +357,29 @@ def test_late_path_gathers_every_layer_in_wait_for_save(rig):
     assert {k: v for k, v in stats.items() if v} == {"handoffs_posted": 1, "layers_late": 3,
                                                      "bytes_posted": 3 * layer_bytes}
     assert r.workers[0].take_stats() is None  # taken: vLLM sums what each step's output carries
+    r.assert_no_leaks()
+
+
+def test_writes_that_land_after_the_step_are_counted_at_a_later_step(rig):
+    """A handoff whose WRITEs are still in flight when its last step ends is reported pending;
+    what carried them, their bytes and time are counted at the first step that finds them landed."""
+    def configure(sender):
+        sender.in_flight.add("h-a")
+
+    r = rig(configure=configure)
+    r.engine.add(request("a", 40, seed=5))
+    r.engine.run_until_idle()
+    assert r.engine.results["a"][1]["status"] == "pending"
+    stats = r.workers[0].take_stats()
+    assert stats is not None and stats["writes"] == [] and stats["handoffs_posted"] == 1
+    r.engine.step()  # nothing landed yet: nothing to count
+    assert r.workers[0].take_stats() is None
+    r.handoff("h-a").land()
+    r.engine.step()  # (vLLM steps for other requests)
+    layer_bytes = tiny_profile(N_MAIN, "float32").layout.bytes_per_layer(40)
+    assert r.workers[0].take_stats() == {**empty_stats(), "writes": [["fake", 3 * layer_bytes, 0.001]]}
+    r.engine.step()
+    assert r.workers[0].take_stats() is None  # counted once
     r.assert_no_leaks()
 
 
