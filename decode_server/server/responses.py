@@ -190,7 +190,9 @@ class ChatRenderer(_Renderer):
         content: str | None = "".join(self._content)
         if self._parser is not None:
             content = self._parser.message_content()
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if self._calls else "")}
+        # no content: null beside tool calls or a reasoning block (as vLLM's GLM parsers answer), else ""
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": content or (None if self._calls or self.plan.reasoning else "")}
         if self._parser is not None and self.plan.reasoning:
             message["reasoning_content"] = "".join(self._reasoning) or None
         if self._calls:

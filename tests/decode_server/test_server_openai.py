@@ -182,6 +182,20 @@ def test_chat_logprobs_shape(make_server, tokenizer):
     srv.wait_idle()
 
 
+@pytest.mark.parametrize("text", ["still thinking about it", "thought it through</think>"])
+@pytest.mark.parametrize("tools", [False, True])
+def test_a_message_with_reasoning_and_no_content_has_null_content(make_server, tokenizer, text, tools):
+    """As vLLM's GLM reasoning parser answers: no text after the reasoning (cut off inside it,
+    or ending right after ``</think>``) is content null, not an empty string."""
+    first, rest = script_for(tokenizer, text)
+    srv = make_server(FakeEngineConfig(script=rest), reasoning=True, tools=tools)
+    out = client(srv.url).chat.completions.create(model="m", messages=[],
+                                                  extra_body={"kv_transfer_params": handoff(first)})
+    msg = out.choices[0].message
+    assert msg.model_extra["reasoning_content"] == text.removesuffix("</think>") and msg.content is None
+    srv.wait_idle()
+
+
 def test_glm_reasoning_and_tool_calls(make_server, tokenizer):
     text = ("let me think</think>Sure.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris"
             "</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>")
