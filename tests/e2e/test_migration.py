@@ -81,8 +81,14 @@ def _all_free(stack: Stack) -> None:
 
 
 def _healthy(stack: Stack) -> None:
-    wait_until(lambda: all(d["healthy"] and d["compatible"] for d in httpx.get(
-        stack.config.router_url + "/ready", timeout=5).json()["decode"]), 60, "both decode servers usable again")
+    """Every backend usable at the router again (after a cut; after vLLM alone, decoding on this
+    host's 2 cores, starved the prefill's probes)."""
+    def usable() -> bool:
+        report = httpx.get(stack.config.router_url + "/ready", timeout=5).json()
+        return all(p["healthy"] for p in report["prefill"]) and all(
+            d["healthy"] and d["compatible"] for d in report["decode"])
+
+    wait_until(usable, 60, "the prefill and both decode servers usable")
 
 
 def _cut(stack: Stack, path: str, body: dict[str, Any], sig: signal.Signals, rid: str,
@@ -149,6 +155,7 @@ def test_a_decode_server_killed_mid_stream(stack, vllm_alone):
     whole: list[dict[str, Any]] = []
     _stream(cfg.router_url, "/v1/completions", body, whole, "kill-baseline")
     alone = httpx.post(vllm_alone + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    _healthy(stack)
     before = _metric(cfg.router_url, 'pd_router_migrations_total{outcome="resumed",reason="connection_lost"}')
     events, lost = _cut(stack, "/v1/completions", body, signal.SIGKILL, "kill")
     got = choices_of(events)

@@ -160,7 +160,11 @@ def node_stack(model_dir: Path, log_dir: Path, num_decode: int = 2, dead_peer_s:
             router = RouterSpec(prefill_urls=(f"http://{nodes[0].name}:{PREFILL_PORT}",),
                                 decode_urls=tuple(f"http://{n.name}:{DECODE_PORT}" for n in stack.decode_nodes),
                                 host=nodes[0].name, port=ROUTER_PORT, decode_api_key_file=decode_key,
-                                extra_args=("--probe-interval", "0.5") + dead_peer + router_args)
+                                # probes every 0.5 s: a node's loss found within seconds; 4 misses
+                                # (~4 s), so that a prefill starved by a vLLM decoding beside it on
+                                # this host's 2 cores (the tests' vLLM alone) is not marked down
+                                extra_args=("--probe-interval", "0.5", "--probe-misses", "4") + dead_peer
+                                + router_args)
             spawn("router", nodes[0], router_argv(router), {**ENV, **ROUTER_ENV})
             stack.wait("router", lambda: stack.ready() == 200, 60, "/ready")
             yield stack

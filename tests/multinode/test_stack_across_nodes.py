@@ -38,6 +38,22 @@ def stack3(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield stack
 
 
+def _all_healthy(stack: NodeStack) -> None:
+    """Wait until the router counts every backend usable again: after a test cut a link, or after
+    vLLM alone, decoding on this host's 2 cores, starved the prefill's probes."""
+    def healthy() -> bool:
+        report = _report(stack)
+        return all(b.healthy for b in [*report.prefill, *report.decode])
+
+    wait_until(healthy, 60, "every backend healthy at the router")
+
+
+@pytest.fixture(autouse=True)
+def _every_backend_healthy(stack3: NodeStack) -> None:
+    """Each test starts with every backend usable: one test's fault is not the next one's."""
+    _all_healthy(stack3)
+
+
 def _served(stack: NodeStack, node: Node) -> float:
     """Requests the node's decode server answered 200 (not one refused 429 at once: a router
     whose count said the slot was free asks there with its decode request)."""
@@ -173,6 +189,7 @@ def test_a_decode_nodes_link_down_mid_stream(stack3: NodeStack, vllm_alone: str,
         assert alone.status_code == 200, alone.text
         [c] = alone.json()["choices"]
         assert all((c.get("text") or c["message"]["content"]) == e["text"] for i, e in expected.items())
+        _all_healthy(stack3)
     else:
         assert expected[0]["calls"].startswith("get_weather") and expected[0]["finish"] == "tool_calls", expected
     record = StreamRecord()
