@@ -364,9 +364,14 @@ class ConnectorWorker:
             status = handoff.status()
             if status == "pending":
                 still.append(handoff)
-            elif status == "sent" and handoff.write_seconds is not None:
-                self._stats[WRITES].append([handoff.carrier, handoff.nbytes, handoff.write_seconds])
+            elif status == "sent":
+                self._count_writes(handoff)
         self._landing = still
+
+    def _count_writes(self, handoff: Handoff) -> None:
+        """A landed handoff's WRITEs in this step's stats: what carried them, their bytes and time."""
+        if handoff.write_seconds is not None:
+            self._stats[WRITES].append([handoff.carrier, handoff.nbytes, handoff.write_seconds])
 
     def _gather_late(self, send: _Send) -> None:
         if send.error is not None or send.handoff is None or send.gathered:
@@ -448,8 +453,8 @@ class ConnectorWorker:
             stats["layers_early"] += early
             stats["layers_late"] += late
         handoff = send.handoff
-        if status == "sent" and handoff is not None and handoff.write_seconds is not None:
-            self._stats[WRITES].append([handoff.carrier, handoff.nbytes, handoff.write_seconds])
+        if status == "sent" and handoff is not None:
+            self._count_writes(handoff)
         elif status == "pending" and handoff is not None and not send.reported:
             self._landing.append(handoff)
         send.reported = status

@@ -60,8 +60,8 @@ class DecodeKnobs(BaseModel):
     max_tokens: int | None = None  # larger max tokens are a 400 before any slot, as the real server's context
     release_lag: float = 0.0  # seconds between the end of a sequence and its slot being free again
     busy: bool = False  # answer 429 to every request (slots taken outside the router's count)
-    # a posted result is read and never answered (as a decode node whose link went down after
-    # its slot was granted); the claim waiting for it runs into its KV timeout
+    # a posted result is read and never answered, until the router gives up on the call (as a
+    # decode node whose link went down after its slot was granted)
     result_silent: bool = False
     engine: str = "reference"
     # what /v1/pd/capabilities advertises (by default what the reference engine does)

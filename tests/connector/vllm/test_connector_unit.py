@@ -360,13 +360,15 @@ def test_late_path_gathers_every_layer_in_wait_for_save(rig):
     r.assert_no_leaks()
 
 
-def test_writes_that_land_after_the_step_are_counted_at_a_later_step(rig):
+@pytest.mark.parametrize("saves", [True, False], ids=["save_kv_layer", "wait_for_save"])
+def test_writes_that_land_after_the_step_are_counted_at_a_later_step(rig, saves):
     """A handoff whose WRITEs are still in flight when its last step ends is reported pending;
-    what carried them, their bytes and time are counted at the first step that finds them landed."""
+    what carried them, their bytes and time are counted at the first step that finds them landed.
+    On both paths: vLLM's CUDA attention for GLM-5.1 posts every layer at wait_for_save."""
     def configure(sender):
         sender.in_flight.add("h-a")
 
-    r = rig(configure=configure)
+    r = rig(configure=configure, saves_layer=lambda layer: saves)
     r.engine.add(request("a", 40, seed=5))
     r.engine.run_until_idle()
     assert r.engine.results["a"][1]["status"] == "pending"
