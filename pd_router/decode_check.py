@@ -8,13 +8,21 @@ merges (prompt logprobs, echo)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pd_router.api import prefill_body
 from pd_router.errors import InvalidRequest
 from pd_wire.decode import DecodeCapabilities
-from pd_wire.requests import CompletionRequest, Endpoint, OpenAIRequest, Refusal, unsupported, zero_max_tokens
+from pd_wire.requests import (
+    CompletionRequest,
+    Endpoint,
+    OpenAIRequest,
+    Refusal,
+    over_context,
+    unsupported,
+    zero_max_tokens,
+)
 
 
 def _invalid(refusal: Refusal) -> InvalidRequest:
@@ -33,6 +41,18 @@ def check_decode_view(endpoint: Endpoint, body: Mapping[str, Any], req: OpenAIRe
             raise InvalidRequest("echo is supported for a string prompt, not streamed", param="echo")
     if isinstance(req, CompletionRequest) and req.max_tokens == 0:
         raise _invalid(zero_max_tokens())
+
+
+def check_context(req: OpenAIRequest, capabilities: Iterable[DecodeCapabilities | None]) -> None:
+    """The decode servers' own 400 for an output bound that leaves no room for any prompt, before
+    prefill: when every decode server of the model says its context (``max_seq_len``) and the
+    longest is too short. A server that does not say (plain vLLM) checks for itself."""
+    known = list(capabilities)
+    if not known or any(c is None for c in known):
+        return
+    refusal = over_context(req, max(c.max_seq_len for c in known if c is not None))
+    if refusal is not None:
+        raise _invalid(refusal)
 
 
 def served_by_prefill(endpoint: Endpoint, body: Mapping[str, Any]) -> bool:

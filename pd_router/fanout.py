@@ -61,13 +61,15 @@ def prompts(endpoint: Endpoint, body: dict[str, Any]) -> list[Any] | None:
                          param="prompt")
 
 
-def legs(endpoint: Endpoint, body: dict[str, Any]) -> list[dict[str, Any]] | None:
+def legs(state: RouterState, endpoint: Endpoint, body: dict[str, Any], model: str) -> list[dict[str, Any]] | None:
     """Each choice's request (choice ``p * n + s``: prompt p, sample s), or None for a request
-    of one choice."""
+    of one choice. Their number (prompts x ``n``) is checked against the router's bounds
+    (:func:`check_count`) before any of them is made."""
     n = choices_wanted(body)
     many = prompts(endpoint, body)
     if many is None and n == 1:
         return None
+    check_count(state, model, (len(many) if many is not None else 1) * n, n)
     out = []
     for prompt in many if many is not None else [body.get("prompt")]:
         for s in range(n):
@@ -76,6 +78,22 @@ def legs(endpoint: Endpoint, body: dict[str, Any]) -> list[dict[str, Any]] | Non
                 sub["prompt"] = prompt
             out.append(sub)
     return out
+
+
+def check_count(state: RouterState, model: str, count: int, n: int) -> None:
+    """A 400 when ``count`` choices (prompts x ``n``) are more than ``--max-choices`` or than the
+    router can run at once (the model's decode slots plus ``--max-queue``)."""
+    asked = f"{count // n} prompts x n={n}" if count != n else f"n={n}"
+    param = "n" if count == n else "prompt"
+    limit = state.settings.max_choices
+    if count > limit:
+        raise InvalidRequest(f"{asked} is {count} choices; this router serves at most {limit} per request "
+                             "(--max-choices): each choice is a prefill and a decode of its own", param=param)
+    room = state.settings.max_queue + sum(b.slots for b in state.backends.decode if b.serves(model))
+    if count > room:
+        raise InvalidRequest(f"{asked} is more than this router can run at once ({room:g}: the decode slots of "
+                             f"model {model!r} plus --max-queue); each choice takes a decode slot",
+                             param=param)
 
 
 def sub_body(body: dict[str, Any], i: int) -> dict[str, Any]:
@@ -181,21 +199,9 @@ def merged_answer(answers: list[dict[str, Any]], n: int) -> dict[str, Any]:
 
 async def serve(state: RouterState, ctx: RequestContext, body: dict[str, Any], request: OpenAIRequest,
                 bodies: list[dict[str, Any]], serve_one: ServeOne) -> None:
-    """Run the choices of ``body`` (``bodies``, from :func:`legs`; each by ``serve_one``) and
-    answer the client with their merge."""
-    model = request.model or ""  # parse_request requires it
+    """Run the choices of ``body`` (``bodies``, from :func:`legs`, which checked their number;
+    each by ``serve_one``) and answer the client with their merge."""
     count, n = len(bodies), choices_wanted(body)
-    asked = f"{count // n} prompts x n={n}" if count != n else f"n={n}"
-    param = "n" if count == n else "prompt"
-    limit = state.settings.max_choices
-    if count > limit:
-        raise InvalidRequest(f"{asked} is {count} choices; this router serves at most {limit} per request "
-                             "(--max-choices): each choice is a prefill and a decode of its own", param=param)
-    room = state.settings.max_queue + sum(b.slots for b in state.backends.decode if b.serves(model))
-    if count > room:
-        raise InvalidRequest(f"{asked} is more than this router can run at once ({room:g}: the decode slots of "
-                             f"model {model!r} plus --max-queue); each choice takes a decode slot",
-                             param=param)
     merge = _Merge(ctx, bool(request.stream))
     subs = []
     for i, sub_dict in enumerate(bodies):

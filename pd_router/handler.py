@@ -117,7 +117,7 @@ class CompletionHandler:
             ctx.raw = raw
             self._check_priority(ctx, request)
             watcher = asyncio.get_running_loop().create_task(self._watch(receive, ctx, me))
-            legs = fanout.legs(endpoint, body)
+            legs = fanout.legs(state, endpoint, body, request.model or "")
             if legs is not None:
                 await fanout.serve(state, ctx, body, request, legs, self._serve)
             else:
@@ -192,6 +192,7 @@ class CompletionHandler:
             await prefill_leg.prefill_alone(state, ctx, body, model)
             return
         decode_check.check_decode_view(ctx.endpoint, body, request)
+        decode_check.check_context(request, (b.capabilities for b in state.backends.decode if b.serves(model)))
         ctx.created, ctx.trail = int(time.time()), Trail()
         try:
             await self._attempts(ctx, body, request, model, grammar)

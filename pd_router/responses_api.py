@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pd_router.api import json_object
 from pd_router.asgi import SSE, Message, Send
 from pd_router.errors import InvalidRequest
+from pd_wire.limits import MAX_CONTENT_PARTS, MAX_INT32, MAX_MESSAGES
 
 
 class InputText(BaseModel):
@@ -36,19 +37,19 @@ class InputText(BaseModel):
 class InputMessage(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputText]
+    content: str | Annotated[list[InputText], Field(max_length=MAX_CONTENT_PARTS)]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str = Field(min_length=1)
-    input: str | list[InputMessage]
+    input: str | Annotated[list[InputMessage], Field(max_length=MAX_MESSAGES)]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stream: bool = False
@@ -212,8 +213,9 @@ class Translator:
         chat = json.loads(bytes(self._body))
         choice = (chat.get("choices") or [{}])[0]
         text = (choice.get("message") or {}).get("content") or ""
-        body = self._response(text, choice.get("finish_reason"), self._usage_of(chat.get("usage")),
-                              True).model_dump_json().encode()
+        answer = self._response(text, choice.get("finish_reason"), self._usage_of(chat.get("usage")), True)
+        # json's escapes: the echoed instructions may hold a lone surrogate, which pydantic's JSON refuses
+        body = json.dumps(answer.model_dump(mode="json")).encode()
         headers = [(k, v) for k, v in self._start["headers"] if k != b"content-length"]
         await self._send({**self._start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
@@ -228,7 +230,7 @@ class Translator:
         return OutputText(text=text).model_dump()
 
     async def _started(self) -> None:
-        pending = json.loads(self._response("", None, None, False).model_dump_json())
+        pending = self._response("", None, None, False).model_dump(mode="json")
         await self._event("response.created", response=pending)
         await self._event("response.in_progress", response=pending)
         item = OutputMessage(id=self._msg_id, status="in_progress", content=[]).model_dump()
@@ -268,7 +270,7 @@ class Translator:
                           text=text, logprobs=[])
         await self._event("response.content_part.done", output_index=0, content_index=0, item_id=self._msg_id,
                           part=self._part(text))
-        final = json.loads(self._response(text, self._finish, self._usage, True).model_dump_json())
+        final = self._response(text, self._finish, self._usage, True).model_dump(mode="json")
         await self._event("response.output_item.done", output_index=0, item=final["output"][0])
         await self._event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
                           response=final)

@@ -22,11 +22,23 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pd_grammar.spec import grammar_param
 from pd_wire.decode import EngineFeatures
 from pd_wire.handoff import HandoffClaim, HandoffResult
+from pd_wire.limits import (
+    MAX_INT32,
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGES,
+    MAX_PROMPT_TOKEN_IDS,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
+    content_parts_refusal,
+    too_many,
+)
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's sampling epsilon (and TileRT's)
@@ -55,7 +67,10 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """The fields both endpoints share; every count and size bounded (:mod:`pd_wire.limits`), every
+    number finite."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = Field(default=None, min_length=1)  # the router requires it (pd_router.api)
     # required by the decode server (its route says so first); a client's is refused by the router
@@ -65,24 +80,36 @@ class _Common(BaseModel):
     n: int | None = Field(default=1, ge=1)
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_INT32)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     # vLLM's: lower is served sooner; the router orders the decode queues by it (docs/router.md,
     # "Who waits for a decode slot"); the decode server, one sequence per slot, has no use for it
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_bounded(cls, stop: Any) -> Any:
+        if isinstance(stop, list):
+            refusal = too_many("stop sequences", stop, MAX_STOP_SEQUENCES)
+            if refusal is not None:
+                raise ValueError(refusal)
+        for one in stop if isinstance(stop, list) else [stop]:
+            if isinstance(one, str) and len(one) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop sequence has at most {MAX_STOP_CHARS} characters (got {len(one)})")
+        return stop
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -93,29 +120,64 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: Any = None
     # 0 only for the prompt's logprobs alone (echo), which prefill serves: refused everywhere else
-    max_tokens: int | None = Field(default=16, ge=0)
+    max_tokens: int | None = Field(default=16, ge=0, le=MAX_INT32)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, le=MAX_INT32)
+
+    @field_validator("prompt", mode="after")
+    @classmethod
+    def _token_ids_bounded(cls, prompt: Any) -> Any:
+        """A prompt of token ids (or a list of them): each list at most ``MAX_PROMPT_TOKEN_IDS``
+        long, each id in [0, ``MAX_INT32``]. How many prompts is the router's ``--max-choices``."""
+        if not isinstance(prompt, list):
+            return prompt
+        for ids in [prompt] if not prompt or not isinstance(prompt[0], list) else prompt:
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                continue
+            if len(ids) > MAX_PROMPT_TOKEN_IDS:
+                raise ValueError(f"a prompt has at most {MAX_PROMPT_TOKEN_IDS} token ids (got {len(ids)})")
+            if any(t < 0 or t > MAX_INT32 for t in ids):
+                raise ValueError(f"token ids are integers in [0, {MAX_INT32}]")
+        return prompt
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
 
+    def asked_max_tokens(self) -> tuple[int | None, str]:
+        """The output's bound as the client gave it (None: the context's room) and its field."""
+        return self.max_tokens, "max_tokens"
+
 
 class ChatCompletionRequest(_Common):
-    messages: list[dict[str, Any]] = Field(default_factory=list)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    messages: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = True  # false: only the first call is returned (as vLLM filters them)
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("messages", mode="after")
+    @classmethod
+    def _parts_bounded(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        refusal = content_parts_refusal(messages, "")
+        if refusal is not None:
+            raise ValueError(f"{refusal[1].lstrip('.')}: {refusal[0]}")
+        return messages
+
     def wants_logprobs(self) -> bool:
         return bool(self.logprobs)
+
+    def asked_max_tokens(self) -> tuple[int | None, str]:
+        """The output's bound as the client gave it (None: the context's room) and its field
+        (``max_completion_tokens`` over ``max_tokens``, as vLLM reads them)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
@@ -179,7 +241,8 @@ def unsupported(req: OpenAIRequest, features: EngineFeatures, engine: str, route
     if req.logit_bias and not features.logit_bias:
         return Refusal(f"logit_bias is not supported by the {engine} engine", "logit_bias")
     for key in req.logit_bias or ():
-        if not key.strip().isdigit():
+        digits = key.strip()
+        if not (digits.isascii() and digits.isdigit()) or len(digits) > 10 or int(digits) > MAX_INT32:
             return Refusal(f"logit_bias: {key!r} is not a token id", "logit_bias")
     if req.min_p and not features.min_p:
         return Refusal(f"min_p={req.min_p} is not supported by the {engine} engine (only 0)", "min_p")
@@ -196,6 +259,11 @@ def unsupported(req: OpenAIRequest, features: EngineFeatures, engine: str, route
     if extra.get("prompt_logprobs") is not None and not routed:
         return Refusal("prompt_logprobs is not supported by the decode server", "prompt_logprobs")
     if isinstance(req, CompletionRequest):
+        prompt = req.prompt
+        if isinstance(prompt, list) and len(prompt) > 1 and not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return Refusal("a list of prompts is not supported: a KV handoff carries one sequence; send a request "
+                           "for each", "prompt")
         if req.max_tokens == 0:
             return zero_max_tokens()
         if req.echo and not routed:
@@ -211,9 +279,19 @@ def unsupported(req: OpenAIRequest, features: EngineFeatures, engine: str, route
         wants_logprobs = bool(req.logprobs)
     if wants_logprobs and not features.logprobs:
         return Refusal(f"logprobs are not supported by the {engine} engine", "logprobs")
-    if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
+    if req.stop_token_ids and any(t < 0 or t > MAX_INT32 for t in req.stop_token_ids):
         return Refusal("stop_token_ids must be non-negative token ids", "stop_token_ids")
     return None
+
+
+def over_context(req: OpenAIRequest, max_seq_len: int) -> Refusal | None:
+    """The 400 for an output bound that leaves no room for any prompt in a context of
+    ``max_seq_len`` tokens (known before the prompt's length is)."""
+    asked, param = req.asked_max_tokens()
+    if asked is None or asked < max_seq_len:
+        return None
+    return Refusal(f"This model's maximum context length is {max_seq_len} tokens. However, you requested {asked} "
+                   f"tokens in the completion, which leaves no room for the prompt. Please reduce {param}.", param)
 
 
 def zero_max_tokens() -> Refusal:

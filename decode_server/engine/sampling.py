@@ -63,7 +63,12 @@ class LogitsAdjuster:
             out -= p.frequency_penalty * self._counts
         if p.presence_penalty:
             out -= p.presence_penalty * (self._counts > 0).float()
-        return out
+        # a penalty past float32's range (repetition_penalty 1e308 times a negative logit) would
+        # make every logit -inf, and the distribution nothing: the overflow stops at float32's ends
+        return out.nan_to_num_(nan=_LOWEST, posinf=-_LOWEST, neginf=_LOWEST)
+
+
+_LOWEST = torch.finfo(torch.float32).min
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -78,7 +83,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     probs = scaled.softmax(-1)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
-        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < params.top_p  # always keeps the best token
+        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < params.top_p
+        keep_sorted[0] = True  # the best token, also for a top_p below float32's smallest number
         keep = torch.zeros_like(keep_sorted).scatter_(0, order, keep_sorted)
         probs = probs.masked_fill(~keep, 0.0)
         probs = probs / probs.sum()

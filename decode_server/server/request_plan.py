@@ -17,7 +17,14 @@ from decode_server.server.text import GenerationDefaults
 from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, grammar_param, grammar_spec
 from pd_wire.decode import EngineFeatures
 from pd_wire.handoff import PROTOCOL_VERSION, HandoffClaim, HandoffResult, ResumeFrom
-from pd_wire.requests import ChatCompletionRequest, CompletionRequest, Endpoint, logit_bias, unsupported
+from pd_wire.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Endpoint,
+    logit_bias,
+    over_context,
+    unsupported,
+)
 
 
 @dataclass(frozen=True)
@@ -86,12 +93,6 @@ def _logprobs_k(req: CompletionRequest | ChatCompletionRequest) -> int | None:
     if isinstance(req, CompletionRequest):
         return req.logprobs
     return (req.top_logprobs or 0) if req.logprobs else None
-
-
-def _asked_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, str]:
-    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        return req.max_completion_tokens, "max_completion_tokens"
-    return req.max_tokens, "max_tokens"
 
 
 def _max_tokens(asked: int | None, param: str, prompt_tokens: int, max_seq_len: int) -> int:
@@ -180,19 +181,22 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
     refusal = unsupported(req, limits.features, limits.engine)
     if refusal is not None:
         raise InvalidRequest(refusal.message, refusal.param)
+    out_of_vocab = sorted(t for t, _ in logit_bias(req.logit_bias) if defaults.vocab_size and t >= defaults.vocab_size)
+    if out_of_vocab:  # vLLM's check (the sampler would index past the logits)
+        raise InvalidRequest(f"token_id(s) {out_of_vocab[:8]} in logit_bias contain out-of-vocab token ids. "
+                             f"Vocabulary size: {defaults.vocab_size}", "logit_bias")
     grammar = _grammar(req, limits)
     handoff = req.kv_transfer_params
     if handoff is None:  # the route checks it first; here for a caller that did not
         raise InvalidRequest("kv_transfer_params is required", "kv_transfer_params")
     _check_handoff(handoff)
     k = _logprobs_k(req)
-    asked, param = _asked_max_tokens(req)
+    asked, param = req.asked_max_tokens()
+    no_room = over_context(req, limits.max_seq_len)
     if isinstance(handoff, HandoffResult):
         max_tokens = _max_tokens(asked, param, handoff.num_prompt_tokens, limits.max_seq_len)
-    elif asked is not None and asked >= limits.max_seq_len:  # whatever the prompt, known when the KV lands
-        raise InvalidRequest(f"This model's maximum context length is {limits.max_seq_len} tokens. However, you "
-                             f"requested {asked} tokens in the completion, which leaves no room for the prompt. "
-                             f"Please reduce {param}.", param)
+    elif no_room is not None:  # whatever the prompt, known when the KV lands
+        raise InvalidRequest(no_room.message, no_room.param)
     else:  # checked against the prompt's length when it comes with the KV (with_result)
         max_tokens = asked if asked is not None else limits.max_seq_len - 1
     dflt = defaults.sampling

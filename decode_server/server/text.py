@@ -51,6 +51,9 @@ class GenerationDefaults:
 
     eos_token_ids: frozenset[int] = frozenset()
     sampling: SamplingDefaults = SamplingDefaults()  # also what the capabilities endpoint reports
+    # the model's vocabulary (config.json's ``vocab_size``, as vLLM reads it, else the tokenizer's;
+    # 0: unknown): the token ids a request may name (``logit_bias``)
+    vocab_size: int = 0
 
     def unsupported_by(self, features: EngineFeatures) -> str | None:
         """The default an engine with ``features`` cannot apply, described; None: all can be."""
@@ -67,7 +70,10 @@ class GenerationDefaults:
         gen = _read_json(model_dir / "generation_config.json")
         cfg = _read_json(model_dir / "config.json")
         eos = _id_list(gen.get("eos_token_id")) or _id_list(cfg.get("eos_token_id"))
+        vocab = cfg.get("vocab_size")
+        vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else 0
         if tokenizer is not None:
+            vocab_size = vocab_size or tokenizer.vocab_size
             tok_cfg = _read_json(model_dir / "tokenizer_config.json")
             name = tok_cfg.get("eos_token")
             name = name.get("content") if isinstance(name, dict) else name
@@ -76,7 +82,8 @@ class GenerationDefaults:
             eos += [i for i in ids if i is not None]
         sampling = {k: gen[k] for k in SamplingDefaults.model_fields
                     if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}
-        return cls(eos_token_ids=frozenset(eos), sampling=SamplingDefaults.model_validate(sampling))
+        return cls(eos_token_ids=frozenset(eos), sampling=SamplingDefaults.model_validate(sampling),
+                   vocab_size=vocab_size)
 
 
 @dataclass

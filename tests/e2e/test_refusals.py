@@ -28,11 +28,13 @@ GOOD = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me a
         "temperature": 0, "ignore_eos": True}
 # refused by the router before prefill with the decode server's 400 (json_schema, top_logprobs: the
 # decode server's own checks, pd_wire/requests.py), or by the decode server after vLLM
-# prefilled and pushed the KV (too_long: the prompt's length is known only after prefill)
+# prefilled and pushed the KV (too_long: under the 4096-token context, but not beside this prompt,
+# whose length is known only after prefill; the 2-decode stack's router refuses it before prefill,
+# its decode servers' context being 1024)
 BAD = {
     "top_logprobs": {**GOOD, "top_logprobs": 2},
     "guided_regex": {**GOOD, "guided_regex": "a+"},
-    "too_long": {**GOOD, "max_tokens": 5000},  # over the decode server's 4096-token context
+    "too_long": {**GOOD, "max_tokens": 4090},
 }
 
 

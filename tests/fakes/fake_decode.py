@@ -58,6 +58,7 @@ class DecodeKnobs(BaseModel):
     fail_status: int = 500
     fail_after: int = 2
     max_tokens: int | None = None  # larger max tokens are a 400 before any slot, as the real server's context
+    max_seq_len: int = 4096  # the context it advertises (a router refuses a max_tokens no prompt fits beside)
     release_lag: float = 0.0  # seconds between the end of a sequence and its slot being free again
     busy: bool = False  # answer 429 to every request (slots taken outside the router's count)
     # a posted result is read and never answered, until the router gives up on the call (as a
@@ -118,7 +119,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 slots=k.slots,
                 # (as the real server: its slot table's count, the slots taken and not given back)
                 busy_slots=self.slots.busy if self.slots is not None else len(self.records.active),
-                max_seq_len=4096,
+                max_seq_len=k.max_seq_len,
                 num_mtp=1,
                 kv_endpoint=k.kv_endpoint or await self._kv_channel(scope["server"][0]),
                 layout_fingerprint="fake",

@@ -56,8 +56,8 @@ def _cluster(num_decode: int) -> Iterator[Cluster]:
     apart) on each of nodes 1..num_decode."""
     with Nodes(1 + num_decode) as nodes:
         prefill = ServerThread(FakePrefill(model=MODEL), PREFILL_PORT, host=nodes[0].address, netns=nodes[0].netns)
-        decodes = [ServerThread(FakeDecode(model=MODEL, token_delay=0.01), DECODE_PORT, host=node.address,
-                                netns=node.netns) for node in nodes.nodes[1:]]
+        decodes = [ServerThread(FakeDecode(model=MODEL, token_delay=0.01, max_seq_len=8192), DECODE_PORT,
+                                host=node.address, netns=node.netns) for node in nodes.nodes[1:]]
         settings = validate_settings({
             "prefill": (prefill.url,), "decode": tuple(d.url for d in decodes), "host": nodes[0].address,
             "port": ROUTER_PORT, "api_key": API_KEY, "probe_interval": 0.5, "dead_peer_timeout": DEAD_PEER_S,

@@ -186,7 +186,7 @@ def test_a_slow_client_gets_every_chunk_in_order(make_rig, monkeypatch):
     client reads nothing until the router recorded a paused write. Then, right after each
     drain, the token the decode server is let send arrives while ``send`` still holds the
     older chunk: the moment at which it could overtake it, made to happen every time."""
-    rig = make_rig()
+    rig = make_rig(decode={"max_seq_len": 8192})  # room for the 5000 tokens below
     for listener in rig.server.server.servers[0].sockets:  # accepted connections inherit it
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     permits, routers = _in_lockstep(rig), _routers(rig)  # permits: tokens the decode server may send now
