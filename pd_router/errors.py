@@ -26,7 +26,8 @@ class RouterError(Exception):
 
     def payload(self) -> ErrorBody:
         code = self.code if self.code is not None else self.status
-        return ErrorBody(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=code))
+        return ErrorBody(error=ErrorDetail(message=_unicode(self.message), type=self.type,
+                                           param=None if self.param is None else _unicode(self.param), code=code))
 
     def body(self) -> bytes:
         return self.payload().model_dump_json().encode()
@@ -37,6 +38,12 @@ class RouterError(Exception):
     def sse_event(self) -> bytes:
         """The error as the last events of an SSE stream that already began."""
         return b"data: " + self.body() + b"\n\ndata: [DONE]\n\n"
+
+
+def _unicode(text: str) -> str:
+    """``text`` as valid Unicode: a message may quote the client's text, and a lone surrogate
+    there (JSON allows one as an escape) becomes ``?`` (no JSON encoder or strict parser takes one)."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 class InvalidRequest(RouterError):
@@ -67,6 +74,13 @@ class ModelNotFound(RouterError):
 class NotFound(RouterError):
     status = 404
     type = "not_found_error"
+
+
+class UnknownResponse(RouterError):
+    """A ``previous_response_id`` no store here holds (vLLM's answer without its store)."""
+
+    status = 404
+    type = "invalid_request_error"
 
 
 class MethodNotAllowed(RouterError):

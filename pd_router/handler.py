@@ -34,7 +34,17 @@ from typing import TYPE_CHECKING, Any
 from pd_grammar.spec import GrammarSpec, asks_for_grammar
 from pd_http.chunk_writer import chunk_writer
 from pd_http.tracing import SpanKind, Tracing
-from pd_router import decode_check, fanout, migration, observe, overlap, prefill_leg, relay, responses_api
+from pd_router import (
+    decode_check,
+    fanout,
+    migration,
+    observe,
+    overlap,
+    prefill_leg,
+    relay,
+    responses_api,
+    responses_out,
+)
 from pd_router.api import parse_request, structured_output
 from pd_router.asgi import Receive, Scope, Send, header, read_body
 from pd_router.context import DecodeLegFailed, DecodeLost, RequestContext, attempt_handoff_id
@@ -110,7 +120,7 @@ class CompletionHandler:
             if responses:
                 as_responses = responses_api.parse(raw)
                 raw = json.dumps(as_responses.chat_body()).encode()
-                ctx.send = responses_api.Translator(send, as_responses).send
+                ctx.send = responses_out.Translator(send, as_responses).send
             else:
                 ctx.writer = chunk_writer(scope)
             body, request = parse_request(endpoint, raw)

@@ -1,278 +1,292 @@
-"""``POST /v1/responses``, the minimal non-stateful subset, mapped onto chat completions.
+"""``POST /v1/responses`` as vLLM serves it without a store, mapped onto chat completions.
 
-Accepted: ``model``, ``input`` (a string, or a list of messages whose content is a string
-or ``input_text`` parts), ``instructions`` (a system message first), ``max_output_tokens``,
-``temperature``, ``top_p``, ``stream``; ``store`` is accepted and nothing is stored. Refused
-with a 400 naming the field: ``previous_response_id``, ``conversation``, ``tools`` and any
-other input item than a text message. The request becomes a chat completion body (the rest
-of the path is the chat route's: slot, prefill, decode, release); the chat answer becomes a
-``response`` object, and a chat stream the Responses API's events (``response.created``,
-``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
-``response.output_text.delta`` per delta, then the ``.done`` events and
-``response.completed``, or ``response.incomplete`` when ``max_output_tokens`` cut it).
-An error answer before the stream began is relayed as it is (OpenAI error shape); after, it
-ends the stream with an ``error`` event.
+vLLM builds its Responses API on its chat serving: the request's ``instructions`` and
+``input`` items become chat messages, its function tools the chat tools, and the chat
+template renders the prompt. The router does the same translation at its edge
+(:meth:`ResponsesRequest.chat_body`), so the rest of the path is the chat route's (decode
+slot, prefill, handoff, decode, migration, metrics), and the chat answer becomes a
+``response`` object or the Responses API's events (:mod:`pd_router.responses_out`).
+
+The items, as vLLM turns them into messages: ``message`` (any role, ``developer``
+included; its content a string or text parts; an assistant message keeps its first part's
+text), ``function_call`` (a tool call of the assistant message before it, or a new one),
+``function_call_output`` (a ``tool`` message), ``reasoning`` (the assistant message's
+``reasoning``; ``encrypted_content`` is refused, as vLLM refuses it). Tools: ``function``
+tools (the chat template gets them in chat completions' shape). ``tool_choice`` ``auto``,
+``none``, ``required`` or a named function; ``text.format`` ``json_object`` /
+``json_schema`` become ``response_format``; ``reasoning.effort`` the chat template's
+``reasoning_effort`` and ``enable_thinking``, as vLLM passes them. Without a store (vLLM's
+default), ``store`` is accepted and nothing is kept, ``previous_response_id`` is a 404
+(no response is known), ``background`` is refused. What Codex and the Agents SDK send
+besides (``include``, ``prompt_cache_key``, ``client_metadata``, ``metadata``,
+``service_tier``, ``truncation``, ``user``, ...) is accepted and, where vLLM does, echoed.
+vLLM's own extensions (``top_k``, ``min_p``, ``seed``, ``stop``, penalties,
+``chat_template_kwargs``, ``priority``, ...) pass through to the chat request.
 """
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pd_router.api import json_object
-from pd_router.asgi import SSE, Message, Send
-from pd_router.errors import InvalidRequest
-from pd_wire.limits import MAX_CONTENT_PARTS, MAX_INT32, MAX_MESSAGES
+from pd_router.errors import InvalidRequest, UnknownResponse
+from pd_wire.limits import MAX_CONTENT_PARTS, MAX_INT32, MAX_MESSAGES, MAX_TOOLS
 
 
-class InputText(BaseModel):
-    type: Literal["input_text", "output_text", "text"] = "input_text"
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["input_text", "output_text", "text", "reasoning_text", "summary_text"] = "input_text"
     text: str
 
 
-class InputMessage(BaseModel):
+class MessageItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | Annotated[list[InputText], Field(max_length=MAX_CONTENT_PARTS)]
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
+    status: str | None = None
+
+
+class FunctionCallItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str = Field(min_length=1)
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
+    id: str | None = None
+    status: str | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+class ReasoningItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] = Field(default_factory=list)
+    content: Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+_ITEMS: dict[str, type[InputItem]] = {"message": MessageItem, "function_call": FunctionCallItem,
+                                      "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def chat_tool(self) -> dict[str, Any]:
+        """The tool in chat completions' shape, as vLLM hands it to the chat template."""
+        function: dict[str, Any] = {"name": self.name}
+        for key in ("description", "parameters", "strict"):
+            value = getattr(self, key)
+            if value is not None:
+                function[key] = value
+        return {"type": "function", "function": function}
+
+
+class NamedFunction(BaseModel):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+# vLLM's own request fields, passed to the chat request as they came
+_PASSED_THROUGH = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty", "priority", "cache_salt", "structured_outputs",
+                   "logit_bias", "user")
 
 
 class ResponsesRequest(BaseModel):
+    """A ``/v1/responses`` body: every count bounded (:mod:`pd_wire.limits`), every number finite."""
+
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str = Field(min_length=1)
-    input: str | Annotated[list[InputMessage], Field(max_length=MAX_MESSAGES)]
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stream: bool = False
+    stream: bool | None = False
     store: bool | None = None
+    background: bool | None = False
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] = Field(default_factory=list)
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction = "auto"
+    parallel_tool_calls: bool | None = True
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    include: Annotated[list[str], Field(max_length=64)] | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] = "auto"
+    truncation: Literal["auto", "disabled"] | None = "disabled"
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tool_calls: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    chat_template_kwargs: dict[str, Any] | None = None
 
-    def chat_body(self) -> dict[str, Any]:
+    def items(self) -> list[InputItem]:
+        """The input items, each validated by its type (a 400 naming the item otherwise)."""
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        items: list[InputItem] = []
+        for i, raw in enumerate(self.input):
+            kind = raw.get("type") or ("message" if "role" in raw else None)
+            model = _ITEMS.get(kind) if isinstance(kind, str) else None
+            if model is None:
+                raise InvalidRequest(f"Unsupported input item type: {kind}", param=f"input.{i}.type")
+            try:
+                item = model.model_validate(raw)
+            except ValidationError as exc:
+                raise _invalid(exc, f"input.{i}") from None
+            if isinstance(item, ReasoningItem) and item.encrypted_content:  # vLLM's refusal
+                raise InvalidRequest("Encrypted content is not supported.", param=f"input.{i}.encrypted_content")
+            items.append(item)
+        return items
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The chat messages vLLM makes of ``instructions`` and the input items: tool calls and
+        reasoning join the assistant message before them."""
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        messages += [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in items]
-        body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream}
+        for item in self.items():
+            last = messages[-1] if messages and messages[-1].get("role") == "assistant" else None
+            if isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if last is not None:
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "tool_calls": [call]})
+            elif isinstance(item, ReasoningItem):
+                parts = item.content or item.summary
+                reasoning = parts[0].text if parts else ""
+                if last is not None and "reasoning" not in last:
+                    last["reasoning"] = reasoning
+                else:
+                    messages.append({"role": "assistant", "reasoning": reasoning})
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append({"role": "tool", "content": item.text(), "tool_call_id": item.call_id})
+            elif item.role == "assistant":
+                text = item.content if isinstance(item.content, str) else (
+                    item.content[0].text if item.content else None)
+                if text is None:
+                    continue
+                if last is not None and last.get("content") is None:
+                    last["content"] = text
+                else:
+                    messages.append({"role": "assistant", "content": text})
+            else:
+                content: Any = item.content if isinstance(item.content, str) else [
+                    {"type": "text", "text": p.text} for p in item.content]
+                messages.append({"role": item.role, "content": content})
+        return messages
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat completion request vLLM's Responses serving runs for this request."""
+        body: dict[str, Any] = {"model": self.model, "messages": self.messages(), "stream": bool(self.stream)}
+        if self.tools:
+            body["tools"] = [t.chat_tool() for t in self.tools]
+            choice = self.tool_choice
+            body["tool_choice"] = ({"type": "function", "function": {"name": choice.name}}
+                                   if isinstance(choice, NamedFunction) else choice)
+            body["parallel_tool_calls"] = self.parallel_tool_calls is not False
         for name, value in (("max_tokens", self.max_output_tokens), ("temperature", self.temperature),
                             ("top_p", self.top_p)):
             if value is not None:
                 body[name] = value
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": fmt.name or "response", "schema": fmt.schema_ or {}, "strict": fmt.strict}}
+        kwargs = dict(self.chat_template_kwargs or {})
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        if effort is not None:
+            kwargs.setdefault("reasoning_effort", effort)
+            kwargs.setdefault("enable_thinking", effort != "none")
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
+        extra = self.model_extra or {}
+        for name in _PASSED_THROUGH:
+            if extra.get(name) is not None:
+                body[name] = extra[name]
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         return body
 
 
-_REFUSED = ("previous_response_id", "conversation", "tools", "background", "prompt")
-
-
-class OutputText(BaseModel):
-    type: Literal["output_text"] = "output_text"
-    text: str
-    annotations: list[Any] = Field(default_factory=list)
-
-
-class OutputMessage(BaseModel):
-    type: Literal["message"] = "message"
-    id: str
-    status: Literal["in_progress", "completed", "incomplete"]
-    role: Literal["assistant"] = "assistant"
-    content: list[OutputText]
-
-
-class InputTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = 0
-
-
-class Usage(BaseModel):
-    input_tokens: int
-    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
-    output_tokens: int
-    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
-    total_tokens: int
-
-
-class IncompleteDetails(BaseModel):
-    reason: Literal["max_output_tokens"]
-
-
-class Response(BaseModel):
-    id: str
-    object: Literal["response"] = "response"
-    created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
-    model: str
-    output: list[OutputMessage]
-    usage: Usage | None = None
-    incomplete_details: IncompleteDetails | None = None
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    parallel_tool_calls: bool = False
-    tool_choice: Literal["none"] = "none"
-    tools: list[Any] = Field(default_factory=list)
-    error: None = None
+def _invalid(exc: ValidationError, prefix: str | None = None) -> InvalidRequest:
+    err = exc.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    param = ".".join(p for p in (prefix, loc) if p) or None
+    return InvalidRequest(f"{param}: {err['msg']}" if param else err["msg"], param=param)
 
 
 def parse(raw: bytes) -> ResponsesRequest:
+    """The validated request (a 400 naming the field otherwise; a 404 for a
+    ``previous_response_id``, which no store here holds, as vLLM without its store answers)."""
     body = json_object(raw)
-    for name in _REFUSED:
-        if body.get(name) not in (None, [], ""):
-            raise InvalidRequest(f"{name} is not supported: this server implements the non-stateful text subset "
-                                 "of the Responses API", param=name)
     try:
-        return ResponsesRequest.model_validate(body)
+        request = ResponsesRequest.model_validate(body)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise InvalidRequest(f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
-
-
-class Translator:
-    """Wraps the chat route's ASGI ``send``: the chat answer goes out as a Responses API answer."""
-
-    def __init__(self, send: Send, req: ResponsesRequest) -> None:
-        self._send = send
-        self._req = req
-        self._id = f"resp_{uuid.uuid4().hex}"
-        self._msg_id = f"msg_{uuid.uuid4().hex}"
-        self._created = int(time.time())
-        self._passthrough = False
-        self._body = bytearray()
-        self._pending = bytearray()
-        self._seq = 0
-        self._text: list[str] = []
-        self._finish: str | None = None
-        self._usage: Usage | None = None
-        self._closed = False
-        self._start: Message = {}
-
-    def _response(self, text: str, finish: str | None, usage: Usage | None, done: bool) -> Response:
-        cut = finish == "length"
-        status: Literal["in_progress", "completed", "incomplete"] = (
-            "in_progress" if not done else "incomplete" if cut else "completed")
-        item_status: Literal["in_progress", "completed", "incomplete"] = status
-        content = [OutputText(text=text)] if done else []
-        return Response(id=self._id, created_at=self._created, status=status, model=self._req.model,
-                        output=[OutputMessage(id=self._msg_id, status=item_status, content=content)] if done else [],
-                        usage=usage, incomplete_details=IncompleteDetails(reason="max_output_tokens") if cut else None,
-                        instructions=self._req.instructions, max_output_tokens=self._req.max_output_tokens,
-                        temperature=self._req.temperature, top_p=self._req.top_p)
-
-    @staticmethod
-    def _usage_of(usage: Any) -> Usage | None:
-        if not isinstance(usage, dict):
-            return None
-        prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
-        return Usage(input_tokens=prompt, output_tokens=completion, total_tokens=prompt + completion)
-
-    async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            if message["status"] != 200:
-                self._passthrough = True
-                await self._send(message)
-            elif self._req.stream:
-                await self._send({**message, "headers": [(k, v) for k, v in message["headers"]
-                                                         if k not in (b"content-type", b"content-length")]
-                                  + [(b"content-type", SSE)]})
-                await self._started()
-            else:
-                self._start = message
-            return
-        data = message.get("body", b"")
-        more = message.get("more_body", False)
-        if self._passthrough:
-            await self._send(message)
-        elif not self._req.stream:
-            self._body += data
-            if not more:
-                await self._answer()
-        else:
-            self._pending += data
-            while b"\n\n" in self._pending:
-                event, _, rest = bytes(self._pending).partition(b"\n\n")
-                self._pending[:] = rest
-                await self._chat_event(event)
-            if not more and not self._closed:
-                await self._send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def _answer(self) -> None:
-        chat = json.loads(bytes(self._body))
-        choice = (chat.get("choices") or [{}])[0]
-        text = (choice.get("message") or {}).get("content") or ""
-        answer = self._response(text, choice.get("finish_reason"), self._usage_of(chat.get("usage")), True)
-        # json's escapes: the echoed instructions may hold a lone surrogate, which pydantic's JSON refuses
-        body = json.dumps(answer.model_dump(mode="json")).encode()
-        headers = [(k, v) for k, v in self._start["headers"] if k != b"content-length"]
-        await self._send({**self._start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
-        await self._send({"type": "http.response.body", "body": body, "more_body": False})
-
-    async def _event(self, kind: str, **fields: Any) -> None:
-        data = json.dumps({"type": kind, "sequence_number": self._seq, **fields})
-        self._seq += 1
-        await self._send({"type": "http.response.body", "body": f"event: {kind}\ndata: {data}\n\n".encode(),
-                          "more_body": True})
-
-    def _part(self, text: str) -> dict[str, Any]:
-        return OutputText(text=text).model_dump()
-
-    async def _started(self) -> None:
-        pending = self._response("", None, None, False).model_dump(mode="json")
-        await self._event("response.created", response=pending)
-        await self._event("response.in_progress", response=pending)
-        item = OutputMessage(id=self._msg_id, status="in_progress", content=[]).model_dump()
-        await self._event("response.output_item.added", output_index=0, item=item)
-        await self._event("response.content_part.added", output_index=0, content_index=0, item_id=self._msg_id,
-                          part=self._part(""))
-
-    async def _chat_event(self, event: bytes) -> None:
-        text = event.decode("utf-8", "replace").strip()
-        if not text.startswith("data:") or self._closed:
-            return
-        payload = text[5:].strip()
-        if payload == "[DONE]":
-            return await self._finished()
-        chunk = json.loads(payload)
-        if "error" in chunk:
-            self._closed = True
-            err = chunk["error"]
-            await self._event("error", code=str(err.get("code")), message=err.get("message", ""),
-                              param=err.get("param"))
-            await self._send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
-        if chunk.get("usage"):
-            self._usage = self._usage_of(chunk["usage"])
-        for choice in chunk.get("choices") or []:
-            delta = (choice.get("delta") or {}).get("content")
-            if delta:
-                self._text.append(delta)
-                await self._event("response.output_text.delta", output_index=0, content_index=0,
-                                  item_id=self._msg_id, delta=delta, logprobs=[])
-            if choice.get("finish_reason"):
-                self._finish = choice["finish_reason"]
-
-    async def _finished(self) -> None:
-        text = "".join(self._text)
-        await self._event("response.output_text.done", output_index=0, content_index=0, item_id=self._msg_id,
-                          text=text, logprobs=[])
-        await self._event("response.content_part.done", output_index=0, content_index=0, item_id=self._msg_id,
-                          part=self._part(text))
-        final = self._response(text, self._finish, self._usage, True).model_dump(mode="json")
-        await self._event("response.output_item.done", output_index=0, item=final["output"][0])
-        await self._event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
-                          response=final)
-        self._closed = True
-        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+        raise _invalid(exc) from None
+    if request.background:
+        raise InvalidRequest("background is not supported: this server keeps no responses (no store)",
+                             param="background")
+    if body.get("prompt") not in (None, {}):
+        raise InvalidRequest("prompt (a stored prompt template) is not supported: this server keeps no prompts",
+                             param="prompt")
+    if request.previous_response_id is not None:
+        raise UnknownResponse(f"Response with id '{request.previous_response_id}' not found.", param="response_id")
+    request.items()  # each item checked before any work
+    return request

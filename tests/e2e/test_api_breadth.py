@@ -241,7 +241,7 @@ def test_prompt_logprobs_equal_vllm_alones(pd_stack, vllm_alone):
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
 
 
-# ---- /v1/responses: the non-stateful text subset, mapped onto chat completions ----
+# ---- /v1/responses, mapped onto chat completions (with tools: tests/e2e/test_tools.py) ----
 
 
 def test_responses_api_with_the_sdk(pd_stack):
@@ -274,9 +274,9 @@ def test_responses_api_with_the_sdk(pd_stack):
     assert events[-1].response.usage is not None and events[-1].response.usage.output_tokens == 8
     import openai
 
-    with pytest.raises(openai.BadRequestError) as err:
+    with pytest.raises(openai.NotFoundError) as err:  # as vLLM without its store: no response is known
         client.responses.create(model=MODEL_NAME, input="x", previous_response_id="resp_1")
-    assert err.value.body["param"] == "previous_response_id"
+    assert err.value.body["param"] == "response_id"
 
 
 def test_echo_equals_vllm_alones(pd_stack, vllm_alone):
