@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from pd_router.api import json_object
 from pd_router.errors import InvalidRequest, UnknownResponse
@@ -172,8 +172,15 @@ class ResponsesRequest(BaseModel):
     max_tool_calls: int | None = Field(default=None, ge=1, le=MAX_INT32)
     chat_template_kwargs: dict[str, Any] | None = None
 
+    _items: list[InputItem] | None = PrivateAttr(default=None)  # items(), validated once
+
     def items(self) -> list[InputItem]:
-        """The input items, each validated by its type (a 400 naming the item otherwise)."""
+        """The input items, each validated by its type (a 400 naming the item otherwise), once."""
+        if self._items is None:
+            self._items = self._validated_items()
+        return self._items
+
+    def _validated_items(self) -> list[InputItem]:
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
         items: list[InputItem] = []

@@ -141,7 +141,7 @@ class Response(BaseModel):
     user: str | None = None
 
 
-def _items_of_message(message: dict[str, Any], cut: bool) -> list[OutputItem]:
+def _items_of_message(message: dict[str, Any]) -> list[OutputItem]:
     items: list[OutputItem] = []
     reasoning = message.get("reasoning_content") or message.get("reasoning")
     if reasoning:
@@ -239,7 +239,7 @@ class Translator:
         chat = json.loads(bytes(self._body))
         choice = (chat.get("choices") or [{}])[0]
         finish = choice.get("finish_reason")
-        answer = self.response(_items_of_message(choice.get("message") or {}, finish == "length"), finish,
+        answer = self.response(_items_of_message(choice.get("message") or {}), finish,
                                Usage.of_chat(chat.get("usage")))
         # json's escapes: the echoed instructions may hold a lone surrogate, which pydantic's JSON refuses
         body = json.dumps(answer.model_dump(mode="json")).encode()

@@ -40,9 +40,10 @@ def too_many(what: str, got: Sized, most: int) -> str | None:
     return None if count <= most else f"at most {most} {what} (got {count})"
 
 
-def content_parts_refusal(messages: list[Any], item: str = "messages") -> tuple[str, str] | None:
-    """(message, param) for the first message whose content parts or tool calls are over their
-    bound, or whose content parts are not objects (a list nested in a list: no API has one)."""
+def content_parts_refusal(messages: list[Any]) -> str | None:
+    """Why the first message whose content parts or tool calls are over their bound, or whose
+    content parts are not objects (a list nested in a list: no API has one), is refused,
+    starting with its place (``0.content``)."""
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             continue
@@ -51,8 +52,8 @@ def content_parts_refusal(messages: list[Any], item: str = "messages") -> tuple[
             if not isinstance(value, list):
                 continue
             if len(value) > MAX_CONTENT_PARTS:
-                return f"at most {MAX_CONTENT_PARTS} {what} in one message (got {len(value)})", f"{item}.{i}.{key}"
+                return f"{i}.{key}: at most {MAX_CONTENT_PARTS} {what} in one message (got {len(value)})"
             for j, part in enumerate(value):
                 if isinstance(part, list):
-                    return f"one of the {what} is a list, not an object", f"{item}.{i}.{key}.{j}"
+                    return f"{i}.{key}.{j}: one of the {what} is a list, not an object"
     return None

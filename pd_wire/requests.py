@@ -164,9 +164,9 @@ class ChatCompletionRequest(_Common):
     @field_validator("messages", mode="after")
     @classmethod
     def _parts_bounded(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        refusal = content_parts_refusal(messages, "")
+        refusal = content_parts_refusal(messages)
         if refusal is not None:
-            raise ValueError(f"{refusal[1].lstrip('.')}: {refusal[0]}")
+            raise ValueError(refusal)
         return messages
 
     def wants_logprobs(self) -> bool:

@@ -181,7 +181,8 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
     refusal = unsupported(req, limits.features, limits.engine)
     if refusal is not None:
         raise InvalidRequest(refusal.message, refusal.param)
-    out_of_vocab = sorted(t for t, _ in logit_bias(req.logit_bias) if defaults.vocab_size and t >= defaults.vocab_size)
+    bias = logit_bias(req.logit_bias)
+    out_of_vocab = sorted(t for t, _ in bias if defaults.vocab_size and t >= defaults.vocab_size)
     if out_of_vocab:  # vLLM's check (the sampler would index past the logits)
         raise InvalidRequest(f"token_id(s) {out_of_vocab[:8]} in logit_bias contain out-of-vocab token ids. "
                              f"Vocabulary size: {defaults.vocab_size}", "logit_bias")
@@ -224,7 +225,7 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
         presence_penalty=_or(req.presence_penalty, dflt.presence_penalty, 0.0),
         frequency_penalty=_or(req.frequency_penalty, dflt.frequency_penalty, 0.0),
         repetition_penalty=repetition,
-        logit_bias=logit_bias(req.logit_bias),
+        logit_bias=bias,
         prompt_token_ids=(tuple(handoff.prompt_token_ids or ())
                           if isinstance(handoff, HandoffResult) and repetition != 1.0 else ()),
     )
