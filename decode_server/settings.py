@@ -23,6 +23,7 @@ from pd_grammar.spec import (
 from pd_http.logs import LogFormat
 from pd_http.tracing import OtlpProtocol, check_endpoint
 from pd_settings.loader import EntrySettings, load
+from pd_settings.parsers import ReasoningParser, ToolCallParser
 from pd_settings.problems import SettingsError
 from pd_settings.secrets import is_loopback, read_secret
 
@@ -31,8 +32,6 @@ ENV_PREFIX = "PD_DECODE_"
 # (dequantization + Hadamard) then runs; the reference engine computes on the CPU.
 DEFAULT_KV_DEVICE = {"tilert": "cuda:0", "reference": "cpu"}
 # GLM's output parsers, named as vLLM names them (vLLM maps glm45 and glm47 to one parser each)
-ToolCallParser = Literal["none", "glm45", "glm47"]
-ReasoningParser = Literal["none", "glm45", "glm47"]
 
 __all__ = ["DEFAULT_KV_DEVICE", "ENV_PREFIX", "DecodeServerSettings", "ReasoningParser", "SettingsError",
            "ToolCallParser", "load_settings"]

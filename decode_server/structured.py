@@ -19,8 +19,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from decode_server.engine.grammar import GrammarMatcher
+from decode_server.engine.grammar import AfterReasoning, GrammarMatcher
 from pd_grammar.spec import COMPACT_SEPARATORS, GrammarSpec, JsonWhitespace
+from pd_grammar.tool_calls import CALL_BEGIN
+
+THINK_END = "</think>"
 
 CACHE_BYTES = 64 * 1024 * 1024
 
@@ -34,6 +37,7 @@ class GrammarCompiler:
         self._compact = whitespace == "compact"
         self._lock = threading.Lock()
         self._compiler: Any = None
+        self._reasoning_ends: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
 
     def _vocab_size(self) -> int:
         cfg_path = self._model_dir / "config.json"
@@ -50,6 +54,11 @@ class GrammarCompiler:
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir))
+                vocab = tokenizer.get_vocab()
+                # what ends a reasoning block, as GLM's reasoning parser in vLLM reads it: </think>, or
+                # a <tool_call> begun inside it (both single special tokens in GLM's vocabulary)
+                self._reasoning_ends = (frozenset(vocab[t] for t in (THINK_END,) if t in vocab),
+                                        frozenset(vocab[t] for t in (CALL_BEGIN,) if t in vocab))
                 info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size())
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=True,
                                                           cache_limit_bytes=CACHE_BYTES)
@@ -73,6 +82,9 @@ class GrammarCompiler:
                                                     separators=COMPACT_SEPARATORS if self._compact else None)
         stops = sorted(set(stop_token_ids))
         matcher: GrammarMatcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=stops or None)
+        if spec.after_reasoning:
+            explicit, implicit = self._reasoning_ends
+            return AfterReasoning(matcher, explicit, implicit)
         return matcher
 
 

@@ -59,8 +59,23 @@ class PrefillSpec:
     chunked_prefill: bool | None = None  # None: vLLM's default
     served_model_name: str | None = None  # default: the model directory's name
     kv_secret_file: str | None = None  # the KV channel's shared secret (the decode servers' --kv-secret-file)
+    # GLM's output parsers, the decode servers' (vLLM's names; "none": off): with the connector vLLM
+    # samples the first token under the grammar a chat's tools and its reasoning make, as the decode
+    # server then decodes (docs/router.md, "Tools")
+    tool_call_parser: str = "glm47"
+    reasoning_parser: str = "none"
     extra_args: tuple[str, ...] = ()
     python: str = sys.executable
+
+
+def parser_args(tool_call_parser: str, reasoning_parser: str) -> tuple[str, ...]:
+    """vLLM's flags for GLM's output parsers (``none``: the parser off)."""
+    args: tuple[str, ...] = ()
+    if tool_call_parser != "none":
+        args += ("--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser)
+    if reasoning_parser != "none":
+        args += ("--reasoning-parser", reasoning_parser)
+    return args
 
 
 def served_name(model: Path | str, served_model_name: str | None) -> str:
@@ -108,6 +123,9 @@ def vllm_prefill_argv(spec: PrefillSpec) -> list[str]:
     if spec.connector:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec))]
         argv += _unless_given(prefill_vllm_args(spec.profile), spec.extra_args)
+        given = {a.split("=", 1)[0] for a in spec.extra_args}
+        if not given & {"--tool-call-parser", "--reasoning-parser", "--enable-auto-tool-choice"}:
+            argv += parser_args(spec.tool_call_parser, spec.reasoning_parser)
     return argv + list(spec.extra_args)
 
 

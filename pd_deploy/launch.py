@@ -40,6 +40,7 @@ from connector.control import parse_endpoint
 from pd_deploy.commands import DECODE_ENV, PREFILL_ENV, PrefillSpec, vllm_prefill_argv
 from pd_deploy.wait import wait_ready
 from pd_settings.loader import EntrySettings, load, split_list
+from pd_settings.parsers import ReasoningParser, ToolCallParser
 from pd_settings.problems import Problem, SettingsError
 from pd_settings.servers import checked_name_ports, checked_servers_file
 
@@ -88,6 +89,12 @@ class PrefillLaunchSettings(EntrySettings):
     enforce_eager: bool = False
     kv_secret_file: str | None = Field(None, min_length=1, description="file holding the KV channel's shared "
                                        "secret (the decode servers' PD_DECODE_KV_SECRET_FILE)")
+    tool_call_parser: ToolCallParser = Field("glm47", description="the decode servers' "
+                                             "PD_DECODE_TOOL_CALL_PARSER: the first token of a chat with tools "
+                                             "sampled under the same tool-call grammar")
+    reasoning_parser: ReasoningParser = Field("none", description="the decode servers' "
+                                              "PD_DECODE_REASONING_PARSER: a grammar holds once the reasoning "
+                                              "ended, on both sides")
 
     _split = field_validator("decode_kv_endpoints", "decode_kv_dns", mode="before")(split_list)
     _servers_file = field_validator("servers_file")(checked_servers_file)
@@ -120,6 +127,7 @@ def build_argv(role: str, environ: Mapping[str, str], extra: list[str]) -> tuple
                            servers_file=s.servers_file, enforce_eager=s.enforce_eager,
                            tensor_parallel=s.tensor_parallel, max_model_len=s.max_model_len,
                            served_model_name=s.served_model_name, kv_secret_file=s.kv_secret_file,
+                           tool_call_parser=s.tool_call_parser, reasoning_parser=s.reasoning_parser,
                            python=python, extra_args=tuple(extra))
         return vllm_prefill_argv(spec), {**PREFILL_ENV, **environ}
     if role == "decode":

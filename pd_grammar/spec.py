@@ -5,13 +5,11 @@
   Compiled as vLLM compiles them with xgrammar (``json_object`` is the schema
   ``{"type": "object"}``; whitespace free), so that prefill's first token and the
   decode server's mask follow the same grammar.
-* ``tool_choice: "required"`` or a named function (chat, with ``tools``) -> GLM tool
-  calls ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>``
-  whose arguments follow the tool's ``parameters`` schema (xgrammar's ``glm_xml``
-  style: string values verbatim, other values as JSON), from the first generated
-  token: one or more calls for ``required``, exactly one of the named tool otherwise.
-  vLLM gets the same grammar as ``structured_outputs.structural_tag``
-  (:func:`prefill_overrides`).
+* ``tools`` in a chat (``tool_choice`` ``auto``, none given, ``required`` or a named function)
+  -> GLM tool calls as vLLM 0.32 constrains them (:mod:`pd_grammar.tool_calls`), with an
+  ``auto`` chat's structured output as the alternative to its calls. vLLM's prefill builds
+  the same grammar itself (it runs GLM's tool-call parser), so the router sends the fields
+  as the client sent them.
 * ``structured_outputs`` (vLLM's own field, chat and completions): exactly one of ``json``
   (a schema, or its JSON text), ``json_object``, ``regex``, ``choice`` (a list of strings:
   an EBNF alternation of them, as vLLM's xgrammar backend turns it into a grammar),
@@ -39,12 +37,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pd_grammar.tool_calls import FunctionTool, tool_call_tag
+
 GrammarKind = Literal["json_schema", "json_object", "structural_tag", "regex", "ebnf", "lark"]
 JsonWhitespace = Literal["any", "compact"]
 COMPACT_SEPARATORS = (",", ":")
-# whitespace between a tool call's parts (GLM-4.5 puts a newline there, GLM-4.7 nothing): bounded, so
-# that a model cannot fill a forced tool call with blank lines
-TOOL_CALL_MAX_WHITESPACE = 1  # what vLLM's xgrammar backend passes with disable_any_whitespace
 
 
 def vllm_structured_outputs_args(whitespace: JsonWhitespace) -> tuple[str, ...]:
@@ -90,6 +87,9 @@ class GrammarSpec(BaseModel):
 
     kind: GrammarKind
     source: str
+    # the grammar holds once the model's reasoning ended (a reasoning parser, thinking on), as
+    # vLLM holds it: after a </think>, or from a <tool_call> that ends the reasoning itself
+    after_reasoning: bool = False
 
 
 def _depth(value: Any) -> int:
@@ -163,60 +163,83 @@ def _from_response_format(fmt: Any, limits: SchemaLimits, compile: bool) -> Gram
                                 "response_format.type")
 
 
-def _function_tools(tools: Any, limits: SchemaLimits, compile: bool) -> dict[str, Any]:
-    """name -> the tool's parameters schema (``{}`` for none), in the order given."""
-    if not isinstance(tools, list) or not tools:
-        raise StructuredOutputError("tool_choice 'required' or a named function needs a non-empty 'tools' list",
-                                    "tools")
-    out: dict[str, Any] = {}
+def _function_tools(tools: Any, limits: SchemaLimits, compile: bool) -> list[FunctionTool]:
+    """The function tools, in the order given, their schemas checked."""
+    if not isinstance(tools, list):
+        raise StructuredOutputError("tools must be a list of function tools", "tools")
+    out: list[FunctionTool] = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise StructuredOutputError(f"tools[{i}] must be a function tool with a name", f"tools[{i}]")
         params = fn.get("parameters")
-        if params is None:
-            params = {"type": "object", "properties": {}}
-        check_schema(params, f"tools[{i}].function.parameters", limits, compile)
-        out[fn["name"]] = params
+        if params is not None:
+            check_schema(params, f"tools[{i}].function.parameters", limits, compile)
+        out.append(FunctionTool(fn["name"], params, fn.get("strict") is True))
     return out
 
 
-def _tool_tag(name: str, params: Any) -> dict[str, Any]:
-    """One GLM tool call as an xgrammar structural-tag ``tag`` format."""
-    return {"type": "tag", "begin": f"<tool_call>{name}",
-            "content": {"type": "json_schema", "json_schema": params, "style": "glm_xml",
-                        "max_whitespace_cnt": TOOL_CALL_MAX_WHITESPACE},
-            "end": "</tool_call>"}
-
-
-def _from_tool_choice(choice: Any, tools: Any, limits: SchemaLimits, compile: bool) -> GrammarSpec | None:
-    if choice is None or choice in ("none", "auto"):
-        return None
-    if choice == "required":
-        named = None
-    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict) \
+def _tool_mode(choice: Any) -> tuple[str, str | None]:
+    """``tool_choice`` as (``auto`` | ``required`` | ``forced`` | ``none``, the named function)."""
+    if choice is None or choice in ("none", "auto", "required"):
+        return choice or "auto", None
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict) \
             and isinstance(choice["function"].get("name"), str):
-        named = choice["function"]["name"]
-    else:
-        raise StructuredOutputError("tool_choice must be 'none', 'auto', 'required' or "
-                                    "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
-    by_name = _function_tools(tools, limits, compile)
+        return "forced", choice["function"]["name"]
+    raise StructuredOutputError("tool_choice must be 'none', 'auto', 'required' or "
+                                "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+
+
+def _output_format(spec: GrammarSpec, compile: bool) -> dict[str, Any]:
+    """A structured output as a structural tag's format (vLLM's mapping, for ``auto`` tools)."""
+    if spec.kind in ("json_schema", "json_object"):
+        return {"type": "json_schema", "json_schema": json.loads(spec.source)}
+    if spec.kind == "regex":
+        return {"type": "regex", "pattern": spec.source}
+    if spec.kind == "ebnf":
+        return {"type": "grammar", "grammar": spec.source}
+    if spec.kind == "lark":  # xgrammar's format takes EBNF: converted where it is compiled
+        if not compile:
+            return {"type": "grammar", "grammar": spec.source}
+        import xgrammar
+
+        return {"type": "grammar", "grammar": str(xgrammar.Grammar.from_lark(spec.source))}
+    tag = json.loads(spec.source)
+    if "structures" not in tag:
+        return dict(tag["format"])
+    tags = [{"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]},
+             "end": s["end"]} for s in tag["structures"]]
+    return {"type": "triggered_tags", "triggers": tag["triggers"], "tags": tags}
+
+
+def _from_tools(body: Mapping[str, Any], output: GrammarSpec | None, limits: SchemaLimits,
+                compile: bool) -> GrammarSpec | None:
+    """The tool calls' grammar (:mod:`pd_grammar.tool_calls`) of a chat with ``tools``, or None
+    (no tools, ``tool_choice: "none"``)."""
+    tools, (mode, named) = body.get("tools"), _tool_mode(body.get("tool_choice"))
+    if mode == "none":
+        return None
+    if not tools:
+        if mode == "auto":
+            return None
+        raise StructuredOutputError("tool_choice 'required' or a named function needs a non-empty 'tools' list",
+                                    "tools")
+    functions = _function_tools(tools, limits, compile)
     if named is not None:
-        if named not in by_name:
+        functions = [tool for tool in functions if tool.name == named][:1]
+        if not functions:
             raise StructuredOutputError(f"tool_choice names {named!r}, which is not among the tools "
-                                        f"{sorted(by_name)}", "tool_choice.function.name")
-        fmt = _tool_tag(named, by_name[named])
-    else:
-        fmt = {"type": "tags_with_separator", "tags": [_tool_tag(n, p) for n, p in by_name.items()],
-               "separator": "", "at_least_one": True}
-    source = json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False, separators=COMPACT_SEPARATORS)
+                                        f"{sorted({t['function']['name'] for t in tools})}",
+                                        "tool_choice.function.name")
+    extra = _output_format(output, compile) if mode == "auto" and output is not None else None
+    source = tool_call_tag(functions, mode, body.get("parallel_tool_calls") is False, extra)
     if compile:
         import xgrammar
 
         try:
             xgrammar.Grammar.from_structural_tag(source)
         except Exception as exc:
-            raise StructuredOutputError(f"the tools' parameters cannot be compiled for tool_choice: {exc}",
+            raise StructuredOutputError(f"the tools' parameters cannot be compiled for tool calls: {exc}",
                                         "tools") from None
     return GrammarSpec(kind="structural_tag", source=source)
 
@@ -338,7 +361,7 @@ GRAMMAR_FIELDS = ("response_format", "tool_choice", "structured_outputs", "guide
 
 def asks_for_grammar(body: Mapping[str, Any]) -> bool:
     """Cheap: whether :func:`grammar_spec` has anything to look at (else it returns None)."""
-    return any(body.get(name) is not None for name in GRAMMAR_FIELDS)
+    return any(body.get(name) is not None for name in GRAMMAR_FIELDS) or bool(body.get("tools"))
 
 
 def grammar_param(body: Mapping[str, Any], chat: bool) -> str | None:
@@ -372,23 +395,14 @@ def grammar_spec(body: Mapping[str, Any], limits: SchemaLimits, chat: bool, comp
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         if body.get(name) is not None:
             raise StructuredOutputError(f"{name} is not supported; use response_format or structured_outputs", name)
-    found = [(param, spec) for param, spec in (
-        ("structured_outputs", _from_structured_outputs(body.get("structured_outputs"), limits, compile)),
-        ("response_format", _from_response_format(body.get("response_format"), limits, compile)),
-        ("tool_choice", _from_tool_choice(body.get("tool_choice"), body.get("tools"), limits, compile)
-         if chat else None),
-    ) if spec is not None]
-    if len(found) > 1:
-        names = " and ".join("tool_choice 'required'/named" if p == "tool_choice" else p for p, _ in found)
-        raise StructuredOutputError(f"{names} cannot be combined: a request follows one grammar", found[0][0])
-    return found[0][1] if found else None
-
-
-def prefill_overrides(spec: GrammarSpec | None) -> dict[str, Any]:
-    """Fields to set on the prefill leg's body so that vLLM samples the first token under
-    the same grammar. ``response_format`` goes through as the client sent it; tool
-    calls become the structural tag (``tool_choice`` ``none``, so vLLM adds no JSON
-    tool-call constraint of its own; the tools still reach the chat template)."""
-    if spec is None or spec.kind != "structural_tag":
-        return {}
-    return {"structured_outputs": {"structural_tag": spec.source}, "tool_choice": "none"}
+    so = _from_structured_outputs(body.get("structured_outputs"), limits, compile)
+    rf = _from_response_format(body.get("response_format"), limits, compile)
+    if so is not None and rf is not None:
+        raise StructuredOutputError("structured_outputs and response_format cannot be combined: a request follows "
+                                    "one grammar", "structured_outputs")
+    output = so or rf
+    if chat:
+        tools = _from_tools(body, output, limits, compile)
+        if tools is not None:
+            return tools
+    return output

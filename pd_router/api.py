@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, grammar_spec, prefill_overrides
+from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, grammar_spec
 from pd_router.errors import InvalidRequest
 from pd_wire.requests import (
     ChatCompletionRequest,
@@ -75,26 +75,20 @@ VLLM_REMOTE_DECODE_PARAMS: Mapping[str, Any] = MappingProxyType(
 
 
 def structured_output(endpoint: Endpoint, body: Mapping[str, Any], limits: SchemaLimits) -> GrammarSpec | None:
-    """The grammar the request's output must follow (``response_format``, ``tool_choice``
-    required/named), checked before any prefill: a bad or oversized schema is a 400 naming it."""
+    """The grammar the request's output must follow (``response_format``, ``structured_outputs``,
+    a chat's ``tools``), checked before any prefill: a bad or oversized schema is a 400 naming it."""
     try:
         return grammar_spec(body, limits, chat=endpoint is Endpoint.CHAT, compile=False)
     except StructuredOutputError as exc:
         raise InvalidRequest(exc.message, param=exc.param) from None
 
 
-def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: Mapping[str, Any],
-                 grammar: GrammarSpec | None = None) -> bytes:
-    """The prefill leg's body (docs/facts.md §1): one token, not streamed, with the handoff target;
-    the first token sampled under the request's grammar too (:func:`pd_grammar.spec.prefill_overrides`);
-    ``tool_choice`` ``auto`` (or none given, with ``tools``) sent as ``none``, which renders the same prompt."""
+def prefill_body(endpoint: Endpoint, body: dict[str, Any], kv_transfer_params: Mapping[str, Any]) -> bytes:
+    """The prefill leg's body (docs/facts.md §1): one token, not streamed, with the handoff target.
+    The grammar's fields (``response_format``, ``structured_outputs``, ``tools``, ``tool_choice``)
+    go as the client sent them: vLLM samples the first token under the same grammar the decode
+    server builds (prefill runs GLM's tool-call and reasoning parsers, docs/router.md "Tools")."""
     out = dict(body)
-    out.update(prefill_overrides(grammar))
-    if endpoint is Endpoint.CHAT and body.get("tools") and body.get("tool_choice") in (None, "auto"):
-        # the model may call a tool: the decode server parses its calls. vLLM refuses "auto" unless
-        # started with a tool-call parser, and renders the same prompt (the tools in the chat
-        # template) with "none" (docs/router.md, "Tools")
-        out["tool_choice"] = "none"
     out["stream"] = False
     out.pop("stream_options", None)
     out.pop("min_tokens", None)

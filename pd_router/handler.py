@@ -259,7 +259,7 @@ class CompletionHandler:
                 state.metrics.child(state.metrics.tenant_queue_wait, ctx.tenant.label,
                                     priority_label(ctx.priority)).observe(ctx.slot_wait)
             try:
-                await self._attempt(ctx, slot, body, request, handoff_id, grammar)
+                await self._attempt(ctx, slot, body, request, handoff_id)
                 return
             except DecodeLost as lost:
                 await self._move(ctx, body, request, grammar, lost)
@@ -339,7 +339,6 @@ class CompletionHandler:
 
     async def _attempt(
         self, ctx: RequestContext, slot: Slot, body: dict[str, Any], request: OpenAIRequest, handoff_id: str,
-        grammar: GrammarSpec | None = None,
     ) -> None:
         """Prefill and decode on one slot: at a server of ours, the prefill on the slot its decode
         request holds (the first token with the KV, :mod:`pd_router.overlap`, or the result
@@ -359,7 +358,7 @@ class CompletionHandler:
             with_kv = ctx.resume is not None or decode_check.result_with_kv(body, request, caps)
             kv_params: dict[str, Any] | None = None
             if not with_kv:  # the prefill's answer first: for a server the router counts, or to post it
-                kv_params = await prefill_leg.prefill(state, ctx, slot, body, request, handoff_id, grammar)
+                kv_params = await prefill_leg.prefill(state, ctx, slot, body, request, handoff_id)
                 ctx.stage = "decode"
             with observe.span(state, ctx, "decode", SpanKind.CLIENT) as span:
                 trace = None
@@ -368,7 +367,7 @@ class CompletionHandler:
                                          "pd.stream": request.stream})
                     trace = Tracing.headers(span)
                 if kv_params is None:
-                    clean = await overlap.prefill_and_decode(state, ctx, slot, body, request, handoff_id, grammar)
+                    clean = await overlap.prefill_and_decode(state, ctx, slot, body, request, handoff_id)
                 elif slot.opened is None:  # a server the router counts: the decode request now
                     clean = await relay.decode(state, ctx, slot, body, request, kv_params, trace)
                 else:

@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pd_grammar.spec import GrammarSpec
 from pd_router import decode_check, prefill_leg, relay
 from pd_router.backends import DecodeBackend
 from pd_router.context import RequestContext
@@ -45,7 +44,7 @@ log = logging.getLogger("pd_router.requests")
 
 async def prefill_and_decode(
     state: RouterState, ctx: RequestContext, slot: Slot, body: dict[str, Any], request: OpenAIRequest,
-    handoff_id: str, grammar: GrammarSpec | None,
+    handoff_id: str,
 ) -> bool:
     """The prefill on a slot its decode request holds (its 200 came), the first token with the
     KV; True when the answer ended cleanly. Raises as the sequential legs do (``ctx.stage`` says
@@ -54,7 +53,7 @@ async def prefill_and_decode(
     assert granted is not None  # a slot of a server of ours holds its open decode request
     ctx.stage = "prefill"
     prefill = asyncio.ensure_future(
-        prefill_leg.prefill(state, ctx, slot, body, request, handoff_id, grammar, result_with_kv=True))
+        prefill_leg.prefill(state, ctx, slot, body, request, handoff_id, result_with_kv=True))
     # the decode leg is what remains once the prefill answered well (an unstreamed answer
     # opens only when whole): the stage a failure or a client leaving is counted under
     prefill.add_done_callback(lambda leg: _prefilled(ctx, leg))

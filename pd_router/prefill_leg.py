@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from pd_grammar.spec import GrammarSpec
 from pd_http.tracing import Span, SpanKind, Tracing
 from pd_router import decode_check, migration, observe, upstream
 from pd_router.api import VLLM_REMOTE_DECODE_PARAMS, prefill_body
@@ -36,7 +35,7 @@ class KVNotDelivered(BadUpstream):
 
 async def prefill(
     state: RouterState, ctx: RequestContext, slot: Slot, body: dict[str, Any], request: OpenAIRequest,
-    handoff_id: str, grammar: GrammarSpec | None = None, result_with_kv: bool = False,
+    handoff_id: str, result_with_kv: bool = False,
 ) -> dict[str, Any]:
     """The prefill leg; the ``kv_transfer_params`` its answer carries for decode.
     ``result_with_kv``: the connector also sends them to the decode server with the KV. An
@@ -63,7 +62,7 @@ async def prefill(
         sides["echo"] = asyncio.ensure_future(plain_prefill(
             state, ctx, ctx.model, decode_check.echo_logprobs_body(body), f"{ctx.request_id[:240]}~echo"))
     try:
-        answer = await prefill_leg(state, ctx, prefill_body(ctx.endpoint, body, target, grammar), ctx.endpoint.path,
+        answer = await prefill_leg(state, ctx, prefill_body(ctx.endpoint, body, target), ctx.endpoint.path,
                                    handoff_id)
         if "prompt" in sides:
             ctx.prompt_logprobs = decode_check.prompt_logprobs_of(await sides["prompt"])

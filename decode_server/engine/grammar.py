@@ -30,6 +30,65 @@ class GrammarMatcher(Protocol):
     def is_terminated(self) -> bool: ...
 
 
+class AfterReasoning:
+    """A matcher that holds once the model's reasoning ended, as vLLM's structured output with a
+    reasoning parser: tokens before are free (their mask rows allow every token); an
+    ``explicit`` end token (``</think>``) starts the grammar after it, an ``implicit`` one
+    (``<tool_call>``, which ends the reasoning and begins a call) is the grammar's first token.
+    It rolls back any number of tokens, as the matcher it wraps."""
+
+    def __init__(self, inner: GrammarMatcher, explicit: frozenset[int], implicit: frozenset[int]) -> None:
+        self.inner = inner
+        self._explicit, self._implicit = explicit, implicit
+        self._waiting = True
+        self._implicit_start = False
+        self._before = 0  # tokens accepted while waiting (an explicit end token included)
+        self._inner = 0  # tokens the wrapped matcher accepted
+
+    @property
+    def waiting(self) -> bool:
+        return self._waiting
+
+    def accept_token(self, token_id: int) -> bool:
+        if not self._waiting:
+            ok = self.inner.accept_token(token_id)
+            self._inner += ok
+            return ok
+        if token_id in self._implicit:
+            if not self.inner.accept_token(token_id):
+                return False
+            self._waiting, self._implicit_start = False, True
+            self._inner += 1
+            return True
+        self._before += 1
+        if token_id in self._explicit:
+            self._waiting, self._implicit_start = False, False
+        return True
+
+    def fill_next_token_bitmask(self, bitmask: Any, index: int = 0) -> Any:
+        if self._waiting:
+            bitmask[index] = -1
+            return None
+        return self.inner.fill_next_token_bitmask(bitmask, index)
+
+    def rollback(self, num_tokens: int = 1) -> None:
+        inner = min(num_tokens, self._inner)
+        if inner:
+            self.inner.rollback(inner)
+            self._inner -= inner
+            if self._implicit_start and self._inner == 0:
+                self._waiting = True  # the <tool_call> that ended the reasoning is undone
+        rest = num_tokens - inner
+        if rest > self._before:
+            raise EngineError(f"rollback of {num_tokens} tokens past the grammar's start")
+        if rest and not self._waiting:
+            self._waiting = True  # the </think> is undone
+        self._before -= rest
+
+    def is_terminated(self) -> bool:
+        return not self._waiting and self.inner.is_terminated()
+
+
 def bitmask_words(vocab_size: int) -> int:
     """int32 words per bitmask row (xgrammar's layout: bit ``t % 32`` of word ``t // 32``)."""
     return (vocab_size + 31) // 32

@@ -79,7 +79,7 @@ def parse_tool_call(body: str, param_types: dict[str, dict[str, str]]) -> ToolCa
     """One ``<tool_call>`` body -> a ToolCall, or None when it is not a call of one of the
     tools (``param_types``' names)."""
     text = body.strip()
-    call_id = f"call_{uuid.uuid4().hex[:24]}"
+    call_id = f"chatcmpl-tool-{uuid.uuid4().int & (2**64 - 1):016x}"  # vLLM's id shape
     cut = text.find("<arg_key>")
     name = (text if cut < 0 else text[:cut]).strip()
     if name not in param_types:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from decode_server.engine.base import SamplingParams
 from decode_server.server.api_errors import InvalidRequest, KVHandoffFailed
@@ -38,6 +38,9 @@ class ServerLimits:
     schema_limits: SchemaLimits = SchemaLimits()
 
 
+ToolChoiceKind = Literal["auto", "required", "named"]
+
+
 @dataclass(frozen=True)
 class Plan:
     endpoint: Endpoint
@@ -56,6 +59,9 @@ class Plan:
     first_tool_call_only: bool  # parallel_tool_calls false: later calls are dropped from the answer
     first_logprob: TokenLogprob | None
     grammar: GrammarSpec | None = None  # structured output (the engine gets its matcher)
+    # how the calls were asked for (the finish reason and content follow it, as in vLLM): "auto", or a
+    # call forced ("required", "named"); None without tools
+    tool_choice: ToolChoiceKind | None = None
     asked_max_tokens: tuple[int | None, str, int] = (None, "max_tokens", 0)  # (asked, its param, max_seq_len)
     progress: bool = False  # progress lines before each write (HandoffClaim.progress)
     created: int | None = None  # the answer's ``created`` (None: now)
@@ -158,12 +164,20 @@ def _resumed(plan: Plan, result: HandoffResult, resume: ResumeFrom) -> Plan:
                    stop=replace(plan.stop, max_tokens=max_tokens))
 
 
+def _tool_choice_kind(choice: Any) -> ToolChoiceKind:
+    if choice == "required":
+        return "required"
+    return "named" if isinstance(choice, dict) else "auto"
+
+
 def _grammar(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits) -> GrammarSpec | None:
     """The request's structured output (pd_grammar: the router checks the same before prefill)."""
     fields: dict[str, Any] = dict(req.model_extra or {})
     chat = isinstance(req, ChatCompletionRequest)
     if isinstance(req, ChatCompletionRequest):
-        fields.update(tools=req.tools, tool_choice=req.tool_choice)
+        fields.update(tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
+        if not limits.tool_call_parser and req.tool_choice in (None, "auto"):
+            fields.pop("tools")  # no parser, no calls to constrain (vLLM constrains them for its parser)
     if not limits.features.structured_output:
         param = grammar_param(fields, chat)
         if param is not None:
@@ -241,17 +255,19 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
     )
     chat = isinstance(req, ChatCompletionRequest)
     tools = None
-    if isinstance(req, ChatCompletionRequest) and limits.tool_call_parser and req.tools and req.tool_choice != "none":
-        tools = req.tools
-    if isinstance(req, ChatCompletionRequest) and grammar is not None and grammar.kind == "structural_tag":
-        tools = req.tools  # the grammar makes GLM tool calls: parsed whatever --tool-call-parser says
+    if isinstance(req, ChatCompletionRequest) and req.tools and req.tool_choice != "none" and (
+            limits.tool_call_parser or (grammar is not None and grammar.kind == "structural_tag")):
+        tools = req.tools  # a forced call is parsed as GLM's calls whatever --tool-call-parser says
     thinking = True
     if isinstance(req, ChatCompletionRequest) and req.chat_template_kwargs:
         for key in ("enable_thinking", "thinking"):
             if req.chat_template_kwargs.get(key) is False:
                 thinking = False
-    # the grammar holds from the first token: no reasoning block to parse
-    reasoning = chat and limits.reasoning_parser and thinking and grammar is None
+    reasoning = chat and limits.reasoning_parser and thinking
+    if grammar is not None and limits.reasoning_parser and thinking:
+        # as vLLM with a reasoning parser: the grammar holds once the reasoning ended (a completions
+        # prompt is taken as opening one, as vLLM reads a prompt that does not close it)
+        grammar = grammar.model_copy(update={"after_reasoning": True})
     if tools is not None or reasoning:  # GLM's markers are special tokens: the parser sees them and no
         # other special token, whatever skip_special_tokens says (as vLLM's GLM parser)
         stop = replace(stop, skip_special_tokens=True, keep_special=frozenset(MARKERS))
@@ -263,6 +279,7 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
         model=req.model or limits.model_name, logprobs=k, tokens_as_ids=bool(req.return_tokens_as_token_ids),
         reasoning=reasoning, tools=tools,
         first_tool_call_only=isinstance(req, ChatCompletionRequest) and req.parallel_tool_calls is False,
+        tool_choice=_tool_choice_kind(req.tool_choice) if isinstance(req, ChatCompletionRequest) and tools else None,
         first_logprob=(prefill_logprob(handoff.prefill_logprobs, k)
                        if k is not None and isinstance(handoff, HandoffResult) else None),
         grammar=grammar,

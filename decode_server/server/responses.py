@@ -150,9 +150,18 @@ class ChatRenderer(_Renderer):
             tail = self._parser.finish()
             piece.reasoning += tail.reasoning
             piece.content += tail.content
+            piece.tool_calls += tail.tool_calls  # a call cut off by the end
         return piece
 
     def _finish_reason(self, reason: str | None) -> str | None:
+        """vLLM's finish reason beside tool calls: a stop with calls is ``tool_calls``, not for a
+        named function; unstreamed, ``tool_calls`` whenever ``auto`` made calls (a cut one too)
+        and whenever a ``required`` answer stopped."""
+        choice = self.plan.tool_choice
+        if reason is None or choice == "named":
+            return reason
+        if not self.plan.stream and ((choice == "auto" and self._calls) or (choice == "required" and reason == "stop")):
+            return "tool_calls"
         return "tool_calls" if reason == "stop" and self._calls else reason
 
     def start(self) -> list[dict[str, Any]]:
@@ -190,9 +199,11 @@ class ChatRenderer(_Renderer):
         content: str | None = "".join(self._content)
         if self._parser is not None:
             content = self._parser.message_content()
-        # no content: null beside tool calls or a reasoning block (as vLLM's GLM parsers answer), else ""
-        message: dict[str, Any] = {"role": "assistant",
-                                   "content": content or (None if self._calls or self.plan.reasoning else "")}
+        # no content: "" with a forced call, null beside tool calls or a reasoning block (as vLLM's GLM
+        # parsers answer), else ""
+        forced = self.plan.tool_choice in ("required", "named")
+        message: dict[str, Any] = {"role": "assistant", "content": content or (
+            "" if forced or not (self._calls or self.plan.reasoning) else None)}
         if self._parser is not None and self.plan.reasoning:
             message["reasoning_content"] = "".join(self._reasoning) or None
         if self._calls:

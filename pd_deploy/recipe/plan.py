@@ -210,6 +210,8 @@ def _workers(r: Recipe) -> list[Step]:
         chunked_prefill=r.prefill.chunked_prefill,
         served_model_name=r.model.name,
         kv_secret_file=KV_SECRET_FILE,
+        tool_call_parser=r.decode.tool_call_parser,
+        reasoning_parser=r.decode.reasoning_parser,
         extra_args=tuple(extra),
         python=r.prefill.python,
     )

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from decode_server.model_dir import MODEL_FILES
-from decode_server.settings import ReasoningParser, ToolCallParser
+from pd_settings.parsers import ReasoningParser, ToolCallParser
 
 BIND_NODE = "node"  # slurm.bind_host: every server listens on its own node's name
 

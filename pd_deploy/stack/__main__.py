@@ -19,11 +19,11 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from decode_server.settings import ReasoningParser, ToolCallParser
 from pd_deploy.stack.launcher import Stack, StackConfig, usage_text
 from pd_deploy.stack.ports import PortInUse, check_free
 from pd_http.tracing import check_endpoint
 from pd_settings.loader import EntrySettings, load
+from pd_settings.parsers import ReasoningParser, ToolCallParser
 from pd_settings.problems import SettingsError
 
 REPO = Path(__file__).resolve().parents[2]

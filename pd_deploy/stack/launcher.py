@@ -116,7 +116,8 @@ class StackConfig:
         return PrefillSpec(model=self.model_dir, host=self.host, port=self.prefill_port, mtp=self.prefill_mtp,
                            profile=self.profile, decode_endpoints=endpoints, max_model_len=self.max_seq_len,
                            served_model_name=self.served_model_name, extra_args=self.prefill_extra_args(),
-                           connector_module=module, connector_class=cls)
+                           connector_module=module, connector_class=cls, tool_call_parser=self.tool_call_parser,
+                           reasoning_parser=self.reasoning_parser)
 
     def port_needs(self) -> list[PortNeed]:
         """Every TCP port the stack's servers bind, with the option that sets it."""

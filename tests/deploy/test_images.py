@@ -114,6 +114,8 @@ def test_prefill_entrypoint_starts_vllm_with_connector_and_mtp(tmp_path: Path) -
                                      "decode-0.decode:8300", "decode-1.decode:8300"],
                                      "kv_secret_file": "/run/secrets/pd/kv-secret"}},
         "--kv-cache-dtype", "fp8_ds_mla", "--block-size", "64",
+        # the decode servers' output parsers (the image's defaults): a chat's first token under its tools' grammar
+        "--enable-auto-tool-choice", "--tool-call-parser", "glm47",
         "--gpu-memory-utilization", "0.9"]
     assert got["env"]["HF_HUB_OFFLINE"] == "1" and got["env"]["HF_HOME"] == "/shared/hf"
 

@@ -116,6 +116,8 @@ def test_wiring_between_roles_is_discovered_by_dns() -> None:
     (pod_ip,) = [e for e in _container("StatefulSet", "decode")["env"] if e["name"] == "POD_IP"]
     assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert prefill_env["PD_PREFILL_SERVED_MODEL_NAME"] == decode_env["PD_DECODE_SERVED_MODEL_NAME"]
+    for parser in ("TOOL_CALL_PARSER", "REASONING_PARSER"):  # the first token under the decode side's grammar
+        assert prefill_env[f"PD_PREFILL_{parser}"] == decode_env[f"PD_DECODE_{parser}"]
     assert decode_env["PD_DECODE_KV_DEVICE"] == "cuda:0"  # TileRT receives KV into VRAM
     # prefill need not wait for decode: its connector handshakes decode pods as they appear
     assert "initContainers" not in _get("Deployment", "prefill")["spec"]["template"]["spec"]

@@ -145,6 +145,9 @@ def test_dry_run_prints_every_process_of_every_node() -> None:
     # vLLM 0.32 on SM100 allocates the 656-byte fp8_ds_mla rows (64-token blocks) only when told to
     assert prefill[prefill.index("--kv-cache-dtype") + 1] == "fp8_ds_mla"
     assert prefill[prefill.index("--block-size") + 1] == "64"
+    # the decode side's output parsers: the first token under the grammar the tools and reasoning make
+    assert "--enable-auto-tool-choice" in prefill and prefill[prefill.index("--tool-call-parser") + 1] == "glm47"
+    assert prefill[prefill.index("--reasoning-parser") + 1] == "glm45"
     kv = json.loads(prefill[prefill.index("--kv-transfer-config") + 1])
     assert kv["kv_connector"] == "TileRTConnector" and kv["kv_role"] == "kv_producer"
     # the job's secrets by file (generated 0600 into the job dir by render), never on a command line

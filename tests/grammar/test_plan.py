@@ -1,7 +1,8 @@
 """The decode server's plan of a structured-output request (decode_server/server/request_plan.py):
 the same pd_grammar refusals as the router's, the grammar in the plan, forced tool calls parsed
-whatever --tool-call-parser says, no reasoning block under a grammar, GLM's special tokens kept
-for the parser."""
+whatever --tool-call-parser says, a grammar after the reasoning block with a reasoning parser and
+from the first token without one or with thinking off (as vLLM), GLM's special tokens kept for
+the parser."""
 
 from __future__ import annotations
 
@@ -32,11 +33,23 @@ def test_structured_plans():
     # reasoning: GLM's markers kept, no other special token (as vLLM's parser reads them)
     assert plain.grammar is None and plain.reasoning and plain.stop.keep_special == frozenset(MARKERS)
     fmt = _plan(response_format={"type": "json_object"})
-    assert fmt.grammar is not None and fmt.grammar.kind == "json_object" and not fmt.reasoning and fmt.tools is None
+    assert fmt.grammar is not None and fmt.grammar.kind == "json_object" and fmt.tools is None
+    assert fmt.reasoning and fmt.grammar.after_reasoning  # the reasoning first, then the JSON
     forced = _plan(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get"}})
-    assert forced.grammar is not None and forced.grammar.kind == "structural_tag"
-    assert forced.tools == TOOLS and not forced.reasoning and forced.stop.keep_special == frozenset(MARKERS)
-    assert _plan(response_format={"type": "json_object"}).stop.keep_special == frozenset()
+    assert forced.grammar is not None and forced.grammar.kind == "structural_tag" and forced.grammar.after_reasoning
+    assert forced.tools == TOOLS and forced.reasoning and forced.stop.keep_special == frozenset(MARKERS)
+    off = _plan(tools=TOOLS, tool_choice="required", chat_template_kwargs={"enable_thinking": False})
+    assert off.grammar is not None and not off.grammar.after_reasoning and not off.reasoning
+    parsed = ServerLimits(max_seq_len=100, features=LIMITS.features, engine="reference", model_name="m",
+                          schema_limits=LIMITS.schema_limits, tool_call_parser=True, reasoning_parser=True)
+    auto = _plan(parsed, tools=TOOLS)
+    assert auto.grammar is not None and auto.grammar.after_reasoning and auto.tools == TOOLS
+    bare = ServerLimits(max_seq_len=100, features=LIMITS.features, engine="reference", model_name="m",
+                        schema_limits=LIMITS.schema_limits)
+    assert _plan(bare, tools=TOOLS).grammar is None  # no parser: auto calls are not constrained
+    named = _plan(bare, tools=TOOLS, tool_choice="required")
+    assert named.grammar is not None and not named.grammar.after_reasoning and named.tools == TOOLS
+    assert _plan(bare, response_format={"type": "json_object"}).stop.keep_special == frozenset()
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -17,7 +17,6 @@ from pd_grammar.spec import (
     StructuredOutputError,
     grammar_param,
     grammar_spec,
-    prefill_overrides,
     vllm_structured_outputs_args,
 )
 
@@ -45,7 +44,6 @@ def test_response_formats():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     spec = grammar_spec(_fmt(schema), LIMITS, False)
     assert spec is not None and spec.kind == "json_schema" and json.loads(spec.source) == schema
-    assert prefill_overrides(spec) == {}  # vLLM reads response_format itself
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [
@@ -83,8 +81,6 @@ def test_response_formats():
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "a", "parameters": {
         "type": "object", "properties": {"b": {"type": "nope"}}}}}]}, "tools[0].function.parameters", "valid"),
     ({"tool_choice": "required", "tools": [{"type": "code"}]}, "tools[0]", "function tool"),
-    ({"tool_choice": "required", "tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format",
-     "cannot be combined"),
 ])
 def test_refusals_name_the_parameter(body, param, words):
     err = _refused(body)
@@ -120,8 +116,6 @@ def test_structured_outputs_is_the_same_grammar_path(so, kind, accepts, refuses)
     spec = grammar_spec({"structured_outputs": so}, LIMITS, False)
     assert spec is not None and spec.kind == kind
     assert grammar_spec({"structured_outputs": so}, LIMITS, True, compile=False) == spec
-    assert prefill_overrides(spec) == ({"structured_outputs": {"structural_tag": spec.source}, "tool_choice": "none"}
-                                       if kind == "structural_tag" else {})
     if kind in ("json_schema", "json_object"):
         grammar = xgrammar.Grammar.from_json_schema(spec.source)
     elif kind == "structural_tag":
@@ -133,23 +127,30 @@ def test_structured_outputs_is_the_same_grammar_path(so, kind, accepts, refuses)
     assert not xgrammar.testing._is_grammar_accept_string(grammar, refuses)
 
 
-def test_tool_choice_makes_glm_tool_call_tags():
-    assert grammar_spec({"tools": TOOLS, "tool_choice": "auto"}, LIMITS, True) is None
+def test_tools_make_glm_tool_call_tags():
+    """Every tool_choice but none makes the calls' grammar (tests/grammar/test_tool_calls.py: the
+    same as vLLM's); a completion has no tools; a forced call ignores a structured output, as vLLM."""
+    assert grammar_spec({"tools": TOOLS, "tool_choice": "none"}, LIMITS, True) is None
     assert grammar_spec({"tools": TOOLS, "tool_choice": "required"}, LIMITS, False) is None  # completions: no tools
+    auto = grammar_spec({"tools": TOOLS}, LIMITS, True)
     required = grammar_spec({"tools": TOOLS, "tool_choice": "required"}, LIMITS, True)
-    named = grammar_spec({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get"}}},
-                         LIMITS, True)
-    assert required is not None and named is not None and required.kind == named.kind == "structural_tag"
+    named = grammar_spec({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get"}},
+                          "response_format": {"type": "json_object"}}, LIMITS, True)
+    assert auto is not None and required is not None and named is not None
+    assert auto.kind == required.kind == named.kind == "structural_tag"
     grammar = xgrammar.Grammar.from_structural_tag(named.source)
     ok = '<tool_call>get<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>' \
          '<arg_value>3</arg_value></tool_call>'
     assert xgrammar.testing._is_grammar_accept_string(grammar, ok)
     assert not xgrammar.testing._is_grammar_accept_string(grammar, ok.replace(">3<", ">three<"))
     assert not xgrammar.testing._is_grammar_accept_string(grammar, "<tool_call>now</tool_call>")
+    assert not xgrammar.testing._is_grammar_accept_string(grammar, ok + ok)  # one call
     both = xgrammar.Grammar.from_structural_tag(required.source)
     assert xgrammar.testing._is_grammar_accept_string(both, "<tool_call>now</tool_call>" + ok)
     assert not xgrammar.testing._is_grammar_accept_string(both, "")  # at least one call
-    assert prefill_overrides(named) == {"structured_outputs": {"structural_tag": named.source}, "tool_choice": "none"}
+    free = xgrammar.Grammar.from_structural_tag(auto.source)
+    assert xgrammar.testing._is_grammar_accept_string(free, "Sunny. " + ok)
+    assert not xgrammar.testing._is_grammar_accept_string(free, "<think>again")  # GLM's markers are not text
 
 
 def test_vllm_flags_follow_the_whitespace_mode():
@@ -187,25 +188,6 @@ def test_any_json_is_a_spec_or_a_named_refusal(body):
             assert "compiled" in exc.message or "not supported for structured output" in exc.message, exc.message
         return
     assert grammar_spec(body, LIMITS, True, compile=False) == spec
-
-
-def test_the_tool_call_tag_is_xgrammars_structural_tag():
-    """The tag is written as plain JSON (the router builds it without xgrammar): xgrammar reads
-    it as the same tag its own classes build."""
-    from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat
-
-    def tag(name: str, params: dict) -> TagFormat:
-        return TagFormat(begin=f"<tool_call>{name}", end="</tool_call>", content=JSONSchemaFormat(
-            json_schema=params, style="glm_xml", max_whitespace_cnt=1))
-
-    params = {"get": TOOLS[0]["function"]["parameters"], "now": {"type": "object", "properties": {}}}
-    required = grammar_spec({"tools": TOOLS, "tool_choice": "required"}, LIMITS, True, compile=False)
-    named = grammar_spec({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "now"}}},
-                         LIMITS, True, compile=False)
-    assert required is not None and named is not None
-    assert StructuralTag.model_validate_json(required.source) == StructuralTag(format=TagsWithSeparatorFormat(
-        tags=[tag(n, p) for n, p in params.items()], separator="", at_least_one=True))
-    assert StructuralTag.model_validate_json(named.source) == StructuralTag(format=tag("now", params["now"]))
 
 
 @pytest.mark.parametrize("schema", [{"$ref": "#/$defs/missing"}, {"type": "string", "pattern": "(?<=a)b"}],
@@ -248,5 +230,5 @@ def test_schema_bounds_are_settings_checked_at_start(tmp_path):
 ])
 def test_grammar_param_names_what_asks_for_a_grammar(body, chat, param):
     assert grammar_param(body, chat) == param
-    if param is None:
+    if param is None and not body.get("tools"):  # auto calls: constrained where the engine can
         assert grammar_spec(body, LIMITS, chat) is None

@@ -1,7 +1,7 @@
 """The router's side of structured output (pd_grammar): a bad or oversized schema is a 400
-naming it before any backend sees the request; a forced tool call reaches prefill as the
-same GLM tool-call grammar (structured_outputs.structural_tag, tool_choice none), while the
-decode server gets the client's body as it was."""
+naming it before any backend sees the request; the grammar's fields (tools, tool_choice,
+response_format) reach prefill and the decode server as the client sent them: prefill's vLLM
+builds the tools' grammar itself, as the decode server does."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import json
 import httpx
 import pytest
 
-from pd_grammar.spec import SchemaLimits, grammar_spec
 from tests.router.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,22 +37,19 @@ def test_bad_schema_refused_before_any_backend(make_rig, extra, param):
     rig.assert_no_leaks()
 
 
-def test_forced_tool_call_reaches_prefill_as_the_same_grammar(make_rig):
+def test_tool_calls_reach_prefill_as_the_client_sent_them(make_rig):
     rig = make_rig()
-    body = _chat(tools=TOOLS, tool_choice="required")
-    resp = httpx.post(rig.url + "/v1/chat/completions", json=body, timeout=10)
-    assert resp.status_code == 200, resp.text
-    prefill = rig.records(rig.prefills[0])["requests"][0]["body"]
-    spec = grammar_spec(body, SchemaLimits(), chat=True)
-    assert spec is not None
-    assert prefill["structured_outputs"] == {"structural_tag": spec.source} and prefill["tool_choice"] == "none"
-    assert prefill["tools"] == TOOLS
-    decode = rig.records(rig.decodes[0])["requests"][0]["body"]
-    assert decode["tool_choice"] == "required" and "structured_outputs" not in decode
+    for i, choice in enumerate(["required", None]):
+        body = _chat(tools=TOOLS, **({"tool_choice": choice} if choice else {}))
+        resp = httpx.post(rig.url + "/v1/chat/completions", json=body, timeout=10)
+        assert resp.status_code == 200, resp.text
+        for server in (rig.prefills[0], rig.decodes[0]):
+            sent = rig.records(server)["requests"][i]["body"]
+            assert sent["tools"] == TOOLS and sent.get("tool_choice") == choice and "structured_outputs" not in sent
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
     assert httpx.post(rig.url + "/v1/chat/completions", json=_chat(response_format=fmt), timeout=10).status_code == 200
-    prefill = rig.records(rig.prefills[0])["requests"][1]["body"]
+    prefill = rig.records(rig.prefills[0])["requests"][2]["body"]
     assert prefill["response_format"] == fmt and "structured_outputs" not in prefill  # vLLM reads response_format
     assert json.loads(json.dumps(prefill["response_format"]["json_schema"]["schema"])) == schema
     rig.assert_no_leaks()
