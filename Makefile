@@ -17,8 +17,12 @@ SYSTEM_PACKAGES = $(SLURM_PACKAGES) prometheus iproute2
 AIPERF_VENV = .cache/aiperf-venv
 AIPERF_PIN  = aiperf==0.13.0
 AIPERF_STAMP = $(AIPERF_VENV)/.installed-$(AIPERF_PIN)
+# the agent SDKs the tests run as their users do (tests/clients), in an environment of their own
+CLIENTS_VENV = .cache/clients-venv
+CLIENTS_PINS = openai==3.63.0 openai-agents==0.24.0 langchain-openai==1.8.1 litellm==1.110.2
+CLIENTS_STAMP = $(CLIENTS_VENV)/.installed-$(shell echo "$(CLIENTS_PINS)" | sha1sum | cut -c1-12)
 
-.PHONY: venv run check test test-fast system-deps bench bench-tools plots clean
+.PHONY: venv run check test test-fast system-deps bench bench-tools client-tools plots clean
 
 venv: $(STAMP)
 
@@ -46,6 +50,15 @@ $(AIPERF_STAMP):
 	@rm -f $(AIPERF_VENV)/.installed-*
 	@touch $@
 
+client-tools: $(CLIENTS_STAMP)
+
+$(CLIENTS_STAMP):
+	@echo ">> $(CLIENTS_VENV): $(CLIENTS_PINS) (the agent SDKs the tests run)"
+	@test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install --progress-bar off -q $(CLIENTS_PINS)
+	@rm -f $(CLIENTS_VENV)/.installed-*
+	@touch $@
+
 run: venv
 	$(PY) -m pd_deploy.stack $(RUN_ARGS)
 
@@ -71,7 +84,7 @@ system-deps:
 		echo ">> not installed: $$missing (Debian packages; run 'make system-deps' as root): the tests that run them will fail"; \
 	fi
 
-test: venv system-deps bench-tools check
+test: venv system-deps bench-tools client-tools check
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 # Unit tests only (no vLLM, no model training, no subprocess stacks or Slurm): under 2 minutes.

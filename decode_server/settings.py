@@ -68,7 +68,7 @@ class DecodeServerSettings(EntrySettings):
         "(TCP keepalive and user timeout, on HTTP and KV control connections; a slow peer is never cut)")
     served_model_name: str | None = Field(None, min_length=1, description="model name (default: model dir name)")
     reasoning_parser: ReasoningParser = Field(
-        "none", description="glm45 (or glm47, the same parser): split <think>..</think> into reasoning_content "
+        "none", description="glm45 (or glm47, the same parser): split <think>..</think> into reasoning "
         "(chat), as vLLM's --reasoning-parser glm45; for a model that reasons (GLM-5.1)")
     tool_call_parser: ToolCallParser = Field(
         "glm47", description="glm47 (or glm45, the same parser): parse <tool_call>..</tool_call> into tool_calls "

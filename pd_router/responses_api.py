@@ -12,7 +12,10 @@ included; its content a string or text parts; an assistant message keeps its fir
 text), ``function_call`` (a tool call of the assistant message before it, or a new one),
 ``function_call_output`` (a ``tool`` message), ``reasoning`` (the assistant message's
 ``reasoning``; ``encrypted_content`` is refused, as vLLM refuses it). Tools: ``function``
-tools (the chat template gets them in chat completions' shape). ``tool_choice`` ``auto``,
+tools (the chat template gets them in chat completions' shape), ``namespace`` tools (each of
+their functions shown as ``<namespace>__<name>``, and a call of one answered with its
+``namespace``, as vLLM does), hosted tools (``web_search``, ``mcp``, ...) left out of the
+prompt, as vLLM leaves them; ``custom`` (free-form) tools are refused. ``tool_choice`` ``auto``,
 ``none``, ``required`` or a named function; ``text.format`` ``json_object`` /
 ``json_schema`` become ``response_format``; ``reasoning.effort`` the chat template's
 ``reasoning_effort`` and ``enable_thinking``, as vLLM passes them. Without a store (vLLM's
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, field_validator
 
 from pd_router.api import json_object
 from pd_router.errors import InvalidRequest, UnknownResponse
@@ -58,8 +61,12 @@ class FunctionCallItem(BaseModel):
     call_id: str
     name: str = Field(min_length=1)
     arguments: str
+    namespace: str | None = None  # a namespace tool's function: the model called <namespace>__<name>
     id: str | None = None
     status: str | None = None
+
+    def model_name(self) -> str:
+        return f"{self.namespace}{NAMESPACE_SEPARATOR}{self.name}" if self.namespace else self.name
 
 
 class FunctionCallOutputItem(BaseModel):
@@ -110,6 +117,50 @@ class FunctionTool(BaseModel):
         return {"type": "function", "function": function}
 
 
+NAMESPACE_SEPARATOR = "__"  # a namespace's function is shown to the model as <namespace>__<name>, as vLLM
+
+
+class NamespaceTool(BaseModel):
+    """A group of functions (Codex's ``multi_agent_v1``): each shown to the model as a function
+    named ``<namespace>__<name>``, as vLLM flattens them; what is not a function is left out."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["namespace"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] = Field(default_factory=list)
+
+    def functions(self) -> list[FunctionTool]:
+        functions = [FunctionTool.model_validate(tool) for tool in self.tools if tool.get("type") == "function"]
+        return [fn.model_copy(update={"name": f"{self.name}{NAMESPACE_SEPARATOR}{fn.name}"}) for fn in functions]
+
+
+class HostedTool(BaseModel):
+    """A tool the model is never shown (``web_search``, ``file_search``, ``mcp``, ``computer``,
+    ``image_generation``, ...): left out of the prompt, as vLLM leaves it out."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field(min_length=1)
+
+    @field_validator("type")
+    @classmethod
+    def _not_custom(cls, value: str) -> str:
+        if value == "custom":
+            raise ValueError("custom (free-form) tools are not supported; use function tools")
+        return value
+
+
+def _tool_kind(tool: Any) -> str:
+    kind = tool.get("type") if isinstance(tool, dict) else getattr(tool, "type", None)
+    return kind if kind in ("function", "namespace") else "hosted"
+
+
+Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[NamespaceTool, Tag("namespace")]
+                 | Annotated[HostedTool, Tag("hosted")], Discriminator(_tool_kind)]
+
+
 class NamedFunction(BaseModel):
     type: Literal["function"]
     name: str = Field(min_length=1)
@@ -158,7 +209,7 @@ class ResponsesRequest(BaseModel):
     stream: bool | None = False
     store: bool | None = None
     background: bool | None = False
-    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] = Field(default_factory=list)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] = Field(default_factory=list)
     tool_choice: Literal["auto", "none", "required"] | NamedFunction = "auto"
     parallel_tool_calls: bool | None = True
     text: TextConfig | None = None
@@ -208,7 +259,7 @@ class ResponsesRequest(BaseModel):
             last = messages[-1] if messages and messages[-1].get("role") == "assistant" else None
             if isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": item.arguments}}
+                        "function": {"name": item.model_name(), "arguments": item.arguments}}
                 if last is not None:
                     last.setdefault("tool_calls", []).append(call)
                 else:
@@ -237,11 +288,28 @@ class ResponsesRequest(BaseModel):
                 messages.append({"role": item.role, "content": content})
         return messages
 
+    def function_tools(self) -> list[FunctionTool]:
+        """The functions the model is shown, in order: function tools, and each namespace's."""
+        out: list[FunctionTool] = []
+        for tool in self.tools:
+            if isinstance(tool, FunctionTool):
+                out.append(tool)
+            elif isinstance(tool, NamespaceTool):
+                out.extend(tool.functions())
+        return out
+
+    def call_names(self) -> dict[str, tuple[str, str]]:
+        """A namespaced function's name as the model calls it -> (its namespace, its name)."""
+        return {f"{tool.name}{NAMESPACE_SEPARATOR}{fn.get('name')}": (tool.name, str(fn.get("name")))
+                for tool in self.tools if isinstance(tool, NamespaceTool)
+                for fn in tool.tools if fn.get("type") == "function"}
+
     def chat_body(self) -> dict[str, Any]:
         """The chat completion request vLLM's Responses serving runs for this request."""
         body: dict[str, Any] = {"model": self.model, "messages": self.messages(), "stream": bool(self.stream)}
-        if self.tools:
-            body["tools"] = [t.chat_tool() for t in self.tools]
+        functions = self.function_tools()
+        if functions:
+            body["tools"] = [t.chat_tool() for t in functions]
             choice = self.tool_choice
             body["tool_choice"] = ({"type": "function", "function": {"name": choice.name}}
                                    if isinstance(choice, NamedFunction) else choice)
@@ -296,4 +364,8 @@ def parse(raw: bytes) -> ResponsesRequest:
     if request.previous_response_id is not None:
         raise UnknownResponse(f"Response with id '{request.previous_response_id}' not found.", param="response_id")
     request.items()  # each item checked before any work
+    try:
+        request.function_tools()
+    except ValidationError as exc:
+        raise _invalid(exc, "tools") from None
     return request

@@ -74,6 +74,7 @@ class FunctionCallOut(BaseModel):
     name: str
     arguments: str
     status: Status
+    namespace: str | None = None  # a namespace tool's function (the model called <namespace>__<name>)
 
 
 OutputItem = ReasoningOut | MessageOut | FunctionCallOut
@@ -141,9 +142,15 @@ class Response(BaseModel):
     user: str | None = None
 
 
-def _items_of_message(message: dict[str, Any]) -> list[OutputItem]:
+def _call_name(flat: str, names: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """A call's ``name`` and ``namespace`` fields, from the name the model called."""
+    namespace, name = names.get(flat, (None, flat))
+    return {"name": name, "namespace": namespace}
+
+
+def _items_of_message(message: dict[str, Any], names: dict[str, tuple[str, str]]) -> list[OutputItem]:
     items: list[OutputItem] = []
-    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    reasoning = message.get("reasoning")
     if reasoning:
         items.append(ReasoningOut(id=f"rs_{_uid()}", content=[ReasoningText(text=reasoning)]))
     content = message.get("content")
@@ -152,8 +159,8 @@ def _items_of_message(message: dict[str, Any]) -> list[OutputItem]:
     for call in message.get("tool_calls") or []:
         fn = call.get("function") or {}
         items.append(FunctionCallOut(id=f"fc_{_uid()}", call_id=call.get("id") or f"call_{_uid()}",
-                                     name=fn.get("name") or "", arguments=fn.get("arguments") or "",
-                                     status="completed"))
+                                     arguments=fn.get("arguments") or "", status="completed",
+                                     **_call_name(fn.get("name") or "", names)))
     return items
 
 
@@ -170,6 +177,7 @@ class Translator:
     def __init__(self, send: Send, req: ResponsesRequest) -> None:
         self._send = send
         self._req = req
+        self._names = req.call_names()
         self._id = f"resp_{_uid()}"
         self._created = int(time.time())
         self._passthrough = False
@@ -239,7 +247,7 @@ class Translator:
         chat = json.loads(bytes(self._body))
         choice = (chat.get("choices") or [{}])[0]
         finish = choice.get("finish_reason")
-        answer = self.response(_items_of_message(choice.get("message") or {}), finish,
+        answer = self.response(_items_of_message(choice.get("message") or {}, self._names), finish,
                                Usage.of_chat(chat.get("usage")))
         # json's escapes: the echoed instructions may hold a lone surrogate, which pydantic's JSON refuses
         body = json.dumps(answer.model_dump(mode="json")).encode()
@@ -279,7 +287,7 @@ class Translator:
             self._usage = Usage.of_chat(chunk["usage"])
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning_content", delta.get("reasoning"))
+            reasoning = delta.get("reasoning")
             if reasoning is not None:
                 await self._delta(_Kind.REASONING, reasoning)
             if delta.get("content"):
@@ -309,8 +317,8 @@ class Translator:
             await self._close()
             self._kind, self._item_id, self._text = _Kind.TOOL_CALL, f"fc_{_uid()}", ""
             self._call = (call.get("id") or f"call_{_uid()}", fn.get("name") or "", index)
-            item = FunctionCallOut(id=self._item_id, call_id=self._call[0], name=self._call[1], arguments="",
-                                   status="in_progress")
+            item = FunctionCallOut(id=self._item_id, call_id=self._call[0], arguments="", status="in_progress",
+                                   **_call_name(self._call[1], self._names))
             await self._event("response.output_item.added", output_index=len(self._items), item=item.model_dump())
         arguments = fn.get("arguments")
         if arguments:
@@ -352,9 +360,10 @@ class Translator:
             item = MessageOut(id=self._item_id, status="completed", content=[out] if text else [])
         elif kind is _Kind.TOOL_CALL and self._call is not None:
             call_id, name, _ = self._call
+            fields = _call_name(name, self._names)
             await self._event("response.function_call_arguments.done", item_id=self._item_id, output_index=index,
-                              arguments=text, name=name)
-            item = FunctionCallOut(id=self._item_id, call_id=call_id, name=name, arguments=text, status="completed")
+                              arguments=text, name=fields["name"])
+            item = FunctionCallOut(id=self._item_id, call_id=call_id, arguments=text, status="completed", **fields)
         else:
             return
         await self._event("response.output_item.done", output_index=index, item=item.model_dump())

@@ -18,7 +18,7 @@ def choices_of(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
             got = out.setdefault(c["index"], {"text": "", "reasoning": "", "calls": "", "lp": [], "finish": None})
             delta = c.get("delta") or {}
             got["text"] += c.get("text") or delta.get("content") or ""
-            got["reasoning"] += delta.get("reasoning_content") or ""
+            got["reasoning"] += delta.get("reasoning") or ""
             for call in delta.get("tool_calls") or ():
                 got["calls"] += (call["function"].get("name") or "") + (call["function"].get("arguments") or "")
             lp = c.get("logprobs") or {}

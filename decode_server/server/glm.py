@@ -1,4 +1,4 @@
-"""GLM chat output parsing: ``<think>..</think>`` -> ``reasoning_content`` and
+"""GLM chat output parsing: ``<think>..</think>`` -> ``reasoning`` (vLLM 0.32's field) and
 ``<tool_call>..</tool_call>`` -> ``tool_calls``, incrementally over text deltas.
 
 GLM-4.5..5 tool-call body: ``name<arg_key>k</arg_key><arg_value>v</arg_value>...``

@@ -183,7 +183,7 @@ class ChatRenderer(_Renderer):
             return []
         body: dict[str, Any] = {}
         if piece.reasoning:
-            body["reasoning_content"] = piece.reasoning
+            body["reasoning"] = piece.reasoning
         if piece.content or not (piece.reasoning or piece.tool_calls):
             body["content"] = piece.content
         calls = [c.to_openai(first_call + i) for i, c in enumerate(piece.tool_calls)]
@@ -205,7 +205,7 @@ class ChatRenderer(_Renderer):
         message: dict[str, Any] = {"role": "assistant", "content": content or (
             "" if forced or not (self._calls or self.plan.reasoning) else None)}
         if self._parser is not None and self.plan.reasoning:
-            message["reasoning_content"] = "".join(self._reasoning) or None
+            message["reasoning"] = "".join(self._reasoning) or None
         if self._calls:
             calls = self._calls[:1] if self.plan.first_tool_call_only else self._calls
             message["tool_calls"] = [c.to_openai() for c in calls]

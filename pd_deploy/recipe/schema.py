@@ -88,7 +88,7 @@ class DecodeRole(RoleSpec):
     tool_call_parser: ToolCallParser = Field(
         default="glm47", description="GLM tool calls into tool_calls (chat with tools), as vLLM's --tool-call-parser")
     reasoning_parser: ReasoningParser = Field(
-        default="glm45", description="<think>..</think> into reasoning_content (chat), as vLLM's --reasoning-parser; "
+        default="glm45", description="<think>..</think> into reasoning (chat), as vLLM's --reasoning-parser; "
         "none for a model that does not reason")
     kv_device: str | None = Field(
         default=None,

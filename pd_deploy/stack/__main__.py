@@ -60,7 +60,7 @@ class StackSettings(EntrySettings):
                                              "(vLLM's names; none: tool calls stay in the content)")
     reasoning_parser: ReasoningParser = Field(
         "none", description="the decode servers' reasoning parser: glm45 splits <think>..</think> into "
-        "reasoning_content, as vLLM's --reasoning-parser glm45 (none: the thinking stays in the content, as vLLM "
+        "reasoning, as vLLM's --reasoning-parser glm45 (none: the thinking stays in the content, as vLLM "
         "answers without the flag)")
     otlp_traces_endpoint: str | None = Field(
         None, description="OTLP/gRPC collector (e.g. http://127.0.0.1:4317) the router, vLLM and the decode servers "

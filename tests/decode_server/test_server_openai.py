@@ -192,7 +192,7 @@ def test_a_message_with_reasoning_and_no_content_has_null_content(make_server, t
     out = client(srv.url).chat.completions.create(model="m", messages=[],
                                                   extra_body={"kv_transfer_params": handoff(first)})
     msg = out.choices[0].message
-    assert msg.model_extra["reasoning_content"] == text.removesuffix("</think>") and msg.content is None
+    assert msg.model_extra["reasoning"] == text.removesuffix("</think>") and msg.content is None
     srv.wait_idle()
 
 
@@ -207,7 +207,7 @@ def test_glm_reasoning_and_tool_calls(make_server, tokenizer):
     out = c.chat.completions.create(model="m", messages=[], tools=tools,
                                     extra_body={"kv_transfer_params": handoff(first)})
     msg = out.choices[0].message
-    assert msg.model_extra["reasoning_content"] == "let me think"
+    assert msg.model_extra["reasoning"] == "let me think"
     assert msg.content == "Sure."
     assert msg.tool_calls[0].function.name == "get_weather"
     assert msg.tool_calls[0].function.arguments == '{"city": "Paris", "days": 3}'
@@ -216,7 +216,7 @@ def test_glm_reasoning_and_tool_calls(make_server, tokenizer):
     chunks = list(c.chat.completions.create(model="m", messages=[], tools=tools, stream=True,
                                             extra_body={"kv_transfer_params": handoff(first)}))
     deltas = [ch.choices[0].delta for ch in chunks]
-    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "let me think"
+    assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == "let me think"
     assert "".join(d.content or "" for d in deltas) == "Sure."
     calls = [tc for d in deltas for tc in (d.tool_calls or [])]
     assert [(tc.index, tc.function.name) for tc in calls] == [(0, "get_weather")]

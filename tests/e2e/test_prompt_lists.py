@@ -8,8 +8,8 @@ ended after ~30 s with a 502 (or a single choice), the only decode server marked
 * ordinary requests sent beside it are served, the next one after it too, the decode server
   stays healthy, and no handoff was retried;
 * a fuzz over the shapes the OpenAI schema allows (lists of prompts, token-id prompts, ``n``,
-  ``best_of``, optional fields) against the real stack: never a 5xx, and the next ordinary
-  request is served after each."""
+  ``best_of``, optional fields; the Responses API's input items, tools and fields, issue 59)
+  against the real stack: never a 5xx, and the next ordinary request is served after each."""
 
 from __future__ import annotations
 
@@ -133,10 +133,34 @@ CHAT_OPTIONAL = {
 }
 
 
+FUNCTION = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}
+RESPONSES_OPTIONAL = {
+    "instructions": st.just("Be brief."), "stream": st.booleans(), "temperature": st.sampled_from([0, 1.0]),
+    "tools": st.sampled_from([[FUNCTION], [FUNCTION, {"type": "web_search"}],
+                              [{"type": "namespace", "name": "ns", "tools": [FUNCTION]}]]),
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"}]),
+    "parallel_tool_calls": st.booleans(), "store": st.just(False), "include": st.just(["reasoning.encrypted_content"]),
+    "reasoning": st.sampled_from([{"effort": "low"}, {"summary": "auto"}]),
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
+    "prompt_cache_key": st.just("k"),
+}
+RESPONSES_INPUT = st.one_of(TEXT, st.lists(st.one_of(
+    st.builds(lambda t: {"role": "user", "content": t}, TEXT),
+    st.builds(lambda t: {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": t}]}, TEXT),
+    st.just({"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}),
+    st.just({"type": "function_call_output", "call_id": "c1", "output": "ok"})), min_size=1, max_size=3))
+
+
 @st.composite
 def openai_bodies(draw: Any) -> tuple[str, dict[str, Any]]:
+    if draw(st.integers(0, 3)) == 0:  # the Responses API (issue 59)
+        body: dict[str, Any] = {"model": MODEL_NAME, "input": draw(RESPONSES_INPUT),
+                                "max_output_tokens": draw(st.integers(1, 4))}
+        for name in draw(st.lists(st.sampled_from(sorted(RESPONSES_OPTIONAL)), max_size=5, unique=True)):
+            body[name] = draw(RESPONSES_OPTIONAL[name])
+        return "/v1/responses", body
     if draw(st.booleans()):
-        body: dict[str, Any] = {"model": MODEL_NAME, "prompt": draw(PROMPT), "max_tokens": draw(st.integers(1, 4))}
+        body = {"model": MODEL_NAME, "prompt": draw(PROMPT), "max_tokens": draw(st.integers(1, 4))}
         optional, path = OPTIONAL, "/v1/completions"
     else:
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": draw(TEXT)}], "max_tokens": 4}
@@ -151,7 +175,7 @@ def openai_bodies(draw: Any) -> tuple[str, dict[str, Any]]:
 _EXPLORE = int(os.environ.get("PD_FUZZ_EXAMPLES", "0"))  # as tests/reliability/test_router_fuzz.py
 
 
-@settings(max_examples=_EXPLORE or 30, derandomize=not _EXPLORE, deadline=None,
+@settings(max_examples=_EXPLORE or 40, derandomize=not _EXPLORE, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=openai_bodies())
 def test_any_openai_shaped_request_leaves_the_service_serving(pd_stack, case):
@@ -159,7 +183,10 @@ def test_any_openai_shaped_request_leaves_the_service_serving(pd_stack, case):
     url = pd_stack.config.router_url
     resp = httpx.post(url + path, json=body, timeout=120)
     assert resp.status_code < 500, (body, resp.status_code, resp.text[:400])
-    if resp.status_code == 200 and body.get("stream"):
+    if resp.status_code == 200 and body.get("stream") and path == "/v1/responses":  # vLLM's last event, no [DONE]
+        last = [block for block in resp.text.split("\n\n") if block.strip()][-1]
+        assert json.loads(last.split("data: ", 1)[1])["type"] == "response.completed", (body, resp.text[-400:])
+    elif resp.status_code == 200 and body.get("stream"):
         assert resp.text.rstrip().endswith("data: [DONE]") and '"error"' not in resp.text, (body, resp.text[-400:])
     elif resp.status_code != 200:
         assert resp.json()["error"]["message"], resp.text

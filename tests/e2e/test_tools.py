@@ -19,7 +19,10 @@ the session's runs none).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -81,8 +84,8 @@ def _prompt_ids(answer: dict) -> list[int]:
 
 
 def _reasoning(message: dict) -> str | None:
-    """The message's reasoning: ``reasoning_content`` (ours), ``reasoning`` (vLLM 0.32's name)."""
-    return message.get("reasoning_content") or message.get("reasoning") or None
+    """The message's reasoning, in vLLM 0.32's field (what the Agents SDK sends back)."""
+    return message.get("reasoning") or None
 
 
 @pytest.mark.parametrize("choice", sorted(CHOICES))
@@ -118,7 +121,7 @@ def test_tools_streamed_with_the_default_tool_choice(glm_user_stack, glm_user_vl
             for c in chunk.choices:
                 content += c.delta.content or ""
                 extra = c.delta.model_extra or {}
-                reasoning += extra.get("reasoning_content") or extra.get("reasoning") or ""
+                reasoning += extra.get("reasoning") or ""
                 finish = c.finish_reason or finish
         streamed[name] = (reasoning, content, finish)
     assert streamed["pd"] == streamed["vllm"]
@@ -213,7 +216,7 @@ def test_the_openai_sdks_tool_calling_and_streaming_helper(glm_user_stack):
         **TIME["function"]["parameters"], "required": ["utc"], "additionalProperties": False}}}
     plain = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hello!"}],
                                            tools=TOOLS, max_tokens=30, temperature=0)
-    said = plain.choices[0].message.content or (plain.choices[0].message.model_extra or {}).get("reasoning_content")
+    said = plain.choices[0].message.content or (plain.choices[0].message.model_extra or {}).get("reasoning")
     assert plain.choices[0].finish_reason in ("stop", "length") and said
     assert plain.choices[0].message.tool_calls is None
     regex = {"structured_outputs": {"regex": LEAD_RE + CALL_TIME}, **NO_THINKING}
@@ -255,7 +258,7 @@ def _chat_summary(url: str, body: dict) -> tuple:
             for c in json.loads(line[6:])["choices"]:
                 finish = c.get("finish_reason") or finish
                 delta = c["delta"]
-                reasoning += delta.get("reasoning_content") or delta.get("reasoning") or ""
+                reasoning += delta.get("reasoning") or ""
                 content += delta.get("content") or ""
                 for tc in delta.get("tool_calls") or []:
                     name_args = streamed_calls.setdefault(tc["index"], ["", ""])
@@ -395,3 +398,45 @@ def test_the_sdks_responses_calls_with_a_function_tool_and_its_output(glm_user_s
                      unknown.value.body.get("param"))
     print(f"\nthe SDK: {got['pd']!r}")
     assert got["pd"] == got["vllm"]
+
+
+# ---- agent SDKs, really run (issue 59): what each gives its user, the same from both ----
+
+SDK_CLIENTS = ["agents-chat", "agents-responses", "langchain", "langchain-responses", "litellm-hosted_vllm",
+               "litellm-openai"]
+
+
+@pytest.mark.parametrize("client", SDK_CLIENTS)
+def test_agent_sdks_get_what_vllm_gives_them(glm_user_stack, glm_user_vllm, client, tmp_path):
+    """The OpenAI Agents SDK (Responses and chat models), LangChain's ``ChatOpenAI`` (chat and its
+    Responses option) and LiteLLM (``hosted_vllm/`` and ``openai/``), each with a forced function
+    tool, the tool's result and the answer, run in a loopback-only namespace
+    (tests/clients/sdk_turns.py): the same calls, text and errors from the stack as from vLLM
+    alone. Before: the Responses clients got the router's 400 'tools is not supported', and a
+    named tool_choice no call where vLLM made one."""
+    from tests.clients.install import clients_python
+    from tests.clients.sandbox import Bridge
+
+    script = Path(__file__).resolve().parents[1] / "clients" / "sdk_turns.py"
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "NO_PROXY": "*"}
+
+    def run(name: str, url: str) -> dict:
+        with Bridge(int(url.rsplit(":", 1)[1]), tmp_path / f"{name}.sock") as bridge:
+            out = subprocess.run(bridge.argv([str(clients_python()), str(script), client, "--base-url",
+                                              "http://127.0.0.1:8000/v1", "--model", MODEL_NAME], 8000),
+                                 env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    # the two servers at once: each client process waits on its own server (2 cores, half the time)
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(run, name, url)
+                   for name, url in (("pd", glm_user_stack.config.router_url), ("vllm", glm_user_vllm))}
+        got = {name: future.result() for name, future in futures.items()}
+    print(f"\n{client}: {got['pd']!r}")
+    # vLLM 0.32 streams a forced call written in characters as text (test_a_forced_tool_call_is_the_one_vllm_makes):
+    # LangChain's stream gets the call from the stack, none from vLLM
+    streamed = got["pd"].pop("streamed_calls", None), got["vllm"].pop("streamed_calls", None)
+    assert got["pd"] == got["vllm"]
+    assert streamed[0] is None or streamed[0] == got["pd"].get("calls")
+    assert got["pd"].get("calls") or got["pd"].get("items") or "error" in got["pd"]

@@ -70,12 +70,46 @@ def test_a_named_tool_choice_and_a_json_schema_map_to_their_chat_fields():
                                                                              "strict": True}}
 
 
+def test_codexs_tools_are_the_functions_vllm_shows_the_model():
+    """Codex's default tools: functions, a namespace of functions (shown as <namespace>__<name>,
+    as vLLM flattens them), hosted tools the model is never shown (left out, as vLLM leaves
+    them); a call of a namespaced function comes back with its namespace, and goes back so."""
+    agents = {"type": "namespace", "name": "multi_agent_v1", "description": "agents", "tools": [
+        {"type": "function", "name": "spawn", "parameters": {"type": "object", "properties": {}}},
+        {"type": "web_search"}]}
+    req = _parse({"input": [
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c1", "name": "spawn", "namespace": "multi_agent_v1", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}],
+        "tools": [WEATHER, agents, {"type": "web_search", "external_web_access": False}]})
+    body = req.chat_body()
+    assert [t["function"]["name"] for t in body["tools"]] == ["get_weather", "multi_agent_v1__spawn"]
+    assert body["messages"][1]["tool_calls"][0]["function"]["name"] == "multi_agent_v1__spawn"
+    client = _Client()
+    translator = Translator(client.send, req)
+    chat = {"id": "c", "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": None, "tool_calls": [
+            {"id": "c2", "type": "function", "function": {"name": "multi_agent_v1__spawn", "arguments": "{}"}}]}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4}}
+
+    async def run() -> None:
+        await translator.send({"type": "http.response.start", "status": 200, "headers": []})
+        await translator.send({"type": "http.response.body", "body": json.dumps(chat).encode(), "more_body": False})
+
+    asyncio.run(run())
+    call = json.loads(client.messages[-1]["body"])["output"][0]
+    assert (call["type"], call["name"], call["namespace"]) == ("function_call", "spawn", "multi_agent_v1")
+
+
 @pytest.mark.parametrize(("body", "error", "param"), [
     ({"input": [{"type": "web_search_call", "id": "x"}]}, InvalidRequest, "input.0.type"),
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, InvalidRequest,
      "input.0.encrypted_content"),
     ({"input": [{"type": "function_call", "name": "f"}]}, InvalidRequest, "input.0.call_id"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, InvalidRequest, "tools.0.type"),
+    ({"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "function"}]}]}, InvalidRequest,
+     "tools"),
+    ({"input": "x", "tools": [{"type": "function"}]}, InvalidRequest, "tools.0"),
+    ({"input": "x", "tools": [{"type": "custom", "name": "apply_patch"}]}, InvalidRequest, "tools.0"),
     ({"input": "x", "previous_response_id": "resp_1"}, UnknownResponse, "response_id"),
     ({"input": "x", "background": True}, InvalidRequest, "background"),
 ])
@@ -129,7 +163,7 @@ def test_a_streamed_answer_with_reasoning_text_and_two_calls_is_vllms_event_sequ
     call = {"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
     chunks = [
         _chunk({"role": "assistant", "content": ""}),
-        _chunk({"reasoning_content": "Think"}), _chunk({"reasoning_content": "ing."}),
+        _chunk({"reasoning": "Think"}), _chunk({"reasoning": "ing."}),
         _chunk({"content": "Let me look."}),
         _chunk({"tool_calls": [call]}),
         _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
@@ -180,7 +214,7 @@ def test_a_whole_answer_becomes_the_output_items_in_vllms_order():
     client = _Client()
     translator = Translator(client.send, _parse({"input": "x", "tools": [WEATHER]}))
     chat = {"id": "c", "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
-        "role": "assistant", "content": None, "reasoning_content": "Hm.",
+        "role": "assistant", "content": None, "reasoning": "Hm.",
         "tool_calls": [{"id": "call_1", "type": "function",
                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 4}}
