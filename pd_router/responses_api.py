@@ -296,6 +296,8 @@ class ResponsesRequest(BaseModel):
                 out.append(tool)
             elif isinstance(tool, NamespaceTool):
                 out.extend(tool.functions())
+            if len(out) > MAX_TOOLS:  # namespaces hold up to MAX_TOOLS each: the functions are bounded too
+                raise InvalidRequest(f"tools hold more than {MAX_TOOLS} functions", param="tools")
         return out
 
     def call_names(self) -> dict[str, tuple[str, str]]:

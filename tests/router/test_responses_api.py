@@ -110,6 +110,8 @@ def test_codexs_tools_are_the_functions_vllm_shows_the_model():
      "tools"),
     ({"input": "x", "tools": [{"type": "function"}]}, InvalidRequest, "tools.0"),
     ({"input": "x", "tools": [{"type": "custom", "name": "apply_patch"}]}, InvalidRequest, "tools.0"),
+    ({"input": "x", "tools": [{"type": "namespace", "name": f"n{i}", "tools": [
+        {"type": "function", "name": f"f{j}"} for j in range(300)]} for i in range(2)]}, InvalidRequest, "tools"),
     ({"input": "x", "previous_response_id": "resp_1"}, UnknownResponse, "response_id"),
     ({"input": "x", "background": True}, InvalidRequest, "background"),
 ])
