@@ -21,9 +21,7 @@ from typing import Any
 
 from decode_server.engine.grammar import AfterReasoning, GrammarMatcher
 from pd_grammar.spec import COMPACT_SEPARATORS, GrammarSpec, JsonWhitespace
-from pd_grammar.tool_calls import CALL_BEGIN
-
-THINK_END = "</think>"
+from pd_grammar.tool_calls import CALL_BEGIN, THINK_END
 
 CACHE_BYTES = 64 * 1024 * 1024
 

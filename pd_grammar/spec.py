@@ -360,8 +360,12 @@ GRAMMAR_FIELDS = ("response_format", "tool_choice", "structured_outputs", "guide
 
 
 def asks_for_grammar(body: Mapping[str, Any]) -> bool:
-    """Cheap: whether :func:`grammar_spec` has anything to look at (else it returns None)."""
-    return any(body.get(name) is not None for name in GRAMMAR_FIELDS) or bool(body.get("tools"))
+    """Cheap: whether the router checks the request's grammar before prefill: a structured output
+    or a forced tool call. A chat's tools with ``tool_choice`` ``auto`` make a grammar too, which
+    vLLM's prefill and the decode server build and check: an agent's every turn carries tools,
+    and the router leaves their schemas to them."""
+    return any(body.get(name) is not None for name in GRAMMAR_FIELDS if name != "tool_choice") \
+        or body.get("tool_choice") not in (None, "auto", "none")
 
 
 def grammar_param(body: Mapping[str, Any], chat: bool) -> str | None:

@@ -32,10 +32,11 @@ import json
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-# GLM's markers: never free text, never inside a value (vLLM's list, in its order)
-MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
-           "</arg_value>")
+THINK_START, THINK_END = "<think>", "</think>"
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
+# GLM's markers: never free text, never inside a value (vLLM's list, in its order); special tokens in
+# GLM-5.1's tokenizer
+MARKERS = (THINK_START, THINK_END, CALL_BEGIN, CALL_END, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 _TEXT_EXCLUDES = [m for m in MARKERS if m != CALL_BEGIN]  # text may begin a call
 _NOT_PLAIN = ("$ref", "allOf", "anyOf", "oneOf", "patternProperties")
 _LISTS = ("triggered_tags", "tags_with_separator")

@@ -8,7 +8,7 @@ when they parse. With reasoning on, generation starts inside the reasoning block
 templates open ``<think>`` in the prompt), as vLLM's GLM parser does; with tool calls
 parsed and no reasoning parser, a ``<think>..</think>`` block is dropped from the content
 (tool calls in it still count), as vLLM's GLM-4.7 tool parser drops it. Special tokens
-other than GLM's markers (:data:`MARKERS`) never reach the parser: the detokenizer leaves
+other than GLM's markers (:data:`pd_grammar.tool_calls.MARKERS`) never reach the parser: the detokenizer leaves
 them out (:class:`decode_server.server.text.IncrementalDetokenizer`), as vLLM's parser
 leaves them out of reasoning and content.
 
@@ -30,11 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from decode_server.server.stops import partial_suffix_len
+from pd_grammar.tool_calls import CALL_BEGIN, CALL_END, THINK_END, THINK_START
 
-THINK_START, THINK_END = "<think>", "</think>"
-TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
-# GLM's markers: kept in the text the parser reads (special tokens in GLM-5.1's tokenizer)
-MARKERS = (THINK_START, THINK_END, TOOL_START, TOOL_END, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 _ARG_RE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 _REASONING, _CONTENT, _TOOL = "reasoning", "content", "tool"
@@ -129,10 +126,10 @@ class GlmChatParser:
 
     def _markers(self) -> tuple[str, ...]:
         if self._state == _REASONING:
-            return (THINK_START, THINK_END, TOOL_START) if self._tools_on else (THINK_START, THINK_END)
+            return (THINK_START, THINK_END, CALL_BEGIN) if self._tools_on else (THINK_START, THINK_END)
         if self._state == _TOOL:
-            return (TOOL_END,)
-        markers: tuple[str, ...] = (TOOL_START,) if self._tools_on else ()
+            return (CALL_END,)
+        markers: tuple[str, ...] = (CALL_BEGIN,) if self._tools_on else ()
         return markers + ((THINK_START, THINK_END) if self._reasoning or self._tools_on else ())
 
     def feed(self, text: str) -> ChatPiece:
@@ -179,7 +176,7 @@ class GlmChatParser:
         held, self._held = self._held, ""
         if self._state == _TOOL:
             self._tool_body.append(held)
-            self._transition(piece, TOOL_END)
+            self._transition(piece, CALL_END)
         else:
             self._emit(piece, held)
         piece.content = self._hold_whitespace(piece.content, last=True)
@@ -208,11 +205,11 @@ class GlmChatParser:
             self._state = _REASONING
         elif marker == THINK_END:
             self._state = _CONTENT
-        elif marker == TOOL_START:
+        elif marker == CALL_BEGIN:
             self._call_seen = True
             self._state = _TOOL
             self._tool_body = []
-        elif marker == TOOL_END:
+        elif marker == CALL_END:
             body = "".join(self._tool_body)
             self._tool_body = []
             self._state = _CONTENT

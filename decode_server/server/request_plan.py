@@ -11,10 +11,10 @@ from typing import Any, Literal
 
 from decode_server.engine.base import SamplingParams
 from decode_server.server.api_errors import InvalidRequest, KVHandoffFailed
-from decode_server.server.glm import MARKERS
 from decode_server.server.sequence import MIN_LOGPROB, StopSpec, TokenLogprob
 from decode_server.server.text import GenerationDefaults
 from pd_grammar.spec import GrammarSpec, SchemaLimits, StructuredOutputError, grammar_param, grammar_spec
+from pd_grammar.tool_calls import MARKERS
 from pd_wire.decode import EngineFeatures
 from pd_wire.handoff import PROTOCOL_VERSION, HandoffClaim, HandoffResult, ResumeFrom
 from pd_wire.requests import (

@@ -16,10 +16,10 @@ from decode_server.server import (
     parse_tool_call,
 )
 from decode_server.server.api_errors import InvalidRequest, KVHandoffFailed
-from decode_server.server.glm import MARKERS
 from decode_server.server.request_plan import ServerLimits, build_plan, prefill_logprob
 from decode_server.server.text import GenerationDefaults
 from decode_server.settings import SettingsError, load_settings
+from pd_grammar.tool_calls import MARKERS
 from pd_wire.decode import EngineFeatures, SamplingDefaults
 from pd_wire.handoff import HandoffResult
 from pd_wire.requests import ChatCompletionRequest, CompletionRequest

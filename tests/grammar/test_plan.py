@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from decode_server.server.api_errors import InvalidRequest
-from decode_server.server.glm import MARKERS
 from decode_server.server.request_plan import ServerLimits, build_plan
 from decode_server.server.text import GenerationDefaults
 from pd_grammar.spec import SchemaLimits
+from pd_grammar.tool_calls import MARKERS
 from pd_wire.decode import EngineFeatures
 from pd_wire.requests import ChatCompletionRequest
 from tests.decode_server.helpers import handoff

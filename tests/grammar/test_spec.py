@@ -15,6 +15,7 @@ from pd_grammar.spec import (
     JSON_OBJECT_SCHEMA,
     SchemaLimits,
     StructuredOutputError,
+    asks_for_grammar,
     grammar_param,
     grammar_spec,
     vllm_structured_outputs_args,
@@ -232,3 +233,14 @@ def test_grammar_param_names_what_asks_for_a_grammar(body, chat, param):
     assert grammar_param(body, chat) == param
     if param is None and not body.get("tools"):  # auto calls: constrained where the engine can
         assert grammar_spec(body, LIMITS, chat) is None
+
+
+def test_the_router_checks_forced_calls_and_outputs_not_an_agents_every_turn():
+    """asks_for_grammar: what the router checks before prefill; tools with tool_choice auto (every
+    agent turn) are left to vLLM's prefill and the decode server, which build the same grammar."""
+    assert not asks_for_grammar({"tools": TOOLS}) and not asks_for_grammar({"tools": TOOLS, "tool_choice": "auto"})
+    assert not asks_for_grammar({"tools": TOOLS, "tool_choice": "none"})
+    assert asks_for_grammar({"tools": TOOLS, "tool_choice": "required"})
+    assert asks_for_grammar({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get"}}})
+    assert asks_for_grammar({"tools": TOOLS, "response_format": {"type": "json_object"}})
+    assert asks_for_grammar({"structured_outputs": {"regex": "a"}})
