@@ -75,9 +75,10 @@ system-deps:
 	{ command -v /usr/sbin/slurmctld && command -v /usr/sbin/munged; } >/dev/null 2>&1 || missing="$(SLURM_PACKAGES)"; \
 	{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	command -v ip >/dev/null 2>&1 || missing="$$missing iproute2"; \
+	command -v npm >/dev/null 2>&1 || missing="$$missing nodejs npm"; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo ">> apt-get install $$missing (the Slurm and Prometheus tests)"; \
+		echo ">> apt-get install $$missing (the Slurm, Prometheus, network-namespace and npm clients' tests)"; \
 		DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing >/dev/null; \
 	else \
