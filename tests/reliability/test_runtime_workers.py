@@ -112,10 +112,12 @@ def test_decode_server_added_and_removed_at_runtime(stack: dict) -> None:
     assert status == 200 and text.split('"text":')[1][:40] == baseline.split('"text":')[1][:40], text
     assert served(urls[2]) == before + 1
 
-    # remove decode-0 while a stream is in flight on it: it drains, the stream completes. The
+    # remove decode-0 while a stream is decoding on it: it drains, the stream completes. The
     # streams on decode-1 and decode-2 start while the test holds decode-0's slot; decode-0's
-    # starts last (the only free slot then), so the file's change lands early in its 2048 tokens
-    # (seconds), a discovery interval after the router counted it there.
+    # starts last (the only free slot then), and the file changes once decode-0 answered its head
+    # (its KV arrived), early in its 2048 tokens. (Changed between the slot's grant and the
+    # prefill's start, the connector no longer dials decode-0, and the router serves the request
+    # on another server: docs/router.md.)
     before = served(urls[0])  # the decode server counts a request when it answers its head
 
     def in_flight() -> list[int]:
@@ -128,7 +130,8 @@ def test_decode_server_added_and_removed_at_runtime(stack: dict) -> None:
                        for i in (1, 2)]
             wait_until(lambda: in_flight() == [0, 1, 1], 60, "a stream on decode-1 and decode-2")
         streams.append(pool.submit(complete, router, model, "drain-0", True, 2048, ignore_eos=True))
-        wait_until(lambda: in_flight() == [1, 1, 1], 60, "a stream on decode-0")
+        wait_until(lambda: in_flight() == [1, 1, 1] and served(urls[0]) == before + 1, 60,
+                   "a stream decoding on decode-0")
         write_servers(stack["file"], cfg.prefill_url, list(zip(urls[1:], kvs[1:], strict=True)))
         removed = f"decode server {urls[0]} removed: draining (1 in flight)"
         wait_until(lambda: removed in stack["router"].log_tail(400), 30, "decode-0 draining with its stream")
