@@ -2,10 +2,11 @@
 
 Two layers: the completion routes (``POST /v1/completions``, ``POST
 /v1/chat/completions``) go straight to the raw :class:`~pd_router.handler.CompletionHandler`
-(the hot path, no framework), and so does ``POST /v1/responses`` (as a chat completion,
-:mod:`~pd_router.responses_api`); everything else (``/health``, ``/ready``, ``/metrics``,
-``/v1/models``, ``/tokenize``, ``/detokenize``, lifespan, unknown paths) goes to a small
-FastAPI app.
+(the hot path, no framework), and so do ``POST /v1/responses`` and Anthropic's ``POST
+/v1/messages`` (as chat completions: :mod:`~pd_router.responses_api`,
+:mod:`~pd_router.anthropic_api`); everything else (``/health``, ``/ready``, ``/metrics``,
+``/v1/models``, ``/tokenize``, ``/detokenize``, ``/v1/messages/count_tokens``, lifespan,
+unknown paths) goes to a small FastAPI app.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pd_router import tokens
+from pd_router import anthropic_api, anthropic_out, tokens
 from pd_router.admin import add_admin_routes
-from pd_router.asgi import Receive, Scope, Send
+from pd_router.asgi import Receive, Scope, Send, authorization
 from pd_router.errors import InvalidRequest, MethodNotAllowed, NotFound, RouterError
 from pd_router.handler import CompletionHandler
 from pd_router.settings import RouterSettings
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 
 _ROUTES = MappingProxyType({e.path: e for e in Endpoint})
 RESPONSES_PATH = "/v1/responses"
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 
 
 def _error_response(err: RouterError) -> Response:
@@ -61,7 +64,7 @@ def _control_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="pd_router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     def authorized(request: Request) -> None:  # a key of --api-key or --api-keys-file, when one is set
-        state.tenants.tenant(request.headers.get("authorization", "").encode("latin-1"))
+        state.tenants.tenant(authorization(request.scope))
 
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, err: RouterError) -> Response:
@@ -119,6 +122,22 @@ def _control_app(state: RouterState) -> FastAPI:
     for path in tokens.PATHS:  # vLLM's /tokenize and /detokenize, answered by a prefill server
         app.add_api_route(path, tokens_route, methods=["POST"])
 
+    @app.post(COUNT_TOKENS_PATH)
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic's token count: the prompt vLLM renders for the request, counted by a prefill
+        server's ``/tokenize``; errors in Anthropic's shape."""
+        try:
+            authorized(request)
+            asked = anthropic_api.parse_count_tokens(await request.body())
+            answer = await tokens.forward(state, tokens.TOKENIZE, json.dumps(asked.tokenize_body()).encode())
+        except RouterError as err:
+            return Response(anthropic_out.error_body(err.status, err.body()), status_code=err.status,
+                            media_type="application/json",
+                            headers={k.decode(): v.decode() for k, v in err.headers()})
+        count = int(answer.get("count") or 0)
+        return Response(json.dumps({"input_tokens": count, "context_management": {"original_input_tokens": count}}),
+                        media_type="application/json")
+
     for path in _ROUTES:  # so that GET on a completion route answers 405, not 404
         app.add_api_route(path, _method_not_allowed, methods=["GET", "PUT", "DELETE", "PATCH"])
     return app
@@ -144,7 +163,9 @@ class RouterApp:
             if endpoint is not None:
                 return await self.completions(scope, receive, send, endpoint)
             if path == RESPONSES_PATH:  # mapped onto chat completions (responses_api)
-                return await self.completions(scope, receive, send, Endpoint.CHAT, responses=True)
+                return await self.completions(scope, receive, send, Endpoint.CHAT, api="responses")
+            if path == MESSAGES_PATH:  # Anthropic's, mapped onto chat completions (anthropic_api)
+                return await self.completions(scope, receive, send, Endpoint.CHAT, api="messages")
         await self.control(scope, receive, send)
 
 

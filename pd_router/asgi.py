@@ -25,6 +25,15 @@ def header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+def authorization(scope: Scope) -> bytes | None:
+    """The request's API key as an ``Authorization`` header: that header, else Anthropic's
+    ``x-api-key`` as a bearer token."""
+    given = header(scope, b"authorization")
+    if given is None and (key := header(scope, b"x-api-key")) is not None:
+        return b"Bearer " + key
+    return given
+
+
 async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float | None = None) -> bytes:
     """The request body, at most ``limit`` bytes (else 413), in at most ``timeout`` seconds
     (else 408: a client trickling its body holds a connection and a task)."""
@@ -80,3 +89,33 @@ async def respond(
         }
     )
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class StreamTranslator:
+    """The base of an ASGI ``send`` wrapper that turns the chat route's SSE stream into another
+    API's events: :meth:`_relay` hands each whole chat event (without its blank line) to
+    :meth:`_chat_event` as the body's chunks arrive (an event may span chunks, a chunk hold
+    several), and ends the body once the chat stream ended, unless :meth:`_end` did already."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self._pending = bytearray()
+        self._closed = False
+
+    async def _chat_event(self, event: bytes) -> None:
+        raise NotImplementedError
+
+    async def _relay(self, data: bytes, more: bool) -> None:
+        self._pending += data
+        while b"\n\n" in self._pending:
+            event, _, rest = bytes(self._pending).partition(b"\n\n")
+            self._pending[:] = rest
+            await self._chat_event(event)
+        if not more:
+            await self._end()
+
+    async def _end(self) -> None:
+        """End the body (once)."""
+        if not self._closed:
+            self._closed = True
+            await self._send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -29,12 +29,14 @@ import re
 import time
 import uuid
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pd_grammar.spec import GrammarSpec, asks_for_grammar
 from pd_http.chunk_writer import chunk_writer
 from pd_http.tracing import SpanKind, Tracing
 from pd_router import (
+    anthropic_api,
+    anthropic_out,
     decode_check,
     fanout,
     migration,
@@ -46,7 +48,7 @@ from pd_router import (
     responses_out,
 )
 from pd_router.api import parse_request, structured_output
-from pd_router.asgi import Receive, Scope, Send, header, read_body
+from pd_router.asgi import Receive, Scope, Send, authorization, header, read_body
 from pd_router.context import DecodeLegFailed, DecodeLost, RequestContext, attempt_handoff_id
 from pd_router.errors import (
     BadUpstream,
@@ -71,6 +73,7 @@ if TYPE_CHECKING:
     from pd_router.state import RouterState
 
 log = logging.getLogger("pd_router.requests")
+Api = Literal["openai", "responses", "messages"]  # the API a request came in: all served as chat or completions
 # retries of one request (each counted in pd_router_retries_total by reason; docs/router.md, "Retries"):
 # a KV handoff id the decode server still knows is retried once under a new id; a busy decode
 # server (its KV receive slot or its engine slot taken) sends the request back to the queues,
@@ -89,7 +92,7 @@ class CompletionHandler:
         which ids are in flight does not leak to a caller without a key), then the drain, then
         the id."""
         tenants = self.state.tenants
-        ctx.tenant = tenants.tenant(header(scope, b"authorization"),
+        ctx.tenant = tenants.tenant(authorization(scope),
                                     header(scope, tenants.header) if tenants.header is not None else None)
         if self.state.draining:
             raise ShuttingDown("the router is shutting down; retry (another router replica)", retry_after=1)
@@ -97,11 +100,14 @@ class CompletionHandler:
             raise InvalidRequest("X-Request-Id must be visible ASCII characters (0x21-0x7e)", param="X-Request-Id")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint,
-                       responses: bool = False) -> None:
-        """``responses``: a ``/v1/responses`` request, served as a chat completion (:mod:`responses_api`)."""
+                       api: Api = "openai") -> None:
+        """``api``: ``responses``, a ``/v1/responses`` request (:mod:`responses_api`), or
+        ``messages``, an Anthropic ``/v1/messages`` request (:mod:`anthropic_api`), served as
+        a chat completion."""
         rid_raw = header(scope, b"x-request-id")
         rid = rid_raw.decode("latin-1")[:256] if rid_raw else uuid.uuid4().hex
-        ctx = RequestContext(endpoint, rid, perf_counter(), send)
+        anthropic = anthropic_out.Translator(send) if api == "messages" else None
+        ctx = RequestContext(endpoint, rid, perf_counter(), send if anthropic is None else anthropic.send)
         state = self.state
         observe.begin(state, ctx, scope)
         me = asyncio.current_task()
@@ -117,10 +123,14 @@ class CompletionHandler:
             in_flight.add(rid)
             owned = True
             raw = await read_body(scope, receive, state.settings.max_body_bytes, state.settings.body_timeout)
-            if responses:
+            if api == "responses":
                 as_responses = responses_api.parse(raw)
                 raw = json.dumps(as_responses.chat_body()).encode()
                 ctx.send = responses_out.Translator(send, as_responses).send
+            elif anthropic is not None:
+                as_messages = anthropic_api.parse_messages(raw)
+                raw = json.dumps(as_messages.chat_body()).encode()
+                anthropic.stream = bool(as_messages.stream)
             else:
                 ctx.writer = chunk_writer(scope)
             body, request = parse_request(endpoint, raw)

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from pd_router.asgi import SSE, Message, Send
+from pd_router.asgi import SSE, Message, Send, StreamTranslator
 from pd_router.responses_api import ResponsesRequest
 
 Status = Literal["in_progress", "completed", "incomplete"]
@@ -171,21 +171,19 @@ class _Kind(Enum):
     TOOL_CALL = 3
 
 
-class Translator:
+class Translator(StreamTranslator):
     """Wraps the chat route's ASGI ``send``: the chat answer goes out as a Responses API answer."""
 
     def __init__(self, send: Send, req: ResponsesRequest) -> None:
-        self._send = send
+        super().__init__(send)
         self._req = req
         self._names = req.call_names()
         self._id = f"resp_{_uid()}"
         self._created = int(time.time())
         self._passthrough = False
         self._body = bytearray()
-        self._pending = bytearray()
         self._seq = 0
         self._start: Message = {}
-        self._closed = False
         # the stream's state: the open item, and the items done
         self._kind = _Kind.NONE
         self._item_id = ""
@@ -234,14 +232,7 @@ class Translator:
             if not more:
                 await self._answer()
         else:
-            self._pending += data
-            while b"\n\n" in self._pending:
-                event, _, rest = bytes(self._pending).partition(b"\n\n")
-                self._pending[:] = rest
-                await self._chat_event(event)
-            if not more and not self._closed:
-                self._closed = True
-                await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self._relay(data, more)
 
     async def _answer(self) -> None:
         chat = json.loads(bytes(self._body))
@@ -277,12 +268,10 @@ class Translator:
             return await self._finished()
         chunk = json.loads(payload)
         if "error" in chunk:
-            self._closed = True
             err = chunk["error"]
             await self._event("error", code=str(err.get("code")), message=err.get("message", ""),
                               param=err.get("param"))
-            await self._send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
+            return await self._end()
         if chunk.get("usage"):
             self._usage = Usage.of_chat(chunk["usage"])
         for choice in chunk.get("choices") or []:
@@ -374,5 +363,4 @@ class Translator:
         await self._close()
         final = self.response(list(self._items), self._finish, self._usage).model_dump(mode="json")
         await self._event("response.completed", response=final)
-        self._closed = True
-        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+        await self._end()

@@ -17,7 +17,8 @@ from pd_router.api import json_object
 from pd_router.errors import ModelNotFound, NoHealthyBackend
 from pd_router.state import RouterState
 
-PATHS = ("/tokenize", "/detokenize")
+TOKENIZE = "/tokenize"
+PATHS = (TOKENIZE, "/detokenize")
 TIMEOUT_S = 30.0
 
 

@@ -241,7 +241,7 @@ def test_prompt_logprobs_equal_vllm_alones(pd_stack, vllm_alone):
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
 
 
-# ---- /v1/responses, mapped onto chat completions (with tools: tests/e2e/test_tools.py) ----
+# ---- /v1/responses, mapped onto chat completions (with tools: tests/e2e/agents/test_tools.py) ----
 
 
 def test_responses_api_with_the_sdk(pd_stack):

@@ -23,8 +23,8 @@ import pytest
 
 from pd_deploy.stack.launcher import Stack
 from pd_wire.decode import CAPABILITIES_PATH
+from tests.e2e.agents.test_tools import CALL_WEATHER, WEATHER
 from tests.e2e.conftest import make_stack_config, running_stack, vllm_kv_usage
-from tests.e2e.test_tools import CALL_WEATHER, WEATHER
 from tests.held_slot import held_slot
 from tests.stream_choices import choices_of, each_choice_streams
 from tests.waits import wait_until

@@ -151,10 +151,45 @@ RESPONSES_INPUT = st.one_of(TEXT, st.lists(st.one_of(
     st.just({"type": "function_call_output", "call_id": "c1", "output": "ok"})), min_size=1, max_size=3))
 
 
+TOOL = {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "string"}}}}
+MESSAGES_OPTIONAL = {
+    "system": st.sampled_from(["Be brief.", [
+        {"type": "text", "text": "x-anthropic-billing-header: x"},
+        {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]]),
+    "stream": st.booleans(), "temperature": st.sampled_from([0, 1.0]), "top_k": st.sampled_from([1, 5]),
+    "top_p": st.sampled_from([0.5, 1.0]), "stop_sequences": st.sampled_from([["\n"], [], ["a", "b"]]),
+    "tools": st.sampled_from([[TOOL], []]),
+    "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"}, {"type": "tool", "name": "f"},
+                                    {"type": "auto", "disable_parallel_tool_use": True}]),
+    "thinking": st.sampled_from([{"type": "adaptive"}, {"type": "disabled"},
+                                 {"type": "enabled", "budget_tokens": 1024}]),
+    "output_config": st.sampled_from([{"effort": "low"},
+                                      {"format": {"type": "json_schema", "schema": {"type": "object"}}}]),
+    "metadata": st.just({"user_id": "fuzz"}), "context_management": st.just({"edits": []}),
+}
+BLOCK = st.one_of(
+    st.builds(lambda t: {"type": "text", "text": t}, TEXT),
+    st.just({"type": "thinking", "thinking": "hm", "signature": "s"}),
+    st.just({"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"a": "x"}}),
+    st.just({"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "ok"}]}),
+    st.just({"type": "redacted_thinking", "data": "x"}))
+MESSAGES = st.lists(st.builds(lambda role, content: {"role": role, "content": content},
+                              st.sampled_from(["user", "assistant", "system"]),
+                              st.one_of(TEXT, st.lists(BLOCK, min_size=1, max_size=3))), min_size=1, max_size=3)
+
+
 @st.composite
 def openai_bodies(draw: Any) -> tuple[str, dict[str, Any]]:
-    if draw(st.integers(0, 3)) == 0:  # the Responses API (issue 59)
-        body: dict[str, Any] = {"model": MODEL_NAME, "input": draw(RESPONSES_INPUT),
+    which = draw(st.integers(0, 4))
+    if which == 1:  # Anthropic's Messages API (issue 60)
+        body: dict[str, Any] = {"model": MODEL_NAME, "messages": draw(MESSAGES), "max_tokens": draw(st.integers(1, 4))}
+        for name in draw(st.lists(st.sampled_from(sorted(MESSAGES_OPTIONAL)), max_size=5, unique=True)):
+            body[name] = draw(MESSAGES_OPTIONAL[name])
+        if body.get("thinking", {}).get("type") == "enabled":
+            body["max_tokens"] = 1025  # its budget below it, as both require
+        return "/v1/messages", body
+    if which == 0:  # the Responses API (issue 59)
+        body = {"model": MODEL_NAME, "input": draw(RESPONSES_INPUT),
                                 "max_output_tokens": draw(st.integers(1, 4))}
         for name in draw(st.lists(st.sampled_from(sorted(RESPONSES_OPTIONAL)), max_size=5, unique=True)):
             body[name] = draw(RESPONSES_OPTIONAL[name])
@@ -175,7 +210,7 @@ def openai_bodies(draw: Any) -> tuple[str, dict[str, Any]]:
 _EXPLORE = int(os.environ.get("PD_FUZZ_EXAMPLES", "0"))  # as tests/reliability/test_router_fuzz.py
 
 
-@settings(max_examples=_EXPLORE or 40, derandomize=not _EXPLORE, deadline=None,
+@settings(max_examples=_EXPLORE or 50, derandomize=not _EXPLORE, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=openai_bodies())
 def test_any_openai_shaped_request_leaves_the_service_serving(pd_stack, case):
@@ -183,9 +218,12 @@ def test_any_openai_shaped_request_leaves_the_service_serving(pd_stack, case):
     url = pd_stack.config.router_url
     resp = httpx.post(url + path, json=body, timeout=120)
     assert resp.status_code < 500, (body, resp.status_code, resp.text[:400])
-    if resp.status_code == 200 and body.get("stream") and path == "/v1/responses":  # vLLM's last event, no [DONE]
-        last = [block for block in resp.text.split("\n\n") if block.strip()][-1]
-        assert json.loads(last.split("data: ", 1)[1])["type"] == "response.completed", (body, resp.text[-400:])
+    if resp.status_code == 200 and body.get("stream") and path in ("/v1/responses", "/v1/messages"):
+        last = [block for block in resp.text.split("\n\n") if block.strip()][-1]  # their last event, no [DONE]
+        assert json.loads(last.split("data: ", 1)[1])["type"] in ("response.completed", "message_stop"), \
+            (body, resp.text[-400:])
+    elif resp.status_code != 200 and path == "/v1/messages":  # Anthropic's error shape
+        assert resp.json()["type"] == "error" and resp.json()["error"]["message"], resp.text
     elif resp.status_code == 200 and body.get("stream"):
         assert resp.text.rstrip().endswith("data: [DONE]") and '"error"' not in resp.text, (body, resp.text[-400:])
     elif resp.status_code != 200:

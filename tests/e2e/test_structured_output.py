@@ -5,7 +5,7 @@ decode step (the reference engine's bitmask, MTP drafts checked against it).
 * greedy output under a schema is byte-identical to vLLM alone with the same response_format;
 * sampled JSON (temperature 1) always parses and validates against its schema;
 * tool_choice required / named: vLLM's own GLM-4.7 tool parser reads the generated text
-  as tool calls equal to the decode server's (the call grammar is vLLM's: tests/e2e/test_tools.py
+  as tool calls equal to the decode server's (the call grammar is vLLM's: tests/e2e/agents/test_tools.py
   compares the answers with vLLM alone);
 * a bad schema is a 400 naming the problem, and vLLM never saw the request (its request
   counter on /metrics does not move)."""

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from pd_router.wire import ReadinessReport
+from tests.e2e.agents.test_tools import CALL_WEATHER, WEATHER
 from tests.e2e.prompts import long_prompt
 from tests.e2e.test_equivalence import assert_matches_vllm_alone, poster
-from tests.e2e.test_tools import CALL_WEATHER, WEATHER
 from tests.multinode.stack import API_KEY, NodeStack, node_stack
 from tests.multinode.streams import StreamRecord, read_stream
 from tests.nodes import Node

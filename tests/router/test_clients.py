@@ -155,6 +155,27 @@ def test_api_key(make_rig):
     rig.assert_no_leaks()
 
 
+def test_an_anthropic_client_is_served_with_its_key_in_x_api_key(make_rig):
+    """The ``anthropic`` SDK sends its key as ``x-api-key``: taken as a bearer token; a wrong one
+    is a 401 in Anthropic's error shape, on ``/v1/messages`` and ``count_tokens`` alike."""
+    import anthropic
+
+    rig = make_rig(api_key="sekrit")
+    client = anthropic.Anthropic(base_url=rig.url, api_key="sekrit", max_retries=0, timeout=20)
+    message = client.messages.create(model=MODEL, max_tokens=3, messages=MESSAGES)
+    assert [b.type for b in message.content] == ["text"] and message.stop_reason == "max_tokens"
+    assert message.usage.output_tokens == 3
+    with client.messages.stream(model=MODEL, max_tokens=3, messages=MESSAGES) as stream:
+        assert stream.get_final_text() == message.content[0].text
+    wrong = anthropic.Anthropic(base_url=rig.url, api_key="wrong", max_retries=0, timeout=20)
+    for call in (lambda: wrong.messages.create(model=MODEL, max_tokens=3, messages=MESSAGES),
+                 lambda: wrong.messages.count_tokens(model=MODEL, messages=MESSAGES)):
+        with pytest.raises(anthropic.AuthenticationError) as refused:
+            call()
+        assert refused.value.body["type"] == "error" and refused.value.body["error"]["type"] == "authentication_error"
+    rig.assert_no_leaks()
+
+
 def test_metrics_exposed(make_rig):
     rig = make_rig()
     _client(rig).completions.create(model=MODEL, prompt="a", max_tokens=3, stream=False)

@@ -1,7 +1,7 @@
 """``/v1/responses`` at the router's edge (issue 59): the request as the chat request vLLM's
 Responses serving makes of it, and the chat answer (whole, or streamed) as vLLM's Responses
 answer and events. Pure translation; the real stack against vLLM alone is
-``tests/e2e/test_tools.py``."""
+``tests/e2e/agents/test_tools.py``."""
 
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,12 +28,10 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from pd_deploy.stack.launcher import Stack
-from tests.e2e.conftest import MODEL_NAME, make_stack_config, running_stack
+from tests.e2e.conftest import MODEL_NAME
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-GLM51_PARSER_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "glm47", "--reasoning-parser", "glm45")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -48,30 +45,6 @@ CHOICES = {"no tool_choice": {}, "auto": {"tool_choice": "auto"}}
 CALL_WEATHER = ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>(Paris|Oslo)</arg_value>"
                 "<arg_key>days</arg_key><arg_value>[1-7]</arg_value></tool_call>")
 CALL_TIME = "<tool_call>get_time<arg_key>utc</arg_key><arg_value>(true|false)</arg_value></tool_call>"
-
-
-@pytest.fixture(scope="module")
-def glm_user_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    cfg = make_stack_config(tiny_model_dir, tmp_path_factory.mktemp("glm-user-stack"), reasoning_parser="glm45")
-    with running_stack(cfg) as stack:
-        yield stack
-
-
-@pytest.fixture(scope="module")
-def glm_user_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """vLLM alone with the stack's numerics and GLM-5.1's parser flags (its tool-call structural
-    tags on, vLLM's default)."""
-    from pd_deploy.commands import VLLM_CPU_ENV, PrefillSpec, vllm_prefill_argv
-    from tests.procs import free_port, server
-
-    port = free_port()
-    same_numerics = make_stack_config(tiny_model_dir, Path("/nonexistent")).prefill_extra_args()
-    argv = vllm_prefill_argv(PrefillSpec(model=tiny_model_dir, port=port, mtp=False, connector=False,
-                                         max_model_len=4096, served_model_name=MODEL_NAME,
-                                         extra_args=same_numerics + GLM51_PARSER_FLAGS))
-    url = f"http://127.0.0.1:{port}"
-    with server(argv, tmp_path_factory.mktemp("glm-user-vllm") / "vllm.log", f"{url}/health", 300, VLLM_CPU_ENV):
-        yield url
 
 
 def _client(url: str) -> OpenAI:
@@ -417,7 +390,7 @@ def test_agent_sdks_get_what_vllm_gives_them(glm_user_stack, glm_user_vllm, clie
     from tests.clients.install import clients_python
     from tests.clients.sandbox import Bridge
 
-    script = Path(__file__).resolve().parents[1] / "clients" / "sdk_turns.py"
+    script = Path(__file__).resolve().parents[2] / "clients" / "sdk_turns.py"
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "NO_PROXY": "*"}
 
     def run(name: str, url: str) -> dict:
