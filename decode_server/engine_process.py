@@ -52,6 +52,7 @@ from decode_server.engine.base import (
     SpecStats,
     TokenOut,
 )
+from decode_server.engine.grammar import ThinkingBudgetSpec
 from pd_grammar.spec import GrammarSpec, JsonWhitespace
 from pd_wire.handoff import HandoffResult
 
@@ -151,16 +152,18 @@ class GrammarRequest:
     """A request's grammar on its way to the child, which compiles it (the matcher the engine
     masks with lives where the engine runs)."""
 
-    spec: GrammarSpec
+    spec: GrammarSpec | None
     stop_token_ids: tuple[int, ...]
+    budget: ThinkingBudgetSpec | None = None
 
 
 class GrammarRequests:
     """The server's grammar compiler when the engine runs in the child: its "matchers" are the
     requests the child compiles."""
 
-    def matcher(self, spec: GrammarSpec, stop_token_ids: Iterable[int]) -> GrammarRequest:
-        return GrammarRequest(spec, tuple(sorted(set(stop_token_ids))))
+    def matcher(self, spec: GrammarSpec | None, stop_token_ids: Iterable[int],
+                budget: ThinkingBudgetSpec | None = None) -> GrammarRequest:
+        return GrammarRequest(spec, tuple(sorted(set(stop_token_ids))), budget)
 
 
 _LOST = object()  # the child is gone
@@ -498,7 +501,7 @@ class _Host:
             from decode_server.structured import GrammarCompiler
 
             self._compiler = GrammarCompiler(*self._grammar)
-        return replace(params, grammar=self._compiler.matcher(request.spec, request.stop_token_ids))
+        return replace(params, grammar=self._compiler.matcher(request.spec, request.stop_token_ids, request.budget))
 
     def serve(self) -> None:
         """Until the server closes its end: start, cancel, close sessions (in the order sent: a

@@ -19,9 +19,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from decode_server.engine.grammar import AfterReasoning, GrammarMatcher
+from decode_server.engine.grammar import AfterReasoning, GrammarMatcher, ThinkingBudget, ThinkingBudgetSpec
 from pd_grammar.spec import COMPACT_SEPARATORS, GrammarSpec, JsonWhitespace
-from pd_grammar.tool_calls import CALL_BEGIN, THINK_END
+from pd_grammar.tool_calls import CALL_BEGIN, THINK_END, THINK_START
 
 CACHE_BYTES = 64 * 1024 * 1024
 
@@ -36,6 +36,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compiler: Any = None
         self._reasoning_ends: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
+        self._think_ids = (-1, -1)  # <think>, </think> (-1: not in the vocabulary)
 
     def _vocab_size(self) -> int:
         cfg_path = self._model_dir / "config.json"
@@ -57,13 +58,27 @@ class GrammarCompiler:
                 # a <tool_call> begun inside it (both single special tokens in GLM's vocabulary)
                 self._reasoning_ends = (frozenset(vocab[t] for t in (THINK_END,) if t in vocab),
                                         frozenset(vocab[t] for t in (CALL_BEGIN,) if t in vocab))
+                # a thinking budget counts the tokens after <think> and forces </think>
+                self._think_ids = (vocab.get(THINK_START, -1), vocab.get(THINK_END, -1))
                 info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size())
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=True,
                                                           cache_limit_bytes=CACHE_BYTES)
             return self._compiler
 
-    def matcher(self, spec: GrammarSpec, stop_token_ids: Iterable[int]) -> GrammarMatcher:
-        """A fresh matcher at the grammar's start."""
+    def matcher(self, spec: GrammarSpec | None, stop_token_ids: Iterable[int],
+                budget: ThinkingBudgetSpec | None = None) -> GrammarMatcher:
+        """A fresh matcher at the grammar's start (``spec``), within the thinking ``budget``
+        (:class:`~decode_server.engine.grammar.ThinkingBudget`); one of them at least."""
+        inner = None if spec is None else self._grammar(spec, stop_token_ids)
+        if budget is None:
+            if inner is None:
+                raise ValueError("a matcher needs a grammar or a thinking budget")
+            return inner
+        self._get()
+        start, end = self._think_ids
+        return ThinkingBudget(inner, budget.tokens, start, end, reasoning_open=budget.last_prompt_token_id == start)
+
+    def _grammar(self, spec: GrammarSpec, stop_token_ids: Iterable[int]) -> GrammarMatcher:
         import xgrammar
 
         compiler = self._get()

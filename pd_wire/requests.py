@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -98,6 +98,17 @@ class _Common(BaseModel):
     # vLLM's: lower is served sooner; the router orders the decode queues by it (docs/router.md,
     # "Who waits for a decode slot"); the decode server, one sequence per slot, has no use for it
     priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+    # vLLM's: at most this many reasoning tokens, then the reasoning's end token is forced (-1: none)
+    thinking_token_budget: int | None = Field(default=None, le=MAX_INT32)
+
+    @field_validator("thinking_token_budget", mode="before")
+    @classmethod
+    def _budget(cls, budget: Any) -> Any:
+        if budget is None:
+            return None
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < -1:
+            raise ValueError("thinking_token_budget must be a non-negative integer or -1 for unlimited")
+        return None if budget == -1 else budget
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -160,6 +171,21 @@ class ChatCompletionRequest(_Common):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = True  # false: only the first call is returned (as vLLM filters them)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the template's reasoning_effort, and its enable_thinking (false for "none") unless
+    # chat_template_kwargs says otherwise
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    def thinking(self) -> bool:
+        """Whether the chat template opens the model's reasoning, as vLLM decides it:
+        ``chat_template_kwargs``' ``enable_thinking`` (or ``thinking``) when given, else
+        ``reasoning_effort`` other than ``none``, else on."""
+        kwargs = self.chat_template_kwargs or {}
+        for key in ("enable_thinking", "thinking"):
+            if kwargs.get(key) is False:
+                return False
+        if "enable_thinking" not in kwargs and self.reasoning_effort == "none":
+            return False
+        return True
 
     @field_validator("messages", mode="after")
     @classmethod
@@ -256,6 +282,9 @@ def unsupported(req: OpenAIRequest, features: EngineFeatures, engine: str, route
         param = grammar_param({**extra, "tool_choice": getattr(req, "tool_choice", None)}, chat)
         if param is not None:
             return Refusal(f"{param}: constrained decoding is not supported by the {engine} engine", param)
+    if req.thinking_token_budget is not None and not features.structured_output:
+        return Refusal(f"thinking_token_budget is not supported by the {engine} engine (it cannot force a token)",
+                       "thinking_token_budget")
     if extra.get("prompt_logprobs") is not None and not routed:
         return Refusal("prompt_logprobs is not supported by the decode server", "prompt_logprobs")
     if isinstance(req, CompletionRequest):

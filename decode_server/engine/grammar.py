@@ -13,6 +13,7 @@ emitted tokens (:meth:`Constraint.accept`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from decode_server.engine.base import EngineError
@@ -87,6 +88,73 @@ class AfterReasoning:
 
     def is_terminated(self) -> bool:
         return not self._waiting and self.inner.is_terminated()
+
+
+@dataclass(frozen=True)
+class ThinkingBudgetSpec:
+    """A request's thinking budget on its way to its matcher (:class:`ThinkingBudget`): the
+    reasoning tokens allowed, and the prompt's last token (the reasoning is open from the start
+    when it is the reasoning's start token)."""
+
+    tokens: int
+    last_prompt_token_id: int
+
+
+class ThinkingBudget:
+    """vLLM's ``thinking_token_budget``: once the model's reasoning holds ``budget`` tokens, its
+    end token (``</think>``) is the only one allowed. The reasoning is open from the start when
+    the prompt ends with its start token (``reasoning_open``), or from a start token the model
+    emits; its tokens are those after the start token. Wraps the request's grammar matcher, if
+    any (``inner``: its mask, then this one's; terminated when it is), else never terminates: a
+    reasoning block the model opens again gets the budget again, as in vLLM. Rolls back any
+    number of tokens."""
+
+    def __init__(self, inner: GrammarMatcher | None, budget: int, start: int, end: int,
+                 reasoning_open: bool) -> None:
+        self.inner = inner
+        self._budget, self._start, self._end = budget, start, end
+        self._state = (reasoning_open, 0)  # (in a reasoning block, its tokens so far)
+        self._before: list[tuple[bool, int]] = []  # the state before each accepted token
+
+    @property
+    def forcing(self) -> bool:
+        open_, tokens = self._state
+        return open_ and tokens >= self._budget
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.forcing and token_id != self._end:
+            return False
+        if self.inner is not None and not self.inner.accept_token(token_id):
+            return False
+        self._before.append(self._state)
+        open_, tokens = self._state
+        if open_:
+            self._state = (False, 0) if token_id == self._end else (True, tokens + 1)
+        elif token_id == self._start:
+            self._state = (True, 0)
+        return True
+
+    def fill_next_token_bitmask(self, bitmask: Any, index: int = 0) -> Any:
+        if self.forcing:  # the end token alone, as vLLM forces it whatever else would be allowed
+            bitmask[index] = 0
+            word, bit = divmod(self._end, 32)
+            bitmask[index, word] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32 bits
+            return None
+        if self.inner is None:
+            bitmask[index] = -1
+            return None
+        return self.inner.fill_next_token_bitmask(bitmask, index)
+
+    def rollback(self, num_tokens: int = 1) -> None:
+        if num_tokens > len(self._before):
+            raise EngineError(f"rollback of {num_tokens} tokens past the budget's start")
+        if self.inner is not None:
+            self.inner.rollback(num_tokens)
+        for _ in range(num_tokens):
+            self._state = self._before.pop()
+
+    def is_terminated(self) -> bool:
+        return self.inner is not None and self.inner.is_terminated()
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -33,6 +33,7 @@ from connector.kv_errors import HandoffTimeout, ReceiverError, TransferFailed
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import Cancelled as EngineCancelled
 from decode_server.engine.base import DecodeSession, Engine, EngineError, SamplingParams, TokenOut
+from decode_server.engine.grammar import ThinkingBudgetSpec
 from decode_server.engine_process import GrammarRequests
 from decode_server.server.api_errors import ApiError, Cancelled, EngineFailure, KVHandoffFailed, KVTimeout
 from decode_server.server.granted import GrantedSend
@@ -322,15 +323,21 @@ class Job:
             self._from_worker(self._worker_finished)
 
     def _sampling(self) -> SamplingParams:
-        """The plan's sampling parameters, with a fresh grammar matcher for structured output
-        (compiled here, on the worker thread: the tokenizer is loaded on first use)."""
+        """The plan's sampling parameters, with a fresh matcher for structured output or a
+        thinking budget (compiled here, on the worker thread: the tokenizer is loaded on first
+        use). The budget's reasoning is open from the start when the prompt ended with its
+        start token."""
         plan = self.plan
-        if plan.grammar is None:
+        if plan.grammar is None and plan.thinking_budget is None:
             return plan.sampling
         if self.ctx.grammars is None:
             raise EngineFailure("structured output requested from a server whose engine cannot constrain decoding")
         stops = set(plan.stop.eos_token_ids) | set(plan.stop.stop_token_ids)
-        return replace(plan.sampling, grammar=self.ctx.grammars.matcher(plan.grammar, stops))
+        budget = None
+        if plan.thinking_budget is not None:
+            last = plan.resume.context_token_id if plan.resume is not None else plan.result.last_prompt_token_id
+            budget = ThinkingBudgetSpec(plan.thinking_budget, last)
+        return replace(plan.sampling, grammar=self.ctx.grammars.matcher(plan.grammar, stops, budget))
 
     def _worker_finished(self) -> None:
         self._release_kv()  # already done after engine.start; kept for a worker that never got there

@@ -59,6 +59,7 @@ class Plan:
     first_tool_call_only: bool  # parallel_tool_calls false: later calls are dropped from the answer
     first_logprob: TokenLogprob | None
     grammar: GrammarSpec | None = None  # structured output (the engine gets its matcher)
+    thinking_budget: int | None = None  # vLLM's thinking_token_budget (the engine's matcher forces </think>)
     # how the calls were asked for (the finish reason and content follow it, as in vLLM): "auto", or a
     # call forced ("required", "named"); None without tools
     tool_choice: ToolChoiceKind | None = None
@@ -258,11 +259,7 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
     if isinstance(req, ChatCompletionRequest) and req.tools and req.tool_choice != "none" and (
             limits.tool_call_parser or (grammar is not None and grammar.kind == "structural_tag")):
         tools = req.tools  # a forced call is parsed as GLM's calls whatever --tool-call-parser says
-    thinking = True
-    if isinstance(req, ChatCompletionRequest) and req.chat_template_kwargs:
-        for key in ("enable_thinking", "thinking"):
-            if req.chat_template_kwargs.get(key) is False:
-                thinking = False
+    thinking = req.thinking() if isinstance(req, ChatCompletionRequest) else True
     reasoning = chat and limits.reasoning_parser and thinking
     if grammar is not None and limits.reasoning_parser and thinking:
         # as vLLM with a reasoning parser: the grammar holds once the reasoning ended (a completions
@@ -282,12 +279,23 @@ def build_plan(endpoint: Endpoint, req: CompletionRequest | ChatCompletionReques
         tool_choice=_tool_choice_kind(req.tool_choice) if isinstance(req, ChatCompletionRequest) and tools else None,
         first_logprob=(prefill_logprob(handoff.prefill_logprobs, k)
                        if k is not None and isinstance(handoff, HandoffResult) else None),
-        grammar=grammar,
+        grammar=grammar, thinking_budget=_thinking_budget(req, limits),
         asked_max_tokens=(asked, param, limits.max_seq_len),
         progress=claim is not None and claim.progress,
         created=claim.created if claim is not None else None,
         resume=claim.resume if claim is not None else None,
     )
+
+
+def _thinking_budget(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits) -> int | None:
+    """The request's ``thinking_token_budget``; refused, as vLLM refuses it, by a server that
+    reads no reasoning (no ``--reasoning-parser``)."""
+    budget = req.thinking_token_budget
+    if budget is not None and not limits.reasoning_parser:
+        raise InvalidRequest("thinking_token_budget is set but reasoning_config is not configured. Please set "
+                             "--reasoning-parser and/or --reasoning-config to use thinking_token_budget.",
+                             "thinking_token_budget")
+    return budget
 
 
 def _or(value: float | None, default: float | None, neutral: float) -> float:

@@ -69,3 +69,15 @@ def test_an_engine_without_grammars_refuses_them():
         _plan(limits, tools=TOOLS, tool_choice="required")
     assert info.value.param == "tool_choice"
     assert _plan(limits, response_format={"type": "text"}).grammar is None
+
+
+@pytest.mark.parametrize(("body", "thinking"), [
+    ({}, True), ({"reasoning_effort": "none"}, False), ({"reasoning_effort": "low"}, True),
+    ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}, True),
+    ({"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}}, False),
+    ({"chat_template_kwargs": {"thinking": False}}, False),
+])
+def test_thinking_is_on_or_off_as_vllm_renders_the_template(body, thinking):
+    """vLLM passes ``reasoning_effort`` to the template, and ``enable_thinking`` false for
+    ``none`` unless ``chat_template_kwargs`` gives it: the reasoning parser reads the output so."""
+    assert _plan(**body).reasoning is thinking

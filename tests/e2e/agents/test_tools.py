@@ -102,6 +102,47 @@ def test_tools_streamed_with_the_default_tool_choice(glm_user_stack, glm_user_vl
     assert (streamed["pd"][0] or streamed["pd"][1]) and streamed["pd"][2] in ("stop", "length")
 
 
+@pytest.mark.parametrize("effort", ["none", "high"])
+def test_reasoning_effort_turns_thinking_on_or_off_as_in_vllm(glm_user_stack, glm_user_vllm, effort):
+    """``reasoning_effort: none`` renders the template with thinking off (vLLM's
+    ``enable_thinking`` false): the answer is content, no reasoning. Before: the stack's decode
+    server read the output as reasoning (it looked at chat_template_kwargs only)."""
+    got = {}
+    for name, url in (("pd", glm_user_stack.config.router_url), ("vllm", glm_user_vllm)):
+        answer = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24,
+            "temperature": 0, "reasoning_effort": effort}).json()
+        message = answer["choices"][0]["message"]
+        got[name] = (_reasoning(message), message["content"], answer["choices"][0]["finish_reason"])
+    assert got["pd"] == got["vllm"]
+    assert (got["pd"][0] is None) == (effort == "none") and got["pd"][1], got
+
+
+@pytest.mark.parametrize("budget", [0, 2, 7])
+def test_a_thinking_budget_ends_the_reasoning_where_vllm_ends_it(glm_user_stack, glm_user_vllm, budget):
+    """``thinking_token_budget`` (what Anthropic's ``thinking.budget_tokens`` becomes): after that
+    many reasoning tokens ``</think>`` is forced, in every reasoning block the model opens (the
+    tiny model opens a second one). The same tokens, reasoning and content as vLLM alone, whole
+    and streamed. Before: the decode server ignored the budget (vLLM ends the reasoning after
+    'The user', the stack reasoned on)."""
+    got = {}
+    for name, url in (("pd", glm_user_stack.config.router_url), ("vllm", glm_user_vllm)):
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40,
+                "temperature": 0, "thinking_token_budget": budget, "logprobs": True,
+                "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+        choice = answer["choices"][0]
+        tokens = [c["token"] for c in choice["logprobs"]["content"]]
+        chunks = list(_client(url).chat.completions.create(
+            model=MODEL_NAME, messages=body["messages"], max_tokens=40, temperature=0, stream=True,
+            extra_body={"thinking_token_budget": budget}))
+        reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning") or "" for c in chunks if c.choices)
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        got[name] = (tokens, _reasoning(choice["message"]), choice["message"]["content"], reasoning, content)
+    assert got["pd"] == got["vllm"]
+    assert got["pd"][0].count("token_id:11") >= 1  # </think>, forced or not
+
+
 def _vllm_parse(tokenizer, text: str, tools: list[dict]) -> list[tuple[str, dict]]:
     """What vLLM's GLM-4.7 tool parser reads in ``text`` (the tokens a generation gave)."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
