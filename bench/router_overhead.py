@@ -4,8 +4,9 @@ One run, same fakes, three endpoints: for concurrency 1, 16 and 64, streaming
 requests with ``stream_options.include_usage``, 64 output tokens, 3.19 ms between tokens
 (TileRT on B200); ``/v1/completions`` with a ~1k-token prompt, ``/v1/chat/completions``
 with a system and a user message of ~1k tokens together (English text), ``/v1/responses``
-with the same two as ``instructions`` and ``input`` (measured against the chat request it
-becomes, sent directly: what the translation adds). Prints the
+with the same two as ``instructions`` and ``input`` and Anthropic's ``/v1/messages`` with them
+as ``system`` and ``messages`` (each measured against the chat request it becomes, sent
+directly: what the translation adds). Prints the
 router's added TTFT p50/p99, added inter-token latency p50/p99, throughput ratio
 (router/direct) and router CPU microseconds per output token (from the router process's
 CPU time) per endpoint, each goal as met or not, and the floors beside the goals: at C=1
@@ -19,7 +20,7 @@ writes them to docs/benchmarks.md under
 docs/img/router_overhead.png from them (``python -m bench.plots`` redraws it).
 
     .venv/bin/python bench/router_overhead.py [--requests-per-client C1 C16 C64] [--rounds N]
-        [--endpoints completions chat responses] [--no-write] [--results DIR] [--img DIR | --no-plot]
+        [--endpoints completions chat responses messages] [--no-write] [--results DIR] [--img DIR | --no-plot]
 """
 
 from __future__ import annotations
@@ -52,10 +53,17 @@ TOKENS, TOKEN_DELAY, PROMPT = 64, 0.00319, " ".join(f"w{i % 97}" for i in range(
 CONCURRENCY = (1, 16, 64)
 FLOOR_CONCURRENCY = 64  # where the byte relay's CPU per token is measured beside the router's
 PD_FLOOR_CONCURRENCY = (1, 64)  # where the minimal PD relay is measured: the TTFT and the CPU goals
-ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses",
+             "messages": "/v1/messages"}
+TRANSLATED = ("responses", "messages")  # served as the chat request they become (what the direct side sends)
 # what a token's event starts with, per endpoint (not the usage chunk, not the closing events)
 TOKEN_MARK = {"completions": b'"choices": [{', "chat": b'"choices": [{',
-              "responses": b"event: response.output_text.delta"}
+              "responses": b"event: response.output_text.delta", "messages": b"event: content_block_delta"}
+
+
+def sent_as(endpoint: str, direct: bool) -> str:
+    """The endpoint a request goes to: a translated one's chat request when sent directly."""
+    return "chat" if direct and endpoint in TRANSLATED else endpoint
 
 
 def chat_messages() -> list[dict[str, str]]:
@@ -69,12 +77,17 @@ def chat_messages() -> list[dict[str, str]]:
 
 
 def request_body(endpoint: str, tokens: int = TOKENS) -> dict:
-    """The request a client sends; ``responses``: the chat request's messages as instructions and
-    input (the router turns it into that chat request, which the direct side sends itself)."""
+    """The request a client sends; ``responses`` and ``messages``: the chat request's messages as
+    their system prompt and input (the router turns each into that chat request, which the
+    direct side sends itself)."""
     if endpoint == "responses":
         system, user = chat_messages()
         return {"model": "tiny", "instructions": system["content"], "input": user["content"],
                 "max_output_tokens": tokens, "stream": True}
+    if endpoint == "messages":
+        system, user = chat_messages()
+        return {"model": "tiny", "system": system["content"], "messages": [user], "max_tokens": tokens,
+                "stream": True}
     body: dict = {"model": "tiny", "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}
     if endpoint == "chat":
         body["messages"] = chat_messages()
@@ -110,7 +123,7 @@ def _pct(values: list[float], q: float) -> float:
 
 async def _one(session: aiohttp.ClientSession, url: str, endpoint: str, direct: bool, rid: str,
                phase: Phase, tokens: int = TOKENS) -> None:
-    body = request_body("chat" if direct and endpoint == "responses" else endpoint, tokens)
+    body = request_body(sent_as(endpoint, direct), tokens)
     if direct:  # what the router would add: the handoff prefill returned
         body["kv_transfer_params"] = HandoffResult(
             handoff_id=rid,
@@ -126,7 +139,7 @@ async def _one(session: aiohttp.ClientSession, url: str, endpoint: str, direct: 
         assert resp.status == 200, await resp.text()
         async for chunk in resp.content.iter_any():
             now = time.perf_counter()
-            n = chunk.count(TOKEN_MARK["chat" if direct and endpoint == "responses" else endpoint])
+            n = chunk.count(TOKEN_MARK[sent_as(endpoint, direct)])
             if not n:
                 continue
             if prev:
@@ -144,7 +157,7 @@ async def _phase(
 ) -> Phase:
     phase = Phase()
     connector = aiohttp.TCPConnector(limit=0)
-    url += ENDPOINTS["chat" if direct and endpoint == "responses" else endpoint]  # direct: the chat it becomes
+    url += ENDPOINTS[sent_as(endpoint, direct)]  # direct: the chat it becomes
     async with aiohttp.ClientSession(connector=connector) as session:
         await _one(session, url, endpoint, direct, f"warm-{tag}", Phase(), tokens)
 
@@ -185,9 +198,9 @@ async def _measure(
                 n, tag = per_client[c], f"{endpoint[:4]}{c}.{r}"
                 directs.append(await _phase(urls["decode"], endpoint, True, c, n, None, f"d-{tag}"))
                 routeds.append(await _phase(urls["router"], endpoint, False, c, n, pids["router"], f"r-{tag}"))
-                if c in PD_FLOOR_CONCURRENCY and endpoint != "responses":  # the protocol's floor: minimal relay
+                if c in PD_FLOOR_CONCURRENCY and endpoint not in TRANSLATED:  # the protocol's floor: minimal relay
                     minimal.append(await _phase(urls["floor"], endpoint, False, c, n, pids["floor"], f"f-{tag}"))
-                if c == FLOOR_CONCURRENCY and endpoint != "responses":  # the relay's floor: a byte relay
+                if c == FLOOR_CONCURRENCY and endpoint not in TRANSLATED:  # the relay's floor: a byte relay
                     relayed.append(await _phase(urls["relay"], endpoint, True, c, n, pids["relay"], f"b-{tag}"))
             direct = _merge(directs)
             row = _row(endpoint, c, per_client[c] * rounds, direct, _merge(routeds))
@@ -371,7 +384,8 @@ def main() -> None:
             f"{TOKENS} tokens, {TOKEN_DELAY * 1e3:.2f} ms between tokens, streaming with "
             "`stream_options.include_usage`; `/v1/completions` with a ~1k-token prompt, "
             "`/v1/chat/completions` with a system + user message of ~1k tokens together, `/v1/responses` with "
-            "the same two as `instructions` and `input`, against the chat request it becomes sent directly; the router "
+            "the same two as `instructions` and `input` and `/v1/messages` (Anthropic's) with them as `system` and "
+            "`messages`, each against the chat request it becomes sent directly; the router "
             f"process's CPU time from /proc; clients' starts spread over one request). Added = through the "
             f"router minus direct to the fake decode, same run, {args.rounds} alternations pooled; at "
             f"C={FLOOR_CONCURRENCY} the direct requests also go through a byte relay (`bench/bare_relay.py`: "
