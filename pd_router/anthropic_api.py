@@ -181,8 +181,9 @@ class ThinkingAdaptive(BaseModel):
 
 
 Thinking = Annotated[ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive, Field(discriminator="type")]
-# vLLM's own request fields, passed to the chat request as they came
-_PASSED_THROUGH = ("chat_template_kwargs", "cache_salt", "priority", "kv_transfer_params")
+# vLLM's own request fields, passed to the chat request as they came (chat_template_kwargs too,
+# with what output_config and thinking ask of the template: CountTokensRequest.template_kwargs)
+_PASSED_THROUGH = ("cache_salt", "priority", "kv_transfer_params")
 
 
 class CountTokensRequest(BaseModel):
@@ -325,7 +326,7 @@ class MessagesRequest(CountTokensRequest):
         if kwargs:
             body["chat_template_kwargs"] = kwargs
         extra = self.model_extra or {}
-        for name in _PASSED_THROUGH[1:]:
+        for name in _PASSED_THROUGH:
             if extra.get(name) is not None:
                 body[name] = extra[name]
         return body

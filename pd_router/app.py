@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pd_router import anthropic_api, anthropic_out, tokens
 from pd_router.admin import add_admin_routes
-from pd_router.asgi import Receive, Scope, Send, authorization
+from pd_router.asgi import Receive, Scope, Send, authorization, read_body
 from pd_router.errors import InvalidRequest, MethodNotAllowed, NotFound, RouterError
 from pd_router.handler import CompletionHandler
 from pd_router.settings import RouterSettings
@@ -114,9 +114,13 @@ def _control_app(state: RouterState) -> FastAPI:
 
     add_admin_routes(app, state.settings, state.discovery)
 
+    async def body(request: Request) -> bytes:  # bounded as the completion routes' bodies
+        settings = state.settings
+        return await read_body(request.scope, request.receive, settings.max_body_bytes, settings.body_timeout)
+
     async def tokens_route(request: Request) -> Response:
         authorized(request)
-        answer = await tokens.forward(state, request.url.path, await request.body())
+        answer = await tokens.forward(state, request.url.path, await body(request))
         return Response(json.dumps(answer), media_type="application/json")
 
     for path in tokens.PATHS:  # vLLM's /tokenize and /detokenize, answered by a prefill server
@@ -128,7 +132,7 @@ def _control_app(state: RouterState) -> FastAPI:
         server's ``/tokenize``; errors in Anthropic's shape."""
         try:
             authorized(request)
-            asked = anthropic_api.parse_count_tokens(await request.body())
+            asked = anthropic_api.parse_count_tokens(await body(request))
             answer = await tokens.forward(state, tokens.TOKENIZE, json.dumps(asked.tokenize_body()).encode())
         except RouterError as err:
             return Response(anthropic_out.error_body(err.status, err.body()), status_code=err.status,

@@ -74,6 +74,11 @@ def test_413_body_too_large(make_rig):
         yield json.dumps(COMPLETION).encode()
 
     _error(httpx.post(rig.url + "/v1/completions", content=chunked()), 413, "request_too_large")
+    # the routes a prefill server answers (vLLM's /tokenize, Anthropic's token count) the same
+    _error(httpx.post(rig.url + "/tokenize", json={"prompt": "x" * 4096}), 413, "request_too_large",
+           completion=False)
+    counted = httpx.post(rig.url + "/v1/messages/count_tokens", content=chunked())
+    assert counted.status_code == 413 and counted.json()["error"]["type"] == "request_too_large", counted.text
     rig.assert_no_leaks()
 
 
