@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from pd_router.anthropic_out import Translator, error_body
 from pd_router.errors import InvalidRequest
 
 pytestmark = pytest.mark.timeout(120)
+_EXPLORE = int(os.environ.get("PD_FUZZ_EXAMPLES", "0"))  # as tests/reliability/test_router_fuzz.py
 
 NAMES = st.sampled_from(["get_weather", "read_file", "Bash"])
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
@@ -125,7 +127,8 @@ def _what_the_template_and_sampler_get(chat: Any) -> dict[str, Any]:
     }
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=_EXPLORE or 150, derandomize=not _EXPLORE, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(requests())
 def test_a_messages_request_becomes_the_chat_request_vllm_makes_of_it(body):
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -143,7 +146,8 @@ def test_a_messages_request_becomes_the_chat_request_vllm_makes_of_it(body):
         _what_the_template_and_sampler_get(vllm)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=_EXPLORE or 60, derandomize=not _EXPLORE, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(requests())
 def test_count_tokens_renders_what_vllm_counts(body):
     """The ``/tokenize`` body the router sends renders vLLM's count_tokens prompt: the same
@@ -263,7 +267,7 @@ PIECE = st.one_of(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=_EXPLORE or 200, derandomize=not _EXPLORE, deadline=None)
 @given(st.lists(PIECE, max_size=8), st.sampled_from(["stop", "length", "tool_calls"]),
        st.sampled_from([None, "the", 151336]))
 def test_a_chat_stream_becomes_vllms_message_events(pieces, finish, stop):
@@ -275,7 +279,7 @@ def test_a_chat_stream_becomes_vllms_message_events(pieces, finish, stop):
     assert _ours(chunks, stream=True) == _vllms(chunks)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=_EXPLORE or 100, derandomize=not _EXPLORE, deadline=None)
 @given(st.one_of(st.none(), TEXT), st.one_of(st.none(), TEXT),
        st.lists(st.tuples(NAMES, JSONISH), max_size=2), st.sampled_from(["stop", "length", "tool_calls"]),
        st.sampled_from([None, "the", 151336]))

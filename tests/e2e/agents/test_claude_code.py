@@ -42,7 +42,7 @@ def _claude(binary: Path, port: int, home: Path) -> dict[str, Any]:
            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1024", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
            "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "NO_COLOR": "1"}
     argv = [str(binary), "-p", "What does notes.txt say?", "--output-format", "json", "--model", MODEL_NAME,
-            "--system-prompt", "You are a coding agent. Answer briefly.", "--tools", "Read", "--max-turns", "4"]
+            "--system-prompt", "You are a coding agent. Answer briefly.", "--tools", "Read", "--max-turns", "8"]
     with Bridge(port, home / "server.sock") as bridge:
         out = subprocess.run(bridge.argv(argv, INSIDE_PORT), cwd=work, env=env, capture_output=True, text=True,
                              timeout=300, stdin=subprocess.DEVNULL)
