@@ -123,6 +123,9 @@ def test_count_tokens_is_vllms(glm_user_stack, glm_user_vllm):
                         for case, body in COUNTED.items()}
     assert counts["pd"] == counts["vllm"]
     assert counts["pd"]["system"] > counts["pd"]["plain"] and counts["pd"]["tools"] > counts["pd"]["plain"]
+    # what Claude Code asks first: HEAD / answered as vLLM answers it
+    assert httpx.head(glm_user_stack.config.router_url + "/", timeout=10).status_code == \
+        httpx.head(glm_user_vllm + "/", timeout=10).status_code
 
 
 REFUSED = {
