@@ -36,7 +36,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pd_router.api import json_object
+from pd_router.api import effort_kwargs, json_object, passed_through
 from pd_router.errors import InvalidRequest
 from pd_wire.limits import MAX_CONTENT_PARTS, MAX_INT32, MAX_MESSAGES, MAX_STOP_SEQUENCES, MAX_TOOLS
 
@@ -260,14 +260,10 @@ class CountTokensRequest(BaseModel):
     def template_kwargs(self) -> dict[str, Any]:
         """``chat_template_kwargs`` with what ``output_config.effort`` and ``thinking`` ask of
         the template (the client's own keys win, as in vLLM)."""
-        kwargs = dict(self.chat_template_kwargs or {})
         effort: str | None = self.output_config.effort if self.output_config is not None else None
         if isinstance(self.thinking, ThinkingDisabled):
             effort = "none"  # GLM's templates honour it (vLLM's probe picks "none" for them)
-        if effort is not None:
-            kwargs.setdefault("reasoning_effort", effort)
-            kwargs.setdefault("enable_thinking", effort != "none")
-        return kwargs
+        return effort_kwargs(self.chat_template_kwargs, effort)
 
     def tokenize_body(self) -> dict[str, Any]:
         """vLLM's ``/tokenize`` body rendering the prompt ``count_tokens`` counts."""
@@ -325,10 +321,7 @@ class MessagesRequest(CountTokensRequest):
         kwargs = self.template_kwargs()
         if kwargs:
             body["chat_template_kwargs"] = kwargs
-        extra = self.model_extra or {}
-        for name in _PASSED_THROUGH:
-            if extra.get(name) is not None:
-                body[name] = extra[name]
+        passed_through(body, self.model_extra, _PASSED_THROUGH)
         return body
 
 

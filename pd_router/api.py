@@ -38,6 +38,27 @@ def json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def effort_kwargs(given: Mapping[str, Any] | None, effort: str | None) -> dict[str, Any]:
+    """The chat template's kwargs for a reasoning ``effort`` (the Responses API's
+    ``reasoning.effort``, Anthropic's ``output_config.effort`` or disabled thinking), as vLLM
+    passes it: ``reasoning_effort``, and ``enable_thinking`` false for ``none``; the client's own
+    ``chat_template_kwargs`` (``given``) win."""
+    kwargs = dict(given or {})
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+        kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs
+
+
+def passed_through(body: dict[str, Any], extra: Mapping[str, Any] | None, names: tuple[str, ...]) -> None:
+    """vLLM's own request fields among a translated request's extra fields (``names``), set on
+    the chat ``body`` as they came."""
+    given = extra or {}
+    for name in names:
+        if given.get(name) is not None:
+            body[name] = given[name]
+
+
 def parse_request(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], OpenAIRequest]:
     """The body as a dict (what is forwarded) and its validated view; 400 otherwise."""
     body = json_object(raw)

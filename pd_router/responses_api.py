@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, field_validator
 
-from pd_router.api import json_object
+from pd_router.api import effort_kwargs, json_object, passed_through
 from pd_router.errors import InvalidRequest, UnknownResponse
 from pd_wire.limits import MAX_CONTENT_PARTS, MAX_INT32, MAX_MESSAGES, MAX_TOOLS
 
@@ -326,17 +326,10 @@ class ResponsesRequest(BaseModel):
         elif fmt is not None and fmt.type == "json_schema":
             body["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": fmt.name or "response", "schema": fmt.schema_ or {}, "strict": fmt.strict}}
-        kwargs = dict(self.chat_template_kwargs or {})
-        effort = self.reasoning.effort if self.reasoning is not None else None
-        if effort is not None:
-            kwargs.setdefault("reasoning_effort", effort)
-            kwargs.setdefault("enable_thinking", effort != "none")
+        kwargs = effort_kwargs(self.chat_template_kwargs, self.reasoning.effort if self.reasoning else None)
         if kwargs:
             body["chat_template_kwargs"] = kwargs
-        extra = self.model_extra or {}
-        for name in _PASSED_THROUGH:
-            if extra.get(name) is not None:
-                body[name] = extra[name]
+        passed_through(body, self.model_extra, _PASSED_THROUGH)
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         return body
