@@ -56,7 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from decode_server.engine.base import Engine, SamplingParams
-from decode_server.engine_build import EngineBuild
+from decode_server.engine.build import EngineBuild
 from pd_wire.decode import CAPABILITIES_PATH
 from pd_wire.handoff import HandoffClaim, HandoffResult, SlotWait
 from tests.decode_server.conftest import build_model_dir, start_server
@@ -372,7 +372,7 @@ def serve(args: argparse.Namespace, cfg: FakeEngineConfig) -> None:
         model = build_model_dir(Path(tmp) / "m") if args.engine == "scripted" else reference_model()
         build = engine_build(args, cfg)
         if args.engine_in == ["process"]:  # python -m decode_server --engine-process
-            from decode_server.engine_process import ProcessEngine
+            from decode_server.engine.process import ProcessEngine
 
             engine = ProcessEngine(build, log_level="warning")
         else:
@@ -421,7 +421,7 @@ def main() -> None:
                     "(Python's default 0.005)")
     ap.add_argument("--engine-in", nargs="+", choices=("thread", "process"), default=["thread", "process"],
                     help="where the server runs the engine: on a worker thread of its own process, or in a process "
-                    "of its own (decode_server/engine_process.py: python -m decode_server --engine-process); each is "
+                    "of its own (decode_server/engine/process.py: python -m decode_server --engine-process); each is "
                     "measured, in this order, against the same baseline")
     ap.add_argument("--engine", choices=("scripted", "reference"), default="scripted",
                     help="the engine under test: the scripted one (tests/fakes/fake_engine.py), or the reference "

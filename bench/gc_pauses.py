@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 def _child(out: Path, freeze: bool, argv: list[str]) -> int:
     """Run the router, recording collections once it froze (or would have) its heap."""
-    import pd_router.serve
+    import pd_router.server.serve
     from pd_http import heap
     from pd_router.__main__ import main
 
@@ -49,7 +49,7 @@ def _child(out: Path, freeze: bool, argv: list[str]) -> int:
         gc.callbacks.append(record)
         return frozen
 
-    pd_router.serve.freeze_startup_heap = at_start  # type: ignore[assignment]
+    pd_router.server.serve.freeze_startup_heap = at_start  # type: ignore[assignment]
     try:
         return main(argv)
     finally:  # after the SIGTERM's drain

@@ -41,8 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.router_overhead import TOKEN_DELAY, TOKENS, _phase, fake_stack  # noqa: E402
-from pd_router.http_pool import ConnectionPool  # noqa: E402
-from pd_router.upstream import Target  # noqa: E402
+from pd_router.upstream.calls import Target  # noqa: E402
+from pd_router.upstream.connections import ConnectionPool  # noqa: E402
 from pd_wire.decode import CANCEL_PATH, CancelRequest  # noqa: E402
 
 LONG = 512

@@ -74,7 +74,13 @@ class Recorder:
 
 
 def _instrument(rec: Recorder) -> None:
-    from pd_router import api, decode_check, handler, prefill_leg, rawhttp, relay, slots
+    from pd_router.apis import completions as api
+    from pd_router.request import accept as handler
+    from pd_router.request import checks as decode_check
+    from pd_router.request import prefill as prefill_leg
+    from pd_router.request import relay
+    from pd_router.slots import pool as slots
+    from pd_router.upstream import rawhttp
 
     send = rawhttp._Connection.send
 

@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 
 from connector.layout import KVLayout
 from decode_server.engine.base import Engine
-from decode_server.engine_build import EngineBuild
-from decode_server.engine_process import ProcessEngine
+from decode_server.engine.build import EngineBuild
+from decode_server.engine.process import ProcessEngine
 from decode_server.server import AppConfig, create_app
 from decode_server.settings import DecodeServerSettings, SettingsError, load_settings
 from pd_grammar.spec import SchemaLimits

@@ -1,7 +1,7 @@
 """pd_router: the OpenAI-compatible prefill/decode router (see docs/router.md).
 
 The public names below are imported on first use (PEP 562), so importing a submodule such
-as :mod:`pd_router.wire` does not load the app, FastAPI or the HTTP clients.
+as :mod:`pd_router.answers` does not load the app, FastAPI or the HTTP clients.
 """
 
 from __future__ import annotations
@@ -10,20 +10,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pd_router.app import RouterApp, create_app
+    from pd_router.answers import ModelList, ReadinessReport
     from pd_router.errors import RouterError
+    from pd_router.server.app import RouterApp, create_app
     from pd_router.settings import RouterSettings, load_settings
-    from pd_router.wire import ModelList, ReadinessReport
     from pd_wire.errors import ErrorBody
 
 _EXPORTS = {
     "ErrorBody": "pd_wire.errors",
-    "ModelList": "pd_router.wire",
-    "ReadinessReport": "pd_router.wire",
-    "RouterApp": "pd_router.app",
+    "ModelList": "pd_router.answers",
+    "ReadinessReport": "pd_router.answers",
+    "RouterApp": "pd_router.server.app",
     "RouterError": "pd_router.errors",
     "RouterSettings": "pd_router.settings",
-    "create_app": "pd_router.app",
+    "create_app": "pd_router.server.app",
     "load_settings": "pd_router.settings",
 }
 __all__ = [

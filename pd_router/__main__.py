@@ -7,8 +7,8 @@ import sys
 from collections.abc import Sequence
 
 from pd_http.logs import configure_logging
-from pd_router.app import create_app
-from pd_router.serve import router_server
+from pd_router.server.app import create_app
+from pd_router.server.serve import router_server
 from pd_router.settings import SettingsError, load_settings
 
 

@@ -4,7 +4,7 @@ Every error the router produces is a :class:`RouterError`. Its ``type`` string i
 both the OpenAI error ``type`` in the JSON body and the ``error_type`` label of the
 ``pd_router_requests_total`` metric; ``status`` is its one HTTP status. Lower-layer
 exceptions (transport, httpx, pydantic) are mapped to these at the boundary where
-they happen (:mod:`pd_router.upstream`, :mod:`pd_router.api`).
+they happen (:mod:`pd_router.upstream.calls`, :mod:`pd_router.apis.completions`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Everything one router app owns: settings, metrics, backends, slot pool, the two
 HTTP clients (a raw keep-alive pool for the hot path, httpx for probes and control calls) and its
-background tasks. Created by :func:`pd_router.app.create_app`; started and stopped by
+background tasks. Created by :func:`pd_router.server.app.create_app`; started and stopped by
 the app's lifespan. Nothing here is module-global."""
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from pd_build.info import collect
 from pd_grammar.spec import SchemaLimits, warm_up
 from pd_http.drain import wait_then_cut
 from pd_net.tcp import DeadPeer
-from pd_router.backends import Backends, DecodeBackend, PrefillBackend
-from pd_router.discovery import Discovery
 from pd_router.errors import RouterError, UpstreamRejected
-from pd_router.http_pool import ConnectionPool
-from pd_router.load import LoadScraper
+from pd_router.fleet.backends import Backends, DecodeBackend, PrefillBackend
+from pd_router.fleet.discovery import Discovery
+from pd_router.fleet.load import LoadScraper
+from pd_router.fleet.probes import Prober
 from pd_router.metrics import RouterMetrics, ServerView, priority_label
-from pd_router.probes import Prober
 from pd_router.settings import RouterSettings
-from pd_router.slots import Slot, SlotHooks, SlotPool
+from pd_router.slots.pool import Slot, SlotHooks, SlotPool
 from pd_router.tenants import Tenants
-from pd_router.upstream import Unreachable
+from pd_router.upstream.calls import Unreachable
+from pd_router.upstream.connections import ConnectionPool
 from pd_settings.servers import Resolver, system_resolver
 from pd_wire.decode import CANCEL_PATH, CancelRequest
 
@@ -218,7 +218,7 @@ class RouterState:
     def _on_probe(self) -> None:
         self.backends.sweep()  # drop what drained since the last look
         self.backends.refresh()
-        for d in self.backends.decode:  # the virtual clock of the queues' fair shares (pd_router.fair)
+        for d in self.backends.decode:  # the virtual clock of the queues' fair shares (pd_router.slots.fair)
             if d.capabilities is not None and d.capabilities.share_clock:
                 self.pool.shares.observe(d.capabilities.share_clock)
         self.pool.dispatch()

@@ -138,7 +138,7 @@ class Tenants:
     @property
     def named(self) -> bool:
         """Whether requests may have tenants other than the default one (a keys file or a
-        tenant header): the queues' fair shares are on (:mod:`pd_router.fair`)."""
+        tenant header): the queues' fair shares are on (:mod:`pd_router.slots.fair`)."""
         return self.keys_file is not None or self._header is not None
 
     @property

@@ -123,7 +123,7 @@ FREE_SLOTS_FIELD = FREE_SLOTS_HEADER.lower().encode()  # as raw HTTP headers (AS
 # per engine step at least (a step whose tokens add no text, or whose tokens were all past the
 # end, still gets its line): ``: pd-tokens 12,345\n``. Bytes after the last line are a write
 # not yet whole, or the end of the answer (an error event). In a JSON answer (not streamed)
-# the lines come before the JSON body. The caller strips them (pd_router.trail).
+# the lines come before the JSON body. The caller strips them (pd_router.request.trail).
 PROGRESS_PREFIX = b": pd-tokens "
 
 

@@ -9,7 +9,7 @@ item is more than reading it: each stop string is looked for after every token, 
 logit bias is a tensor entry, each tool is rendered into the prompt, each message and its
 content parts are templated. The choices of one request (``n`` times a completion's
 prompts) are the router's ``--max-choices``, checked from the two numbers before any
-choice's request is made (:mod:`pd_router.fanout`); ``max_tokens`` is also checked against
+choice's request is made (:mod:`pd_router.request.fanout`); ``max_tokens`` is also checked against
 the model's context (the decode servers' ``max_seq_len``) by the router before prefill,
 and against the prompt's length by the decode server when the KV lands.
 

@@ -1,11 +1,11 @@
 """The OpenAI request bodies of the two generation endpoints, and which request features
 each engine supports: ONE model per endpoint, used by both servers that read them.
 
-* The router parses each client body once with these models (:mod:`pd_router.api` adds
+* The router parses each client body once with these models (:mod:`pd_router.apis.completions` adds
   the few rules only a client-facing server needs: ``model`` required, a non-empty prompt),
   then, before it sends anything to prefill, runs :func:`unsupported` against the
   :class:`~pd_wire.decode.EngineFeatures` the chosen decode server advertises
-  (:mod:`pd_router.decode_check`), so a request the decode server would refuse gets the
+  (:mod:`pd_router.request.checks`), so a request the decode server would refuse gets the
   same 400 without costing a prefill.
 * The decode server validates every body it gets (the client's body plus
   ``kv_transfer_params``) with the same models and refuses with :func:`unsupported`
@@ -72,7 +72,7 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    model: str | None = Field(default=None, min_length=1)  # the router requires it (pd_router.api)
+    model: str | None = Field(default=None, min_length=1)  # the router requires it (pd_router.apis.completions)
     # required by the decode server (its route says so first); a client's is refused by the router
     kv_transfer_params: HandoffResult | HandoffClaim | None = None
     stream: bool | None = False

@@ -33,13 +33,15 @@ def test_the_import_rules_hold() -> None:
 
 
 @pytest.mark.parametrize("module,line,contract", [
-    ("connector/receiver.py", "from pd_router.wire import ErrorBody", "connector is not allowed to import pd_router"),
+    ("connector/receiver.py", "from pd_router.answers import ErrorBody",
+     "connector is not allowed to import pd_router"),
     ("connector/protocol.py", "from connector.layout import KVLayout", "the KV channel's messages"),
-    ("decode_server/server/routes.py", "import pd_router.wire", "decode_server is not allowed to import pd_router"),
-    ("pd_router/handler.py", "from decode_server.server import app", "router, connector and decode server share only"),
-    ("pd_router/wire.py", "from connector.protocol import Hello", "router, connector and decode server share only"),
+    ("decode_server/server/routes.py", "import pd_router.answers", "decode_server is not allowed to import pd_router"),
+    ("pd_router/request/accept.py", "from decode_server.server import app",
+     "router, connector and decode server share only"),
+    ("pd_router/answers.py", "from connector.protocol import Hello", "router, connector and decode server share only"),
     ("pd_wire/handoff.py", "import connector.layout", "the wire contract (pd_wire) imports none"),
-    ("pd_router/fanout.py", "from pd_router import handler", "no import circle between the modules"),
+    ("pd_router/request/fanout.py", "from pd_router.request import accept", "no import circle between the modules"),
     ("decode_server/server/state.py", "import vllm", "only the connector's vLLM adapter imports vLLM"),
     ("pd_deploy/launch.py", "from pd_deploy.stack import launcher", "the prefill image's entrypoint imports no router"),
 ])

@@ -1,5 +1,5 @@
 """Grammar-constrained decoding in the engines: the per-request matcher (an
-``xgrammar.GrammarMatcher``, compiled by :mod:`decode_server.structured`) and the token
+``xgrammar.GrammarMatcher``, compiled by :mod:`decode_server.engine.structured`) and the token
 bitmasks of one verify step.
 
 A step verifies ``[pending, d1..dk]`` (``k`` MTP drafts): row 0 of its masks is the

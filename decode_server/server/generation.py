@@ -34,7 +34,8 @@ from connector.receiver import ReceivedKV
 from decode_server.engine.base import Cancelled as EngineCancelled
 from decode_server.engine.base import DecodeSession, Engine, EngineError, SamplingParams, TokenOut
 from decode_server.engine.grammar import ThinkingBudgetSpec
-from decode_server.engine_process import GrammarRequests
+from decode_server.engine.process import GrammarRequests
+from decode_server.engine.structured import GrammarCompiler
 from decode_server.server.api_errors import ApiError, Cancelled, EngineFailure, KVHandoffFailed, KVTimeout
 from decode_server.server.granted import GrantedSend
 from decode_server.server.metrics import DecodeMetrics
@@ -44,7 +45,6 @@ from decode_server.server.responses import DONE, dumps, renderer_for, sse
 from decode_server.server.sequence import Cut, Delta, SequenceProcessor, TokenLogprob
 from decode_server.server.slots import SlotRefused, SlotTable
 from decode_server.server.text import TextTokenizer
-from decode_server.structured import GrammarCompiler
 from pd_http.tracing import Span, Tracing, fail
 from pd_wire.decode import progress_line
 from pd_wire.handoff import HandoffClaim, HandoffResult

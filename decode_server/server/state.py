@@ -16,13 +16,13 @@ from connector.layout import KVLayout
 from connector.receiver import SlotSource
 from connector.receiver_state import ReceiverStats
 from decode_server.engine.base import Engine
-from decode_server.engine_process import GrammarRequests, ProcessEngine
+from decode_server.engine.process import GrammarRequests, ProcessEngine
+from decode_server.engine.structured import GrammarCompiler
 from decode_server.server.generation import GenerationContext, Receiver
 from decode_server.server.metrics import DecodeMetrics
 from decode_server.server.request_plan import ServerLimits
 from decode_server.server.slots import SlotTable
 from decode_server.server.text import GenerationDefaults, TextTokenizer
-from decode_server.structured import GrammarCompiler
 from pd_build.info import BuildInfo, collect
 from pd_grammar.spec import JsonWhitespace, SchemaLimits, warm_up
 from pd_http.drain import wait_then_cut

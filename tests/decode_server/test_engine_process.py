@@ -1,4 +1,4 @@
-"""The engine in a process of its own (decode_server/engine_process.py, ``--engine-process``):
+"""The engine in a process of its own (decode_server/engine/process.py, ``--engine-process``):
 the reference engine there decodes exactly as on a thread of the server (greedy, sampled with a
 seed, logprobs, MTP, structured output compiled in the child); a cancel, a failed start and a
 failed load come back as the engine's errors; a child that dies fails its sequences and turns
@@ -17,12 +17,12 @@ import pytest
 from tokenizers import Tokenizer
 
 from decode_server.engine.base import Cancelled, EngineError, SamplingParams
+from decode_server.engine.build import EngineBuild
 from decode_server.engine.grammar import Constraint
+from decode_server.engine.process import GrammarRequests, ProcessEngine
 from decode_server.engine.reference import ReferenceEngine
-from decode_server.engine_build import EngineBuild
-from decode_server.engine_process import GrammarRequests, ProcessEngine
+from decode_server.engine.structured import GrammarCompiler
 from decode_server.reference import MlaMoeModel, load_model, prefill
-from decode_server.structured import GrammarCompiler
 from pd_grammar.spec import SchemaLimits, grammar_spec
 from pd_wire.decode import CAPABILITIES_PATH
 from tests.decode_server.conftest import start_server

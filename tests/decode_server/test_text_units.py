@@ -199,8 +199,8 @@ def test_the_engine_runs_in_a_process_of_its_own_with_the_flag(model_dir, flag, 
     import functools
 
     from decode_server.__main__ import engine_factory
-    from decode_server.engine_build import EngineBuild
-    from decode_server.engine_process import ProcessEngine
+    from decode_server.engine.build import EngineBuild
+    from decode_server.engine.process import ProcessEngine
 
     factory = engine_factory(load_settings(["--engine", "reference", "--model", str(model_dir), "--no-attention-kernel",
                                             *flag], env={}))

@@ -133,8 +133,8 @@ async def test_the_dns_settings_give_matching_router_and_connector_endpoints() -
     from connector.config import load_settings as connector_settings
     from connector.endpoints import DecodeEndpoints
     from pd_deploy.launch import PrefillLaunchSettings
-    from pd_router.backends import Backends
-    from pd_router.discovery import Discovery
+    from pd_router.fleet.backends import Backends
+    from pd_router.fleet.discovery import Discovery
     from pd_router.settings import load_settings as router_settings
     from pd_settings.loader import load
     from tests.fakes.fake_resolver import FakeResolver

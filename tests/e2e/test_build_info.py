@@ -12,7 +12,7 @@ import httpx
 from pd_build.info import BuildInfo, config_checksum
 from pd_build.prometheus import parse
 from pd_deploy.stack.launcher import Stack
-from pd_router.wire import ModelList, VersionReport
+from pd_router.answers import ModelList, VersionReport
 from tests.test_build_info import assert_matches_this_venv
 
 

@@ -13,7 +13,7 @@ import pytest
 from connector.profiles import MTP_FLAG
 from pd_deploy.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv
 from pd_deploy.stack.process import ManagedProcess
-from pd_router.wire import ReadinessReport
+from pd_router.answers import ReadinessReport
 from pd_wire.decode import CAPABILITIES_PATH, DecodeCapabilities
 from tests.e2e.conftest import make_stack_config
 from tests.waits import wait_until

@@ -1,15 +1,15 @@
 """Decode servers whose answers to decode requests the test gives by hand: each decode request
 waits until the test answers it, so the order of grants, stale grants and refusals is the
-test's (unit tests of pd_router/slot_queue.py)."""
+test's (unit tests of pd_router/slots/queue.py)."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
 
-from pd_router.backends import DecodeBackend
-from pd_router.fair import Place
-from pd_router.slots import Answer
+from pd_router.fleet.backends import DecodeBackend
+from pd_router.slots.fair import Place
+from pd_router.slots.pool import Answer
 from pd_wire.handoff import SlotWait
 
 
@@ -62,7 +62,7 @@ class ScriptedServers:
 
 
 class ScriptedRequest:
-    """A request's decode request (pd_router.slots.DecodeRequest) sent to the scripted servers."""
+    """A request's decode request (pd_router.slots.pool.DecodeRequest) sent to the scripted servers."""
 
     def __init__(self, servers: ScriptedServers, handoff_id: str, arrived: float, priority: int = 0,
                  share: float = 0.0, tenant: str = "") -> None:

@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer
 
 from decode_server.engine.grammar import AfterReasoning, Constraint
-from decode_server.structured import GrammarCompiler
+from decode_server.engine.structured import GrammarCompiler
 from pd_grammar.spec import SchemaLimits, grammar_spec
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -13,7 +13,7 @@ import torch
 from tokenizers import Tokenizer
 
 from decode_server.engine.grammar import Constraint, ThinkingBudget, ThinkingBudgetSpec
-from decode_server.structured import GrammarCompiler
+from decode_server.engine.structured import GrammarCompiler
 from pd_grammar.spec import SchemaLimits, grammar_spec
 
 EOS = 0

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from pd_router import RouterApp, create_app
-from pd_router.serve import router_server
+from pd_router.server.serve import router_server
 from pd_router.settings import validate_settings
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
 from tests.multinode.streams import StreamRecord, read_stream

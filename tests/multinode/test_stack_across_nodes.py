@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pd_router.wire import ReadinessReport
+from pd_router.answers import ReadinessReport
 from tests.e2e.agents.test_tools import CALL_WEATHER, WEATHER
 from tests.e2e.prompts import long_prompt
 from tests.e2e.test_equivalence import assert_matches_vllm_alone, poster

@@ -15,8 +15,8 @@ from tokenizers import Tokenizer
 from decode_server.engine.base import EngineError, SamplingParams
 from decode_server.engine.grammar import Constraint
 from decode_server.engine.reference import ReferenceEngine
+from decode_server.engine.structured import GrammarCompiler
 from decode_server.reference import MlaMoeModel, load_model, prefill
-from decode_server.structured import GrammarCompiler
 from pd_grammar.spec import SchemaLimits, grammar_spec
 from tests.reference.helpers import handoff_for, received
 

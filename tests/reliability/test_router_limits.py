@@ -13,7 +13,7 @@ from contextlib import closing
 import httpx
 import pytest
 
-from pd_router.slots import Slot
+from pd_router.slots.pool import Slot
 from pd_wire.errors import ErrorBody
 from tests.router.conftest import MODEL
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from pd_deploy.commands import VLLM_CPU_ENV, RouterSpec, decode_server_argv, router_argv, vllm_prefill_argv
-from pd_router.load import vllm_load
-from pd_router.wire import BackendList
+from pd_router.answers import BackendList
+from pd_router.fleet.load import vllm_load
 from tests.e2e.conftest import make_stack_config, vllm_kv_usage
 from tests.held_slot import held_slot
 from tests.procs import server

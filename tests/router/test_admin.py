@@ -9,8 +9,8 @@ import threading
 import httpx
 
 from pd_router import create_app
+from pd_router.answers import BackendEntry, BackendList
 from pd_router.settings import validate_settings
-from pd_router.wire import BackendEntry, BackendList
 from pd_wire.errors import ErrorBody
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
 from tests.procs import free_port

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pd_router.anthropic_api import parse_count_tokens, parse_messages
-from pd_router.anthropic_out import Translator, error_body
+from pd_router.apis.messages import parse_count_tokens, parse_messages
+from pd_router.apis.messages_out import Translator, error_body
 from pd_router.errors import InvalidRequest
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,7 +18,7 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from pd_http.chunk_writer import ChunkWriter
 from pd_router.metrics import TokenHistogram
-from pd_router.relay import Tally as _Tally
+from pd_router.request.relay import Tally as _Tally
 from tests.router.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(60)

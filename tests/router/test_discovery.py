@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pd_router.backends import Backends
-from pd_router.discovery import Discovery, NotAdminOwned
+from pd_router.fleet.backends import Backends
+from pd_router.fleet.discovery import Discovery, NotAdminOwned
 from pd_router.settings import validate_settings
 from pd_settings.servers import FileWatch, read_servers_file, resolve_all
 from tests.fakes.fake_resolver import FakeResolver

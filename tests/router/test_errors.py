@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from pd_router import relay
+from pd_router.request import relay
 from pd_wire.errors import ErrorBody
 from tests.router.conftest import MODEL
 

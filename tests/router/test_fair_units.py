@@ -1,4 +1,4 @@
-"""The places of requests in the decode queues (pd_router/fair.py) and the keys file that names
+"""The places of requests in the decode queues (pd_router/slots/fair.py) and the keys file that names
 tenants (pd_router/tenants.py), as units."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pd_router.errors import InvalidRequest, Unauthorized
-from pd_router.fair import AGED, MAX_TENANTS, FairShares, Place
+from pd_router.slots.fair import AGED, MAX_TENANTS, FairShares, Place
 from pd_router.tenants import DEFAULT_TENANT, OTHER_TENANT, Tenants, key_hash, main, read_keys
 
 

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from pd_router.wire import ReadinessReport
+from pd_router.answers import ReadinessReport
 from pd_wire.handoff import PROTOCOL_VERSION
 from tests.fakes.fake_backends import FakeDecode, FakePrefill, ServerThread
 from tests.router.conftest import MODEL
@@ -176,8 +176,8 @@ async def test_a_kept_alive_connection_closed_as_the_probe_reuses_it_marks_nothi
     connection; a server that drops every request is still marked down."""
     import asyncio as aio
 
-    from pd_router.backends import Backends
-    from pd_router.probes import Prober
+    from pd_router.fleet.backends import Backends
+    from pd_router.fleet.probes import Prober
 
     answered = {"n": 0}
 

@@ -26,7 +26,7 @@ TOOLS = [{"type": "function", "function": {"name": "get", "parameters": {
 
 
 def test_importing_the_router_app_loads_no_engine_code():
-    probe = ("import json, sys; import pd_router.app, pd_router.__main__; "
+    probe = ("import json, sys; import pd_router.server.app, pd_router.__main__; "
              "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr

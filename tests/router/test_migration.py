@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from pd_router.trail import Trail, server_error
+from pd_router.request.trail import Trail, server_error
 from pd_wire.decode import progress_line
 from tests.fakes.fake_backends import FAKE_PROMPT_IDS
 from tests.fakes.fake_decode import FAKE_TOKEN_BASE

@@ -8,8 +8,8 @@ import asyncio
 import httpx
 import pytest
 
-from pd_router.backends import Backends, PrefillBackend
-from pd_router.load import LoadScraper, vllm_load
+from pd_router.fleet.backends import Backends, PrefillBackend
+from pd_router.fleet.load import LoadScraper, vllm_load
 from tests.router.conftest import MODEL
 
 

@@ -8,8 +8,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from pd_router.http_pool import ConnectionPool
-from pd_router.rawhttp import ConnectFailed, Origin, ReadTimeout, ResponseFailed
+from pd_router.upstream.connections import ConnectionPool
+from pd_router.upstream.rawhttp import ConnectFailed, Origin, ReadTimeout, ResponseFailed
 from tests.waits import eventually
 
 pytestmark = pytest.mark.timeout(30)

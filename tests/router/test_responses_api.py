@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from pd_router.apis.responses import parse
+from pd_router.apis.responses_out import Translator
 from pd_router.errors import InvalidRequest, UnknownResponse
-from pd_router.responses_api import parse
-from pd_router.responses_out import Translator
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""Queued requests behind standing decode requests (pd_router/slot_queue.py): two routers in
+"""Queued requests behind standing decode requests (pd_router/slots/queue.py): two routers in
 front of the same six single-slot decode servers. A request that queues costs no call at
 every server (one standing decode request per router and server, whatever the queue's length),
 each router's requests are served in its own arrival order, stale grants are swapped, and

@@ -1,4 +1,4 @@
-"""The router's slot queue (pd_router/slot_queue.py) against decode servers the test answers by
+"""The router's slot queue (pd_router/slots/queue.py) against decode servers the test answers by
 hand (tests/fakes/scripted_slots.py): one standing decode request per server whatever the
 queue's length, the head's grant, the swap of a stale grant (no wait, the head reserved
 meanwhile), a grant for a reserved head, the standing requests closed when nobody waits."""
@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from pd_router.backends import Backends
-from pd_router.slots import Slot, SlotHooks, SlotPool
+from pd_router.fleet.backends import Backends
+from pd_router.slots.pool import Slot, SlotHooks, SlotPool
 from pd_wire.decode import DecodeCapabilities
 from pd_wire.handoff import PROTOCOL_VERSION, PeerStatus
 from tests.fakes.scripted_slots import Call, ScriptedRequest, ScriptedServers

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from pd_router.api import decode_body, parse_request, prefill_body
-from pd_router.backends import Backends
+from pd_router.apis.completions import decode_body, parse_request, prefill_body
 from pd_router.errors import InvalidRequest, NoHealthyBackend, Overloaded
-from pd_router.fair import Place
-from pd_router.slots import SlotPool
+from pd_router.fleet.backends import Backends
+from pd_router.slots.fair import Place
+from pd_router.slots.pool import SlotPool
 from pd_wire.requests import Endpoint
 
 pytestmark = pytest.mark.timeout(30)
@@ -142,7 +142,7 @@ async def test_pool_cancelled_waiter_and_backend_loss():
 
 
 def test_backend_url_parsing():
-    from pd_router.upstream import Target
+    from pd_router.upstream.calls import Target
 
     assert Target.parse("http://[::1]:8100/").origin.authority == "[::1]:8100"
     t = Target.parse("https://decode.example:9443/pd")

@@ -8,7 +8,7 @@ import pytest
 
 from pd_build.info import ABSENT
 from pd_build.prometheus import parse
-from pd_router.wire import ModelList, VersionReport
+from pd_router.answers import ModelList, VersionReport
 from tests.router.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(60)
