@@ -74,12 +74,9 @@ class Recorder:
 
 
 def _instrument(rec: Recorder) -> None:
-    from pd_router.apis import completions as api
-    from pd_router.request import accept as handler
-    from pd_router.request import checks as decode_check
-    from pd_router.request import prefill as prefill_leg
-    from pd_router.request import relay
-    from pd_router.slots import pool as slots
+    from pd_router.apis import completions
+    from pd_router.request import accept, checks, prefill, relay
+    from pd_router.slots.pool import SlotPool
     from pd_router.upstream import rawhttp
 
     send = rawhttp._Connection.send
@@ -92,7 +89,7 @@ def _instrument(rec: Recorder) -> None:
     for callback, step in (("on_headers_complete", "upstream headers"), ("on_message_complete", "upstream end")):
         _after(rec, rawhttp._Connection, callback, step)
 
-    call = handler.CompletionHandler.__call__
+    call = accept.CompletionHandler.__call__
 
     async def called(self: Any, scope: Any, receive: Any, send_: Any, *args: Any, **kwargs: Any) -> Any:
         rid = dict(scope["headers"]).get(b"x-request-id", b"").decode()
@@ -108,22 +105,22 @@ def _instrument(rec: Recorder) -> None:
 
         return await call(self, scope, receive, sending, *args, **kwargs)
 
-    setattr(handler.CompletionHandler, "__call__", called)  # noqa: B010
-    parse = api.parse_request
+    setattr(accept.CompletionHandler, "__call__", called)  # noqa: B010
+    parse = completions.parse_request
 
     def parsed(*args: Any, **kwargs: Any) -> Any:
         result = parse(*args, **kwargs)
         rec.mark("body read and validated")
         return result
 
-    setattr(handler, "parse_request", parsed)  # noqa: B010
+    setattr(accept, "parse_request", parsed)  # noqa: B010
     for owner, name, step in (
-        (decode_check, "check_decode_view", "decode view"),
-        (slots.SlotPool, "take", "slot"),
+        (checks, "check_decode_view", "decode view"),
+        (SlotPool, "take", "slot"),
         (relay, "open_slot", "decode request"),
-        (prefill_leg, "prefill", "prefill leg"),
-        (prefill_leg, "prefill_body", "prefill body"),
-        (prefill_leg, "read_handoff", "handoff check"),
+        (prefill, "handoff", "prefill leg"),
+        (prefill, "prefill_body", "prefill body"),
+        (prefill, "read_handoff", "handoff check"),
         (relay, "decode_body", "decode body"),
     ):
         rec.wrap(owner, name, step)

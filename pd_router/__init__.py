@@ -1,4 +1,10 @@
-"""pd_router: the OpenAI-compatible prefill/decode router (see docs/router.md).
+"""pd_router: the OpenAI-compatible prefill/decode router (docs/router.md, docs/architecture.md).
+
+Reading order: :mod:`pd_router.request` (a request's stages, from
+:mod:`pd_router.request.stages`), then what they stand on: :mod:`pd_router.state` (what one
+router app owns), :mod:`pd_router.slots`, :mod:`pd_router.fleet`, :mod:`pd_router.upstream`,
+:mod:`pd_router.errors`; the client APIs' bodies in :mod:`pd_router.apis`; the app around it all
+in :mod:`pd_router.server`; :mod:`pd_router.settings` and :mod:`pd_router.metrics`.
 
 The public names below are imported on first use (PEP 562), so importing a submodule such
 as :mod:`pd_router.answers` does not load the app, FastAPI or the HTTP clients.

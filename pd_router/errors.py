@@ -167,3 +167,80 @@ class UpstreamRejected(RouterError):
 
     def body(self) -> bytes:
         return self.raw_body
+
+
+# the transport's failures, as the upstream calls (pd_router.upstream.calls) raise them
+class Unreachable(BadUpstream):
+    """The connection failed before the upstream answered anything."""
+
+
+class ConnectionLost(BadUpstream):
+    """The connection broke after the request was sent (the upstream process died or reset it)."""
+
+
+class Hung(BadUpstream):
+    """The upstream took a call a live server answers at once and answered nothing in time (a
+    stopped process, a cut link): the server is lost, not slow."""
+
+
+class Unavailable(BadUpstream):
+    """The upstream answered 503: not ready, or draining."""
+
+
+class KVNotDelivered(BadUpstream):
+    """Prefill ran but its KV did not reach the decode server (unreachable, rejected,
+    transfer failed): a failure of the decode leg, before anything reached the client."""
+
+
+# what ends an attempt and sends the request to another one (pd_router.request.attempts)
+class AttemptEnded(Exception):
+    """An attempt ended, not the request: it runs again (another slot, another decode server),
+    or, out of attempts, ends with :attr:`error`, whose ``status`` and ``type`` it answers with.
+    ``reason``: its label in ``pd_router_retries_total`` or ``pd_router_migrations_total``."""
+
+    def __init__(self, error: RouterError, reason: str) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.reason = reason
+        self.message = error.message
+
+    @property
+    def status(self) -> int:
+        return self.error.status
+
+    @property
+    def type(self) -> str:
+        return self.error.type
+
+
+class Requeue(AttemptEnded):
+    """The attempt on this slot cannot go on, but it is not a client error: the request waits
+    for a slot again and runs prefill again. ``busy``: the decode server had no free slot or KV
+    receive slot for it (a server counted here: held back, :meth:`SlotPool.hold`; a 429 when the
+    request runs out of retries); otherwise the handoff id was stale on the decode server (a
+    client reusing an ``X-Request-Id``) and the next attempt's new id is enough (a 409 when it
+    was stale again)."""
+
+    def __init__(self, reason: str, message: str, busy: bool = True) -> None:
+        super().__init__(Overloaded(message) if busy else Conflict(message, param="X-Request-Id"), reason)
+        self.busy = busy
+
+
+class DecodeLegFailed(AttemptEnded):
+    """The decode server failed before any byte reached the client (connection refused, 5xx,
+    KV handoff failed, the connection lost before its first chunk): the request may run
+    again on another decode server (once)."""
+
+    def __init__(self, error: RouterError) -> None:
+        super().__init__(error, "failover")
+
+
+class DecodeLost(AttemptEnded):
+    """The decode server failed after its answer began (its connection lost or reset, no token
+    for ``--stall-timeout``, an error event of its own failure): the request may go on on
+    another decode server from the tokens its client has (:mod:`pd_router.request.migration`).
+    ``server``: the lost server's URL."""
+
+    def __init__(self, error: RouterError, reason: str, server: str) -> None:
+        super().__init__(error, reason)
+        self.server = server

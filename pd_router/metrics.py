@@ -174,9 +174,8 @@ class RouterMetrics:
         )
         self.retries = self._counter(
             "retries", "Retries of a request before its first byte, by reason (each bounded, docs/router.md): "
-            "failover (decode failed: once, on another server), slot_not_taken (its decode request found the "
-            "slot taken: twice, then the queues), kv_receive_slot / engine_slot (busy: back to the queues, at "
-            "most 16 times), stale_handoff_id (the id still known there: once, under a new id), "
+            "failover (decode failed: once, on another server), kv_receive_slot / engine_slot (busy: back to "
+            "the queues, at most 16 times), stale_handoff_id (the id still known there: once, under a new id), "
             "prefill_unreachable (once, on another prefill server)", ("reason",),
         )
         self.failovers = self._counter(

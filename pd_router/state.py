@@ -17,7 +17,7 @@ from pd_build.info import collect
 from pd_grammar.spec import SchemaLimits, warm_up
 from pd_http.drain import wait_then_cut
 from pd_net.tcp import DeadPeer
-from pd_router.errors import RouterError, UpstreamRejected
+from pd_router.errors import RouterError, Unreachable, UpstreamRejected
 from pd_router.fleet.backends import Backends, DecodeBackend, PrefillBackend
 from pd_router.fleet.discovery import Discovery
 from pd_router.fleet.load import LoadScraper
@@ -26,7 +26,6 @@ from pd_router.metrics import RouterMetrics, ServerView, priority_label
 from pd_router.settings import RouterSettings
 from pd_router.slots.pool import Slot, SlotHooks, SlotPool
 from pd_router.tenants import Tenants
-from pd_router.upstream.calls import Unreachable
 from pd_router.upstream.connections import ConnectionPool
 from pd_settings.servers import Resolver, system_resolver
 from pd_wire.decode import CANCEL_PATH, CancelRequest
@@ -72,7 +71,7 @@ class RouterState:
         self._idle: asyncio.Event | None = None  # set when a drain finds nothing live
 
     @property
-    def upstream(self) -> ConnectionPool:
+    def connections(self) -> ConnectionPool:
         if self._pool is None:
             raise RuntimeError("router not started")
         return self._pool

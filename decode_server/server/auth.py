@@ -28,7 +28,7 @@ class RequireApiKey:
         if scope["type"] != "http" or scope.get("path") in OPEN_PATHS or self._authorized(scope):
             await self._app(scope, receive, send)
             return
-        body = Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'").json_bytes()
+        body = Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'").body()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b'Bearer realm="decode_server"')]})

@@ -107,7 +107,7 @@ _ABORTED = object()
 
 
 def error_response_parts(err: ApiError, extra_headers: list[tuple[bytes, bytes]]) -> tuple[dict, dict]:
-    body = err.json_bytes()
+    body = err.body()
     start = {"type": "http.response.start", "status": err.status,
              "headers": JSON_HEADERS + [(b"content-length", str(len(body)).encode())] + extra_headers}
     return start, {"type": "http.response.body", "body": body}
@@ -227,7 +227,7 @@ class Job:
             kv = await self._wait_kv_traced(span)
         except BaseException as exc:
             if span is not None:
-                fail(span, exc, getattr(exc, "error_type", None))
+                fail(span, exc, exc.type if isinstance(exc, ApiError) else None)
             raise
         finally:
             if span is not None:
@@ -300,16 +300,16 @@ class Job:
         except ApiError as exc:
             self._post(exc)
             if span is not None:
-                fail(span, exc, exc.error_type)
+                fail(span, exc, exc.type)
         except EngineError as exc:
             self._post(EngineFailure(f"decode engine error: {exc}"))
             if span is not None:
-                fail(span, exc, EngineFailure.error_type)
+                fail(span, exc, EngineFailure.type)
         except Exception as exc:  # report it; never let the worker die silently
             log.exception("request %s: engine failure", self.request_id)
             self._post(EngineFailure(f"decode engine failure: {type(exc).__name__}: {exc}"))
             if span is not None:
-                fail(span, exc, EngineFailure.error_type)
+                fail(span, exc, EngineFailure.type)
         finally:
             if span is not None:  # the generation's, ended here also when it failed or was cancelled
                 if self.abort_reason is not None:
@@ -455,9 +455,9 @@ class Job:
                     await send(start)
                     await send(body)
             elif self.abort_reason != "client_disconnected":
-                self.obs.answered(200, err.error_type)
-                self.ctx.metrics.errors.labels(err.error_type).inc()
-                await send({"type": "http.response.body", "body": sse(err.body().model_dump()) + DONE})
+                self.obs.answered(200, err.type)
+                self.ctx.metrics.errors.labels(err.type).inc()
+                await send({"type": "http.response.body", "body": sse(err.payload().model_dump()) + DONE})
 
     async def _take_slot(self, send: Any, headers: list[tuple[bytes, bytes]]) -> bool:
         """The request's slot (:meth:`SlotTable.take`: now, or its place in a claim's queue, then
@@ -554,10 +554,10 @@ class Job:
         await send({"type": "http.response.body", "body": body})
 
     def _count(self, status: int, err: ApiError | None = None) -> None:
-        self.obs.answered(status, err.error_type if err is not None else None)
+        self.obs.answered(status, err.type if err is not None else None)
         self.ctx.metrics.requests.labels(self.endpoint_label, str(status)).inc()
         if err is not None:
-            self.ctx.metrics.errors.labels(err.error_type).inc()
+            self.ctx.metrics.errors.labels(err.type).inc()
 
 
 class GenerationResponse(Response):

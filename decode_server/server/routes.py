@@ -38,7 +38,7 @@ def _state(request: Request) -> DecodeState:
 def error_response(err: ApiError, headers: dict[str, str] | None = None) -> Response:
     if err.status in (429, 503):  # every "not now" says when to come back
         headers = {"Retry-After": "1", **(headers or {})}
-    return Response(err.json_bytes(), status_code=err.status, media_type="application/json", headers=headers)
+    return Response(err.body(), status_code=err.status, media_type="application/json", headers=headers)
 
 
 async def _read_json(request: Request) -> Any:
@@ -109,8 +109,8 @@ async def _generate(request: Request, endpoint: Endpoint) -> Response:
     except ApiError as err:
         _release_refused(state, body)  # every refusal gives the KV back before answering
         state.metrics.requests.labels(label, str(err.status)).inc()
-        state.metrics.errors.labels(err.error_type).inc()
-        obs.answered(err.status, err.error_type)
+        state.metrics.errors.labels(err.type).inc()
+        obs.answered(err.status, err.type)
         obs.finish()
         return error_response(err, headers)
     return GenerationResponse(job, [(REQUEST_ID_HEADER.lower().encode(), request_id.encode())])

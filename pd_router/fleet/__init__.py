@@ -1,1 +1,7 @@
-"""pd_router.fleet."""
+"""The prefill and decode servers the router uses.
+
+Reading order: :mod:`~pd_router.fleet.backends` (what the router knows of each server, and the
+picks), :mod:`~pd_router.fleet.discovery` (which servers: flags, a file, DNS, the admin API),
+:mod:`~pd_router.fleet.probes` (their health), :mod:`~pd_router.fleet.load` (vLLM's own load
+signal for ``--prefill-policy least-loaded``).
+"""

@@ -2,17 +2,18 @@
 server's own 400 before anything is sent, for what no engine serves (:func:`check_decode_view`)
 and what a server's advertised features exclude (:func:`refusal`, before its decode request
 goes there); which requests a prefill server answers alone, what the prefill leg must ask for,
-and where the first token comes from (:func:`result_with_kv`); and the answers the router
-merges (prompt logprobs, echo)."""
+and where the first token comes from (:func:`result_with_kv`)."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 from collections.abc import Iterable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from pd_router.apis.completions import prefill_body
-from pd_router.errors import InvalidRequest
+from pd_grammar.spec import GrammarSpec, asks_for_grammar
+from pd_router.apis.completions import structured_output
+from pd_router.errors import InvalidRequest, ModelNotFound, NoHealthyBackend
 from pd_wire.decode import DecodeCapabilities
 from pd_wire.requests import (
     CompletionRequest,
@@ -23,6 +24,72 @@ from pd_wire.requests import (
     unsupported,
     zero_max_tokens,
 )
+
+if TYPE_CHECKING:
+    from pd_router.state import RouterState
+
+
+@dataclass(frozen=True, eq=False)
+class ValidRequest:
+    """A request as the router accepted it, made once (:func:`validate`; once per choice of an
+    ``n > 1`` request, whose choices' bodies are their own): the body, its pydantic view, the
+    grammar its output follows, and what the router decided from them. Read by every stage
+    from ``RequestContext.request``."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    parsed: OpenAIRequest
+    model: str  # served by a healthy prefill server
+    grammar: GrammarSpec | None
+    served_by_prefill: bool  # a prefill server answers it alone (:func:`served_by_prefill`)
+    echoes_logprobs: bool  # a completion echoing its prompt with logprobs (pd_router.request.logprobs)
+    merged: bool  # the router merges prefill's ``prompt_logprobs`` or the echoed prompt into the answer
+
+    def prefill_fields(self, capabilities: DecodeCapabilities | None) -> dict[str, Any]:
+        return prefill_fields(self.parsed, capabilities)
+
+    def with_kv(self, capabilities: DecodeCapabilities | None) -> bool:
+        """Whether the first token travels with the KV to a decode server with these
+        capabilities (:func:`result_with_kv`)."""
+        return result_with_kv(self.body, self.parsed, capabilities)
+
+    def refusal(self, capabilities: DecodeCapabilities | None) -> InvalidRequest | None:
+        return refusal(self.parsed, capabilities)
+
+
+async def grammar(state: RouterState, endpoint: Endpoint, body: Mapping[str, Any]) -> GrammarSpec | None:
+    """The grammar the request's output must follow, checked off the loop (checking a large
+    schema takes a while); a 400 naming what is wrong."""
+    if not asks_for_grammar(body):
+        return None
+    return await asyncio.to_thread(structured_output, endpoint, body, state.schema_limits)
+
+
+def served_model(state: RouterState, parsed: OpenAIRequest) -> str:
+    """The request's model, served by a healthy prefill server (a 503 with none, a 404 naming
+    what is served otherwise)."""
+    served = state.backends.prefill_models()
+    if not served:
+        raise NoHealthyBackend("no healthy prefill server")
+    model = parsed.model or ""  # parse_request requires it
+    if model not in served:
+        raise ModelNotFound(f"model {model!r} does not exist; served: {sorted(served)}", param="model",
+                            code="model_not_found")
+    return model
+
+
+def validate(state: RouterState, endpoint: Endpoint, body: dict[str, Any], parsed: OpenAIRequest, model: str,
+             grammar: GrammarSpec | None) -> ValidRequest:
+    """The request (its model served, its grammar checked) as a :class:`ValidRequest`, once what
+    its decode server would refuse for any engine is ruled out."""
+    alone = served_by_prefill(endpoint, body)
+    if not alone:
+        check_decode_view(endpoint, body, parsed)
+        check_context(parsed, (b.capabilities for b in state.backends.decode if b.serves(model)))
+    return ValidRequest(endpoint, body, parsed, model, grammar, alone,
+                        echoes_logprobs=endpoint is Endpoint.COMPLETIONS and bool(body.get("echo"))
+                        and body.get("logprobs") is not None,
+                        merged=body.get("prompt_logprobs") is not None or bool(body.get("echo")))
 
 
 def _invalid(refusal: Refusal) -> InvalidRequest:
@@ -85,99 +152,6 @@ def result_with_kv(body: Mapping[str, Any], req: OpenAIRequest, capabilities: De
     (``prompt_logprobs``, ``echo``), nor for a decode server that is not ours."""
     return (capabilities is not None and not prefill_fields(req, capabilities) and not req.wants_logprobs()
             and body.get("prompt_logprobs") is None and not body.get("echo"))
-
-
-def prompt_token_ids(answer: Mapping[str, Any]) -> list[int] | None:
-    """``prompt_token_ids`` of a prefill answer (top level for chat, in the choice for completions)."""
-    ids = answer.get("prompt_token_ids")
-    choices = answer.get("choices")
-    if ids is None and isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        ids = choices[0].get("prompt_token_ids")
-    if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        return ids
-    return None
-
-
-def prompt_logprobs_body(endpoint: Endpoint, body: dict[str, Any]) -> bytes:
-    """A one-token request for the prompt's logprobs alone: the prefill leg's body without
-    ``kv_transfer_params`` (vLLM's KV connector leaves such a request alone)."""
-    out = json.loads(prefill_body(endpoint, body, {}))
-    del out["kv_transfer_params"]
-    return json.dumps(out).encode()
-
-
-def echoes_logprobs(endpoint: Endpoint, body: Mapping[str, Any]) -> bool:
-    """A completion that echoes its prompt with logprobs: the prompt's come first in its answer."""
-    return endpoint is Endpoint.COMPLETIONS and bool(body.get("echo")) and body.get("logprobs") is not None
-
-
-def echo_logprobs_body(body: Mapping[str, Any]) -> bytes:
-    """The echoed prompt's logprobs alone, as vLLM answers them (``max_tokens`` 0): a plain
-    request (no ``kv_transfer_params``) that generates nothing."""
-    out = {k: v for k, v in body.items() if k not in _NOT_FOR_ECHO}
-    out.update(max_tokens=0, stream=False)
-    return json.dumps(out).encode()
-
-
-# what a zero-token echo does not take: a stream's and a generation's options (vLLM refuses
-# logit_bias and min_p beside speculative decoding), and the handoff
-_NOT_FOR_ECHO = ("stream_options", "min_tokens", "max_completion_tokens", "logit_bias", "min_p", "kv_transfer_params",
-                 "prompt_logprobs")
-
-
-def choice_logprobs(answer: Mapping[str, Any]) -> Any:
-    """``choices[0].logprobs`` of a completion answer."""
-    choices = answer.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        return choices[0].get("logprobs")
-    return None
-
-
-def echoed_logprobs(prompt: Any, generated: Any) -> Any:
-    """A completion's logprobs with its echoed prompt's first, as vLLM answers them: one list
-    of tokens, logprobs and top logprobs, the generated tokens' text offsets following the
-    prompt tokens' (each offset is the text length of the tokens before it)."""
-    if not isinstance(prompt, dict):
-        return generated
-    if not isinstance(generated, dict):
-        return prompt
-    tokens = list(prompt.get("tokens") or [])
-    offsets = list(prompt.get("text_offset") or [])
-    shift = offsets[-1] + len(tokens[-1]) if offsets and tokens else 0
-    return {"tokens": tokens + list(generated.get("tokens") or []),
-            "token_logprobs": list(prompt.get("token_logprobs") or []) + list(generated.get("token_logprobs") or []),
-            "top_logprobs": list(prompt.get("top_logprobs") or []) + list(generated.get("top_logprobs") or []),
-            "text_offset": offsets + [shift + o for o in generated.get("text_offset") or []]}
-
-
-def prompt_logprobs_of(answer: Mapping[str, Any]) -> Any:
-    """``prompt_logprobs`` of a prefill answer (top level for chat, in the choice for completions)."""
-    if "prompt_logprobs" in answer:
-        return answer["prompt_logprobs"]
-    choices = answer.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        return choices[0].get("prompt_logprobs")
-    return None
-
-
-def merged(endpoint: Endpoint, data: bytes, body: Mapping[str, Any], prompt_logprobs: Any,
-           echo_logprobs: Any = None) -> bytes:
-    """The decode server's JSON answer with what the router serves itself, where vLLM puts
-    it: prefill's ``prompt_logprobs`` (the response's top level for chat, each choice for
-    completions) and, for a completion with ``echo``, the prompt before each choice's text
-    (and, with ``logprobs``, the prompt's logprobs before the choice's: ``echo_logprobs``)."""
-    answer = json.loads(data)
-    if prompt_logprobs is not None and endpoint is Endpoint.CHAT:
-        answer["prompt_logprobs"] = prompt_logprobs
-    echo = endpoint is Endpoint.COMPLETIONS and body.get("echo")
-    for choice in answer.get("choices") or []:
-        if prompt_logprobs is not None and endpoint is Endpoint.COMPLETIONS:
-            choice["prompt_logprobs"] = prompt_logprobs
-        if echo:
-            choice["text"] = body["prompt"] + choice.get("text", "")
-            if echo_logprobs is not None:
-                choice["logprobs"] = echoed_logprobs(echo_logprobs, choice.get("logprobs"))
-    return json.dumps(answer).encode()
 
 
 def refusal(req: OpenAIRequest, capabilities: DecodeCapabilities | None) -> InvalidRequest | None:

@@ -1,5 +1,6 @@
-"""One request's context in the router (:class:`RequestContext`), the ids of its KV
-handoffs, and the failure that lets it run again on another decode server."""
+"""One request's context in the router (:class:`RequestContext`: the request's values, set
+once, and what each stage sets), one attempt of it on a decode slot (:class:`Attempt`), and the
+ids of its KV handoffs."""
 
 from __future__ import annotations
 
@@ -10,37 +11,17 @@ from pd_http.chunk_writer import ChunkWriter
 from pd_http.tracing import Span
 from pd_router.asgi import Send, respond
 from pd_router.errors import RouterError
+from pd_router.request.checks import ValidRequest
+from pd_router.request.stages import Stage
 from pd_router.request.trail import Trail
 from pd_router.slots.fair import Place
+from pd_router.slots.pool import Slot
 from pd_router.tenants import DEFAULT_TENANT, Tenant
 from pd_wire.handoff import ResumeFrom
 from pd_wire.requests import Endpoint
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
-
-
-class DecodeLegFailed(Exception):
-    """The decode server failed before any byte reached the client (connection refused, 5xx,
-    KV handoff failed, the connection lost before its first chunk): the request may run
-    again on another decode server (:meth:`CompletionHandler._serve`, once)."""
-
-    def __init__(self, error: RouterError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
-class DecodeLost(Exception):
-    """The decode server failed after its answer began (its connection lost or reset, no token
-    for ``--stall-timeout``, an error event of its own failure): the request may go on on
-    another decode server from the tokens its client has (:mod:`pd_router.request.migration`).
-    ``reason``: the label of ``pd_router_migrations_total``."""
-
-    def __init__(self, error: RouterError, reason: str, server: str) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.reason = reason
-        self.server = server
 
 
 DEFAULT = Tenant(DEFAULT_TENANT, DEFAULT_TENANT)
@@ -62,7 +43,8 @@ class RequestContext:
     request_id: str
     start: float
     send: Send
-    stage: str = "validating"
+    stage: Stage = Stage.VALIDATING
+    valid: ValidRequest | None = None  # the request as validated (:attr:`request`), once its stage passed
     model: str = ""  # the model_name label: set once the model is known to be served
     prompt_tokens: int = 0  # as prefill counted them (our connector's handoff)
     ttft: float | None = None  # seconds from ``start`` to the first token relayed (the whole answer unstreamed)
@@ -92,6 +74,12 @@ class RequestContext:
     priority: int = 0  # the client's (vLLM's field: lower is served sooner)
     place: Place | None = None  # its place in the decode queues, from its first wait on (pd_router.slots.fair)
 
+    @property
+    def request(self) -> ValidRequest:
+        """The request as validated: read by every stage after :attr:`Stage.VALIDATING`."""
+        assert self.valid is not None  # set by the validation (pd_router.request.accept)
+        return self.valid
+
     async def fail(self, err: RouterError) -> None:
         self.status, self.error_type = err.status, err.type
         if self.started:  # the stream began: end it with an error event
@@ -107,3 +95,16 @@ class RequestContext:
             ctype,
             [(b"x-request-id", self.request_id.encode()), *err.headers()],
         )
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One try of a request on the decode slot its decode request took
+    (:mod:`pd_router.request.attempts`): what changes from one attempt to the next. The stages
+    after the queue take ``(state, ctx, attempt)``."""
+
+    number: int  # 0 for the first; each retry and each move of the answer counts one
+    handoff_id: str  # the KV handoff's id (:func:`attempt_handoff_id`)
+    slot: Slot
+    body: dict[str, Any]  # the request's body as this attempt's servers get it (what its decode server needs added)
+    with_kv: bool  # the first token travels with the KV (``HandoffClaim.result == "with_kv"``)

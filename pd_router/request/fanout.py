@@ -28,6 +28,7 @@ from pd_router.apis.completions import parse_request
 from pd_router.asgi import SSE, Message, respond
 from pd_router.errors import InvalidRequest, RouterError
 from pd_router.request.context import RequestContext
+from pd_router.request.stages import Stage
 from pd_wire.requests import Endpoint, OpenAIRequest
 
 if TYPE_CHECKING:
@@ -61,7 +62,8 @@ def prompts(endpoint: Endpoint, body: dict[str, Any]) -> list[Any] | None:
                          param="prompt")
 
 
-def legs(state: RouterState, endpoint: Endpoint, body: dict[str, Any], model: str) -> list[dict[str, Any]] | None:
+def choice_bodies(state: RouterState, endpoint: Endpoint, body: dict[str, Any],
+                  model: str) -> list[dict[str, Any]] | None:
     """Each choice's request (choice ``p * n + s``: prompt p, sample s), or None for a request
     of one choice. Their number (prompts x ``n``) is checked against the router's bounds
     (:func:`check_count`) before any of them is made."""
@@ -199,7 +201,7 @@ def merged_answer(answers: list[dict[str, Any]], n: int) -> dict[str, Any]:
 
 async def serve(state: RouterState, ctx: RequestContext, body: dict[str, Any], request: OpenAIRequest,
                 bodies: list[dict[str, Any]], serve_one: ServeOne) -> None:
-    """Run the choices of ``body`` (``bodies``, from :func:`legs`, which checked their number;
+    """Run the choices of ``body`` (``bodies``, from :func:`choice_bodies`, which checked their number;
     each by ``serve_one``) and answer the client with their merge."""
     count, n = len(bodies), choices_wanted(body)
     merge = _Merge(ctx, bool(request.stream))
@@ -217,9 +219,9 @@ async def serve(state: RouterState, ctx: RequestContext, body: dict[str, Any], r
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # each gives its slot back
-        ctx.stage = next((s.stage for s, _, _ in subs if s.stage != "decode"), "decode")
+        ctx.stage = next((s.stage for s, _, _ in subs if s.stage != Stage.DECODE), Stage.DECODE)
         raise
-    ctx.stage = "decode"
+    ctx.stage = Stage.DECODE
     if merge.stream:
         if merge.error is not None:
             await merge.write(merge.error + b"data: [DONE]\n\n", more=False)

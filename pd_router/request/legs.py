@@ -1,11 +1,11 @@
 """The decode request first, then the prefill, the first token with the KV.
 
-A request's decode request (:class:`ClaimFirst`, a ``HandoffClaim``) goes to a decode server of
-ours before anything else and holds its slot: the server answers 200 once the slot is the
+An attempt's decode request (:class:`DecodeRequest`, its body a ``HandoffClaim``) goes to a
+decode server of ours before anything else and holds its slot: the server answers 200 once the slot is the
 request's (the pool, :mod:`pd_router.slots.pool`, hands the handler that open answer). The prefill
 goes out on that 200. When the decode needs nothing of vLLM's answer
-(:func:`decode_check.result_with_kv`), the prefill asks the connector to send its result (the
-first token) to the decode server over the KV channel (``HandoffTarget.result_with_kv``): the
+(:meth:`pd_router.request.checks.ValidRequest.with_kv`), the prefill asks the connector to send
+its result (the first token) to the decode server over the KV channel (``HandoffTarget.result_with_kv``): the
 decode server's first event comes once the KV and the first token landed, and goes to the
 client at once. vLLM's answer is read beside it, for the handoff's failures (which it
 classifies: busy, too long, cancelled, failed) and the prompt's length, never waited for before
@@ -28,14 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 from pd_router.errors import RouterError, UpstreamRejected
 from pd_router.fleet.backends import DecodeBackend
-from pd_router.request import checks as decode_check
-from pd_router.request import prefill as prefill_leg
-from pd_router.request import relay
-from pd_router.request.context import RequestContext
+from pd_router.request import prefill, relay
+from pd_router.request.context import Attempt, RequestContext
+from pd_router.request.stages import Stage
 from pd_router.slots.fair import Place
-from pd_router.slots.pool import Answer, Slot
+from pd_router.slots.pool import Answer
 from pd_wire.handoff import HandoffClaim, SlotWait
-from pd_wire.requests import OpenAIRequest
 
 if TYPE_CHECKING:
     from pd_router.state import RouterState
@@ -44,39 +42,36 @@ if TYPE_CHECKING:
 log = logging.getLogger("pd_router.requests")
 
 
-async def prefill_and_decode(
-    state: RouterState, ctx: RequestContext, slot: Slot, body: dict[str, Any], request: OpenAIRequest,
-    handoff_id: str,
-) -> bool:
+async def prefill_and_decode(state: RouterState, ctx: RequestContext, attempt: Attempt) -> bool:
     """The prefill on a slot its decode request holds (its 200 came), the first token with the
     KV; True when the answer ended cleanly. Raises as the sequential legs do (``ctx.stage`` says
     which leg failed)."""
+    slot = attempt.slot
     granted = slot.take_opened()
     assert granted is not None  # a slot of a server of ours holds its open decode request
-    ctx.stage = "prefill"
-    prefill = asyncio.ensure_future(
-        prefill_leg.prefill(state, ctx, slot, body, request, handoff_id, result_with_kv=True))
+    ctx.stage = Stage.PREFILL
+    handoff = asyncio.ensure_future(prefill.handoff(state, ctx, attempt, result_with_kv=True))
     # the decode leg is what remains once the prefill answered well (an unstreamed answer
     # opens only when whole): the stage a failure or a client leaving is counted under
-    prefill.add_done_callback(lambda leg: _prefilled(ctx, leg))
+    handoff.add_done_callback(lambda leg: _prefilled(ctx, leg))
     opening = asyncio.ensure_future(relay.first_event(state, slot, granted))
     relayed = False
     try:
-        await asyncio.wait({prefill, opening}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({handoff, opening}, return_when=asyncio.FIRST_COMPLETED)
         if opening.done() and isinstance(opening.exception(), UpstreamRejected):
-            ctx.stage = "decode"
+            ctx.stage = Stage.DECODE
             opening.result()  # the decode server refused the request itself: the prefill's end follows from it
-        if prefill.done():
-            prefill.result()  # its failure first: the decode request is closed below
-        resp = await _opened(ctx, prefill, opening)
-        ctx.stage = "decode"
+        if handoff.done():
+            handoff.result()  # its failure first: the decode request is closed below
+        resp = await _opened(ctx, handoff, opening)
+        ctx.stage = Stage.DECODE
         relayed = True  # the relay gives the connection back
-        clean = await relay.relay(state, ctx, slot, resp, body, request)
+        clean = await relay.relay(state, ctx, slot, resp)
         if clean:
-            await _answered(ctx, prefill)
+            await _answered(ctx, handoff)
         return clean
     finally:
-        for leg in (opening, prefill):
+        for leg in (opening, handoff):
             if not leg.done():
                 leg.cancel()  # a decode request closed: the decode server frees what it held for it
         if not relayed:
@@ -84,22 +79,20 @@ async def prefill_and_decode(
 
 
 @dataclass(eq=False)
-class ClaimFirst:
-    """A request's decode request (:class:`pd_router.slots.pool.DecodeRequest`), sent to a decode
-    server of ours before its prefill to hold its slot: its result comes with the KV, or is
-    posted when its decode needs vLLM's answer (:func:`post_and_relay`)."""
+class DecodeRequest:
+    """An attempt's decode request (the pool's :class:`~pd_router.slots.queue.SlotClaimant`), sent
+    to a decode server of ours before its prefill to hold its slot: its result comes with the KV,
+    or is posted when its decode needs vLLM's answer (:func:`post_and_relay`)."""
 
     state: RouterState
     ctx: RequestContext
-    body: dict[str, Any]
-    request: OpenAIRequest
     handoff_id: str
     trace: Mapping[str, str] | None = None  # the ``traceparent`` of the router's queue span, where it waits
 
     @property
     def place(self) -> Place:
         place = self.ctx.place
-        assert place is not None  # set before its first wait (CompletionHandler._attempts)
+        assert place is not None  # set before its first wait (pd_router.request.attempts)
         return place
 
     @property
@@ -107,27 +100,23 @@ class ClaimFirst:
         return self.ctx.tenant.name
 
     async def open(self, backend: DecodeBackend, wait: SlotWait | None) -> Answer:
-        refused = decode_check.refusal(self.request, backend.capabilities)
+        ctx = self.ctx
+        refused = ctx.request.refusal(backend.capabilities)
         if refused is not None:  # what this server would refuse is refused here: no call
             return Answer(400, rejected=refused)
-        ctx = self.ctx
         # a resumed sequence's first token is the engine's (its logprobs too), its prompt's ids in the resume
-        with_kv = ctx.resume is not None or decode_check.result_with_kv(self.body, self.request,
-                                                                        backend.capabilities)
+        with_kv = ctx.resume is not None or ctx.request.with_kv(backend.capabilities)
         claim = HandoffClaim(handoff_id=self.handoff_id, result="with_kv" if with_kv else "posted", wait=wait,
                              progress=True, created=ctx.created or None, resume=ctx.resume)
-        return await relay.open_slot(self.state, self.ctx, backend, self.body, claim.model_dump(exclude_none=True),
-                                     self.trace)
+        return await relay.open_slot(self.state, ctx, backend, claim.model_dump(exclude_none=True), self.trace)
 
 
-async def post_and_relay(
-    state: RouterState, ctx: RequestContext, slot: Slot, body: dict[str, Any], request: OpenAIRequest,
-    params: dict[str, Any],
-) -> bool:
+async def post_and_relay(state: RouterState, ctx: RequestContext, attempt: Attempt, params: dict[str, Any]) -> bool:
     """A request whose decode needs vLLM's answer (the first token's logprobs, the prompt's ids)
     on a slot its decode request holds, once the prefill answered: the result read from vLLM's
     answer (``params``) posted to the decode server (``HandoffClaim.result == "posted"``), whose
     first event then comes. True when the answer ended cleanly; raises as the sequential legs do."""
+    slot = attempt.slot
     granted = slot.take_opened()
     assert granted is not None  # a slot of a server of ours holds its open decode request
     relayed = False
@@ -135,18 +124,18 @@ async def post_and_relay(
         await relay.post_result(state, ctx, slot, params)
         resp = await relay.first_event(state, slot, granted)
         relayed = True  # the relay gives the connection back
-        return await relay.relay(state, ctx, slot, resp, body, request)
+        return await relay.relay(state, ctx, slot, resp)
     finally:
         if not relayed:
             granted.close()  # the decode request closed: the decode server frees what it held for it
 
 
 def _prefilled(ctx: RequestContext, leg: asyncio.Future[Any]) -> None:
-    if not leg.cancelled() and leg.exception() is None and ctx.stage == "prefill":
-        ctx.stage = "decode"
+    if not leg.cancelled() and leg.exception() is None and ctx.stage == Stage.PREFILL:
+        ctx.stage = Stage.DECODE
 
 
-async def _opened(ctx: RequestContext, prefill: asyncio.Future[Any], opening: asyncio.Future[Response]) -> Response:
+async def _opened(ctx: RequestContext, handoff: asyncio.Future[Any], opening: asyncio.Future[Response]) -> Response:
     """The open decode answer. When the decode server refused the request (its 4xx, after
     giving slot and KV back), that refusal: the prefill, refused the KV for it, would only
     say "cancelled". When the decode request failed otherwise before its first byte, the
@@ -154,21 +143,21 @@ async def _opened(ctx: RequestContext, prefill: asyncio.Future[Any], opening: as
     try:
         return await opening
     except UpstreamRejected:
-        ctx.stage = "decode"
+        ctx.stage = Stage.DECODE
         raise
     except RouterError:
-        await asyncio.wait({prefill})
-        prefill.result()
-        ctx.stage = "decode"
+        await asyncio.wait({handoff})
+        handoff.result()
+        ctx.stage = Stage.DECODE
         raise
 
 
-async def _answered(ctx: RequestContext, prefill: asyncio.Future[Any]) -> None:
+async def _answered(ctx: RequestContext, handoff: asyncio.Future[Any]) -> None:
     """vLLM's answer after a clean decode (it came long before, as the first token did): its
     connection goes back to the pool, its prompt count to the access log. A failure now
     changes nothing the client got."""
     try:
-        await prefill
+        await handoff
     except RouterError as err:
         log.warning("request_id=%s: the prefill answered %s after its decode ended cleanly", ctx.request_id,
                     err.message)

@@ -2,7 +2,7 @@
 
 The decode server of ours reports the output tokens of every write (its progress lines,
 :mod:`pd_router.request.trail`), so the router knows, at any moment, the tokens whose text the client
-has. When that server is lost (:class:`~pd_router.request.context.DecodeLost`: its connection lost or
+has. When that server is lost (:class:`~pd_router.errors.DecodeLost`: its connection lost or
 reset, no token for ``--stall-timeout``, an error event of its own failure), the handler runs
 the request again as a *resumed* attempt (docs/reliability.md, "A decode server lost
 mid-answer"):
@@ -29,12 +29,11 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from pd_grammar.spec import GrammarSpec
 from pd_router.errors import BadUpstream, NoHealthyBackend
 from pd_router.request.context import RequestContext
-from pd_router.upstream import calls as upstream
+from pd_router.upstream import calls
 from pd_wire.handoff import ResumeFrom
-from pd_wire.requests import Endpoint, OpenAIRequest
+from pd_wire.requests import Endpoint
 
 if TYPE_CHECKING:
     from pd_router.state import RouterState
@@ -48,9 +47,9 @@ CHAT_PROMPT_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "add_gen
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
 
 
-def not_resumable(state: RouterState, ctx: RequestContext, request: OpenAIRequest,
-                  grammar: GrammarSpec | None) -> str | None:
+def not_resumable(state: RouterState, ctx: RequestContext) -> str | None:
     """Why this answer cannot move to another decode server (None: it can)."""
+    request, grammar = ctx.request.parsed, ctx.request.grammar
     if ctx.trail is None:
         return "its decode server reports no progress"
     if not request.stream and request.wants_logprobs():
@@ -63,10 +62,11 @@ def not_resumable(state: RouterState, ctx: RequestContext, request: OpenAIReques
     return None
 
 
-async def prompt_ids(state: RouterState, ctx: RequestContext, body: Mapping[str, Any]) -> list[int]:
+async def prompt_ids(state: RouterState, ctx: RequestContext) -> list[int]:
     """The prompt's token ids: a completion's own when it sent ids, else the prefill server's
     ``/tokenize`` of the request (the prompt vLLM rendered for it), checked against the
     length prefill reported."""
+    body = ctx.request.body
     prompt = body.get("prompt")
     if ctx.endpoint is Endpoint.COMPLETIONS and isinstance(prompt, list):
         ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
@@ -83,7 +83,7 @@ async def prompt_ids(state: RouterState, ctx: RequestContext, body: Mapping[str,
     backend = state.backends.pick_prefill(ctx.model)
     if backend is None:
         raise NoHealthyBackend(f"no healthy prefill server for model {ctx.model!r}")
-    answer = await upstream.prefill(state.upstream, backend.target, TOKENIZE_PATH, json.dumps(payload).encode(),
+    answer = await calls.post_json(state.connections, backend.target, TOKENIZE_PATH, json.dumps(payload).encode(),
                                     f"{ctx.request_id[:240]}~tok", state.settings.prefill_timeout)
     tokens = answer.get("tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
@@ -102,7 +102,7 @@ def resume_from(ctx: RequestContext) -> ResumeFrom:
                       context_token_id=ctx.prompt_ids[-1], prompt_token_ids=ctx.prompt_ids)
 
 
-def prefill_body(ctx: RequestContext, body: Mapping[str, Any], target: Mapping[str, Any]) -> bytes:
+def resume_body(ctx: RequestContext, body: Mapping[str, Any], target: Mapping[str, Any]) -> bytes:
     """The resumed attempt's prefill: a completion of one token whose prompt is the prompt's and
     the output's ids so far, its KV handed off to ``target``."""
     assert ctx.prompt_ids is not None and ctx.resume is not None

@@ -1,7 +1,9 @@
-"""The prefill leg: the request to a prefill server with the KV handoff's target (the
-least-loaded healthy one, one retry elsewhere on a connection failure), the prompt's
-logprobs asked of another at the same time, and the ``kv_transfer_params`` its answer
-carries for decode; and a request a prefill server answers alone (echo with logprobs)."""
+""":attr:`Stage.PREFILL <pd_router.request.stages.Stage>`: the request to a prefill server with the
+KV handoff's target (:func:`handoff`: the least-loaded healthy one, one retry elsewhere on a
+connection failure, :func:`post`), the prompt's logprobs asked of another at the same time
+(:func:`plain`), and the ``kv_transfer_params`` its answer carries for decode
+(:func:`read_handoff`); and a request a prefill server answers alone (:func:`answer_alone`:
+echo with logprobs)."""
 
 from __future__ import annotations
 
@@ -16,12 +18,21 @@ from pydantic import ValidationError
 from pd_http.tracing import Span, SpanKind, Tracing
 from pd_router.apis.completions import VLLM_REMOTE_DECODE_PARAMS, prefill_body
 from pd_router.asgi import respond
-from pd_router.errors import BadUpstream, NoHealthyBackend, PromptTooLong, RouterError
-from pd_router.request import checks as decode_check
-from pd_router.request import migration, observe
-from pd_router.request.context import RequestContext
-from pd_router.slots.pool import Requeue, Slot
-from pd_router.upstream import calls as upstream
+from pd_router.errors import (
+    BadUpstream,
+    ConnectionLost,
+    KVNotDelivered,
+    NoHealthyBackend,
+    PromptTooLong,
+    Requeue,
+    RouterError,
+    Unreachable,
+)
+from pd_router.request import logprobs, migration, observe
+from pd_router.request.context import Attempt, RequestContext
+from pd_router.request.stages import Stage
+from pd_router.slots.pool import Slot
+from pd_router.upstream import calls
 from pd_wire.handoff import HandoffResult, HandoffTarget
 from pd_wire.requests import ChatCompletionRequest, Endpoint, OpenAIRequest
 
@@ -29,20 +40,14 @@ if TYPE_CHECKING:
     from pd_router.state import RouterState
 
 
-class KVNotDelivered(BadUpstream):
-    """Prefill ran but its KV did not reach the decode server (unreachable, rejected,
-    transfer failed): a failure of the decode leg, before anything reached the client."""
-
-
-
-async def prefill(
-    state: RouterState, ctx: RequestContext, slot: Slot, body: dict[str, Any], request: OpenAIRequest,
-    handoff_id: str, result_with_kv: bool = False,
-) -> dict[str, Any]:
-    """The prefill leg; the ``kv_transfer_params`` its answer carries for decode.
+async def handoff(state: RouterState, ctx: RequestContext, attempt: Attempt,
+                  result_with_kv: bool = False) -> dict[str, Any]:
+    """The attempt's prefill; the ``kv_transfer_params`` its answer carries for decode.
     ``result_with_kv``: the connector also sends them to the decode server with the KV. An
     attempt that resumes a cut sequence (``ctx.resume``) prefills the prompt's and the output's
-    token ids so far instead (:func:`pd_router.request.migration.prefill_body`)."""
+    token ids so far instead (:func:`pd_router.request.migration.resume_body`)."""
+    slot, body, handoff_id = attempt.slot, attempt.body, attempt.handoff_id
+    request = ctx.request.parsed
     decode = slot.backend
     if decode.capabilities is None:
         target: Mapping[str, Any] = VLLM_REMOTE_DECODE_PARAMS
@@ -52,24 +57,23 @@ async def prefill(
     # asked of a prefill server apart, at the same time: the prompt's logprobs, and those of a
     # completion's echoed prompt
     if ctx.resume is not None:
-        data = migration.prefill_body(ctx, body, target)
-        answer = await prefill_leg(state, ctx, data, Endpoint.COMPLETIONS.path, handoff_id)
+        data = migration.resume_body(ctx, body, target)
+        answer = await post(state, ctx, data, Endpoint.COMPLETIONS.path, handoff_id)
         with observe.span(state, ctx, "handoff") as span:
             return read_handoff(state, slot, answer, request, handoff_id, span)
     sides: dict[str, asyncio.Future[dict[str, Any]]] = {}
     if body.get("prompt_logprobs") is not None:
-        sides["prompt"] = asyncio.ensure_future(prompt_logprobs(state, ctx, body, ctx.model))
+        sides["prompt"] = asyncio.ensure_future(prompt_logprobs(state, ctx, body))
         body = {k: v for k, v in body.items() if k != "prompt_logprobs"}
-    if decode_check.echoes_logprobs(ctx.endpoint, body):
-        sides["echo"] = asyncio.ensure_future(plain_prefill(
-            state, ctx, ctx.model, decode_check.echo_logprobs_body(body), f"{ctx.request_id[:240]}~echo"))
+    if ctx.request.echoes_logprobs:
+        sides["echo"] = asyncio.ensure_future(plain(
+            state, ctx, logprobs.echo_logprobs_body(body), f"{ctx.request_id[:240]}~echo"))
     try:
-        answer = await prefill_leg(state, ctx, prefill_body(ctx.endpoint, body, target), ctx.endpoint.path,
-                                   handoff_id)
+        answer = await post(state, ctx, prefill_body(ctx.endpoint, body, target), ctx.endpoint.path, handoff_id)
         if "prompt" in sides:
-            ctx.prompt_logprobs = decode_check.prompt_logprobs_of(await sides["prompt"])
+            ctx.prompt_logprobs = logprobs.prompt_logprobs_of(await sides["prompt"])
         if "echo" in sides:
-            ctx.echo_logprobs = decode_check.choice_logprobs(await sides["echo"])
+            ctx.echo_logprobs = logprobs.choice_logprobs(await sides["echo"])
     finally:
         for side in sides.values():
             if not side.done():
@@ -83,35 +87,34 @@ async def prefill(
     return params
 
 
-async def prompt_logprobs(state: RouterState, ctx: RequestContext, body: dict[str, Any], model: str) -> dict[str, Any]:
+async def prompt_logprobs(state: RouterState, ctx: RequestContext, body: dict[str, Any]) -> dict[str, Any]:
     """vLLM schedules a request with ``prompt_logprobs`` without asking the KV connector
     first (it skips the prefix-cache lookup, where the connector holds a request back
     until its decode server admitted the KV): the prompt's logprobs come from a plain
     one-token request to a prefill server, run next to the PD prefill."""
-    return await plain_prefill(state, ctx, model, decode_check.prompt_logprobs_body(ctx.endpoint, body),
-                                     f"{ctx.request_id[:240]}~plp")
+    return await plain(state, ctx, logprobs.prompt_logprobs_body(ctx.endpoint, body), f"{ctx.request_id[:240]}~plp")
 
 
-async def plain_prefill(state: RouterState, ctx: RequestContext, model: str, data: bytes,
-                        request_id: str) -> dict[str, Any]:
+async def plain(state: RouterState, ctx: RequestContext, data: bytes, request_id: str) -> dict[str, Any]:
     """``data`` (no ``kv_transfer_params``: vLLM's KV connector leaves it alone) to the
-    least-loaded prefill server serving ``model``; its JSON answer."""
+    least-loaded prefill server serving the request's model; its JSON answer."""
+    model = ctx.model
     backend = state.backends.pick_prefill(model)
     if backend is None:
         raise NoHealthyBackend(f"no healthy prefill server for model {model!r}")
     backend.sent()
     try:
-        return await upstream.prefill(state.upstream, backend.target, ctx.endpoint.path, data, request_id,
+        return await calls.post_json(state.connections, backend.target, ctx.endpoint.path, data, request_id,
                                       state.settings.prefill_timeout)
     finally:
         backend.in_flight -= 1
 
 
-async def prefill_alone(state: RouterState, ctx: RequestContext, body: dict[str, Any], model: str) -> None:
-    """The whole request to a prefill server (:func:`decode_check.served_by_prefill`), its
-    answer relayed as it is: vLLM's own echo and logprobs."""
-    ctx.stage = "prefill"
-    answer = await plain_prefill(state, ctx, model, json.dumps(body).encode(), ctx.request_id)
+async def answer_alone(state: RouterState, ctx: RequestContext) -> None:
+    """The whole request to a prefill server (:func:`pd_router.request.checks.served_by_prefill`),
+    its answer relayed as it is: vLLM's own echo and logprobs."""
+    ctx.stage = Stage.PREFILL
+    answer = await plain(state, ctx, json.dumps(ctx.request.body).encode(), ctx.request_id)
     usage = answer.get("usage")
     tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     ctx.prompt_tokens = tokens if isinstance(tokens, int) else 0
@@ -121,12 +124,11 @@ async def prefill_alone(state: RouterState, ctx: RequestContext, body: dict[str,
                   [(b"x-request-id", ctx.request_id.encode())])
 
 
-async def prefill_leg(state: RouterState, ctx: RequestContext, data: bytes, path: str,
-                      handoff_id: str) -> dict[str, Any]:
+async def post(state: RouterState, ctx: RequestContext, data: bytes, path: str, handoff_id: str) -> dict[str, Any]:
     """``data`` POSTed to ``path`` of the least-loaded healthy prefill server (once more on
     another when the first is unreachable); its JSON answer."""
     t0 = perf_counter()
-    failed: upstream.Unreachable | None = None
+    failed: Unreachable | None = None
     failed_backend = None
     with observe.span(state, ctx, "prefill", SpanKind.CLIENT) as span:
         trace = None
@@ -145,17 +147,17 @@ async def prefill_leg(state: RouterState, ctx: RequestContext, data: bytes, path
                 span.set_attributes({"pd.prefill.backend": backend.url, "pd.prefill.tries": attempt + 1})
             backend.sent()
             try:
-                answer = await upstream.prefill(state.upstream, backend.target, path, data,
+                answer = await calls.post_json(state.connections, backend.target, path, data,
                                                 ctx.request_id, state.settings.prefill_timeout, trace)
                 break
-            except upstream.Unreachable as err:
+            except Unreachable as err:
                 state.upstream_failed("prefill", backend, err, mark_down=True)
                 if attempt:
                     raise
                 failed, failed_backend = err, backend
             except RouterError as err:  # a lost connection: the server is down until a probe says otherwise
                 state.upstream_failed("prefill", backend, err,
-                                      mark_down=isinstance(err, upstream.ConnectionLost))
+                                      mark_down=isinstance(err, ConnectionLost))
                 raise
             finally:
                 backend.in_flight -= 1
@@ -200,18 +202,18 @@ def read_handoff(
     if result.handoff_id != handoff_id:
         raise BadUpstream(f"prefill returned handoff {result.handoff_id!r}, expected {handoff_id!r}")
     state.pool.served(slot.backend)
-    ids = decode_check.prompt_token_ids(answer)  # there when the prefill leg asked (prefill_fields)
+    ids = logprobs.prompt_token_ids(answer)  # there when the prefill leg asked (prefill_fields)
     if ids is not None:
         result = result.model_copy(update={"prompt_token_ids": ids})
     if request.wants_logprobs():
         choices = answer.get("choices")
-        logprobs = (
+        first = (
             choices[0].get("logprobs")
             if isinstance(choices, list) and choices and isinstance(choices[0], dict)
             else None
         )
-        if isinstance(logprobs, dict):
-            result = result.model_copy(update={"prefill_logprobs": logprobs})
+        if isinstance(first, dict):
+            result = result.model_copy(update={"prefill_logprobs": first})
     return result.model_dump()
 
 

@@ -14,17 +14,24 @@ from typing import TYPE_CHECKING, Any
 from pd_http.chunk_writer import ChunkWriter
 from pd_router.apis.completions import decode_body
 from pd_router.asgi import SSE, respond
-from pd_router.errors import BadUpstream, RouterError, UpstreamRejected
+from pd_router.errors import (
+    BadUpstream,
+    DecodeLost,
+    Hung,
+    Requeue,
+    RouterError,
+    Unavailable,
+    Unreachable,
+    UpstreamRejected,
+)
 from pd_router.fleet.backends import DecodeBackend
-from pd_router.request import checks as decode_check
-from pd_router.request.context import DecodeLost, RequestContext
+from pd_router.request import logprobs
+from pd_router.request.context import Attempt, RequestContext
 from pd_router.request.trail import Trail, server_error
-from pd_router.slots.pool import Answer, Requeue, Slot
-from pd_router.upstream import calls as upstream
-from pd_router.upstream.calls import Hung, Unavailable, Unreachable
+from pd_router.slots.pool import Answer, Slot
+from pd_router.upstream import calls
 from pd_router.upstream.rawhttp import ReadTimeout, Response, UpstreamError
 from pd_wire.decode import FREE_SLOTS_FIELD, REQUEST_ID_HEADER, RESULT_PATH, DecodeRefusal
-from pd_wire.requests import OpenAIRequest
 
 if TYPE_CHECKING:
     from pd_router.metrics import TokenHistogram
@@ -37,23 +44,22 @@ CALL_TIMEOUT_S = 5.0  # a posted result; the answer of a decode request past its
 IMMEDIATE_ANSWER_S = 2.0
 
 
-async def decode(
-    state: RouterState, ctx: RequestContext, slot: Slot, body: dict[str, Any], request: OpenAIRequest,
-    kv_params: dict[str, Any], trace: Mapping[str, str] | None = None,
-) -> bool:
+async def decode(state: RouterState, ctx: RequestContext, attempt: Attempt, kv_params: dict[str, Any],
+                 trace: Mapping[str, str] | None = None) -> bool:
     """A server the router counts (a plain vLLM): the decode request after the prefill, its
     answer relayed; True when it ended cleanly. ``trace``: the ``traceparent`` header."""
+    slot = attempt.slot
     backend = slot.backend
     with _busy_is_requeue(backend):
-        resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.path,
-                                          decode_body(ctx.raw, body, kv_params), ctx.request_id,
+        resp = await calls.open_decode(state.connections, backend.target, ctx.endpoint.path,
+                                          decode_body(ctx.raw, attempt.body, kv_params), ctx.request_id,
                                           state.settings.decode_timeout, trace)
     # any other failure to open: the caller marks the server down and may fail over
-    return await relay(state, ctx, slot, resp, body, request)
+    return await relay(state, ctx, slot, resp)
 
 
-async def open_slot(state: RouterState, ctx: RequestContext, backend: DecodeBackend, body: dict[str, Any],
-                    claim: dict[str, Any], trace: Mapping[str, str] | None = None) -> Answer:
+async def open_slot(state: RouterState, ctx: RequestContext, backend: DecodeBackend, claim: dict[str, Any],
+                    trace: Mapping[str, str] | None = None) -> Answer:
     """A request's decode request holding its slot (``claim``: a ``HandoffClaim``; with ``wait``,
     it waits in ``backend``'s queue): open once granted (``Answer.opened``), else the status that
     refused it, the request's own refusal, or no answer (0: unreachable, or silent past its wait:
@@ -62,10 +68,10 @@ async def open_slot(state: RouterState, ctx: RequestContext, backend: DecodeBack
     wait = claim.get("wait")
     wait_s = wait["wait_s"] if wait else 0.0
     limit = wait_s + CALL_TIMEOUT_S if wait_s > 0 else IMMEDIATE_ANSWER_S
-    data = decode_body(ctx.raw, body, claim)
+    data = decode_body(ctx.raw, ctx.request.body, claim)
     t0 = perf_counter()
     try:
-        resp = await upstream.open_decode(state.upstream, backend.target, ctx.endpoint.path, data, ctx.request_id,
+        resp = await calls.open_decode(state.connections, backend.target, ctx.endpoint.path, data, ctx.request_id,
                                           max(limit, state.settings.decode_timeout), trace, limit)
     except UpstreamRejected as err:  # a 429 or 409 refuses the slot request; another 4xx, the request itself
         return Answer(err.status, rtt=perf_counter() - t0, rejected=None if err.status in (409, 429) else err)
@@ -91,20 +97,20 @@ async def post_result(state: RouterState, ctx: RequestContext, slot: Slot, param
     request runs again on another decode server."""
     target = slot.backend.target
     try:
-        await upstream.call(state.upstream, target, RESULT_PATH, json.dumps(params).encode(), CALL_TIMEOUT_S,
+        await calls.call(state.connections, target, RESULT_PATH, json.dumps(params).encode(), CALL_TIMEOUT_S,
                             {REQUEST_ID_HEADER: ctx.request_id})
     except (ReadTimeout, TimeoutError):
         raise Hung(f"decode server {target.origin} did not answer within {CALL_TIMEOUT_S:g}s (posting the result): "
                    "stopped or cut off") from None
     except UpstreamError as exc:
-        raise upstream.map_error("decode", target, exc, f"{CALL_TIMEOUT_S:g}s (posting the result)") from None
+        raise calls.map_error("decode", target, exc, f"{CALL_TIMEOUT_S:g}s (posting the result)") from None
 
 
 async def first_event(state: RouterState, slot: Slot, resp: Response) -> Response:
     """A granted decode answer (:func:`open_slot`) once its first event came; a refusal in its
     body raised as the status it stands for."""
     with _busy_is_requeue(slot.backend):
-        return await upstream.first_event(resp, slot.backend.target, state.settings.decode_timeout)
+        return await calls.read_first_event(resp, slot.backend.target, state.settings.decode_timeout)
 
 
 @contextmanager
@@ -119,8 +125,7 @@ def _busy_is_requeue(backend: DecodeBackend) -> Iterator[None]:
         raise Requeue("engine_slot", f"decode server {backend.url} busy (429): {err.message}") from None
 
 
-async def relay(state: RouterState, ctx: RequestContext, slot: Slot, resp: Response, body: dict[str, Any],
-                request: OpenAIRequest) -> bool:
+async def relay(state: RouterState, ctx: RequestContext, slot: Slot, resp: Response) -> bool:
     """Relay an open decode answer to the client (and give its connection back); True when it ended
     cleanly. An answer with progress lines (a decode server of ours: ``ctx.trail``) is watched for
     a stall from its first event on (``--stall-timeout``), and its loss after that raises
@@ -130,7 +135,7 @@ async def relay(state: RouterState, ctx: RequestContext, slot: Slot, resp: Respo
     if trail is not None:  # a step's progress line at the engine's pace
         resp.read_timeout = min(state.settings.stall_timeout, state.settings.decode_timeout)
     try:
-        if request.stream:
+        if ctx.request.parsed.stream:
             return await relay_stream(state, ctx, resp, backend, trail)
         try:
             data = await resp.read() if trail is None else await _read_tracked(resp, trail)
@@ -142,8 +147,9 @@ async def relay(state: RouterState, ctx: RequestContext, slot: Slot, resp: Respo
             raise err from None
         if trail is not None:
             data = _unrefused(state, backend, trail, data)
+        body = ctx.request.body
         if ctx.prompt_logprobs is not None or body.get("echo"):
-            data = decode_check.merged(ctx.endpoint, data, body, ctx.prompt_logprobs, ctx.echo_logprobs)
+            data = logprobs.merged(ctx.endpoint, data, body, ctx.prompt_logprobs, ctx.echo_logprobs)
         ctx.status, ctx.finished = 200, True
         ctx.ttft = perf_counter() - ctx.start
         state.metrics.child(state.metrics.ttft, ctx.endpoint.label, ctx.model).observe(ctx.ttft)
@@ -177,7 +183,7 @@ def _unrefused(state: RouterState, backend: DecodeBackend, trail: Trail, data: b
         refusal = None
     if refusal is None:
         return data
-    err = upstream.status_error("decode", backend.target, refusal.status, refusal.error_body(),
+    err = calls.status_error("decode", backend.target, refusal.status, refusal.error_body(),
                                 b"application/json")
     if refusal.status >= 500 and trail.steps:
         state.upstream_failed("decode", backend, err)
@@ -287,7 +293,7 @@ def mid_answer_error(state: RouterState, backend: DecodeBackend, exc: UpstreamEr
     limit = (f"--stall-timeout {settings.stall_timeout:g}s (no token)"
              if stall and settings.stall_timeout < settings.decode_timeout
              else f"--decode-timeout {settings.decode_timeout:g}s")
-    return upstream.map_error("decode", backend.target, exc, limit)
+    return calls.map_error("decode", backend.target, exc, limit)
 
 
 

@@ -23,8 +23,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pd_router.answers import ModelCard, ModelList, VersionReport
-from pd_router.apis import messages as anthropic_api
-from pd_router.apis import messages_out as anthropic_out
+from pd_router.apis import messages, messages_out
 from pd_router.asgi import Receive, Scope, Send, authorization, read_body
 from pd_router.errors import InvalidRequest, MethodNotAllowed, NotFound, RouterError
 from pd_router.request.accept import CompletionHandler
@@ -134,10 +133,10 @@ def _control_app(state: RouterState) -> FastAPI:
         server's ``/tokenize``; errors in Anthropic's shape."""
         try:
             authorized(request)
-            asked = anthropic_api.parse_count_tokens(await body(request))
+            asked = messages.parse_count_tokens(await body(request))
             answer = await tokens.forward(state, tokens.TOKENIZE, json.dumps(asked.tokenize_body()).encode())
         except RouterError as err:
-            return Response(anthropic_out.error_body(err.status, err.body()), status_code=err.status,
+            return Response(messages_out.error_body(err.status, err.body()), status_code=err.status,
                             media_type="application/json",
                             headers={k.decode(): v.decode() for k, v in err.headers()})
         count = int(answer.get("count") or 0)
@@ -168,9 +167,9 @@ class RouterApp:
             endpoint = _ROUTES.get(path)
             if endpoint is not None:
                 return await self.completions(scope, receive, send, endpoint)
-            if path == RESPONSES_PATH:  # mapped onto chat completions (responses_api)
+            if path == RESPONSES_PATH:  # mapped onto chat completions (apis.responses)
                 return await self.completions(scope, receive, send, Endpoint.CHAT, api="responses")
-            if path == MESSAGES_PATH:  # Anthropic's, mapped onto chat completions (anthropic_api)
+            if path == MESSAGES_PATH:  # Anthropic's, mapped onto chat completions (apis.messages)
                 return await self.completions(scope, receive, send, Endpoint.CHAT, api="messages")
         await self.control(scope, receive, send)
 

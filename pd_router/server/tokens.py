@@ -15,7 +15,7 @@ from typing import Any
 from pd_router.apis.completions import json_object
 from pd_router.errors import ModelNotFound, NoHealthyBackend
 from pd_router.state import RouterState
-from pd_router.upstream import calls as upstream
+from pd_router.upstream import calls
 
 TOKENIZE = "/tokenize"
 PATHS = (TOKENIZE, "/detokenize")
@@ -39,7 +39,7 @@ async def forward(state: RouterState, path: str, raw: bytes) -> dict[str, Any]:
         raise NoHealthyBackend(f"no healthy prefill server for model {model!r}")
     backend.in_flight += 1
     try:
-        return await upstream.prefill(state.upstream, backend.target, path, raw, f"tok-{uuid.uuid4().hex}",
+        return await calls.post_json(state.connections, backend.target, path, raw, f"tok-{uuid.uuid4().hex}",
                                       TIMEOUT_S)
     finally:
         backend.in_flight -= 1

@@ -31,24 +31,10 @@ from typing import Any
 from pd_router.errors import NoHealthyBackend, Overloaded
 from pd_router.fleet.backends import Backends, DecodeBackend
 from pd_router.slots.fair import FairShares
-from pd_router.slots.queue import Answer, DecodeRequest, Slot, SlotQueue, backoff
+from pd_router.slots.queue import Answer, Slot, SlotClaimant, SlotQueue, backoff
 
-__all__ = ["Answer", "DecodeRequest", "Requeue", "Slot", "SlotHooks", "SlotPool", "backoff"]
+__all__ = ["Answer", "SlotClaimant", "Slot", "SlotHooks", "SlotPool", "backoff"]
 IMMEDIATE_TRIES = 2  # servers counted free asked at once for a new request, before the queue
-
-
-class Requeue(Exception):
-    """The attempt on this slot cannot go on, but it is not a client error: the request waits
-    for a slot again and runs prefill again. ``busy``: the decode server had no free slot or KV
-    receive slot for it (a server counted here: held back, :meth:`SlotPool.hold`); otherwise the
-    handoff id was stale on the decode server (a client reusing an ``X-Request-Id``) and the
-    next attempt's new id is enough. ``reason``: the label of ``pd_router_retries_total``."""
-
-    def __init__(self, reason: str, message: str, busy: bool = True) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-        self.busy = busy
 
 
 class SlotHooks:
@@ -83,7 +69,7 @@ class SlotPool:
         """Slots this router's requests hold (0 when it is idle)."""
         return sum(d.in_use for d in self.backends.decode)
 
-    async def take(self, model: str, request: DecodeRequest, timeout: float | None = None,
+    async def take(self, model: str, request: SlotClaimant, timeout: float | None = None,
                    first_try: bool = True, max_queued: int | None = None) -> Slot:
         """A slot for ``request`` on a usable decode server for ``model``, within ``timeout``
         seconds (default ``--queue-timeout``). ``first_try``: a request's first attempt asks the
@@ -98,7 +84,7 @@ class SlotPool:
         self.shares.granted(request.place)
         return slot
 
-    async def _take(self, model: str, request: DecodeRequest, timeout: float | None, first_try: bool,
+    async def _take(self, model: str, request: SlotClaimant, timeout: float | None, first_try: bool,
                     max_queued: int | None) -> Slot:
         if not self.backends.decode_available(model):
             raise NoHealthyBackend.for_decode(model)

@@ -105,8 +105,9 @@ class Slot:
         return opened
 
 
-class DecodeRequest(Protocol):
-    """A request's decode request, sent before its prefill to hold its slot."""
+class SlotClaimant(Protocol):
+    """What takes a slot: an attempt's decode request (:class:`pd_router.request.legs.DecodeRequest`),
+    sent before its prefill to hold its slot."""
 
     handoff_id: str
 
@@ -130,7 +131,7 @@ class DecodeRequest(Protocol):
 @dataclass(eq=False)
 class _Waiter:
     model: str
-    request: DecodeRequest
+    request: SlotClaimant
     future: asyncio.Future[Slot] = field(repr=False)
     reserved: bool = False  # a swap for it is in flight
     aged: bool = False  # it waited --priority-aging: ahead of every class
@@ -194,7 +195,7 @@ class SlotQueue:
         """(tenant, priority) of every waiting request (the metrics' gauges)."""
         return [(w.request.tenant, w.request.place.priority) for w in self._waiters]
 
-    async def wait(self, model: str, request: DecodeRequest, wait: float) -> Slot:
+    async def wait(self, model: str, request: SlotClaimant, wait: float) -> Slot:
         """A slot for ``request`` when its turn comes, within ``wait`` seconds."""
         loop = asyncio.get_running_loop()
         waiter = _Waiter(model, request, loop.create_future())

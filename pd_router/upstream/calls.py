@@ -1,4 +1,5 @@
-"""The two upstream legs of a request, on the app's one :class:`~pd_router.upstream.rawhttp.ConnectionPool`.
+"""A request's calls to the prefill and decode servers, on the app's one connection pool
+(:class:`~pd_router.upstream.connections.ConnectionPool`, ``state.connections``).
 
 This is the boundary where transport exceptions become :mod:`pd_router.errors`:
 a connection that fails before any answer -> :class:`Unreachable` (a
@@ -15,27 +16,18 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-from pd_router.errors import BadUpstream, RouterError, UpstreamRejected, UpstreamTimeout
+from pd_router.errors import (
+    BadUpstream,
+    ConnectionLost,
+    RouterError,
+    Unavailable,
+    Unreachable,
+    UpstreamRejected,
+    UpstreamTimeout,
+)
 from pd_router.upstream.connections import ConnectionPool
 from pd_router.upstream.rawhttp import ConnectFailed, Origin, ReadTimeout, Response, UpstreamError
 from pd_wire.decode import REFUSAL_EVENT, REQUEST_ID_HEADER, DecodeRefusal
-
-
-class Unreachable(BadUpstream):
-    """The connection failed before the upstream answered anything."""
-
-
-class ConnectionLost(BadUpstream):
-    """The connection broke after the request was sent (the upstream process died or reset it)."""
-
-
-class Hung(BadUpstream):
-    """The upstream took a call a live server answers at once and answered nothing in time (a
-    stopped process, a cut link): the server is lost, not slow."""
-
-
-class Unavailable(BadUpstream):
-    """The upstream answered 503: not ready, or draining."""
 
 
 class Target(NamedTuple):
@@ -109,7 +101,7 @@ async def call(pool: ConnectionPool, target: Target, path: str, body: bytes, tim
             resp.release()
 
 
-async def prefill(
+async def post_json(
     pool: ConnectionPool, target: Target, path: str, body: bytes, request_id: str, timeout_s: float,
     trace: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
@@ -167,7 +159,7 @@ async def open_decode(
     return resp
 
 
-async def first_event(resp: Response, target: Target, timeout_s: float) -> Response:
+async def read_first_event(resp: Response, target: Target, timeout_s: float) -> Response:
     """A granted decode answer (see :func:`open_decode`) once its first event came: raises for
     a body that is a refusal (:class:`pd_wire.decode.DecodeRefusal`) as :func:`_check_status`
     does for that status, and for a failure to read it as :func:`open_decode`; else the

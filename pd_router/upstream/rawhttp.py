@@ -57,7 +57,7 @@ class ResponseFailed(UpstreamError):
     pass
 
 
-class Pool(Protocol):
+class IdleConnections(Protocol):
     """Where a connection goes back when its answer was read whole
     (:class:`pd_router.upstream.connections.ConnectionPool`)."""
 
@@ -200,7 +200,7 @@ class Response:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, pool: Pool, origin: Origin) -> None:
+    def __init__(self, pool: IdleConnections, origin: Origin) -> None:
         self.pool = pool
         self.origin = origin
         self.loop = asyncio.get_running_loop()

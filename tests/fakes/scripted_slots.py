@@ -62,7 +62,7 @@ class ScriptedServers:
 
 
 class ScriptedRequest:
-    """A request's decode request (pd_router.slots.pool.DecodeRequest) sent to the scripted servers."""
+    """A request's decode request (a pd_router.slots.queue.SlotClaimant) sent to the scripted servers."""
 
     def __init__(self, servers: ScriptedServers, handoff_id: str, arrived: float, priority: int = 0,
                  share: float = 0.0, tenant: str = "") -> None:

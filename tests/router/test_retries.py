@@ -14,7 +14,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pd_router.request.accept import MAX_BUSY_RETRIES
+from pd_router.request.attempts import MAX_BUSY_RETRIES
 from tests.metrics import metric_sum
 from tests.router.conftest import MODEL
 
