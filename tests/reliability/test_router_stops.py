@@ -37,6 +37,10 @@ MODEL = "fake-model"  # the decode test server's served name
 KV_TIMEOUT = WRITE_TIMEOUT = 2.0
 CLOSED_WITHIN = 5.0  # a closed connection: the decode server sees it go at once
 FILLED_WITHIN = 60.0  # a stopped router's socket buffers filled by a fast engine, then the write timeout
+ANSWER = 1 << 19  # tokens: far more than the socket buffers hold (~12.6k of them here)
+# the engine's pace: the whole answer takes it twice FILLED_WITHIN, so that only the write timeout can
+# free the slot in time (an engine that ends the answer frees it at once, its bytes still unsent)
+PACED = {"step_delay": 2 * FILLED_WITHIN / ANSWER}
 
 
 class Rig:
@@ -122,11 +126,14 @@ def test_a_router_stopped_before_its_first_byte_frees_the_slot_at_the_kv_timeout
     print(f"\nfreed {took:.2f} s after the router stopped (--kv-timeout {KV_TIMEOUT:g})")
 
 
+@pytest.mark.parametrize("rig", [PACED], indirect=True, ids=["paced"])
 def test_a_router_stopped_mid_stream_frees_the_slot_at_the_write_timeout(rig):
-    """A fast engine and an answer far longer than the socket buffers hold: once they are full,
-    the decode server's next write waits for the stopped router, and gives up after the write
-    timeout (long before the answer's end)."""
-    _holding(rig, 1 << 19, first_byte_too=True)
+    """An engine fast enough to fill the socket buffers in seconds and an answer far longer than
+    they hold: once they are full, the decode server's next write waits for the stopped router,
+    and gives up after the write timeout. The engine is paced so that it cannot end the answer
+    first: its worker runs ahead of the writes, and the slot goes back as soon as the engine
+    ended (the stall is then counted at the write timeout, after the slot came back)."""
+    _holding(rig, ANSWER, first_byte_too=True)
     rig.signal(signal.SIGSTOP)
     took = _freed(rig, FILLED_WITHIN)
     assert metric_sum(rig.decode.url, "decode_server_cancelled_total", reason="client_stalled") == 1
