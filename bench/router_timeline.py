@@ -75,7 +75,7 @@ class Recorder:
 
 def _instrument(rec: Recorder) -> None:
     from pd_router.apis import completions
-    from pd_router.request import accept, checks, prefill, relay
+    from pd_router.request import accept, checks, legs, prefill, relay
     from pd_router.slots.pool import SlotPool
     from pd_router.upstream import rawhttp
 
@@ -117,7 +117,7 @@ def _instrument(rec: Recorder) -> None:
     for owner, name, step in (
         (checks, "check_decode_view", "decode view"),
         (SlotPool, "take", "slot"),
-        (relay, "open_slot", "decode request"),
+        (legs, "open_slot", "decode request"),
         (prefill, "handoff", "prefill leg"),
         (prefill, "prefill_body", "prefill body"),
         (prefill, "read_handoff", "handoff check"),

@@ -41,6 +41,9 @@ _REQUEST_ID = re.compile(rb"[\x21-\x7e]+")  # visible ASCII: it goes into header
 
 
 class CompletionHandler:
+    """The completion routes' handler (one per app): each request's validating stage, then its
+    serving (:meth:`_serve`), once per choice of an ``n > 1`` request."""
+
     def __init__(self, state: RouterState) -> None:
         self.state = state
 
@@ -150,6 +153,9 @@ class CompletionHandler:
             task.cancel()
 
     async def _serve(self, ctx: RequestContext, body: dict[str, Any], parsed: OpenAIRequest) -> None:
+        """One request (or one choice): checked into its :class:`~pd_router.request.checks.ValidRequest`
+        (the grammar first, then the model, the model's label set from there on), then served by
+        a prefill server alone or by its attempts."""
         state = self.state
         grammar = await checks.grammar(state, ctx.endpoint, body)
         ctx.model = checks.served_model(state, parsed)

@@ -24,15 +24,19 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
-from pd_router.errors import RouterError, UpstreamRejected
+from pd_router.apis.completions import decode_body
+from pd_router.errors import RouterError, Unavailable, Unreachable, UpstreamRejected
 from pd_router.fleet.backends import DecodeBackend
 from pd_router.request import prefill, relay
 from pd_router.request.context import Attempt, RequestContext
 from pd_router.request.stages import Stage
 from pd_router.slots.fair import Place
 from pd_router.slots.pool import Answer
+from pd_router.upstream import calls
+from pd_wire.decode import FREE_SLOTS_FIELD
 from pd_wire.handoff import HandoffClaim, SlotWait
 
 if TYPE_CHECKING:
@@ -40,6 +44,9 @@ if TYPE_CHECKING:
     from pd_router.upstream.rawhttp import Response
 
 log = logging.getLogger("pd_router.requests")
+# a decode request asking for a free slot without waiting is answered at once by a live server
+# (a round trip): one that says nothing for this long is hung (SIGSTOPped, its loop stuck)
+IMMEDIATE_ANSWER_S = 2.0
 
 
 async def prefill_and_decode(state: RouterState, ctx: RequestContext, attempt: Attempt) -> bool:
@@ -108,7 +115,38 @@ class DecodeRequest:
         with_kv = ctx.resume is not None or ctx.request.with_kv(backend.capabilities)
         claim = HandoffClaim(handoff_id=self.handoff_id, result="with_kv" if with_kv else "posted", wait=wait,
                              progress=True, created=ctx.created or None, resume=ctx.resume)
-        return await relay.open_slot(self.state, ctx, backend, claim.model_dump(exclude_none=True), self.trace)
+        return await open_slot(self.state, ctx, backend, claim.model_dump(exclude_none=True), self.trace)
+
+
+async def open_slot(state: RouterState, ctx: RequestContext, backend: DecodeBackend, claim: dict[str, Any],
+                    trace: Mapping[str, str] | None = None) -> Answer:
+    """A request's decode request holding its slot (``claim``: a ``HandoffClaim``; with ``wait``,
+    it waits in ``backend``'s queue): open once granted (``Answer.opened``), else the status that
+    refused it, the request's own refusal, or no answer (0: unreachable, or silent past its wait:
+    hung). ``trace``: the ``traceparent`` header (of the router's queue span, where the request
+    waits, or of its decode span)."""
+    wait = claim.get("wait")
+    wait_s = wait["wait_s"] if wait else 0.0
+    limit = wait_s + relay.CALL_TIMEOUT_S if wait_s > 0 else IMMEDIATE_ANSWER_S
+    data = decode_body(ctx.raw, ctx.request.body, claim)
+    t0 = perf_counter()
+    try:
+        resp = await calls.open_decode(state.connections, backend.target, ctx.endpoint.path, data, ctx.request_id,
+                                       max(limit, state.settings.decode_timeout), trace, limit)
+    except UpstreamRejected as err:  # a 429 or 409 refuses the slot request; another 4xx, the request itself
+        return Answer(err.status, rtt=perf_counter() - t0, rejected=None if err.status in (409, 429) else err)
+    except Unreachable as err:
+        return Answer(0, rtt=perf_counter() - t0, unreachable=err.message)
+    except Unavailable:  # draining, not ready
+        return Answer(503, rtt=perf_counter() - t0)
+    except RouterError:
+        return Answer(0, rtt=perf_counter() - t0)
+    resp.read_timeout = state.settings.decode_timeout  # granted: from here, a decode answer's timeout
+    try:
+        free = int(resp.headers.get(FREE_SLOTS_FIELD, b"0"))
+    except ValueError:
+        free = 0
+    return Answer(200, rtt=perf_counter() - t0, immediate=wait_s == 0, opened=resp, free=max(0, free))
 
 
 async def post_and_relay(state: RouterState, ctx: RequestContext, attempt: Attempt, params: dict[str, Any]) -> bool:

@@ -1,7 +1,8 @@
-"""The decode leg: the decode request that holds its slot (:func:`open_slot`), and the decode
-server's answer relayed to the client, a JSON body whole or an SSE stream chunk by chunk (after
-the first chunk, from the upstream connection's callback through the request's
-:class:`~pd_http.chunk_writer.ChunkWriter`: no task switch per token), with its TTFT, TPOT and ITL."""
+""":attr:`Stage.DECODE <pd_router.request.stages.Stage>`: the decode server's answer relayed to the
+client, a JSON body whole or an SSE stream chunk by chunk (after the first chunk, from the upstream
+connection's callback through the request's :class:`~pd_http.chunk_writer.ChunkWriter`: no task
+switch per token), with its TTFT, TPOT and ITL; the result posted to a decode request that waits
+for it, and a server the router counts asked after the prefill (:func:`decode`)."""
 
 from __future__ import annotations
 
@@ -20,18 +21,16 @@ from pd_router.errors import (
     Hung,
     Requeue,
     RouterError,
-    Unavailable,
-    Unreachable,
     UpstreamRejected,
 )
 from pd_router.fleet.backends import DecodeBackend
 from pd_router.request import logprobs
 from pd_router.request.context import Attempt, RequestContext
 from pd_router.request.trail import Trail, server_error
-from pd_router.slots.pool import Answer, Slot
+from pd_router.slots.pool import Slot
 from pd_router.upstream import calls
 from pd_router.upstream.rawhttp import ReadTimeout, Response, UpstreamError
-from pd_wire.decode import FREE_SLOTS_FIELD, REQUEST_ID_HEADER, RESULT_PATH, DecodeRefusal
+from pd_wire.decode import REQUEST_ID_HEADER, RESULT_PATH, DecodeRefusal
 
 if TYPE_CHECKING:
     from pd_router.metrics import TokenHistogram
@@ -39,9 +38,6 @@ if TYPE_CHECKING:
 
 _DONE = b"data: [DONE]"
 CALL_TIMEOUT_S = 5.0  # a posted result; the answer of a decode request past its wait in a queue
-# a decode request asking for a free slot without waiting is answered at once by a live server
-# (a round trip): one that says nothing for this long is hung (SIGSTOPped, its loop stuck)
-IMMEDIATE_ANSWER_S = 2.0
 
 
 async def decode(state: RouterState, ctx: RequestContext, attempt: Attempt, kv_params: dict[str, Any],
@@ -52,41 +48,10 @@ async def decode(state: RouterState, ctx: RequestContext, attempt: Attempt, kv_p
     backend = slot.backend
     with _busy_is_requeue(backend):
         resp = await calls.open_decode(state.connections, backend.target, ctx.endpoint.path,
-                                          decode_body(ctx.raw, attempt.body, kv_params), ctx.request_id,
-                                          state.settings.decode_timeout, trace)
+                                       decode_body(ctx.raw, attempt.body, kv_params), ctx.request_id,
+                                       state.settings.decode_timeout, trace)
     # any other failure to open: the caller marks the server down and may fail over
     return await relay(state, ctx, slot, resp)
-
-
-async def open_slot(state: RouterState, ctx: RequestContext, backend: DecodeBackend, claim: dict[str, Any],
-                    trace: Mapping[str, str] | None = None) -> Answer:
-    """A request's decode request holding its slot (``claim``: a ``HandoffClaim``; with ``wait``,
-    it waits in ``backend``'s queue): open once granted (``Answer.opened``), else the status that
-    refused it, the request's own refusal, or no answer (0: unreachable, or silent past its wait:
-    hung). ``trace``: the ``traceparent`` header (of the router's queue span, where the request
-    waits, or of its decode span)."""
-    wait = claim.get("wait")
-    wait_s = wait["wait_s"] if wait else 0.0
-    limit = wait_s + CALL_TIMEOUT_S if wait_s > 0 else IMMEDIATE_ANSWER_S
-    data = decode_body(ctx.raw, ctx.request.body, claim)
-    t0 = perf_counter()
-    try:
-        resp = await calls.open_decode(state.connections, backend.target, ctx.endpoint.path, data, ctx.request_id,
-                                          max(limit, state.settings.decode_timeout), trace, limit)
-    except UpstreamRejected as err:  # a 429 or 409 refuses the slot request; another 4xx, the request itself
-        return Answer(err.status, rtt=perf_counter() - t0, rejected=None if err.status in (409, 429) else err)
-    except Unreachable as err:
-        return Answer(0, rtt=perf_counter() - t0, unreachable=err.message)
-    except Unavailable:  # draining, not ready
-        return Answer(503, rtt=perf_counter() - t0)
-    except RouterError:
-        return Answer(0, rtt=perf_counter() - t0)
-    resp.read_timeout = state.settings.decode_timeout  # granted: from here, a decode answer's timeout
-    try:
-        free = int(resp.headers.get(FREE_SLOTS_FIELD, b"0"))
-    except ValueError:
-        free = 0
-    return Answer(200, rtt=perf_counter() - t0, immediate=wait_s == 0, opened=resp, free=max(0, free))
 
 
 async def post_result(state: RouterState, ctx: RequestContext, slot: Slot, params: dict[str, Any]) -> None:

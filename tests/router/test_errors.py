@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from pd_router.request import relay
+from pd_router.request import legs
 from pd_wire.errors import ErrorBody
 from tests.router.conftest import MODEL
 
@@ -234,7 +234,7 @@ def test_unexpected_failure_is_openai_shaped_and_frees_the_slot(make_rig, monkey
     def broken(*args, **kwargs):
         raise KeyError("simulated bug")
 
-    monkeypatch.setattr(relay, "open_slot", broken)  # on the path before the first byte
+    monkeypatch.setattr(legs, "open_slot", broken)  # on the path before the first byte
     err = _error(httpx.post(rig.url + "/v1/completions", json=COMPLETION, timeout=10), 500, "internal_error")
     assert "simulated bug" not in err["message"] and "request_id=" in err["message"]
     rig.assert_no_leaks()

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from pd_router.request.relay import IMMEDIATE_ANSWER_S
+from pd_router.request.legs import IMMEDIATE_ANSWER_S
 from tests.router.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(120)
