@@ -491,10 +491,13 @@ class Job:
 
     async def _next_delta(self, renderer: Any) -> Delta:
         """The next delta to send: a step's tokens through the text half of the processing; a
-        replayed output (a resumed sequence's) goes to ``renderer`` on the way, unsent."""
+        replayed output (a resumed sequence's) goes to ``renderer`` on the way, unsent. Once the
+        job is aborted, what its worker posted before is dropped, not rendered: a client that
+        stopped reading may have left thousands of steps queued behind its writes, and rendering
+        them would hold the loop (and the slot) for nothing."""
         while True:
             item = await self._queue.get()
-            if item is _ABORTED:
+            if item is _ABORTED or self.abort_reason is not None:
                 raise Cancelled(f"request {self.request_id!r} was cancelled ({self.abort_reason})")
             if isinstance(item, ApiError):
                 raise item
