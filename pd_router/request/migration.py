@@ -84,7 +84,7 @@ async def prompt_ids(state: RouterState, ctx: RequestContext) -> list[int]:
     if backend is None:
         raise NoHealthyBackend(f"no healthy prefill server for model {ctx.model!r}")
     answer = await calls.post_json(state.connections, backend.target, TOKENIZE_PATH, json.dumps(payload).encode(),
-                                    f"{ctx.request_id[:240]}~tok", state.settings.prefill_timeout)
+                                   f"{ctx.request_id[:240]}~tok", state.settings.prefill_timeout)
     tokens = answer.get("tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
         raise BadUpstream(f"prefill server {backend.url} answered /tokenize without token ids")

@@ -105,7 +105,7 @@ async def plain(state: RouterState, ctx: RequestContext, data: bytes, request_id
     backend.sent()
     try:
         return await calls.post_json(state.connections, backend.target, ctx.endpoint.path, data, request_id,
-                                      state.settings.prefill_timeout)
+                                     state.settings.prefill_timeout)
     finally:
         backend.in_flight -= 1
 
@@ -148,7 +148,7 @@ async def post(state: RouterState, ctx: RequestContext, data: bytes, path: str, 
             backend.sent()
             try:
                 answer = await calls.post_json(state.connections, backend.target, path, data,
-                                                ctx.request_id, state.settings.prefill_timeout, trace)
+                                               ctx.request_id, state.settings.prefill_timeout, trace)
                 break
             except Unreachable as err:
                 state.upstream_failed("prefill", backend, err, mark_down=True)

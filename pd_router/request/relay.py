@@ -63,7 +63,7 @@ async def post_result(state: RouterState, ctx: RequestContext, slot: Slot, param
     target = slot.backend.target
     try:
         await calls.call(state.connections, target, RESULT_PATH, json.dumps(params).encode(), CALL_TIMEOUT_S,
-                            {REQUEST_ID_HEADER: ctx.request_id})
+                         {REQUEST_ID_HEADER: ctx.request_id})
     except (ReadTimeout, TimeoutError):
         raise Hung(f"decode server {target.origin} did not answer within {CALL_TIMEOUT_S:g}s (posting the result): "
                    "stopped or cut off") from None
@@ -149,7 +149,7 @@ def _unrefused(state: RouterState, backend: DecodeBackend, trail: Trail, data: b
     if refusal is None:
         return data
     err = calls.status_error("decode", backend.target, refusal.status, refusal.error_body(),
-                                b"application/json")
+                             b"application/json")
     if refusal.status >= 500 and trail.steps:
         state.upstream_failed("decode", backend, err)
         raise DecodeLost(err, "error_event", backend.url)

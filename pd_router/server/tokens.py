@@ -40,6 +40,6 @@ async def forward(state: RouterState, path: str, raw: bytes) -> dict[str, Any]:
     backend.in_flight += 1
     try:
         return await calls.post_json(state.connections, backend.target, path, raw, f"tok-{uuid.uuid4().hex}",
-                                      TIMEOUT_S)
+                                     TIMEOUT_S)
     finally:
         backend.in_flight -= 1
