@@ -1,8 +1,9 @@
 """``n > 1`` and a completion's list of prompts: one PD request per choice, one answer.
 
 A KV handoff carries one sequence, so a request for several choices runs as one request per
-choice through the usual path (the handler's ``serve_one``: each takes its own decode slot,
-runs its own prefill and decode, and gives its slot back whatever happens). The choices of
+choice through the usual path (``serve_one``: the edge's
+:meth:`~pd_router.request.accept.CompletionHandler._serve`; each takes its own decode slot, runs
+its own prefill and decode, and gives its slot back whatever happens). The choices of
 a completion whose ``prompt`` is a list of prompts (strings or token-id lists) times ``n``
 are indexed as vLLM indexes them: prompt p's sample s is choice ``p * n + s``. Each choice's
 request has its one prompt, no ``n`` and, when the client set a ``seed``, ``seed + s`` (as

@@ -1,16 +1,17 @@
-"""The decode request first, then the prefill, the first token with the KV.
+"""An attempt's legs: the decode request first, then the prefill, the first token with the KV.
 
-An attempt's decode request (:class:`DecodeRequest`, its body a ``HandoffClaim``) goes to a
-decode server of ours before anything else and holds its slot: the server answers 200 once the slot is the
-request's (the pool, :mod:`pd_router.slots.pool`, hands the handler that open answer). The prefill
-goes out on that 200. When the decode needs nothing of vLLM's answer
+An attempt's decode request (:class:`DecodeRequest`, its ``kv_transfer_params`` a
+``HandoffClaim``, sent by :func:`open_slot`) goes to a decode server of ours before anything
+else and holds its slot: the server answers 200 once the slot is the request's (the pool,
+:mod:`pd_router.slots.pool`, hands the attempt that open answer). The prefill goes out on that
+200. When the decode needs nothing of vLLM's answer
 (:meth:`pd_router.request.checks.ValidRequest.with_kv`), the prefill asks the connector to send
-its result (the first token) to the decode server over the KV channel (``HandoffTarget.result_with_kv``): the
-decode server's first event comes once the KV and the first token landed, and goes to the
-client at once. vLLM's answer is read beside it, for the handoff's failures (which it
-classifies: busy, too long, cancelled, failed) and the prompt's length, never waited for before
-the first token. Otherwise the router posts the result it read from vLLM's answer
-(:func:`post_and_relay`).
+its result (the first token) to the decode server over the KV channel
+(``HandoffTarget.result_with_kv``): the decode server's first event comes once the KV and the
+first token landed, and goes to the client at once. vLLM's answer is read beside it, for the
+handoff's failures (which it classifies: busy, too long, cancelled, failed) and the prompt's
+length, never waited for before the first token. Otherwise the router posts the result it read
+from vLLM's answer (:func:`post_and_relay`).
 
 Whatever ends first, nothing is left behind: a failed prefill closes the decode request (the
 decode server frees what it held for it), a decode that failed before its first byte waits for

@@ -3,7 +3,7 @@
 The decode server of ours reports the output tokens of every write (its progress lines,
 :mod:`pd_router.request.trail`), so the router knows, at any moment, the tokens whose text the client
 has. When that server is lost (:class:`~pd_router.errors.DecodeLost`: its connection lost or
-reset, no token for ``--stall-timeout``, an error event of its own failure), the handler runs
+reset, no token for ``--stall-timeout``, an error event of its own failure), the attempts run
 the request again as a *resumed* attempt (docs/reliability.md, "A decode server lost
 mid-answer"):
 

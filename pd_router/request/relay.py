@@ -174,7 +174,7 @@ async def relay_stream(state: RouterState, ctx: RequestContext, resp: Response, 
     """Relay the SSE stream. The response starts with the decode server's first chunk, so
     that a server failing before it costs the client nothing but a failover; a failure
     after it marks the server down at once and ends the stream with an error event, or, for
-    an answer with a ``trail``, raises :class:`DecodeLost` (the handler may resume it
+    an answer with a ``trail``, raises :class:`DecodeLost` (its attempts may resume it
     elsewhere; a resumed answer's stream goes on here without a second start).
     After the first chunk, each chunk goes to the client from the upstream connection's
     callback through the request's :class:`ChunkWriter` where the server gives one (no

@@ -2,7 +2,7 @@
 
 A decode server of ours holds a slot for a request's decode request itself: the decode request
 goes first, the server answers 200 once the slot is the request's, at once or after a wait in
-its queue, and the prefill goes out on that 200. :meth:`SlotPool.take` hands the handler a
+its queue, and the prefill goes out on that 200. :meth:`SlotPool.take` hands the attempt a
 :class:`~pd_router.slots.queue.Slot`, the open decode answer, or an error:
 
 1. a server this router counts free, nobody waiting here: the request's decode request without
