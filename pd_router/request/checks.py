@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pd_grammar.spec import GrammarSpec, asks_for_grammar
 from pd_router.apis.completions import structured_output
 from pd_router.errors import InvalidRequest, ModelNotFound, NoHealthyBackend
+from pd_router.request.logprobs import echoes_logprobs
 from pd_wire.decode import DecodeCapabilities
 from pd_wire.requests import (
     CompletionRequest,
@@ -43,7 +44,6 @@ class ValidRequest:
     grammar: GrammarSpec | None
     served_by_prefill: bool  # a prefill server answers it alone (:func:`served_by_prefill`)
     echoes_logprobs: bool  # a completion echoing its prompt with logprobs (pd_router.request.logprobs)
-    merged: bool  # the router merges prefill's ``prompt_logprobs`` or the echoed prompt into the answer
 
     def prefill_fields(self, capabilities: DecodeCapabilities | None) -> dict[str, Any]:
         return prefill_fields(self.parsed, capabilities)
@@ -86,10 +86,7 @@ def validate(state: RouterState, endpoint: Endpoint, body: dict[str, Any], parse
     if not alone:
         check_decode_view(endpoint, body, parsed)
         check_context(parsed, (b.capabilities for b in state.backends.decode if b.serves(model)))
-    return ValidRequest(endpoint, body, parsed, model, grammar, alone,
-                        echoes_logprobs=endpoint is Endpoint.COMPLETIONS and bool(body.get("echo"))
-                        and body.get("logprobs") is not None,
-                        merged=body.get("prompt_logprobs") is not None or bool(body.get("echo")))
+    return ValidRequest(endpoint, body, parsed, model, grammar, alone, echoes_logprobs(endpoint, body))
 
 
 def _invalid(refusal: Refusal) -> InvalidRequest:
