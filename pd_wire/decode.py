@@ -93,6 +93,10 @@ class DecodeCapabilities(BaseModel):
     share_clock: dict[int, float] = Field(default_factory=dict, description="per priority class, the largest "
                                           "fair-share tag this server granted a slot to (SlotWait.share): the "
                                           "routers' common virtual clock")
+    kept: list[str] = Field(default_factory=list, max_length=1024, description="the conversation keys "
+                            "(pd_wire.handoff.KeepKey.conversation) of the sequences whose KV this server keeps "
+                            "in its free slots, at most one per slot: a request continuing one of them reuses "
+                            "its KV there")
 
 
 # ---- slots ----------------------------------------------------------------------------------

@@ -108,6 +108,28 @@ def advance_share_clock(clock: dict[int, float], priority: int, share: float) ->
             del clock[next(iter(clock))]
 
 
+KEY_PATTERN = r"^[0-9a-f]{32}$"  # a 128-bit key as 32 lowercase hex digits
+
+
+class KeepKey(BaseModel):
+    """What a decode request says about the KV its decode server may keep after its answer and
+    reuse for the next turn of the same conversation (docs/kv_reuse.md). Both keys are the
+    router's, opaque to the decode server, which only compares them for equality: ``scope`` is
+    whose KV it is (the tenant and ``cache_salt``), ``conversation`` what it is (the conversation
+    so far, as the router sees it: its messages, or its prompt's text or token ids, in blocks).
+    A kept sequence serves only a request of the same ``scope``; the match itself is settled on
+    token ids by the KV channel (``connector.protocol.Admit.prefix``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    scope: str = Field(pattern=KEY_PATTERN, description="the router's key of the tenant and cache_salt")
+    conversation: str = Field(pattern=KEY_PATTERN, description="the router's key of the conversation so far: "
+                              "a later turn's request holds it among its prefix keys")
+    continues: str | None = Field(default=None, pattern=KEY_PATTERN, description="the kept conversation key "
+                                  "(DecodeCapabilities.kept) the router chose this server for: the server takes "
+                                  "the free slot keeping it, when one does")
+
+
 class ResumeFrom(BaseModel):
     """A decode request that continues a sequence cut on another decode server (a migration):
     its KV is the prompt's and ``output_token_ids``' (prefilled again), and its answer goes on
@@ -153,6 +175,9 @@ class HandoffClaim(BaseModel):
     created: int | None = Field(default=None, ge=0, description="the answer's ``created`` (the caller's, so "
                                 "that a migrated answer keeps it); None: the server's clock")
     resume: ResumeFrom | None = None
+    keep: KeepKey | None = Field(default=None, description="keep this sequence's KV after a clean end, for the "
+                                 "conversation's next turn, and reuse a kept one of the same scope now; None: "
+                                 "neither")
 
 
 class HandoffResult(BaseModel):
