@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from connector.control import ABORT_TIMEOUT_S, ControlClient
 from connector.kv_errors import ControlChannelError
+from connector.prefix import NO_PREFIX, Prefix
 from connector.protocol import (
     Abort,
     Admit,
@@ -58,6 +59,7 @@ class Admission:
     offsets: tuple[tuple[int, ...], ...] | None = None
     reason: FailureReason | None = None
     error: str | None = None
+    reused: int = 0  # the prompt's leading tokens the decode server keeps: not written
 
     @property
     def ok(self) -> bool:
@@ -67,7 +69,7 @@ class Admission:
 class Admissions(Protocol):
     """What :class:`connector.scheduler.ConnectorScheduler` uses (a fake in unit tests)."""
 
-    def start(self, handoff_id: str, endpoint: str, num_tokens: int) -> None: ...
+    def start(self, handoff_id: str, endpoint: str, num_tokens: int, prefix: Prefix = NO_PREFIX) -> None: ...
 
     def result(self, handoff_id: str) -> Admission | None: ...
 
@@ -98,12 +100,16 @@ class AdmissionClient:
         self._channels: dict[str, _Channel] = {}
         self._closed = False
 
-    def start(self, handoff_id: str, endpoint: str, num_tokens: int) -> None:
+    def start(self, handoff_id: str, endpoint: str, num_tokens: int, prefix: Prefix = NO_PREFIX) -> None:
+        """Ask ``endpoint`` for a slot for this handoff, offering the prompt's ``prefix``
+        (:func:`connector.prefix.split_prompt`: its block hashes and the ids past them) for the
+        decode server to match with the KV it keeps."""
         attempt = uuid.uuid4().hex  # names this try in its Admit and Abort
         with self._lock:
             self._results[handoff_id] = None
             self._attempts[handoff_id] = attempt
-        self._channel(endpoint).put(("admit", handoff_id, (num_tokens, attempt), time.monotonic() + self.timeout_s))
+        self._channel(endpoint).put(("admit", handoff_id, ((num_tokens, prefix), attempt),
+                                     time.monotonic() + self.timeout_s))
 
     def result(self, handoff_id: str) -> Admission | None:
         with self._lock:
@@ -191,7 +197,8 @@ class _Channel:
             kind, handoff_id, (arg, attempt), deadline = item
             try:
                 if kind == "admit":
-                    self.owner._settle(self._admit(handoff_id, int(arg), attempt, deadline))
+                    num_tokens, prefix = arg
+                    self.owner._settle(self._admit(handoff_id, num_tokens, prefix, attempt, deadline))
                 elif kind == "prefilled":
                     self._prefilled(arg, attempt, deadline)
                 else:
@@ -202,8 +209,10 @@ class _Channel:
                     self.owner._settle(Admission(handoff_id, reason="internal",
                                                  error=f"{type(exc).__name__}: {exc}"))
 
-    def _admit(self, handoff_id: str, num_tokens: int, attempt: str, deadline: float) -> Admission:
-        admit = Admit(handoff_id=handoff_id, num_tokens=num_tokens, attempt=attempt)
+    def _admit(self, handoff_id: str, num_tokens: int, prefix: Prefix, attempt: str, deadline: float) -> Admission:
+        hashes, tail = prefix
+        admit = Admit(handoff_id=handoff_id, num_tokens=num_tokens, attempt=attempt, prefix=list(hashes),
+                      tail=list(tail))
         for retry in (False, True):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -232,7 +241,13 @@ class _Channel:
                 self._drop()
                 return Admission(handoff_id, reason="internal",
                                  error=f"{self.endpoint} answered Admit with {reply!r:.200}")
-            return Admission(handoff_id, slot=reply.slot, offsets=tuple(tuple(o) for o in reply.offsets))
+            if reply.reused and (not hashes or reply.reused >= num_tokens):
+                self._drop()
+                return Admission(handoff_id, reason="internal", error=(
+                    f"{self.endpoint} admitted handoff {handoff_id} reusing {reply.reused} of its {num_tokens} tokens, "
+                    f"{'none offered' if not hashes else 'not below the prompt length'}"))
+            return Admission(handoff_id, slot=reply.slot, offsets=tuple(tuple(o) for o in reply.offsets),
+                             reused=reply.reused)
         raise AssertionError("unreachable")
 
     def _abort(self, handoff_id: str, reason: str, attempt: str, deadline: float) -> None:

@@ -70,11 +70,14 @@ class OutgoingHandoff:
     (or :meth:`KVSender.begin`)."""
 
     def __init__(self, pool: StagingPool, peer: Peer, handoff_id: str, offsets: list[list[int]],
-                 num_tokens: int, staging: int, deadline: float) -> None:
+                 num_tokens: int, staging: int, deadline: float, reused: int = 0) -> None:
         self._pool = pool
         self.peer = peer
         self.handoff_id = handoff_id
         self.num_tokens = num_tokens
+        # the leading tokens the decode server keeps (Admitted.reused): every plane's bytes for
+        # them are left out of the WRITEs (a whole number of pages of a paged plane)
+        self.reused = reused
         self.offsets = offsets
         self.deadline = deadline  # time.monotonic(): not fully written by then -> aborted
         self._t_last_post = 0.0
@@ -140,8 +143,9 @@ class OutgoingHandoff:
 
     @property
     def nbytes(self) -> int:
-        """The KV bytes this handoff writes (every layer of this rank)."""
-        return len(self._layers) * self._pool.layout.bytes_per_layer(self.num_tokens)
+        """The KV bytes this handoff writes (every layer of this rank, past the reused tokens)."""
+        layout = self._pool.layout
+        return len(self._layers) * (layout.bytes_per_layer(self.num_tokens) - layout.bytes_per_layer(self.reused))
 
     def progress(self) -> str:
         return f"{len(self._sent)}/{len(self._layers)} layers sent, {len(self._posted)} posted"
@@ -149,15 +153,18 @@ class OutgoingHandoff:
     # -- sender-lane side -------------------------------------------------------------
 
     def pieces(self, layers: list[int]) -> list[tuple[int, int, int]]:
-        """The ``(local, remote, nbytes)`` pieces of one WRITE of these layers."""
+        """The ``(local, remote, nbytes)`` pieces of one WRITE of these layers: each plane past
+        its reused tokens."""
         base_local = self._pool.staging_region.addr
         base_remote = self.peer.region.addr
-        sizes = [p.nbytes(self.num_tokens) for p in self._pool.layout.planes]
+        planes = self._pool.layout.planes
+        sizes = [p.nbytes(self.num_tokens) for p in planes]
+        skips = [p.nbytes(self.reused) for p in planes]
         pieces = []
         for layer in layers:
             local, _ = self._local_span(layer)
-            for offset, size in zip(self.offsets[layer], sizes):
-                pieces.append((base_local + local, base_remote + offset, size))
+            for offset, size, skip in zip(self.offsets[layer], sizes, skips):
+                pieces.append((base_local + local + skip, base_remote + offset + skip, size - skip))
                 local += size
         return pieces
 

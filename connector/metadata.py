@@ -47,6 +47,9 @@ class RequestWork(BaseModel):
     # offsets[layer][plane] in the decode server's receive buffer (its Admitted answer),
     # sent with the last step only
     offsets: tuple[tuple[int, ...], ...] | None = None
+    # the prompt's leading tokens the decode server keeps (its Admitted answer): their KV is
+    # not written; sent with the last step only
+    reused: int = Field(default=0, ge=0)
 
     @property
     def last(self) -> bool:

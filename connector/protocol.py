@@ -181,6 +181,12 @@ class Admit(BaseModel):
     # The sender's name for this try: an Abort naming it also cancels an Admit of that try
     # still unread (the sender gave up waiting for the answer, e.g. a stopped decode server).
     attempt: str = Field(default="", max_length=64)
+    # The prompt's token ids as the decode server compares them with the sequence it keeps
+    # (connector/prefix.py): the chained hashes of its full 64-token blocks, and its ids past
+    # them. Empty: the sender offers no prefix (the whole KV is written).
+    prefix: list[Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]] = Field(default_factory=list,
+                                                                           max_length=16384)
+    tail: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=63)
 
 
 class Admitted(BaseModel):
@@ -192,6 +198,9 @@ class Admitted(BaseModel):
     # offsets[layer][plane]: byte offset of that plane of that layer from the start of
     # the receive buffer's first region; each plane holds exactly nbytes(num_tokens).
     offsets: list[list[int]]
+    # The prompt's leading tokens whose KV the decode server keeps (a whole number of the
+    # prefix's blocks, below num_tokens): the sender writes only each plane's bytes past them.
+    reused: int = Field(default=0, ge=0)
 
 
 RefusalReason = Literal["busy", "too_long", "unknown_peer", "duplicate", "cancelled"]

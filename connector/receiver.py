@@ -267,7 +267,8 @@ class KVReceiver:
     def _view(self, h: HandoffState) -> ReceivedKV:
         if self._buffer is None or h.slot is None or not h.views:
             raise ReceiverError(f"handoff {h.handoff_id}: its receive slot is gone (receiver stopped?)")
-        return ReceivedKV(h.handoff_id, h.num_tokens, h.views, h.result)
+        return ReceivedKV(h.handoff_id, h.num_tokens, h.views, h.result, slot=h.slot, reused=h.reused,
+                          prefix=h.prefix, tail=h.tail)
 
     def _free_slot(self, h: HandoffState) -> None:
         if h.slot is not None:
@@ -434,7 +435,7 @@ class KVReceiver:
         h = self._handoffs.get(hid)
         if h is not None:
             if h.state == "admitted" and h.num_tokens == n and h.slot is not None and h.group == group:
-                return Admitted(handoff_id=hid, slot=h.slot, offsets=h.offsets)  # asked again: same answer
+                return Admitted(handoff_id=hid, slot=h.slot, offsets=h.offsets, reused=h.reused)  # asked again
             return Refused(handoff_id=hid, reason="duplicate",
                            message=f"handoff id {hid} is already in use on this decode server")
         if n > self._s.max_tokens:
@@ -454,11 +455,13 @@ class KVReceiver:
         base = slot * self._slot_bytes
         offsets = [[base + layer * layer_bytes + p for p in planes] for layer in range(self._layout.num_layers)]
         views = packed_layers_views(self._buffer[base:], self._layout, n, self._layout.num_layers)
-        self._handoffs[hid] = HandoffState(hid, slot, n, offsets, group=group, attempt=admit.attempt, views=views)
+        reused = self._slots.reuse(hid, slot, admit.prefix, n) if admit.prefix else 0
+        self._handoffs[hid] = HandoffState(hid, slot, n, offsets, group=group, attempt=admit.attempt, views=views,
+                                           reused=reused, prefix=tuple(admit.prefix), tail=tuple(admit.tail))
         if self._pump is not None:
             self._pump.wake()
         await self._notify_all()
-        return Admitted(handoff_id=hid, slot=slot, offsets=offsets)
+        return Admitted(handoff_id=hid, slot=slot, offsets=offsets, reused=reused)
 
     def _room_for_a_peer(self) -> bool:
         """Whether a new sender agent may be remembered: forgets agents without a live connection
@@ -521,10 +524,19 @@ class KVReceiver:
                 self.stats.handoff_took(now - h.since)
                 h.state, h.since = "complete", now
                 self.stats.completed += 1
-                self.stats.bytes_received += self._layout.bytes_per_layer(h.num_tokens) * self._layout.num_layers
+                self._count_completed(h)
                 changed = True
         if changed:
             await self._notify_all()
+
+    def _count_completed(self, h: HandoffState) -> None:
+        layers, layout, stats = self._layout.num_layers, self._layout, self.stats
+        stats.bytes_received += (layout.bytes_per_layer(h.num_tokens) - layout.bytes_per_layer(h.reused)) * layers
+        stats.pushed_tokens += h.num_tokens - h.reused
+        if h.reused:
+            stats.reused_tokens += h.reused
+            stats.reused_handoffs += 1
+            stats.bytes_reused += layout.bytes_per_layer(h.reused) * layers
 
     async def _reap_unclaimed(self) -> None:
         period = min(1.0, self._s.unclaimed_timeout_s / 4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,6 +30,12 @@ class SlotSource(Protocol):
 
     def give(self, handoff_id: str, slot: int) -> None: ...
 
+    def reuse(self, handoff_id: str, slot: int, prefix: Sequence[str], num_tokens: int) -> int:
+        """The leading tokens of this handoff's prompt (its block hashes ``prefix``,
+        :mod:`connector.prefix`) whose KV the slot keeps from its last sequence, usable by this
+        handoff: the sender writes only the KV past them. 0: none."""
+        ...
+
 
 class FreeSlots:
     """Slots first come, first served (a receiver on its own)."""
@@ -42,13 +49,25 @@ class FreeSlots:
     def give(self, handoff_id: str, slot: int) -> None:
         self._free.append(slot)
 
+    def reuse(self, handoff_id: str, slot: int, prefix: Sequence[str], num_tokens: int) -> int:
+        return 0  # a receiver on its own keeps nothing
+
 
 @dataclass
 class ReceivedKV:
+    """A handoff's KV in its receive slot: ``layers`` are views of ``num_tokens`` tokens, whose
+    first ``reused`` the sender did not write (the engine keeps them from the slot's last
+    sequence); ``prefix`` and ``tail`` are the prompt's ids as its Admit offered them
+    (:func:`connector.prefix.split_prompt`), which the decode server keeps with the KV."""
+
     handoff_id: str
     num_tokens: int
     layers: list[dict[str, torch.Tensor]]
     result: HandoffResult | None = None  # the prefill's result, when it came with the KV (Prefilled)
+    slot: int = 0
+    reused: int = 0
+    prefix: tuple[str, ...] = ()
+    tail: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,6 +119,12 @@ class ReceiverStats:
     completed: int = 0  # handoffs whose every layer arrived
     failed: int = 0  # admitted handoffs that failed (timed out, aborted, sender gone, released early)
     bytes_received: int = 0  # KV bytes of the completed handoffs
+    # tokens of the completed handoffs whose KV was written, and those the slot kept (not
+    # written); the handoffs that reused some, and the KV bytes they did not move
+    pushed_tokens: int = 0
+    reused_tokens: int = 0
+    reused_handoffs: int = 0
+    bytes_reused: int = 0
     prefilled: int = 0  # handoff results (first tokens) that came with the KV (Prefilled) and were kept
     # admission to its last layer's notification, of each completed handoff: a histogram's
     # counts per bound of HANDOFF_BUCKETS (not cumulative; the last one past every bound)
@@ -133,3 +158,6 @@ class HandoffState:
     # last notification to wait_for returning)
     views: list[dict[str, torch.Tensor]] = field(default_factory=list)
     result: HandoffResult | None = None  # from the sender's Prefilled
+    reused: int = 0  # leading tokens the slot keeps (Admitted.reused): not written
+    prefix: tuple[str, ...] = ()  # the Admit's block hashes of the prompt
+    tail: tuple[int, ...] = ()  # and its ids past them

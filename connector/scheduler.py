@@ -49,9 +49,12 @@ from pydantic import ValidationError
 
 from connector.admission import Admission, Admissions
 from connector.metadata import ReportInbox, RequestWork, SendReport, StepPlan
+from connector.prefix import NO_PREFIX, PREFIX_BLOCK_TOKENS, split_prompt
 from pd_wire.handoff import FailureReason, HandoffResult, HandoffStatus, HandoffTarget
 
 log = logging.getLogger(__name__)
+# the longest prompt whose prefix an Admit offers (Admit.prefix holds at most 16384 block hashes)
+MAX_PREFIX_TOKENS = 16384 * PREFIX_BLOCK_TOKENS
 
 
 class ReportSource(Protocol):
@@ -123,7 +126,9 @@ class ConnectorScheduler:
             tracked.reason = "rejected"
             log.warning("request %s: %s", request.request_id, tracked.error)
             return
-        self._admissions.start(target.handoff_id, target.kv_endpoint, tracked.num_tokens)
+        ids = request.prompt_token_ids[:tracked.num_tokens]
+        prefix = split_prompt(ids) if len(ids) <= MAX_PREFIX_TOKENS else NO_PREFIX
+        self._admissions.start(target.handoff_id, target.kv_endpoint, tracked.num_tokens, prefix)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Producer only: nothing is ever loaded. ``None`` (schedule it later) while the
@@ -281,6 +286,7 @@ class ConnectorScheduler:
             start=start,
             end=end,
             offsets=tracked.admission.offsets if tracked.completed else None,
+            reused=tracked.admission.reused if tracked.completed else 0,
         )
 
     def _collect_reports(self) -> None:

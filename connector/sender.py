@@ -36,6 +36,7 @@ from connector.handoff import OutgoingHandoff, Peer
 from connector.kv_errors import AdmissionRefused, ControlChannelError, HandshakeRejected, TransportError
 from connector.lanes import LaneQueue
 from connector.layout import KVLayout, SenderPlan, layout_fingerprint
+from connector.prefix import NO_PREFIX, PREFIX_BLOCK_TOKENS, Prefix
 from connector.protocol import (
     Abort,
     Admit,
@@ -234,12 +235,13 @@ class KVSender:
     # ----------------------------------------------------------------- handoffs
 
     def open(self, endpoint: str, handoff_id: str, num_tokens: int, offsets: list[list[int]] | tuple,
-             deadline: float) -> OutgoingHandoff | None:
+             deadline: float, reused: int = 0) -> OutgoingHandoff | None:
         """The handoff of a slot admitted elsewhere (the connector's scheduler side), or None
         when it cannot start yet (no staging buffer free, or ``endpoint`` not handshaken: a
         handshake starts in the background; if that fails, the next ``open`` for the
         endpoint raises :class:`ControlChannelError`). Never waits. ``deadline``
-        (``time.monotonic``): not fully written by then, the handoff is aborted."""
+        (``time.monotonic``): not fully written by then, the handoff is aborted. ``reused``: the
+        prompt's leading tokens the decode server keeps (``Admitted.reused``): not written."""
         self._check_open(handoff_id, num_tokens)
         peer = self._ready_peer(endpoint)
         if peer is None:
@@ -253,18 +255,20 @@ class KVSender:
             if not self._free_staging:
                 return None
             slot = self._free_staging.pop(0)
-        return self._start(peer, handoff_id, num_tokens, offsets, slot, deadline)
+        return self._start(peer, handoff_id, num_tokens, offsets, slot, deadline, reused)
 
     def begin(self, endpoint: str, handoff_id: str, num_tokens: int, timeout: float,
-              transfer_timeout: float = 30.0) -> OutgoingHandoff:
-        """Admit the handoff over this sender's own control connection, then open it
-        (blocking, up to ``timeout``); for callers outside vLLM."""
+              transfer_timeout: float = 30.0, prefix: Prefix = NO_PREFIX) -> OutgoingHandoff:
+        """Admit the handoff over this sender's own control connection, offering ``prefix``
+        (:func:`connector.prefix.split_prompt` of the prompt's ids), then open it (blocking, up
+        to ``timeout``); for callers outside vLLM."""
         self._check_open(handoff_id, num_tokens)
         deadline = time.monotonic() + timeout
         peer = self._peer(endpoint, timeout)
         slot = self._take_staging(handoff_id, deadline)
         try:
-            admit = Admit(handoff_id=handoff_id, num_tokens=num_tokens, rank=self.plan.rank)
+            admit = Admit(handoff_id=handoff_id, num_tokens=num_tokens, rank=self.plan.rank, prefix=list(prefix[0]),
+                          tail=list(prefix[1]))
             try:
                 reply = peer.client.request(admit, max(0.01, deadline - time.monotonic()))
             except ControlChannelError:  # a cached connection went stale: handshake again once
@@ -277,7 +281,8 @@ class KVSender:
         except BaseException:
             self.release_staging(slot)
             raise
-        return self._start(peer, handoff_id, num_tokens, reply.offsets, slot, time.monotonic() + transfer_timeout)
+        return self._start(peer, handoff_id, num_tokens, reply.offsets, slot, time.monotonic() + transfer_timeout,
+                           reply.reused)
 
     def _check_open(self, handoff_id: str, num_tokens: int) -> None:
         if self._closed:
@@ -287,13 +292,17 @@ class KVSender:
                                    f"exceed this prefill's KV staging size max_tokens={self.max_tokens}")
 
     def _start(self, peer: Peer, handoff_id: str, num_tokens: int, offsets: list[list[int]] | tuple, slot: int,
-               deadline: float) -> OutgoingHandoff:
+               deadline: float, reused: int = 0) -> OutgoingHandoff:
         try:
             self._check_offsets(peer, offsets, num_tokens)
+            if not 0 <= reused < num_tokens or reused % PREFIX_BLOCK_TOKENS:
+                raise ControlChannelError(f"{peer.endpoint}: admitted reuse of {reused} tokens is not a whole number "
+                                          f"of {PREFIX_BLOCK_TOKENS}-token blocks below the prompt's {num_tokens}")
         except BaseException:
             self.release_staging(slot)
             raise
-        handoff = OutgoingHandoff(self, peer, handoff_id, [list(o) for o in offsets], num_tokens, slot, deadline)
+        handoff = OutgoingHandoff(self, peer, handoff_id, [list(o) for o in offsets], num_tokens, slot, deadline,
+                                  reused)
         if handoff.status() == "pending":
             with self._active_lock:
                 self._active[handoff_id] = handoff

@@ -86,7 +86,7 @@ class Sender(Protocol):
     def connect(self, endpoint: str, timeout: float) -> None: ...
 
     def open(self, endpoint: str, handoff_id: str, num_tokens: int, offsets: Any,
-             deadline: float) -> Handoff | None: ...
+             deadline: float, reused: int = 0) -> Handoff | None: ...
 
     def close(self) -> None: ...
 
@@ -348,7 +348,7 @@ class ConnectorWorker:
             return
         try:
             send.handoff = self._sender.open(work.kv_endpoint, work.handoff_id, work.num_tokens, work.offsets,
-                                             send.deadline)
+                                             send.deadline, work.reused)
         except AdmissionRefused as exc:
             self._fail(send, f"{type(exc).__name__}: {exc}", "too_long" if exc.reason == "too_long" else "internal")
         except ControlChannelError as exc:

@@ -61,7 +61,7 @@ def app_config(settings: DecodeServerSettings) -> AppConfig:
                      tool_call_parser=settings.tool_call_parser != "none", api_key=settings.api_key(),
                      schema_limits=SchemaLimits(max_bytes=settings.max_schema_bytes,
                                                 max_depth=settings.max_schema_depth),
-                     json_whitespace=settings.json_whitespace, freeze_heap=True)
+                     json_whitespace=settings.json_whitespace, freeze_heap=True, keep_kv=settings.keep_kv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

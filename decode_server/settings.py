@@ -91,6 +91,11 @@ class DecodeServerSettings(EntrySettings):
         True, description="reference engine: attention over the cache as a compiled loop (numba; "
         "decode_server/reference/latent_kernel.py) where it applies (numba installed, a float32 model on the CPU): "
         "1.1-1.5x faster decode; --no-attention-kernel: PyTorch's products")
+    keep_kv: bool = Field(
+        True, description="keep a cleanly ended answer's KV (prompt and answer) in its slot until the slot is "
+        "needed, so that the conversation's next turn moves only its new tokens' KV (docs/kv_reuse.md); where the "
+        "engine supports it (the reference engine in this process); --no-keep-kv: every handoff moves the whole "
+        "prompt's KV")
     engine_process: bool = Field(
         False, description="run the engine in a process of its own, which steps each sequence back to back while "
         "this one serves HTTP (the two never wait for one interpreter lock; vLLM's EngineCore process); default: "

@@ -108,6 +108,9 @@ class EngineCapabilities:
     max_seq_len: int
     num_mtp: int
     features: EngineFeatures  # what the decode server advertises and checks requests against
+    # a session may start from the KV its slot's last session left (ReceivedKV.reused): the
+    # engine keeps each slot's KV after a session and copies only the received rows past it
+    keeps_kv: bool = False
 
 
 @dataclass
@@ -147,6 +150,12 @@ class DecodeSession(ABC):
     @property
     def stats(self) -> SpecStats:
         return self._stats
+
+    @property
+    def kept_tokens(self) -> int:
+        """The positions whose KV the engine holds valid for this sequence (the prompt's and the
+        output tokens it ran so far): what its slot keeps after it. 0: it keeps nothing."""
+        return 0
 
 
 class Engine(ABC):

@@ -54,7 +54,7 @@ DEFAULT_THREADS = 1  # PyTorch intra-op threads of a process decoding with this 
 
 class ReferenceSession(DecodeSession):
     def __init__(self, decoder: Decoder, caches: torch.Tensor, num_prompt_tokens: int, first_token_id: int,
-                 params: SamplingParams, num_mtp: int, capacity: int, release: Callable[[], None],
+                 params: SamplingParams, num_mtp: int, capacity: int, release: Callable[[int], None],
                  last_prompt_token_id: int = 0) -> None:
         self._decoder = decoder
         self._caches = list(caches)  # per layer [rows, 576]: main layers, then the MTP layer when drafting
@@ -112,13 +112,19 @@ class ReferenceSession(DecodeSession):
         """Position of the pending (last emitted) token."""
         return self._len
 
+    @property
+    def kept_tokens(self) -> int:
+        """Every position before the pending token: their main and MTP rows are this
+        sequence's (a rejected draft's rows lie past them)."""
+        return self._len
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._caches = []
-        self._release()
+        self._release(self._len)
 
     def _check(self) -> None:
         if self._cancel.is_set():
@@ -206,9 +212,11 @@ class ReferenceSession(DecodeSession):
 
 
 class ReferenceEngine(Engine):
-    """``slots`` concurrent sessions, each decoding in its own preallocated KV buffer (one
+    """``slots`` concurrent sessions, each decoding in its slot's preallocated KV buffer (one
     per slot, ``layers x max_seq_len x 576``, allocated lazily by the OS on first touch)
-    into which ``start`` copies the injected KV.
+    into which ``start`` copies the injected KV. A buffer keeps its last session's rows after
+    it closed: a session of the same slot may start from them (``ReceivedKV.reused``: the
+    leading rows not received), copying only the rows past them.
 
     The engine computes in float32, on ``device`` (the CPU in the decode server; a GPU in
     bench/gpu_check.py, which compares the two). ``kv_dtype`` is the dtype of the KV it receives, i.e.
@@ -264,8 +272,12 @@ class ReferenceEngine(Engine):
                  "the compiled loop (numba)" if self._decoder.kernel else "PyTorch's products")
         weight = self._model.lm_head.weight
         layers = cfg.num_hidden_layers + (1 if num_mtp else 0)
-        self._free = [torch.empty(layers, max_seq_len, cfg.kv_width, dtype=weight.dtype, device=weight.device)
-                      for _ in range(slots)]
+        self._buffers = [torch.empty(layers, max_seq_len, cfg.kv_width, dtype=weight.dtype, device=weight.device)
+                         for _ in range(slots)]
+        self._busy: set[int] = set()
+        # per slot: the rows its buffer holds of the last session that ran in it as its own slot
+        # (ReceivedKV.slot), what a session reusing them may start from; 0: nothing of use
+        self._kept_rows = [0] * slots
 
     @property
     def model(self) -> MlaMoeModel:
@@ -274,12 +286,13 @@ class ReferenceEngine(Engine):
     @property
     def busy_slots(self) -> int:
         with self._lock:
-            return self._slots - len(self._free)
+            return len(self._busy)
 
     @property
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(model=self._name, engine="reference", slots=self._slots,
-                                  max_seq_len=self._max_seq_len, num_mtp=self._num_mtp, features=FEATURES)
+                                  max_seq_len=self._max_seq_len, num_mtp=self._num_mtp, features=FEATURES,
+                                  keeps_kv=True)
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -306,25 +319,47 @@ class ReferenceEngine(Engine):
         if self._helper is not None:
             self._helper.shutdown(wait=True, cancel_futures=True)
 
-    def _release(self, buffer: torch.Tensor) -> None:
+    def _release(self, index: int, own: bool, rows: int) -> None:
         with self._lock:
-            self._free.append(buffer)
+            self._busy.discard(index)
+            self._kept_rows[index] = rows if own else 0
+
+    def _take(self, kv: ReceivedKV) -> tuple[int, bool]:
+        """The buffer of the handoff's slot (``own``), or, when that one is busy (KV built
+        outside a decode server's slot table) and nothing is reused, any free one."""
+        with self._lock:
+            index = kv.slot
+            if 0 <= index < self._slots and index not in self._busy:
+                if kv.reused > self._kept_rows[index]:
+                    raise EngineError(f"slot {index} keeps KV for {self._kept_rows[index]} tokens, the handoff "
+                                      f"reuses {kv.reused}")
+                self._busy.add(index)
+                self._kept_rows[index] = kv.reused  # rows past them are rewritten from here on
+                return index, True
+            if kv.reused:
+                raise EngineError(f"the handoff reuses the KV kept in slot {index}, which is not free")
+            free = [i for i in range(self._slots) if i not in self._busy]
+            if not free:
+                raise EngineError(f"all {self._slots} decode slots are busy")
+            self._busy.add(free[-1])
+            self._kept_rows[free[-1]] = 0
+            return free[-1], False
 
     def start(self, kv: ReceivedKV, handoff: HandoffResult, params: SamplingParams) -> ReferenceSession:
+        """A session in the handoff's slot's buffer: the received rows ``[kv.reused, T)`` copied
+        in, the rows before them kept from the slot's last session (``kv.reused`` > 0)."""
         self._validate(kv, handoff)
-        with self._lock:
-            if not self._free:
-                raise EngineError(f"all {self._slots} decode slots are busy")
-            buffer = self._free.pop()
+        index, own = self._take(kv)
+        buffer = self._buffers[index]
         try:
-            t = handoff.num_prompt_tokens
+            t, m = handoff.num_prompt_tokens, kv.reused
             capacity = min(self._max_seq_len, t + max(params.max_tokens, 1) + self._num_mtp + 1)
             with torch.inference_mode():
                 for cache, layer in zip(buffer, kv.layers):  # without MTP decoding, a received MTP layer is left out
-                    cache[:t] = layer["kv"]
+                    cache[m:t] = layer["kv"][m:]
             return ReferenceSession(self._decoder, buffer, t, handoff.first_token_id, params, self._num_mtp,
-                                    capacity, functools.partial(self._release, buffer),
+                                    capacity, functools.partial(self._release, index, own),
                                     handoff.last_prompt_token_id)
         except BaseException:
-            self._release(buffer)
+            self._release(index, own, 0)
             raise

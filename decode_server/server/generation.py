@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from starlette.responses import Response
 
 from connector.kv_errors import HandoffTimeout, ReceiverError, TransferFailed
+from connector.prefix import PREFIX_BLOCK_TOKENS, block_hashes
 from connector.receiver import ReceivedKV
 from decode_server.engine.base import Cancelled as EngineCancelled
 from decode_server.engine.base import DecodeSession, Engine, EngineError, SamplingParams, TokenOut
@@ -43,7 +44,7 @@ from decode_server.server.observe import RequestObservation
 from decode_server.server.request_plan import Plan, with_result
 from decode_server.server.responses import DONE, dumps, renderer_for, sse
 from decode_server.server.sequence import Cut, Delta, SequenceProcessor, TokenLogprob
-from decode_server.server.slots import SlotRefused, SlotTable
+from decode_server.server.slots import Kept, SlotRefused, SlotTable
 from decode_server.server.text import TextTokenizer
 from pd_http.tracing import Span, Tracing, fail
 from pd_wire.decode import progress_line
@@ -125,6 +126,9 @@ class Job:
         # a decode request before its prefill: its 200 goes out once it holds its slot (:mod:`granted`),
         # and no KV comes before (the router prefills on that 200)
         self.claim = isinstance(plan.handoff, HandoffClaim)
+        # the keys of the KV its slot may keep after a clean end, and reuse now (HandoffClaim.keep)
+        self.keep = plan.handoff.keep if isinstance(plan.handoff, HandoffClaim) else None
+        self._output_ids: list[int] = []  # every token the engine gave, in order (the worker's)
         self.arrived = time.monotonic()
         self.abort_reason: str | None = None
         self._aborted = asyncio.Event()
@@ -294,7 +298,12 @@ class Job:
                 session.cancel()
             self._post(_Started())
             span = self.obs.stage_span("generation")
-            self._decode(session, self.plan.result, span)
+            if span is not None:
+                span.set_attributes({"pd.kv.reused_tokens": kv.reused,
+                                     "pd.kv.pushed_tokens": kv.num_tokens - kv.reused})
+            finished = self._decode(session, self.plan.result, span)
+            if finished and self.abort_reason is None:
+                self._keep_kv(kv, session)
         except EngineCancelled:
             pass
         except ApiError as exc:
@@ -321,6 +330,19 @@ class Job:
                 except Exception:
                     log.exception("request %s: session.close failed", self.request_id)
             self._from_worker(self._worker_finished)
+
+    def _keep_kv(self, kv: ReceivedKV, session: DecodeSession) -> None:
+        """After a clean end: what the slot keeps for the conversation's next turn (its keys, the
+        hashes of the token ids whose KV the engine holds valid), handed to the slot table on
+        the loop before the slot is given back. Nothing when the request has no keys, the engine
+        keeps nothing, or the Admit did not offer the whole prompt's ids."""
+        keep, valid = self.keep, session.kept_tokens
+        if keep is None or valid <= 0 or len(kv.prefix) * PREFIX_BLOCK_TOKENS + len(kv.tail) != kv.num_tokens:
+            return
+        ids = [*kv.tail, *self._output_ids][:max(0, valid - len(kv.prefix) * PREFIX_BLOCK_TOKENS)]
+        hashes = (*kv.prefix, *block_hashes(ids, kv.prefix[-1] if kv.prefix else None))
+        kept = Kept(keep.scope, keep.conversation, hashes, min(valid, kv.num_tokens + len(self._output_ids)))
+        self._from_worker(self.ctx.slots.keep, self.plan.handoff_id, kept)
 
     def _sampling(self) -> SamplingParams:
         """The plan's sampling parameters, with a fresh matcher for structured output or a
@@ -356,10 +378,11 @@ class Job:
             log.warning("request %s: engine session still closing after %.1fs", self.request_id,
                         SLOT_RETURN_WAIT_S)
 
-    def _decode(self, session: DecodeSession, handoff: HandoffResult, span: Span | None = None) -> None:
+    def _decode(self, session: DecodeSession, handoff: HandoffResult, span: Span | None = None) -> bool:
         """The worker's loop: a step, its token-level stop conditions, the tokens posted to the
         loop (which detokenizes, matches stop strings and renders beside the next step), the
-        next step. A stop string the loop finds ends the steps (``_stop``)."""
+        next step. A stop string the loop finds ends the steps (``_stop``). True when the
+        sequence finished (a stop condition, not a stop from outside)."""
         plan = self.plan
         resume = plan.resume
         context = resume.context_token_id if resume is not None else handoff.last_prompt_token_id
@@ -369,12 +392,14 @@ class Job:
             replayed = proc.cut([TokenOut(t) for t in resume.output_token_ids])
             self._post(_Replayed(replayed))
             if replayed.finish_reason:  # the output so far had ended the sequence
-                return
+                return False
+        first = session.first_token if session.first_token is not None else TokenOut(handoff.first_token_id)
+        self._output_ids.append(first.token_id)
         if session.first_token is not None:  # the engine chose it (SamplingParams.first_token_here)
             cut = proc.cut([session.first_token])
             self._post(_Stepped(cut))
         else:
-            cut = proc.cut([TokenOut(handoff.first_token_id)])
+            cut = proc.cut([first])
             self._post(_Stepped(cut, first_logprob=plan.first_logprob))
         self.ctx.metrics.first_token(handoff.num_prompt_tokens)
         drafted = accepted = steps = 0
@@ -385,6 +410,7 @@ class Job:
                 dt = time.perf_counter() - t0
                 if not tokens:
                     raise EngineError("the engine step produced no token")
+                self._output_ids.extend(t.token_id for t in tokens)
                 stats = session.stats
                 cut = proc.cut(tokens)
                 self._post(_Stepped(cut, dt, stats.drafted - drafted, stats.accepted - accepted))
@@ -398,6 +424,7 @@ class Job:
                 reason = proc.finish_reason or cut.finish_reason
                 if reason is not None:
                     span.set_attribute("pd.finish_reason", reason)
+        return (proc.finish_reason or cut.finish_reason) is not None
 
     # ---- the response -------------------------------------------------------------------
     async def _first_event(self) -> None:

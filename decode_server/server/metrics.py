@@ -73,7 +73,7 @@ class _ReceiverCollector(Collector):
                                        labels=[*labels, "outcome"])
         handoffs.add_metric([self._model, "complete"], stats.completed)
         handoffs.add_metric([self._model, "failed"], stats.failed)
-        received = CounterMetricFamily("decode_server_kv_received_bytes", "KV bytes of the completed handoffs",
+        received = CounterMetricFamily("decode_server_kv_received_bytes", "KV bytes the completed handoffs wrote",
                                        labels=labels)
         received.add_metric([self._model], stats.bytes_received)
         refusals = CounterMetricFamily("decode_server_kv_refusals", "KV handoffs refused at admission, by reason "
@@ -90,7 +90,19 @@ class _ReceiverCollector(Collector):
         cumulative = list(itertools.accumulate(stats.handoff_counts))
         bounds = [*(f"{b:g}" for b in HANDOFF_BUCKETS), "+Inf"]
         took.add_metric([self._model], list(zip(bounds, cumulative)), stats.handoff_seconds)
-        return [handoffs, received, refusals, prefilled, took]
+        tokens = CounterMetricFamily("decode_server_kv_handoff_tokens", "Prompt tokens of the completed handoffs, "
+                                     "by how their KV came: pushed (written by the prefill) or reused (kept in the "
+                                     "slot from the conversation's last turn, not moved)", labels=[*labels, "kv"])
+        tokens.add_metric([self._model, "pushed"], stats.pushed_tokens)
+        tokens.add_metric([self._model, "reused"], stats.reused_tokens)
+        reusing = CounterMetricFamily("decode_server_kv_reused_handoffs", "Completed handoffs that reused KV kept "
+                                      "in their slot (a share of decode_server_kv_handoffs{outcome=\"complete\"})",
+                                      labels=labels)
+        reusing.add_metric([self._model], stats.reused_handoffs)
+        saved = CounterMetricFamily("decode_server_kv_reused_bytes", "KV bytes the completed handoffs did not move: "
+                                    "their reused tokens' KV, every layer", labels=labels)
+        saved.add_metric([self._model], stats.bytes_reused)
+        return [handoffs, received, refusals, prefilled, took, tokens, reusing, saved]
 
 
 class _SlotCollector(Collector):

@@ -139,6 +139,7 @@ async def capabilities(request: Request) -> Response:
         peers=receiver.peers(),
         features=state.limits.features, sampling_defaults=state.defaults.sampling,
         share_clock=dict(state.slots.share_clock),
+        kept=state.slots.kept(),
     )
     return Response(caps.model_dump_json(), media_type="application/json")
 

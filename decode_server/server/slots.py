@@ -46,12 +46,13 @@ import bisect
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from connector.prefix import matched_tokens
 from decode_server.server.api_errors import ApiError, Busy, Conflict, NotReady
-from pd_wire.handoff import SlotWait, advance_share_clock
+from pd_wire.handoff import KeepKey, SlotWait, advance_share_clock
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class SlotJob(Protocol):
     """What the table knows of the job holding a slot."""
 
     request_id: str
+    keep: KeepKey | None  # its request's keys for the KV its slot keeps (HandoffClaim.keep)
 
     def replaced(self) -> None:
         """A swap took the slot: the job's answer ends."""
@@ -91,12 +93,26 @@ class SlotRefused(Exception):
         return Busy(self.message)
 
 
+@dataclass(frozen=True)
+class Kept:
+    """The sequence whose KV a free slot's engine state holds from the slot's last clean answer:
+    its keys (:class:`pd_wire.handoff.KeepKey`), the hashes of its token ids' full blocks
+    (:mod:`connector.prefix`) and its length (the positions whose KV is valid)."""
+
+    scope: str
+    conversation: str
+    hashes: tuple[str, ...]
+    tokens: int
+
+
 @dataclass(eq=False)
 class _Slot:
     handoff_id: str
     index: int
     holders: set[Holder] = field(default_factory=set)
     job: SlotJob | None = None
+    reusable: Kept | None = None  # what the slot kept that this request may reuse (same scope)
+    keep_after: Kept | None = None  # what it keeps once free (its answer ended cleanly)
 
 
 @dataclass(order=True)
@@ -140,6 +156,10 @@ class SlotTable:
         self._closed = False
         self.grants = 0
         self.refusals: dict[str, int] = {}
+        # slot index -> the sequence its engine state keeps (free slots only); kept only when
+        # the engine can decode from kept KV (keeps_kv)
+        self._kept: dict[int, Kept] = {}
+        self.keeps_kv = False
 
     # ---- what is held -----------------------------------------------------------
     @property
@@ -322,13 +342,35 @@ class SlotTable:
         return False
 
     def close(self) -> None:
-        """Draining: no more decode requests; the waiting ones are refused."""
+        """Draining: no more decode requests; the waiting ones are refused; nothing is kept."""
         self._closed = True
+        self._kept.clear()
         for waiter in list(self._queue):
             if not waiter.future.done():
                 waiter.future.set_exception(self._refuse("closed", "the decode server is draining"))
             log.info("slot request left the queue: %s", waiter.handoff_id)
         self._queue.clear()
+
+    # ---- kept KV ------------------------------------------------------------------------
+    def kept(self) -> list[str]:
+        """The conversation keys of the sequences the free slots keep (capabilities' ``kept``)."""
+        return [kept.conversation for kept in self._kept.values()]
+
+    def reuse(self, handoff_id: str, prefix: Sequence[str], num_tokens: int) -> int:
+        """The leading tokens of the handoff's prompt (block hashes ``prefix``) that its slot
+        keeps from its last sequence, of the same scope: 0 when none."""
+        slot = self._held.get(handoff_id)
+        if slot is None or slot.reusable is None:
+            return 0
+        kept = slot.reusable
+        return matched_tokens(prefix, kept.hashes, kept.tokens, num_tokens)
+
+    def keep(self, handoff_id: str, kept: Kept) -> None:
+        """The job of ``handoff_id`` ended cleanly with ``kept`` in its engine state: the slot
+        keeps it once free (unless the engine cannot decode from kept KV)."""
+        slot = self._held.get(handoff_id)
+        if slot is not None and self.keeps_kv:
+            slot.keep_after = kept
 
     # ---- the KV receiver's hold ----------------------------------------------------
     def take_for_kv(self, handoff_id: str) -> int | None:
@@ -373,12 +415,30 @@ class SlotTable:
         return SlotRefused(reason, message, param)
 
     def _grant(self, handoff_id: str, job: SlotJob | None, holder: Holder = "job") -> _Slot:
-        slot = _Slot(handoff_id, self._free.pop(), {holder}, job)
+        keep = job.keep if job is not None else None
+        slot = _Slot(handoff_id, self._pick_free(keep), {holder}, job)
+        kept = self._kept.pop(slot.index, None)  # the new sequence writes over it (past what it reuses)
+        if kept is not None and keep is not None and kept.scope == keep.scope:
+            slot.reusable = kept
         self._held[handoff_id] = slot
         if job is not None:
             self._requests[job.request_id] = handoff_id
         self._idle.clear()
         return slot
+
+    def _pick_free(self, keep: KeepKey | None) -> int:
+        """A free slot's index: the one keeping the conversation the request continues, else the
+        most recently freed one keeping nothing, else the one whose kept sequence is the oldest."""
+        want = keep.continues if keep is not None else None
+        if want is not None:
+            for i, index in enumerate(self._free):
+                kept = self._kept.get(index)
+                if kept is not None and kept.conversation == want:
+                    return self._free.pop(i)
+        for i in range(len(self._free) - 1, -1, -1):
+            if self._free[i] not in self._kept:
+                return self._free.pop(i)
+        return self._free.pop(0)
 
     def _drop(self, slot: _Slot, holder: Holder) -> None:
         slot.holders.discard(holder)
@@ -387,6 +447,8 @@ class SlotTable:
         if slot.holders or self._held.get(slot.handoff_id) is not slot:
             return
         del self._held[slot.handoff_id]
+        if slot.keep_after is not None and not self._closed:
+            self._kept[slot.index] = slot.keep_after
         self._free.append(slot.index)
         self._dispatch()
         if not self._held:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +82,9 @@ class AppConfig:
     api_key: str | None = field(default=None, repr=False)  # Bearer, on all routes but /health, /ready, /metrics
     # freeze the start-up heap once loaded (pd_http.heap): the process entry point's, not a test's
     freeze_heap: bool = False
+    # keep a cleanly ended sequence's KV in its slot for the conversation's next turn (where the
+    # engine can decode from kept KV: EngineCapabilities.keeps_kv)
+    keep_kv: bool = True
 
 
 EngineFactory = Callable[[], Engine]
@@ -134,6 +137,7 @@ class DecodeState:
                                "applies it to the first token): remove it from generation_config.json")
         receiver = receiver_factory(self.engine.kv_layout, cfg.slots, cfg.max_seq_len)
         receiver.use_slots(_KVSlots(self.slots))  # a KV push lands on its decode request's slot
+        self.slots.keeps_kv = cfg.keep_kv and caps.keeps_kv
         await receiver.start()
         self.receiver = receiver
         self.metrics.set_build(build_info(cfg, receiver.fingerprint))
@@ -195,6 +199,9 @@ class _KVSlots:
 
     def give(self, handoff_id: str, slot: int) -> None:
         self.table.release(handoff_id, "kv")
+
+    def reuse(self, handoff_id: str, slot: int, prefix: Sequence[str], num_tokens: int) -> int:
+        return self.table.reuse(handoff_id, prefix, num_tokens)
 
 
 def build_info(config: AppConfig, kv_layout: str | None = None) -> BuildInfo:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decode_server.server.slots import SlotRefused, SlotTable, Waiter
-from pd_wire.handoff import SlotWait
+from pd_wire.handoff import KeepKey, SlotWait
 
 
 def run(coro):
@@ -21,8 +21,9 @@ def run(coro):
 class Job:
     """A job as the table sees it; ``replaced`` counts the swaps that took its slot."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, keep: KeepKey | None = None) -> None:
         self.request_id = request_id
+        self.keep = keep
         self.swapped = 0
 
     def replaced(self) -> None:

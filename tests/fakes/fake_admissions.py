@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from connector.admission import Admission
 from connector.layout import KVLayout, plane_offsets
+from connector.prefix import NO_PREFIX, Prefix
 from pd_wire.handoff import HandoffResult
 
 
@@ -21,12 +22,15 @@ class FakeAdmissions:
         self.started: list[str] = []
         self.aborted: list[tuple[str, str]] = []
         self.prefilled_results: list[HandoffResult] = []
+        self.prefixes: dict[str, Prefix] = {}  # the prefix each Admit offered
+        self.reuse: dict[str, int] = {}  # handoff id -> the reused tokens its Admitted says
         self._pending: dict[str, tuple[str, int]] = {}
         self._results: dict[str, Admission] = {}
         self.closed = False
 
-    def start(self, handoff_id: str, endpoint: str, num_tokens: int) -> None:
+    def start(self, handoff_id: str, endpoint: str, num_tokens: int, prefix: Prefix = NO_PREFIX) -> None:
         self.started.append(handoff_id)
+        self.prefixes[handoff_id] = prefix
         self._pending[handoff_id] = (endpoint, num_tokens)
         if self.immediate:
             self.settle_all()
@@ -44,7 +48,8 @@ class FakeAdmissions:
             size = self.layout.bytes_per_layer(n)
             planes = plane_offsets(self.layout, n)
             offsets = tuple(tuple(layer * size + p for p in planes) for layer in range(self.layout.num_layers))
-            self._results[handoff_id] = Admission(handoff_id, slot=0, offsets=offsets)
+            self._results[handoff_id] = Admission(handoff_id, slot=0, offsets=offsets,
+                                                  reused=self.reuse.get(handoff_id, 0))
 
     def release(self, handoff_id: str) -> None:
         self.held.discard(handoff_id)

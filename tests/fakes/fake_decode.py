@@ -499,6 +499,7 @@ class _FakeJob:
 
     def __init__(self, fake: FakeDecode, request_id: str, handoff_id: str) -> None:
         self.fake, self.request_id, self.handoff_id = fake, request_id, handoff_id
+        self.keep = None  # a fake decode server keeps no KV
 
     def replaced(self) -> None:
         self.fake._replaced(self.handoff_id)

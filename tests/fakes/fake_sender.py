@@ -42,6 +42,7 @@ class FakeHandoff:
     abort_reason: str | None = None
     carrier: str = ""
     write_seconds: float | None = None
+    reused: int = 0  # the leading tokens the decode server keeps (not written)
 
     @property
     def nbytes(self) -> int:
@@ -123,7 +124,7 @@ class FakeKVSender:
             self.connected.append(endpoint)
 
     def open(self, endpoint: str, handoff_id: str, num_tokens: int, offsets: Any,
-             deadline: float) -> FakeHandoff | None:
+             deadline: float, reused: int = 0) -> FakeHandoff | None:
         if num_tokens > self.max_tokens:
             raise AdmissionRefused(handoff_id, "too_long", f"{num_tokens} > {self.max_tokens}")
         if endpoint in self.unreachable:
@@ -133,6 +134,7 @@ class FakeKVSender:
             return None
         handoff = FakeHandoff(self, endpoint, handoff_id, num_tokens, self.plan.layers(self.layout.num_layers),
                               offsets, deadline)
+        handoff.reused = reused
         self.handoffs[handoff_id] = handoff
         self.open_handoffs.add(handoff_id)
         return handoff
