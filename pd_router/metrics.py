@@ -18,6 +18,7 @@ from prometheus_client.utils import floatToGoString
 
 from pd_build import prometheus as build_prometheus
 from pd_build.info import BuildInfo
+from pd_router.fleet.kept import AFFINITY_OUTCOMES
 
 PREFIX = "pd_router_"
 # latencies of a request or a stage: steps of <= 25% around 50 ms (a TTFT SLO), wider beyond 1 s
@@ -197,6 +198,20 @@ class RouterMetrics:
             "migration_seconds", "Time a migration added: from the decode server found lost to the first output "
             "of the one that resumed the answer",
         )
+        self.decode_affinity = self._counter(
+            "decode_affinity", "Requests with conversation keys by how the KV kept for their conversation chose "
+            "the decode server their first decode request asked at once (kept_server_free: a server keeping a "
+            "prefix of it, with a free slot; kept_server_busy: a server keeps one, none of them had a free slot; "
+            "none: no server keeps one)", ("outcome",),
+        )
+        self.prefill_affinity = self._counter(
+            "prefill_affinity", "Prefills of requests with conversation keys by how the prefill server of their "
+            "conversation's last turn chose theirs (kept_server_free: that server; kept_server_busy: that one "
+            "was loaded past --prefill-affinity-slack or not eligible; none: no turn of it recorded)", ("outcome",),
+        )
+        for outcome in AFFINITY_OUTCOMES:
+            self.child(self.decode_affinity, outcome)
+            self.child(self.prefill_affinity, outcome)
         self.slot_rtt = self._histogram(
             "slot_rtt_seconds", "Round trip of a decode request given a free slot at once (its 200, without a "
             "wait in the server's queue)", buckets=TOKEN_BUCKETS,

@@ -59,6 +59,12 @@ class RouterSettings(EntrySettings):
         description="prefill server choice: least-loaded (vLLM's running + waiting requests from its /metrics, "
         "plus what this router sent since) or round-robin",
     )
+    prefill_affinity_slack: float = Field(
+        2.0, ge=0, allow_inf_nan=False,
+        description="requests a prefill server that prefilled a conversation's last turn may have above the least "
+        "loaded one and still get its next turn (its prefix cache holds the conversation); 0: only when it is "
+        "among the least loaded",
+    )
     prefill_load_interval: float = Field(
         0.5, gt=0, le=60, description="seconds between two scrapes of each prefill server's /metrics"
     )

@@ -50,6 +50,7 @@ class RouterState:
             settings.decode_api_key(),
         )
         self.backends.policy = settings.prefill_policy
+        self.backends.prefill_slack = settings.prefill_affinity_slack
         self.discovery = Discovery(settings, self.backends, self._added, self._on_probe,
                                    resolver if resolver is not None else system_resolver)
         self.tenants = Tenants(settings.api_key, settings.api_keys_file, settings.tenant_header,
@@ -57,7 +58,8 @@ class RouterState:
         self.pool = SlotPool(self.backends, settings.max_queue, settings.queue_timeout,
                              f"pd-router-{uuid.uuid4().hex[:8]}",
                              SlotHooks(self.spawn, self.metrics.slot_rtt.observe, self._slot_answered,
-                                       self._decode_unreachable),
+                                       self._decode_unreachable,
+                                       lambda outcome: self.metrics.child(self.metrics.decode_affinity, outcome).inc()),
                              aging=settings.priority_aging or None, fair=self.tenants.named)
         self._pool: ConnectionPool | None = None
         self._client: httpx.AsyncClient | None = None

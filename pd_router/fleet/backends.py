@@ -12,10 +12,12 @@ one, and :meth:`Backends.sweep` drops the drained ones once nothing of theirs is
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from pd_router.answers import DecodeStatus, PrefillStatus, ReadinessReport
+from pd_router.fleet.kept import Affinity, KeptKeys, PrefillAffinity
 from pd_router.upstream.calls import Target
 from pd_wire.decode import DecodeCapabilities
 from pd_wire.handoff import PROTOCOL_VERSION
@@ -80,6 +82,7 @@ class DecodeBackend:
     free_slots: int = 0  # free slots as last heard from a server of ours (a cache, not the count)
     compatible: bool = False
     incompatible_reason: str | None = None
+    kept: KeptKeys = field(default_factory=KeptKeys, repr=False)  # conversation keys it keeps (a server of ours)
     target: Target = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -145,6 +148,8 @@ class Backends:
     decode_slots: int | None = None  # for decode servers added later (--decode-slots)
     decode_api_key: str | None = field(default=None, repr=False)
     policy: Literal["least-loaded", "round-robin"] = "least-loaded"  # --prefill-policy
+    prefill_slack: float = 2.0  # --prefill-affinity-slack
+    prefill_affinity: PrefillAffinity = field(default_factory=PrefillAffinity, repr=False)
     _served: frozenset[str] = field(default=frozenset(), init=False)
     _turn: int = field(default=0, init=False)  # round-robin's position
 
@@ -235,31 +240,66 @@ class Backends:
             return f"serves {sorted(d.models)}, prefill servers serve {sorted(self._served)}"
         return None
 
-    def pick_prefill(self, model: str, exclude: PrefillBackend | None = None) -> PrefillBackend | None:
-        """A healthy prefill server for ``model`` (not ``exclude``, not draining): the one with
-        the least :attr:`PrefillBackend.load` (``least-loaded``; ties: the first listed), or
-        the next in turn (``round-robin``)."""
+    def pick_prefill(self, model: str, exclude: PrefillBackend | None = None,
+                     prefer: Mapping[str, int] | None = None) -> PrefillBackend | None:
+        """A healthy prefill server for ``model`` (not ``exclude``, not draining):
+        :meth:`choose_prefill`'s."""
+        return self.choose_prefill(model, exclude, prefer)[0]
+
+    def choose_prefill(self, model: str, exclude: PrefillBackend | None = None,
+                       prefer: Mapping[str, int] | None = None) -> tuple[PrefillBackend | None, Affinity]:
+        """A healthy prefill server for ``model`` (not ``exclude``, not draining), and how the
+        request's prefix keys (``prefer``) chose it: the server that last prefilled the
+        request's longest recorded prefix (:class:`PrefillAffinity`) when it is eligible and its
+        :attr:`PrefillBackend.load` is at most the least load + ``prefill_slack``; else the one
+        with the least load (``least-loaded``; ties: the first listed), or the next in turn
+        (``round-robin``)."""
         eligible = [p for p in self.prefill
                     if p.healthy and not p.draining and p is not exclude and model in p.models]
+        outcome: Affinity = "none"
+        if prefer:
+            url = self.prefill_affinity.server(prefer)
+            if url is not None:
+                outcome = "kept_server_busy"
+                recorded = next((p for p in eligible if p.url == url), None)
+                if recorded is not None and recorded.load <= min(p.load for p in eligible) + self.prefill_slack:
+                    return recorded, "kept_server_free"
         if not eligible:
-            return None
+            return None, outcome
         if self.policy == "round-robin":
             self._turn += 1
-            return eligible[self._turn % len(eligible)]
-        return min(eligible, key=lambda p: p.load)
+            return eligible[self._turn % len(eligible)], outcome
+        return min(eligible, key=lambda p: p.load), outcome
 
-    def pick_decode(self, model: str) -> DecodeBackend | None:
-        """The accepting decode server for ``model`` with the most free slots, if one is free."""
+    def pick_decode(self, model: str, prefer: Mapping[str, int] | None = None) -> DecodeBackend | None:
+        """An accepting decode server for ``model`` with a free slot: :meth:`choose_decode`'s."""
+        return self.choose_decode(model, prefer)[0]
+
+    def choose_decode(self, model: str,
+                      prefer: Mapping[str, int] | None = None) -> tuple[DecodeBackend | None, Affinity]:
+        """An accepting decode server for ``model`` with a free slot, and how the request's
+        prefix keys (``prefer``: key -> index in its chain) chose it: the one keeping the
+        request's longest prefix (:attr:`DecodeBackend.kept`; the highest index; ties: the most
+        free slots), else the one with the most free slots. A server keeping a prefix without
+        a free slot is not waited for."""
         best = None
+        kept: tuple[DecodeBackend, int] | None = None
+        busy = False
         for d in self.decode:
-            if (
-                d.accepting
-                and d.free > 0
-                and d.serves(model)
-                and (best is None or (d.free, -d.in_use) > (best.free, -best.in_use))
-            ):
+            if not (d.accepting and d.serves(model)):
+                continue
+            if prefer:
+                match = d.kept.match(prefer)
+                if match is not None:
+                    if d.free <= 0:
+                        busy = True
+                    elif kept is None or (match[1], d.free) > (kept[1], kept[0].free):
+                        kept = (d, match[1])
+            if d.free > 0 and (best is None or (d.free, -d.in_use) > (best.free, -best.in_use)):
                 best = d
-        return best
+        if kept is not None:
+            return kept[0], "kept_server_free"
+        return best, "kept_server_busy" if busy else "none"
 
     def decode_available(self, model: str) -> bool:
         return any(d.accepting and d.serves(model) for d in self.decode)

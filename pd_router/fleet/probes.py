@@ -10,7 +10,8 @@ request goes once more on a new connection). A probe that times out is a miss: a
 backend is marked down only after ``misses`` of them in a row (a starved machine answers late
 now and then; one late ``/health`` must not turn every client away until the next round). A
 request that fails on the hot path still marks its backend down at once
-(``RouterState.mark_down``).
+(``RouterState.mark_down``). A decode server's ``kept`` keys replace the router's view of
+them, less what answers that ended after the probe was sent changed (``KeptKeys.probed``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from time import perf_counter
 
 import httpx
 from pydantic import ValidationError
@@ -101,15 +103,18 @@ class Prober:
 
     async def _decode(self, b: DecodeBackend) -> None:
         try:
+            sent = perf_counter()  # answers recorded after this are not in its kept keys
             caps = await self._get(b.url + CAPABILITIES_PATH, b.auth_headers)
             if caps.status_code == 404:
                 b.capabilities, b.plain = None, True
+                b.kept.probed([], sent, 1)
                 if await self._health_and_models(b):
                     self._set(b, True, "ok (no capabilities endpoint)")
                 return
             if caps.status_code != 200:
                 return self._set(b, False, _why(caps))
             b.capabilities, b.plain = DecodeCapabilities.model_validate_json(caps.content), False
+            b.kept.probed(b.capabilities.kept, sent, b.capabilities.slots)
             b.models = frozenset({b.capabilities.model})
             ready = await self._get(b.url + "/ready")
             self._set(b, ready.status_code == 200, "ok" if ready.status_code == 200 else _why(ready))

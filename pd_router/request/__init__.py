@@ -9,5 +9,6 @@ list), :mod:`~pd_router.request.accept` (validating: the edge), :mod:`~pd_router
 :mod:`~pd_router.request.migration` (migrating). Below them: :mod:`~pd_router.request.context`
 (the request's context and one attempt), :mod:`~pd_router.request.observe` (trace, access log,
 metrics), :mod:`~pd_router.request.logprobs` (what the router merges into an answer),
-:mod:`~pd_router.request.trail` (the tokens an answer gave so far).
+:mod:`~pd_router.request.trail` (the tokens an answer gave so far), :mod:`~pd_router.request.keys`
+(a request's conversation keys: the KV a decode server may keep for its next turn).
 """

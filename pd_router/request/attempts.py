@@ -44,7 +44,7 @@ from pd_router.errors import (
     UpstreamTimeout,
 )
 from pd_router.metrics import priority_label
-from pd_router.request import legs, migration, observe, prefill, relay
+from pd_router.request import keys, legs, migration, observe, prefill, relay
 from pd_router.request.context import Attempt, RequestContext, attempt_handoff_id
 from pd_router.request.stages import Stage
 from pd_router.request.trail import Trail
@@ -65,6 +65,9 @@ MAX_BUSY_RETRIES = 16
 async def serve(state: RouterState, ctx: RequestContext) -> None:
     """The validated request (``ctx.request``) served by its attempts."""
     ctx.created, ctx.trail = int(time.time()), Trail()
+    if ctx.keeps and any(d.owns_slots and d.serves(ctx.model) for d in state.backends.decode):
+        ctx.keys = keys.conversation_keys(keys.secret(state.backends.decode_api_key), ctx.tenant.name, ctx.endpoint,
+                                          ctx.model, ctx.request.body)
     try:
         await _attempts(state, ctx)
     except RouterError as err:
@@ -144,6 +147,7 @@ async def _queued(state: RouterState, ctx: RequestContext, number: int, busy: in
         try:
             slot = await state.pool.take(ctx.model, decode, timeout=remaining, first_try=number == 0,
                                          max_queued=ctx.tenant.max_queued)
+            ctx.continues = decode.continued.get(slot.backend.url)
             if ctx.resume is not None and ctx.lost_at is not None:
                 log.warning("request_id=%s: decode server %s lost after %d tokens (%s); the answer goes "
                             "on on %s", ctx.request_id, ctx.lost_from, len(ctx.resume.output_token_ids),
@@ -238,6 +242,7 @@ async def _attempt(state: RouterState, ctx: RequestContext, number: int, slot: S
                 clean = await legs.post_and_relay(state, ctx, attempt, kv_params)
         if clean:
             outcome = "clean"
+            _kept(ctx, slot)
     except Requeue as again:
         outcome = "busy" if again.busy else "aborted"
         raise
@@ -259,6 +264,14 @@ async def _attempt(state: RouterState, ctx: RequestContext, number: int, slot: S
             state.pool.release(slot)
         else:
             state.abort(slot, ctx.request_id, handoff_id, busy=outcome == "busy")
+
+
+def _kept(ctx: RequestContext, slot: Slot) -> None:
+    """A clean end of an answer whose claim asked to keep its KV: its server keeps it now, as
+    the conversation key, in place of the kept key it continued (until a probe says otherwise)."""
+    caps = slot.backend.capabilities
+    if ctx.keys is not None and caps is not None:
+        slot.backend.kept.record(ctx.keys.conversation, ctx.continues, perf_counter(), caps.slots)
 
 
 def _said(err: RouterError, why: str) -> RouterError:

@@ -12,6 +12,7 @@ from pd_http.tracing import Span
 from pd_router.asgi import Send, respond
 from pd_router.errors import RouterError
 from pd_router.request.checks import ValidRequest
+from pd_router.request.keys import ConversationKeys
 from pd_router.request.stages import Stage
 from pd_router.request.trail import Trail
 from pd_router.slots.fair import Place
@@ -73,6 +74,9 @@ class RequestContext:
     tenant: Tenant = DEFAULT  # whose request it is (pd_router.tenants)
     priority: int = 0  # the client's (vLLM's field: lower is served sooner)
     place: Place | None = None  # its place in the decode queues, from its first wait on (pd_router.slots.fair)
+    keeps: bool = True  # its KV may be kept for a next turn (not a choice of a list of prompts)
+    keys: ConversationKeys | None = None  # its conversation keys (pd_router.request.keys), set before its first attempt
+    continues: str | None = None  # the kept key its attempt's decode request continues (HandoffClaim.keep)
 
     @property
     def request(self) -> ValidRequest:

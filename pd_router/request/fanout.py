@@ -206,12 +206,13 @@ async def serve(state: RouterState, ctx: RequestContext, body: dict[str, Any], r
     each by ``serve_one``) and answer the client with their merge."""
     count, n = len(bodies), choices_wanted(body)
     merge = _Merge(ctx, bool(request.stream))
+    keeps = prompts(ctx.endpoint, body) is None  # the KV of a choice of a list of prompts is not kept
     subs = []
     for i, sub_dict in enumerate(bodies):
         raw = json.dumps(sub_dict).encode()
         sub_dict, sub_request = parse_request(ctx.endpoint, raw)
         sub = RequestContext(ctx.endpoint, f"{ctx.request_id[:240]}~n{i}", ctx.start, merge.send_for(i), raw=raw,
-                             trace=ctx.trace, tenant=ctx.tenant, priority=ctx.priority)
+                             trace=ctx.trace, tenant=ctx.tenant, priority=ctx.priority, keeps=keeps)
         subs.append((sub, sub_dict, sub_request))
     tasks = [asyncio.ensure_future(serve_one(sub, sub_dict, sub_request)) for sub, sub_dict, sub_request in subs]
     try:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +38,7 @@ from pd_router.slots.fair import Place
 from pd_router.slots.pool import Answer
 from pd_router.upstream import calls
 from pd_wire.decode import FREE_SLOTS_FIELD
-from pd_wire.handoff import HandoffClaim, SlotWait
+from pd_wire.handoff import HandoffClaim, KeepKey, SlotWait
 
 if TYPE_CHECKING:
     from pd_router.state import RouterState
@@ -90,12 +90,15 @@ async def prefill_and_decode(state: RouterState, ctx: RequestContext, attempt: A
 class DecodeRequest:
     """An attempt's decode request (the pool's :class:`~pd_router.slots.queue.SlotClaimant`), sent
     to a decode server of ours before its prefill to hold its slot: its result comes with the KV,
-    or is posted when its decode needs vLLM's answer (:func:`post_and_relay`)."""
+    or is posted when its decode needs vLLM's answer (:func:`post_and_relay`). With conversation
+    keys (``ctx.keys``) its claim asks the server to keep the answer's KV (``HandoffClaim.keep``)."""
 
     state: RouterState
     ctx: RequestContext
     handoff_id: str
     trace: Mapping[str, str] | None = None  # the ``traceparent`` of the router's queue span, where it waits
+    # per decode server asked: the kept key its claim continues (HandoffClaim.keep.continues), None for none
+    continued: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def place(self) -> Place:
@@ -107,6 +110,21 @@ class DecodeRequest:
     def tenant(self) -> str:
         return self.ctx.tenant.name
 
+    @property
+    def prefixes(self) -> Mapping[str, int] | None:
+        keys = self.ctx.keys
+        return keys.prefixes if keys is not None else None
+
+    def keep(self, backend: DecodeBackend) -> KeepKey | None:
+        """The claim's ``keep`` for ``backend`` (a server of ours; none without conversation
+        keys): it continues the kept key there that is the request's longest prefix, if any."""
+        keys = self.ctx.keys
+        if keys is None or backend.capabilities is None:
+            return None
+        match = backend.kept.match(keys.prefixes)
+        continues = self.continued[backend.url] = match[0] if match is not None else None
+        return keys.keep(continues)
+
     async def open(self, backend: DecodeBackend, wait: SlotWait | None) -> Answer:
         ctx = self.ctx
         refused = ctx.request.refusal(backend.capabilities)
@@ -115,7 +133,7 @@ class DecodeRequest:
         # a resumed sequence's first token is the engine's (its logprobs too), its prompt's ids in the resume
         with_kv = ctx.resume is not None or ctx.request.with_kv(backend.capabilities)
         claim = HandoffClaim(handoff_id=self.handoff_id, result="with_kv" if with_kv else "posted", wait=wait,
-                             progress=True, created=ctx.created or None, resume=ctx.resume)
+                             progress=True, created=ctx.created or None, resume=ctx.resume, keep=self.keep(backend))
         return await open_slot(self.state, ctx, backend, claim.model_dump(exclude_none=True), self.trace)
 
 

@@ -125,8 +125,9 @@ async def answer_alone(state: RouterState, ctx: RequestContext) -> None:
 
 
 async def post(state: RouterState, ctx: RequestContext, data: bytes, path: str, handoff_id: str) -> dict[str, Any]:
-    """``data`` POSTed to ``path`` of the least-loaded healthy prefill server (once more on
-    another when the first is unreachable); its JSON answer."""
+    """``data`` POSTed to ``path`` of the least-loaded healthy prefill server, or the one that
+    prefilled the conversation's last turn (``Backends.choose_prefill``), once more on another
+    when the first is unreachable; its JSON answer."""
     t0 = perf_counter()
     failed: Unreachable | None = None
     failed_backend = None
@@ -135,8 +136,12 @@ async def post(state: RouterState, ctx: RequestContext, data: bytes, path: str, 
         if span is not None:
             span.set_attribute("pd.handoff_id", handoff_id)
             trace = Tracing.headers(span)  # vLLM parents its request span on it
+        keys = ctx.keys
         for attempt in (0, 1):
-            backend = state.backends.pick_prefill(ctx.model, exclude=failed_backend)
+            backend, affinity = state.backends.choose_prefill(ctx.model, failed_backend,
+                                                              keys.prefixes if keys is not None else None)
+            if keys is not None and not attempt:
+                state.metrics.child(state.metrics.prefill_affinity, affinity).inc()
             if backend is None:
                 if failed is not None:
                     raise failed
@@ -149,6 +154,8 @@ async def post(state: RouterState, ctx: RequestContext, data: bytes, path: str, 
             try:
                 answer = await calls.post_json(state.connections, backend.target, path, data,
                                                ctx.request_id, state.settings.prefill_timeout, trace)
+                if keys is not None:  # its prefix cache holds the conversation now
+                    state.backends.prefill_affinity.record(keys.conversation, backend.url)
                 break
             except Unreachable as err:
                 state.upstream_failed("prefill", backend, err, mark_down=True)

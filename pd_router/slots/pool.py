@@ -7,7 +7,8 @@ its queue, and the prefill goes out on that 200. :meth:`SlotPool.take` hands the
 
 1. a server this router counts free, nobody waiting here: the request's decode request without
    wait (one round trip); refused (the slot taken meanwhile, draining) or unanswered, one more
-   server counted free, then the queue;
+   server counted free, then the queue. A free server keeping the KV of the request's
+   conversation (``SlotClaimant.prefixes``, ``DecodeBackend.kept``) is asked first;
 2. the queue (:mod:`pd_router.slots.queue`): in the order of the requests' places
    (:mod:`pd_router.slots.fair`), behind at most one standing decode request per server;
    ``--max-queue`` bounds this router's waiters, a tenant's ``max_queued`` its own
@@ -30,6 +31,7 @@ from typing import Any
 
 from pd_router.errors import NoHealthyBackend, Overloaded
 from pd_router.fleet.backends import Backends, DecodeBackend
+from pd_router.fleet.kept import Affinity
 from pd_router.slots.fair import FairShares
 from pd_router.slots.queue import Answer, Slot, SlotClaimant, SlotQueue, backoff
 
@@ -43,11 +45,14 @@ class SlotHooks:
     def __init__(self, spawn: Callable[[Coroutine[Any, Any, Any]], Any] = asyncio.ensure_future,
                  rtt: Callable[[float], None] = lambda s: None,
                  answered: Callable[[str, str], None] = lambda backend, result: None,
-                 unreachable: Callable[[DecodeBackend, str], None] = lambda backend, why: None) -> None:
+                 unreachable: Callable[[DecodeBackend, str], None] = lambda backend, why: None,
+                 affinity: Callable[[Affinity], None] = lambda outcome: None) -> None:
         self.spawn = spawn
         self.unreachable = unreachable  # a decode request could not connect: mark the server down
         self.rtt = rtt  # seconds of a decode request granted without waiting in a queue
         self.answered = answered  # (backend url, Answer.result)
+        # how a request's kept prefix chose the server its first decode request asked at once
+        self.affinity = affinity
 
 
 class SlotPool:
@@ -90,8 +95,13 @@ class SlotPool:
             raise NoHealthyBackend.for_decode(model)
         wait = self.queue_timeout if timeout is None else max(0.0, timeout)
         if first_try and not self.queue.waiting:
-            for _ in range(IMMEDIATE_TRIES):
-                backend = self.backends.pick_decode(model)
+            prefer = request.prefixes
+            for i in range(IMMEDIATE_TRIES):
+                # a server keeping the request's conversation first, when it has a free slot: which
+                # server, never the request's place (the queue below is the places' order alone)
+                backend, affinity = self.backends.choose_decode(model, prefer)
+                if prefer and i == 0:
+                    self.hooks.affinity(affinity)
                 if backend is None:
                     break
                 if not backend.owns_slots:

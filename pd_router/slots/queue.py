@@ -45,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import math
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Protocol
@@ -119,6 +119,12 @@ class SlotClaimant(Protocol):
     @property
     def tenant(self) -> str:
         """Whose request it is (:mod:`pd_router.tenants`)."""
+        ...
+
+    @property
+    def prefixes(self) -> Mapping[str, int] | None:
+        """Its conversation's prefix keys (key -> index in the chain, :mod:`pd_router.request.keys`):
+        a free server keeping one is asked first (``Backends.choose_decode``); None: no preference."""
         ...
 
     async def open(self, backend: DecodeBackend, wait: SlotWait | None) -> Answer:

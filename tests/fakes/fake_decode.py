@@ -66,6 +66,7 @@ class DecodeKnobs(BaseModel):
     result_silent: bool = False
     engine: str = "reference"
     # what /v1/pd/capabilities advertises (by default what the reference engine does)
+    kept: list[str] = []  # the conversation keys /v1/pd/capabilities says it keeps
     features: EngineFeatures = EngineFeatures(logprobs=True, penalties=True, logit_bias=True, min_p=True, seed=True,
                                              structured_output=True)
 
@@ -126,6 +127,7 @@ class FakeDecode(FakeBase[DecodeKnobs]):
                 peers=k.peers,
                 features=k.features,
                 share_clock=dict(self.slots.share_clock) if self.slots is not None else {},
+                kept=k.kept,
             )
             return await respond(send, 200, caps.model_dump_json().encode())
         if path == CANCEL_PATH and not k.plain:

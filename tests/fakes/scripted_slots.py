@@ -70,6 +70,7 @@ class ScriptedRequest:
         self.handoff_id = handoff_id
         self.place = Place(priority, share, arrived)
         self.tenant = tenant
+        self.prefixes = None  # no conversation keys
 
     async def open(self, backend: DecodeBackend, wait: SlotWait | None) -> Answer:
         call = Call(backend.target.origin.host, self.handoff_id, wait.wait_s if wait else 0.0,

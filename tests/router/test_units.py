@@ -85,6 +85,7 @@ class _Request:
         self.handoff_id = "h"
         self.place = Place(0, 0.0, time.perf_counter())
         self.tenant = "default"
+        self.prefixes = None
 
     async def open(self, backend, wait):
         raise AssertionError("a counted server is not asked")
