@@ -26,14 +26,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# Version 10: every decode request holds its slot itself (a HandoffClaim; it may wait in the
+# Version 11: every decode request holds its slot itself (a HandoffClaim; it may wait in the
 # server's queue, HandoffClaim.wait, in the order of SlotWait.place: priority, fair share, arrival)
 # and is the only way to hold one; its result comes with the KV (Prefilled) or is posted by the
 # router (RESULT_PATH); its answer may report its tokens (HandoffClaim.progress) and continue a
-# sequence cut elsewhere (HandoffClaim.resume). A router and a decode server of other versions
+# sequence cut elsewhere (HandoffClaim.resume); its server may keep its KV for the conversation's
+# next turn (HandoffClaim.keep), whose Admit offers the prompt's prefix and writes only the KV
+# past what the slot keeps (Admitted.reused). A router and a decode server of other versions
 # refuse to pair (the router's probe, the decode server's 400). The versions before are in git's
 # history of this line.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 # "pending": admitted, the KV is on its way (the decode server waits for its last layer);
 # "sent": every layer had landed when vLLM answered; "failed": see ``reason`` and ``error``.

@@ -140,6 +140,11 @@ class DecodeBackend:
 Role = Literal["prefill", "decode"]
 
 
+def _room(d: DecodeBackend) -> tuple[float, float, int]:
+    """How a request continuing nothing ranks a server with a free slot (higher first)."""
+    return d.free - len(d.kept.keys), d.free, -d.in_use
+
+
 @dataclass
 class Backends:
     prefill: list[PrefillBackend]
@@ -280,8 +285,10 @@ class Backends:
         """An accepting decode server for ``model`` with a free slot, and how the request's
         prefix keys (``prefer``: key -> index in its chain) chose it: the one keeping the
         request's longest prefix (:attr:`DecodeBackend.kept`; the highest index; ties: the most
-        free slots), else the one with the most free slots. A server keeping a prefix without
-        a free slot is not waited for."""
+        free slots), else the one with the most free slots keeping nothing (then the most free
+        slots, the fewest this router holds): a request that continues nothing takes a slot
+        whose kept KV serves no other conversation when there is one. A server keeping a prefix
+        without a free slot is not waited for."""
         best = None
         kept: tuple[DecodeBackend, int] | None = None
         busy = False
@@ -295,7 +302,7 @@ class Backends:
                         busy = True
                     elif kept is None or (match[1], d.free) > (kept[1], kept[0].free):
                         kept = (d, match[1])
-            if d.free > 0 and (best is None or (d.free, -d.in_use) > (best.free, -best.in_use)):
+            if d.free > 0 and (best is None or _room(d) > _room(best)):
                 best = d
         if kept is not None:
             return kept[0], "kept_server_free"

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decode_server.server.slots import SlotRefused, SlotTable, Waiter
+from connector.prefix import block_hashes
+from decode_server.server.slots import Kept, SlotRefused, SlotTable, Waiter
 from pd_wire.handoff import KeepKey, SlotWait
 
 
@@ -414,3 +415,44 @@ def test_waiters_are_granted_by_priority_then_share_then_arrival(places: list) -
                                      if max(s for q, s, _ in places if q == p) > 0}
 
     run(body())
+
+
+def _keys(scope: str, conversation: str, continues: str | None = None) -> KeepKey:
+    return KeepKey(scope=scope * 32, conversation=conversation * 32, continues=continues and continues * 32)
+
+
+def test_a_kept_sequence_serves_only_its_scope_and_is_gone_once_the_slot_is_taken() -> None:
+    ids = list(range(300))
+    hashes = tuple(block_hashes(ids))
+    table = SlotTable(2, max_queue=8)
+    table.keeps_kv = True
+    first = table.take("a", Job("a", _keys("a", "1")))
+    table.keep("a", Kept("a" * 32, "1" * 32, hashes, 300))
+    table.release("a", "job")
+    assert table.kept() == ["1" * 32]
+    # another scope continuing it takes the slot keeping it, but may not reuse it
+    assert table.take("b", Job("b", _keys("b", "2", continues="1"))) == first
+    assert table.reuse("b", hashes, 400) == 0 and table.kept() == []
+    table.release("b", "job")  # not cleanly ended: nothing kept
+    assert table.kept() == []
+    table.take("c", Job("c", _keys("a", "3")))
+    table.keep("c", Kept("a" * 32, "3" * 32, hashes, 300))
+    table.release("c", "job")
+    other = table.take("d", Job("d", _keys("a", "4")))  # continues nothing: a slot keeping nothing
+    assert table.kept() == ["3" * 32] and table.reuse("d", hashes, 400) == 0
+    kept_slot = table.take("e", Job("e", _keys("a", "5", continues="3")))
+    assert kept_slot != other and table.reuse("e", hashes, 400) == 256
+
+
+def test_a_draining_server_or_an_engine_without_kept_kv_keeps_nothing() -> None:
+    table = SlotTable(1, max_queue=8)
+    table.take("a", Job("a", _keys("a", "1")))
+    table.keep("a", Kept("a" * 32, "1" * 32, (), 10))
+    table.release("a", "job")
+    assert table.kept() == []  # keeps_kv off
+    table.keeps_kv = True
+    table.take("b", Job("b", _keys("a", "1")))
+    table.keep("b", Kept("a" * 32, "1" * 32, (), 10))
+    table.close()
+    table.release("b", "job")
+    assert table.kept() == []
