@@ -20,11 +20,13 @@ one B200's ConnectX-7), at the context length the turn would have in a real sess
 (``--project-context``: the session's last context; each turn's scaled in proportion, and its
 push in the tiny turn's proportion of pushed to context tokens).
 
-What it shows today: every turn pushes its whole context, so the push grows with the
-session, not with the turn's new tokens (issue 62's baseline).
+``--reuse both`` (the default) runs the same sessions twice in one run, on a stack whose decode
+server keeps a finished answer's KV for the conversation's next turn (``on``: the default
+decode server, docs/kv_reuse.md) and on one that does not (``off``: ``--no-keep-kv``): the
+tokens pushed and reused per turn are the deltas of ``decode_server_kv_handoff_tokens_total``.
 
 Usage: ``.venv/bin/python bench/agent_session.py [--sessions 2] [--turns 8] [--result-tokens 300]
-[--max-tokens 32] [--project-context 131072] [--json FILE]``
+[--max-tokens 32] [--project-context 131072] [--reuse both|on|off] [--json FILE]``
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ class Turn:
     turn: int
     context_tokens: int  # the prompt, as prefill counted it
     new_tokens: int  # since the last turn's context (the whole context on the first turn)
-    pushed_tokens: float  # the KV that landed at decode, in tokens of the tiny model
-    pushed_bytes: float
+    pushed_tokens: float  # prompt tokens whose KV the prefill pushed
+    pushed_bytes: float  # the KV bytes that landed at decode
+    reused_tokens: float  # prompt tokens whose KV the decode slot kept from the last turn
     handoff_s: float  # admission to the KV complete, at the decode server
     ttft_s: float
     projected_context: int = 0  # the turn in a GLM-5.1 session whose last turn has --project-context tokens
@@ -85,9 +88,12 @@ def tool_result(rng: random.Random, tokens: int) -> str:
     return "\n".join(lines)
 
 
-def decode_totals(urls: list[str]) -> tuple[float, float]:
+def decode_totals(urls: list[str]) -> tuple[float, float, float, float]:
+    """(KV bytes landed, handoff seconds, tokens pushed, tokens reused) over the decode servers."""
     return (sum(metric_sum(u, "decode_server_kv_received_bytes_total") for u in urls),
-            sum(metric_sum(u, "decode_server_kv_handoff_seconds_sum") for u in urls))
+            sum(metric_sum(u, "decode_server_kv_handoff_seconds_sum") for u in urls),
+            sum(metric_sum(u, "decode_server_kv_handoff_tokens_total", kv="pushed") for u in urls),
+            sum(metric_sum(u, "decode_server_kv_handoff_tokens_total", kv="reused") for u in urls))
 
 
 def one_turn(client: httpx.Client, url: str, messages: list[dict], max_tokens: int) -> tuple[dict, int, float]:
@@ -126,7 +132,7 @@ def one_turn(client: httpx.Client, url: str, messages: list[dict], max_tokens: i
     return answer, prompt_tokens, ttft
 
 
-def run_sessions(cfg: StackConfig, args: argparse.Namespace, bytes_per_token: float) -> list[Turn]:
+def run_sessions(cfg: StackConfig, args: argparse.Namespace) -> list[Turn]:
     rows: list[Turn] = []
     with httpx.Client(timeout=300) as client:
         for s in range(args.sessions):
@@ -139,11 +145,10 @@ def run_sessions(cfg: StackConfig, args: argparse.Namespace, bytes_per_token: fl
                 before = decode_totals(cfg.decode_urls)
                 answer, context, ttft = one_turn(client, cfg.router_url, messages, args.max_tokens)
                 after = decode_totals(cfg.decode_urls)
-                pushed = after[0] - before[0]
-                rows.append(Turn(s, t, context, context - last_context, pushed / bytes_per_token, pushed,
-                                 after[1] - before[1], ttft))
+                landed, took, pushed, reused = (a - b for a, b in zip(after, before))
+                rows.append(Turn(s, t, context, context - last_context, pushed, landed, reused, took, ttft))
                 print(f"session {s} turn {t}: context {context}, new {context - last_context}, pushed "
-                      f"{pushed / bytes_per_token:.0f} tokens, handoff {1e3 * rows[-1].handoff_s:.1f} ms, "
+                      f"{pushed:.0f} tokens, reused {reused:.0f}, handoff {1e3 * took:.1f} ms, "
                       f"TTFT {1e3 * ttft:.0f} ms", flush=True)
                 last_context = context
                 messages.append(answer)
@@ -171,24 +176,29 @@ def project(rows: list[Turn], args: argparse.Namespace) -> None:
             r.projected_push_s = r.projected_bytes * 8 / (args.nic_gbps * 1e9)
 
 
-def report(rows: list[Turn], args: argparse.Namespace, started: str, load: tuple[float, float]) -> str:
+def report(runs: dict[str, list[Turn]], args: argparse.Namespace, started: str, load: tuple[float, float]) -> str:
     out = [f"`.venv/bin/python bench/agent_session.py --sessions {args.sessions} --turns {args.turns} "
-           f"--result-tokens {args.result_tokens} --max-tokens {args.max_tokens}` ({started}, load average "
-           f"{load[0]:.1f} -> {load[1]:.1f}, {os.cpu_count()} CPUs). Medians over the sessions.", "",
-           "| turn | context tokens | new tokens | pushed tokens | handoff (ms) | TTFT (ms) | GLM-5.1 context "
-           f"| GLM-5.1 push (GB) | push at {args.nic_gbps:g} Gb/s (ms) |", "|---" * 9 + "|"]
-    for t in range(args.turns):
-        of = [r for r in rows if r.turn == t]
+           f"--result-tokens {args.result_tokens} --max-tokens {args.max_tokens} --reuse {args.reuse}` ({started}, "
+           f"load average {load[0]:.1f} -> {load[1]:.1f}, {os.cpu_count()} CPUs). Medians over the sessions.", "",
+           "| reuse | turn | context tokens | new tokens | pushed tokens | reused tokens | handoff (ms) | TTFT (ms) "
+           f"| GLM-5.1 context | GLM-5.1 push (GB) | push at {args.nic_gbps:g} Gb/s (ms) |", "|---" * 11 + "|"]
+    for mode, rows in runs.items():
+        for t in range(args.turns):
+            of = [r for r in rows if r.turn == t]
 
-        def med(name: str, of: list[Turn] = of) -> float:
-            return statistics.median(getattr(r, name) for r in of)
-        out.append(f"| {t} | {med('context_tokens'):.0f} | {med('new_tokens'):.0f} | {med('pushed_tokens'):.0f} "
-                   f"| {1e3 * med('handoff_s'):.1f} | {1e3 * med('ttft_s'):.0f} | {med('projected_context'):.0f} "
-                   f"| {med('projected_bytes') / 1e9:.2f} | {1e3 * med('projected_push_s'):.0f} |")
-    pushed = sum(r.pushed_tokens for r in rows)
-    new = sum(r.new_tokens for r in rows)
-    out += ["", f"pushed / new tokens over every turn: {pushed / max(1, new):.2f} (1.00: only what is new; "
-            "the issue's goal is the new tokens plus at most one block per turn)"]
+            def med(name: str, of: list[Turn] = of) -> float:
+                return statistics.median(getattr(r, name) for r in of)
+            out.append(f"| {mode} | {t} | {med('context_tokens'):.0f} | {med('new_tokens'):.0f} "
+                       f"| {med('pushed_tokens'):.0f} | {med('reused_tokens'):.0f} | {1e3 * med('handoff_s'):.1f} "
+                       f"| {1e3 * med('ttft_s'):.0f} | {med('projected_context'):.0f} "
+                       f"| {med('projected_bytes') / 1e9:.2f} | {1e3 * med('projected_push_s'):.0f} |")
+    out.append("")
+    for mode, rows in runs.items():
+        pushed, new = sum(r.pushed_tokens for r in rows), sum(r.new_tokens for r in rows)
+        later = [r for r in rows if r.turn > 0]
+        reused = sum(r.reused_tokens for r in later) / max(1, sum(r.context_tokens for r in later))
+        out.append(f"reuse {mode}: pushed / new tokens over every turn {pushed / max(1, new):.2f} (1.00: only what "
+                   f"is new); context reused from the second turn on {100 * reused:.0f}%")
     return "\n".join(out)
 
 
@@ -201,40 +211,34 @@ def main() -> None:
     ap.add_argument("--project-context", type=int, default=131072,
                     help="the last turn's context in the GLM-5.1 projection (tokens)")
     ap.add_argument("--nic-gbps", type=float, default=400.0)
+    ap.add_argument("--reuse", choices=["both", "on", "off"], default="both",
+                    help="decode servers keeping a finished answer's KV for the next turn, not, or both in turn")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     started, load_start = time.strftime("%Y-%m-%d %H:%M"), os.getloadavg()[0]
     model = ensure_tiny_model(Path(os.environ.get("PD_TINY_MODEL_ROOT") or REPO / ".cache" / "tiny-model"))
     config = json.loads((model / "config.json").read_text())
     layers = config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)
-    with tempfile.TemporaryDirectory(prefix="bench-agent-session-") as tmp:
-        cfg = StackConfig(model_dir=model, log_dir=Path(tmp) / "logs", router_port=free_port(),
-                          prefill_port=free_port(), decode_port=free_port(), kv_port=free_port(),
-                          served_model_name=MODEL, reasoning_parser="glm45")
-        stack = Stack(cfg)
-        try:
-            print("starting the PD stack ...", flush=True)
-            stack.start()
-            bytes_per_token = handoff_bytes_per_token(cfg, layers)
-            rows = run_sessions(cfg, args, bytes_per_token)
-        finally:
-            stack.stop()
-    text = report(rows, args, started, (load_start, os.getloadavg()[0]))
+    modes = ["on", "off"] if args.reuse == "both" else [args.reuse]
+    runs: dict[str, list[Turn]] = {}
+    for mode in modes:
+        with tempfile.TemporaryDirectory(prefix="bench-agent-session-") as tmp:
+            cfg = StackConfig(model_dir=model, log_dir=Path(tmp) / "logs", router_port=free_port(),
+                              prefill_port=free_port(), decode_port=free_port(), kv_port=free_port(),
+                              served_model_name=MODEL, reasoning_parser="glm45",
+                              decode_args=() if mode == "on" else ("--no-keep-kv",))
+            stack = Stack(cfg)
+            try:
+                print(f"starting the PD stack (reuse {mode}, {layers} KV layers) ...", flush=True)
+                stack.start()
+                runs[mode] = run_sessions(cfg, args)
+            finally:
+                stack.stop()
+    text = report(runs, args, started, (load_start, os.getloadavg()[0]))
     print(text)
     if args.json:
-        args.json.write_text(json.dumps({"started": started, "bytes_per_token": bytes_per_token,
-                                         "rows": [asdict(r) for r in rows]}, indent=1))
-
-
-def handoff_bytes_per_token(cfg: StackConfig, layers: int) -> float:
-    """The tiny model's KV bytes per token, measured: one request of a known prompt length,
-    its landed bytes over its prompt's tokens."""
-    before = decode_totals(cfg.decode_urls)[0]
-    with httpx.Client(timeout=120) as client:
-        _, prompt_tokens, _ = one_turn(client, cfg.router_url, [{"role": "user", "content": "hello " * 64}], 1)
-    pushed = decode_totals(cfg.decode_urls)[0] - before
-    print(f"the tiny model's KV: {pushed / prompt_tokens:.0f} bytes per token ({layers} layers)", flush=True)
-    return pushed / prompt_tokens
+        args.json.write_text(json.dumps({"started": started, "runs": {m: [asdict(r) for r in rows]
+                                                                       for m, rows in runs.items()}}, indent=1))
 
 
 if __name__ == "__main__":

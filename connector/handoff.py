@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from connector.control import ControlClient
 from connector.layout import KVLayout, layer_views
+from connector.prefix import first_written
 from connector.protocol import Welcome
 from connector.transport import Region
 
@@ -145,7 +146,8 @@ class OutgoingHandoff:
     def nbytes(self) -> int:
         """The KV bytes this handoff writes (every layer of this rank, past the reused tokens)."""
         layout = self._pool.layout
-        return len(self._layers) * (layout.bytes_per_layer(self.num_tokens) - layout.bytes_per_layer(self.reused))
+        return sum(layout.bytes_per_layer(self.num_tokens)
+                   - layout.bytes_per_layer(first_written(self.reused, layout.is_mtp(layer))) for layer in self._layers)
 
     def progress(self) -> str:
         return f"{len(self._sent)}/{len(self._layers)} layers sent, {len(self._posted)} posted"
@@ -154,15 +156,15 @@ class OutgoingHandoff:
 
     def pieces(self, layers: list[int]) -> list[tuple[int, int, int]]:
         """The ``(local, remote, nbytes)`` pieces of one WRITE of these layers: each plane past
-        its reused tokens."""
+        its reused tokens (:func:`connector.prefix.first_written`)."""
         base_local = self._pool.staging_region.addr
         base_remote = self.peer.region.addr
-        planes = self._pool.layout.planes
-        sizes = [p.nbytes(self.num_tokens) for p in planes]
-        skips = [p.nbytes(self.reused) for p in planes]
+        layout = self._pool.layout
+        sizes = [p.nbytes(self.num_tokens) for p in layout.planes]
         pieces = []
         for layer in layers:
             local, _ = self._local_span(layer)
+            skips = [p.nbytes(first_written(self.reused, layout.is_mtp(layer))) for p in layout.planes]
             for offset, size, skip in zip(self.offsets[layer], sizes, skips):
                 pieces.append((base_local + local + skip, base_remote + offset + skip, size - skip))
                 local += size

@@ -69,6 +69,10 @@ class KVLayout:
     def bytes_per_layer(self, num_tokens: int) -> int:
         return sum(p.nbytes(num_tokens) for p in self.planes)
 
+    def is_mtp(self, layer: int) -> bool:
+        """Whether ``layer`` (main layers first) is an MTP layer."""
+        return layer >= self.num_main_layers
+
     def fingerprint(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return f"{self.profile}-{self.num_layers}L-" + hashlib.sha256(blob).hexdigest()[:16]

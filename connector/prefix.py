@@ -51,6 +51,14 @@ def split_prompt(token_ids: Sequence[int]) -> Prefix:
     return hashes, list(token_ids[len(hashes) * PREFIX_BLOCK_TOKENS:])
 
 
+def first_written(reused: int, mtp_layer: bool) -> int:
+    """The first token whose KV a handoff reusing ``reused`` tokens writes in a layer. An MTP
+    layer's row ``p`` is computed from token ``p + 1``, which may differ between the kept
+    sequence and the new prompt at the first token past the match: its rows are written from
+    one block earlier (a whole page of a paged plane)."""
+    return max(0, reused - PREFIX_BLOCK_TOKENS) if mtp_layer and reused else reused
+
+
 def matched_tokens(offered: Sequence[str], kept: Sequence[str], kept_tokens: int, num_tokens: int) -> int:
     """The leading tokens of a prompt (``num_tokens`` long, its block hashes ``offered``) that a
     kept sequence (``kept_tokens`` long, its block hashes ``kept``) holds: whole blocks whose

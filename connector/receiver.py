@@ -39,6 +39,7 @@ from pydantic import BaseModel, ValidationError
 from connector.control import ControlConnection, ControlLimits, ControlServer
 from connector.kv_errors import HandoffTimeout, ReceiverError, TransferFailed
 from connector.layout import layout_fingerprint, packed_layers_views, plane_offsets
+from connector.prefix import first_written
 from connector.protocol import (
     Abort,
     Aborted,
@@ -530,13 +531,15 @@ class KVReceiver:
             await self._notify_all()
 
     def _count_completed(self, h: HandoffState) -> None:
-        layers, layout, stats = self._layout.num_layers, self._layout, self.stats
-        stats.bytes_received += (layout.bytes_per_layer(h.num_tokens) - layout.bytes_per_layer(h.reused)) * layers
+        layout, stats = self._layout, self.stats
+        kept = sum(layout.bytes_per_layer(first_written(h.reused, layout.is_mtp(layer)))
+                   for layer in range(layout.num_layers))
+        stats.bytes_received += layout.bytes_per_layer(h.num_tokens) * layout.num_layers - kept
         stats.pushed_tokens += h.num_tokens - h.reused
         if h.reused:
             stats.reused_tokens += h.reused
             stats.reused_handoffs += 1
-            stats.bytes_reused += layout.bytes_per_layer(h.reused) * layers
+            stats.bytes_reused += kept
 
     async def _reap_unclaimed(self) -> None:
         period = min(1.0, self._s.unclaimed_timeout_s / 4)

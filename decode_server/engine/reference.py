@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from connector.layout import KVLayout, cpu_mla_layout
+from connector.prefix import first_written
 from decode_server.engine.base import (
     Cancelled,
     DecodeSession,
@@ -347,7 +348,8 @@ class ReferenceEngine(Engine):
 
     def start(self, kv: ReceivedKV, handoff: HandoffResult, params: SamplingParams) -> ReferenceSession:
         """A session in the handoff's slot's buffer: the received rows ``[kv.reused, T)`` copied
-        in, the rows before them kept from the slot's last session (``kv.reused`` > 0)."""
+        in (an MTP layer's from one block earlier: :func:`connector.prefix.first_written`), the
+        rows before them kept from the slot's last session (``kv.reused`` > 0)."""
         self._validate(kv, handoff)
         index, own = self._take(kv)
         buffer = self._buffers[index]
@@ -355,8 +357,10 @@ class ReferenceEngine(Engine):
             t, m = handoff.num_prompt_tokens, kv.reused
             capacity = min(self._max_seq_len, t + max(params.max_tokens, 1) + self._num_mtp + 1)
             with torch.inference_mode():
-                for cache, layer in zip(buffer, kv.layers):  # without MTP decoding, a received MTP layer is left out
-                    cache[m:t] = layer["kv"][m:]
+                # without MTP decoding, a received MTP layer is left out
+                for i, (cache, layer) in enumerate(zip(buffer, kv.layers)):
+                    start = first_written(m, self._layout.is_mtp(i))
+                    cache[start:t] = layer["kv"][start:]
             return ReferenceSession(self._decoder, buffer, t, handoff.first_token_id, params, self._num_mtp,
                                     capacity, functools.partial(self._release, index, own),
                                     handoff.last_prompt_token_id)

@@ -84,6 +84,36 @@ def test_greedy_output_as_vllm_alone_with_both_decode_nodes_serving(stack3: Node
         assert stack3.capabilities(node).kv_endpoint == f"{node.name}:9100"
 
 
+def _handoff_tokens(stack: NodeStack, kv: str) -> float:
+    """Prompt tokens of the completed handoffs whose KV was ``kv`` (pushed, reused), both nodes."""
+    name = "decode_server_kv_handoff_tokens_total"
+    return sum(float(line.rsplit(" ", 1)[1]) for node in stack.decode_nodes
+               for line in stack.get(stack.decode_url(node) + "/metrics").text.splitlines()
+               if line.startswith(name + "{") and f'kv="{kv}"' in line)
+
+
+def test_an_agent_session_across_hosts_moves_only_its_new_kv(stack3: NodeStack, vllm_alone: str) -> None:
+    """A conversation's turns (token ids: the last prompt, its answer, 70 new ids) across the
+    nodes, KV secret on: from the second turn on, the decode node that kept the last turn's KV
+    serves it and only the KV past what it kept crosses the link, the answers vLLM alone's."""
+    alone = poster(vllm_alone)
+    prompt, new = [100 + (i * 37) % 800 for i in range(150)], []
+    for turn in range(3):
+        body = {"model": stack3.model_name, "prompt": prompt, "max_tokens": 16, "temperature": 0, "logprobs": 0,
+                "return_tokens_as_token_ids": True}
+        pushed, reused = _handoff_tokens(stack3, "pushed"), _handoff_tokens(stack3, "reused")
+        resp = stack3.post("/v1/completions", body)
+        assert resp.status_code == 200, resp.text
+        pushed, reused = _handoff_tokens(stack3, "pushed") - pushed, _handoff_tokens(stack3, "reused") - reused
+        ids = [int(t.split(":", 1)[1]) for t in resp.json()["choices"][0]["logprobs"]["tokens"]]
+        want = alone("/v1/completions", body).json()["choices"][0]["logprobs"]["tokens"]
+        assert ids == [int(t.split(":", 1)[1]) for t in want]
+        if turn:
+            assert reused > 0 and pushed <= len(new) + 64, (turn, pushed, reused)
+        new = [100 + (turn * 91 + i * 13) % 800 for i in range(70)]
+        prompt = prompt + ids + new
+
+
 def test_kv_across_a_lossy_slow_link(stack3: NodeStack) -> None:
     """1% loss and 2 ms delay on decode node 2's cable (both ways): every request succeeds with
     the clean link's output; the handoff times (admission to KV complete, prefill's compute

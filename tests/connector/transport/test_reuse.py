@@ -1,6 +1,7 @@
 """A handoff that reuses KV its slot keeps: the Admit offers the prompt's block hashes, the
 receiver's slot source answers how many leading tokens it keeps, and the sender writes only
-every plane's bytes past them (paged planes included), over NIXL and the memory fabric."""
+every plane's bytes past them (paged planes included; an MTP layer's from one block earlier),
+over NIXL and the memory fabric."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from connector.layout import KVLayout, glm5_fp8_ds_mla_layout
-from connector.prefix import PREFIX_BLOCK_TOKENS, block_hashes, matched_tokens, split_prompt
+from connector.prefix import PREFIX_BLOCK_TOKENS, block_hashes, first_written, matched_tokens, split_prompt
 from tests.connector.transport.helpers import assert_no_leaks
 from tests.connector.transport.synthetic import fill, layer_bytes
 
@@ -75,18 +76,21 @@ async def test_only_the_kv_past_the_kept_blocks_is_written(kv, transport):
             got = await receiver.wait_for("b", 10)
             assert got.reused == 128 and slots.offered[-1] == ("b", 128)
             n = len(second)
+            kept = 0
             for layer, views in enumerate(got.layers):
                 sent = layer_bytes(GLM, layer, n, 2)
+                start = first_written(128, GLM.is_mtp(layer))
+                assert start == (64 if layer == 2 else 128)
                 for plane in GLM.planes:
                     raw = views[plane.name].contiguous().view(torch.uint8).view(-1)
-                    skip = plane.nbytes(128)
-                    assert torch.equal(raw[skip:], _rows(GLM, sent, n, 128)[plane.name]), (layer, plane.name)
+                    skip = plane.nbytes(start)
+                    kept += skip
+                    assert torch.equal(raw[skip:], _rows(GLM, sent, n, start)[plane.name]), (layer, plane.name)
                     assert bool((raw[:skip] == 0xAB).all()), f"layer {layer} {plane.name}: a reused byte was written"
             stats = receiver.stats
             assert (stats.reused_tokens, stats.pushed_tokens, stats.reused_handoffs) == (128, 200 + n - 128, 1)
-            assert stats.bytes_reused == GLM.bytes_per_layer(128) * GLM.num_layers
-            assert stats.bytes_received == (GLM.bytes_per_layer(200) + GLM.bytes_per_layer(n)
-                                            - GLM.bytes_per_layer(128)) * GLM.num_layers
+            assert stats.bytes_reused == kept
+            assert stats.bytes_received == (GLM.bytes_per_layer(200) + GLM.bytes_per_layer(n)) * GLM.num_layers - kept
             receiver.release("b")
             assert_no_leaks(receiver, sender)
         finally:
