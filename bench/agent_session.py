@@ -26,7 +26,7 @@ decode server, docs/kv_reuse.md) and on one that does not (``off``: ``--no-keep-
 tokens pushed and reused per turn are the deltas of ``decode_server_kv_handoff_tokens_total``.
 
 Usage: ``.venv/bin/python bench/agent_session.py [--sessions 2] [--turns 8] [--result-tokens 300]
-[--max-tokens 32] [--project-context 131072] [--reuse both|on|off] [--json FILE]``
+[--system-tokens 0] [--max-tokens 32] [--project-context 131072] [--reuse both|on|off] [--json FILE]``
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ class Turn:
     pushed_tokens: float  # prompt tokens whose KV the prefill pushed
     pushed_bytes: float  # the KV bytes that landed at decode
     reused_tokens: float  # prompt tokens whose KV the decode slot kept from the last turn
-    handoff_s: float  # admission to the KV complete, at the decode server
+    handoff_s: float  # admission to the KV complete, at the decode server (vLLM's prefill compute included)
+    write_s: float  # the push alone: its first KV WRITE posted to its last landed (vLLM's tilert_kv_write_seconds)
     ttft_s: float
     projected_context: int = 0  # the turn in a GLM-5.1 session whose last turn has --project-context tokens
     projected_bytes: float = 0.0  # its push, in the tiny turn's proportion of pushed to context tokens
@@ -94,6 +95,10 @@ def decode_totals(urls: list[str]) -> tuple[float, float, float, float]:
             sum(metric_sum(u, "decode_server_kv_handoff_seconds_sum") for u in urls),
             sum(metric_sum(u, "decode_server_kv_handoff_tokens_total", kv="pushed") for u in urls),
             sum(metric_sum(u, "decode_server_kv_handoff_tokens_total", kv="reused") for u in urls))
+
+
+def write_seconds(prefill_url: str) -> float:
+    return metric_sum(prefill_url, "vllm:tilert_kv_write_seconds_sum")
 
 
 def one_turn(client: httpx.Client, url: str, messages: list[dict], max_tokens: int) -> tuple[dict, int, float]:
@@ -137,19 +142,23 @@ def run_sessions(cfg: StackConfig, args: argparse.Namespace) -> list[Turn]:
     with httpx.Client(timeout=300) as client:
         for s in range(args.sessions):
             rng = random.Random(s)
+            system = f"You are a coding agent (session {s}). Use the tools."
+            if args.system_tokens:
+                system += "\n" + tool_result(rng, args.system_tokens)
             messages: list[dict] = [
-                {"role": "system", "content": f"You are a coding agent (session {s}). Use the tools."},
+                {"role": "system", "content": system},
                 {"role": "user", "content": "Find where the decode slot is released, and explain it."}]
             last_context = 0
             for t in range(args.turns):
-                before = decode_totals(cfg.decode_urls)
+                before, wrote = decode_totals(cfg.decode_urls), write_seconds(cfg.prefill_url)
                 answer, context, ttft = one_turn(client, cfg.router_url, messages, args.max_tokens)
                 after = decode_totals(cfg.decode_urls)
                 landed, took, pushed, reused = (a - b for a, b in zip(after, before))
-                rows.append(Turn(s, t, context, context - last_context, pushed, landed, reused, took, ttft))
+                write = write_seconds(cfg.prefill_url) - wrote
+                rows.append(Turn(s, t, context, context - last_context, pushed, landed, reused, took, write, ttft))
                 print(f"session {s} turn {t}: context {context}, new {context - last_context}, pushed "
-                      f"{pushed:.0f} tokens, reused {reused:.0f}, handoff {1e3 * took:.1f} ms, "
-                      f"TTFT {1e3 * ttft:.0f} ms", flush=True)
+                      f"{pushed:.0f} tokens, reused {reused:.0f}, handoff {1e3 * took:.1f} ms (push "
+                      f"{1e3 * write:.2f} ms), TTFT {1e3 * ttft:.0f} ms", flush=True)
                 last_context = context
                 messages.append(answer)
                 result = tool_result(rng, args.result_tokens)
@@ -178,10 +187,12 @@ def project(rows: list[Turn], args: argparse.Namespace) -> None:
 
 def report(runs: dict[str, list[Turn]], args: argparse.Namespace, started: str, load: tuple[float, float]) -> str:
     out = [f"`.venv/bin/python bench/agent_session.py --sessions {args.sessions} --turns {args.turns} "
-           f"--result-tokens {args.result_tokens} --max-tokens {args.max_tokens} --reuse {args.reuse}` ({started}, "
+           f"--result-tokens {args.result_tokens} --system-tokens {args.system_tokens} --max-tokens {args.max_tokens} "
+           f"--reuse {args.reuse}` ({started}, "
            f"load average {load[0]:.1f} -> {load[1]:.1f}, {os.cpu_count()} CPUs). Medians over the sessions.", "",
-           "| reuse | turn | context tokens | new tokens | pushed tokens | reused tokens | handoff (ms) | TTFT (ms) "
-           f"| GLM-5.1 context | GLM-5.1 push (GB) | push at {args.nic_gbps:g} Gb/s (ms) |", "|---" * 11 + "|"]
+           "| reuse | turn | context tokens | new tokens | pushed tokens | reused tokens | handoff (ms) | push (ms) "
+           f"| TTFT (ms) | GLM-5.1 context | GLM-5.1 push (GB) | push at {args.nic_gbps:g} Gb/s (ms) |",
+           "|---" * 12 + "|"]
     for mode, rows in runs.items():
         for t in range(args.turns):
             of = [r for r in rows if r.turn == t]
@@ -190,7 +201,7 @@ def report(runs: dict[str, list[Turn]], args: argparse.Namespace, started: str, 
                 return statistics.median(getattr(r, name) for r in of)
             out.append(f"| {mode} | {t} | {med('context_tokens'):.0f} | {med('new_tokens'):.0f} "
                        f"| {med('pushed_tokens'):.0f} | {med('reused_tokens'):.0f} | {1e3 * med('handoff_s'):.1f} "
-                       f"| {1e3 * med('ttft_s'):.0f} | {med('projected_context'):.0f} "
+                       f"| {1e3 * med('write_s'):.2f} | {1e3 * med('ttft_s'):.0f} | {med('projected_context'):.0f} "
                        f"| {med('projected_bytes') / 1e9:.2f} | {1e3 * med('projected_push_s'):.0f} |")
     out.append("")
     for mode, rows in runs.items():
@@ -208,6 +219,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--result-tokens", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--system-tokens", type=int, default=0,
+                    help="about this many tokens of text in the system prompt (a coding agent's is thousands)")
     ap.add_argument("--project-context", type=int, default=131072,
                     help="the last turn's context in the GLM-5.1 projection (tokens)")
     ap.add_argument("--nic-gbps", type=float, default=400.0)
