@@ -60,6 +60,20 @@ def pd_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         yield stack
 
 
+DECODE_CONTEXT_TWO = 1024  # the 2-decode stack's decode servers take shorter prompts than its prefill (4096)
+
+
+@pytest.fixture(scope="package")
+def pd_stack_two(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Two decode servers (each ``DECODE_CONTEXT_TWO`` tokens long) behind one router that reads
+    the tenant from ``X-Tenant``; shared by the modules of this package that need two (one start)."""
+    cfg = make_stack_config(tiny_model_dir, tmp_path_factory.mktemp("pd-stack-two"), num_decode=2,
+                            decode_args=("--max-seq-len", str(DECODE_CONTEXT_TWO)),
+                            router_args=("--tenant-header", "X-Tenant"))
+    with running_stack(cfg) as stack:
+        yield stack
+
+
 @pytest.fixture(scope="session")
 def model_name() -> str:
     return MODEL_NAME

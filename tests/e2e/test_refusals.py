@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,7 +16,7 @@ from pd_deploy.commands import RouterSpec, router_argv
 from pd_deploy.stack.launcher import Stack
 from pd_deploy.stack.process import ManagedProcess
 from pd_wire.decode import CAPABILITIES_PATH
-from tests.e2e.conftest import MODEL_NAME, make_stack_config
+from tests.e2e.conftest import MODEL_NAME
 from tests.e2e.test_lifecycle import _assert_idle
 from tests.procs import free_port
 
@@ -36,20 +34,6 @@ BAD = {
     "guided_regex": {**GOOD, "guided_regex": "a+"},
     "too_long": {**GOOD, "max_tokens": 4090},
 }
-
-
-DECODE_CONTEXT_TWO = 1024  # the 2-decode stack's decode servers take shorter prompts than its prefill (4096)
-
-
-@pytest.fixture(scope="module")
-def pd_stack_two(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    stack = Stack(make_stack_config(tiny_model_dir, tmp_path_factory.mktemp("pd-stack-two"), num_decode=2,
-                                    decode_args=("--max-seq-len", str(DECODE_CONTEXT_TWO))))
-    try:
-        stack.start()
-        yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture(params=["1-decode", "2-decode"])
