@@ -308,7 +308,9 @@ class ProcessEngine(Engine):
 
     @property
     def capabilities(self) -> EngineCapabilities:
-        return self._ready.capabilities
+        """The child's engine's, but keeping no KV across sessions: the child steps ahead of
+        what the server takes, so the server cannot tell which rows a session left valid."""
+        return replace(self._ready.capabilities, keeps_kv=False)
 
     @property
     def kv_layout(self) -> KVLayout:
