@@ -448,8 +448,8 @@ class ConnectorWorker:
                 stats[key] = stats.get(key, 0) + 1
             else:
                 stats["handoffs_posted"] += 1
-                if self._layout is not None:
-                    stats["bytes_posted"] += (early + late) * self._layout.bytes_per_layer(send.work.num_tokens)
+                if send.handoff is not None:  # the bytes its WRITEs carry (past what decode keeps)
+                    stats["bytes_posted"] += send.handoff.nbytes
             stats["layers_early"] += early
             stats["layers_late"] += late
         handoff = send.handoff
