@@ -276,8 +276,9 @@ class ReferenceEngine(Engine):
         self._buffers = [torch.empty(layers, max_seq_len, cfg.kv_width, dtype=weight.dtype, device=weight.device)
                          for _ in range(slots)]
         self._busy: set[int] = set()
-        # per slot: the rows its buffer holds of the last session that ran in it as its own slot
-        # (ReceivedKV.slot), what a session reusing them may start from; 0: nothing of use
+        # per free slot: the rows its buffer holds of the last session that ran in it as its own
+        # slot (ReceivedKV.slot), what a session reusing them may start from; 0: nothing of use
+        # (set as a session closes)
         self._kept_rows = [0] * slots
 
     @property
@@ -335,7 +336,6 @@ class ReferenceEngine(Engine):
                     raise EngineError(f"slot {index} keeps KV for {self._kept_rows[index]} tokens, the handoff "
                                       f"reuses {kv.reused}")
                 self._busy.add(index)
-                self._kept_rows[index] = kv.reused  # rows past them are rewritten from here on
                 return index, True
             if kv.reused:
                 raise EngineError(f"the handoff reuses the KV kept in slot {index}, which is not free")
@@ -343,7 +343,6 @@ class ReferenceEngine(Engine):
             if not free:
                 raise EngineError(f"all {self._slots} decode slots are busy")
             self._busy.add(free[-1])
-            self._kept_rows[free[-1]] = 0
             return free[-1], False
 
     def start(self, kv: ReceivedKV, handoff: HandoffResult, params: SamplingParams) -> ReferenceSession:

@@ -142,7 +142,7 @@ Role = Literal["prefill", "decode"]
 
 def _room(d: DecodeBackend) -> tuple[float, float, int]:
     """How a request continuing nothing ranks a server with a free slot (higher first)."""
-    return d.free - len(d.kept.keys), d.free, -d.in_use
+    return d.free - len(d.kept), d.free, -d.in_use
 
 
 @dataclass
@@ -245,11 +245,10 @@ class Backends:
             return f"serves {sorted(d.models)}, prefill servers serve {sorted(self._served)}"
         return None
 
-    def pick_prefill(self, model: str, exclude: PrefillBackend | None = None,
-                     prefer: Mapping[str, int] | None = None) -> PrefillBackend | None:
-        """A healthy prefill server for ``model`` (not ``exclude``, not draining):
-        :meth:`choose_prefill`'s."""
-        return self.choose_prefill(model, exclude, prefer)[0]
+    def pick_prefill(self, model: str, exclude: PrefillBackend | None = None) -> PrefillBackend | None:
+        """A healthy prefill server for ``model`` (not ``exclude``, not draining), for a request
+        without conversation keys: :meth:`choose_prefill`'s."""
+        return self.choose_prefill(model, exclude)[0]
 
     def choose_prefill(self, model: str, exclude: PrefillBackend | None = None,
                        prefer: Mapping[str, int] | None = None) -> tuple[PrefillBackend | None, Affinity]:
@@ -276,9 +275,10 @@ class Backends:
             return eligible[self._turn % len(eligible)], outcome
         return min(eligible, key=lambda p: p.load), outcome
 
-    def pick_decode(self, model: str, prefer: Mapping[str, int] | None = None) -> DecodeBackend | None:
-        """An accepting decode server for ``model`` with a free slot: :meth:`choose_decode`'s."""
-        return self.choose_decode(model, prefer)[0]
+    def pick_decode(self, model: str) -> DecodeBackend | None:
+        """An accepting decode server for ``model`` with a free slot, for a request without
+        conversation keys: :meth:`choose_decode`'s."""
+        return self.choose_decode(model)[0]
 
     def choose_decode(self, model: str,
                       prefer: Mapping[str, int] | None = None) -> tuple[DecodeBackend | None, Affinity]:

@@ -55,6 +55,9 @@ class KeptKeys:
         """The keys, most recent first."""
         return list(self._keys)
 
+    def __len__(self) -> int:
+        return len(self._keys)
+
     def match(self, prefixes: Mapping[str, int]) -> tuple[str, int] | None:
         """The kept key that is the request's longest prefix, and its index; None if none is."""
         return best_match(self._keys, prefixes) if self._keys and prefixes else None
